@@ -1,0 +1,63 @@
+"""User-facing errors.
+
+Every error a user can cause by what they wrote (a recipe, a CLI flag, a path) is a
+:class:`CompressKitError`; the CLI prints its message on one line and exits with code 2.
+Anything else is an internal error (exit code 1).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(given: str, allowed: Iterable[str], *, what: str = "value") -> str:
+    """Format "'x' is not a known <what>. Did you mean: y? Available: a, b, c"."""
+    allowed = sorted(set(allowed))
+    close = difflib.get_close_matches(given, allowed, n=3, cutoff=0.5)
+    msg = f"unknown {what} {given!r}."
+    if close:
+        msg += f" Did you mean: {', '.join(close)}?"
+    msg += f" Available: {', '.join(allowed) if allowed else '(none installed)'}"
+    return msg
+
+
+class CompressKitError(Exception):
+    """Base class of errors caused by user input (exit code 2)."""
+
+    exit_code = 2
+
+
+class RecipeError(CompressKitError, ValueError):
+    """A recipe (or a --set override) is malformed or has an invalid value."""
+
+
+class PluginNotFoundError(CompressKitError, KeyError):
+    """No plugin of that name is installed in the group asked for."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we don't want that
+        return str(self.args[0]) if self.args else ""
+
+
+class PluginLoadError(CompressKitError, ImportError):
+    """A plugin is installed but failed to import."""
+
+
+class TargetNotFoundError(CompressKitError, ValueError):
+    """A pruner's targets matched no module of the model."""
+
+
+class ModelNotFoundError(CompressKitError, FileNotFoundError):
+    """A model path, alias or hub id could not be resolved to weights on this machine."""
+
+
+class ArtifactError(CompressKitError, ValueError):
+    """A saved model or checkpoint is missing, incomplete or corrupt."""
+
+
+class KernelUnavailableError(CompressKitError, RuntimeError):
+    """An executor cannot run on this machine (no CUDA, no Triton, unsupported dtype or shape)."""
+
+
+class OutputExistsError(CompressKitError, FileExistsError):
+    """The output directory holds a finished run of a different recipe."""

@@ -1,0 +1,239 @@
+"""The three plugin APIs: :class:`Pruner`, :class:`Trainer` and :class:`Executor`.
+
+A plugin is a class that subclasses one of these, declares a pydantic ``Config`` (a
+:class:`PluginConfig`) and is registered under an entry point of the group
+``compresskit.pruners``, ``compresskit.trainers`` or ``compresskit.executors``::
+
+    [project.entry-points."compresskit.pruners"]
+    my-pruner = "my_package.pruner:MyPruner"
+
+The core never imports a plugin by name; it looks the name up through the entry point
+(:mod:`compresskit.plugins`), so adding a plugin needs no edit to ``compresskit/``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+if TYPE_CHECKING:
+    from compresskit.data import DataModule
+    from compresskit.progress import Progress
+    from compresskit.sparsity import SparsityReport
+
+
+class PluginConfig(BaseModel):
+    """Base of every plugin's configuration.
+
+    Unknown keys are an error (a typo in a recipe fails loudly), instances are immutable and
+    round-trip losslessly through JSON. Put cross-field rules in a
+    ``@model_validator(mode="after")`` whose message names the fields and the accepted values.
+    Bump ``schema_version`` when a saved config would be read differently.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    schema_version: int = 1
+
+
+@dataclass
+class RunContext:
+    """What a plugin may know about the run it is part of."""
+
+    model_config: Any  # the HF PretrainedConfig of the model being compressed
+    tokenizer: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+    progress: Progress | None = None
+    work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
+
+
+@dataclass
+class Batch:
+    """A batch of token ids, ``input_ids: [B, T]`` and ``attention_mask: [B, T]`` (1 = real token)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device))
+
+
+@dataclass
+class PruneSummary:
+    """What a pruner reports after ``finalize``: plain data, rendered by the CLI."""
+
+    method: str
+    targeted: list[str]
+    params_before: int
+    params_after: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainSummary:
+    """What a training stage reports."""
+
+    stage: str
+    steps: int = 0
+    tokens: int = 0
+    final_loss: float | None = None
+    seconds: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Pruner(abc.ABC):
+    """A compression method.
+
+    Lifecycle (guarded; calling out of order raises ``RuntimeError``)::
+
+        prepare(model, ctx) -> targeted FQNs       # in-place surgery; TargetNotFoundError on zero hits
+        calibrate(model, batches)                   # if requires_calibration
+        trainable_parameters(model) / regularization(model) / on_train_step(step, total)
+                                                    # handed to each training stage
+        finalize(model) -> model                    # bake decisions, remove hooks
+        state_dict(model) / load_state_dict(model, sd)   # plugin-owned tensors only
+        summary(model) -> PruneSummary
+        reset_sparsity(model) / sparsity(model) -> SparsityReport  # measured while evaluating
+
+    Class attributes:
+        Config: the pydantic config class.
+        requires_calibration: whether ``calibrate`` must see data before ``finalize``.
+        saves_full_model: True when the finalized model is a plain (smaller) transformers model,
+            saved with ``save_pretrained`` and loadable with no compresskit code; False when the
+            pruner saves its own tensors and is re-applied to the base model on load.
+        contract_config: config kwargs that suit the tiny test model of
+            :func:`compresskit.testing.tiny_llama` (used by ``compresskit plugins check``).
+    """
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    requires_calibration: ClassVar[bool] = False
+    saves_full_model: ClassVar[bool] = False
+    contract_config: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+        if not isinstance(self.config, self.Config):
+            raise TypeError(f"{type(self).__name__} expects a {self.Config.__name__}, got {type(self.config).__name__}")
+        self._state = "new"
+
+    # -- lifecycle guards ------------------------------------------------------------------
+    def _require(self, *states: str, action: str) -> None:
+        if self._state not in states:
+            raise RuntimeError(
+                f"{type(self).__name__}.{action}() called in state {self._state!r}; allowed in: {', '.join(states)}"
+            )
+
+    def prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
+        """Attach to ``model`` in place; returns the targeted module names."""
+        self._require("new", action="prepare")
+        targeted = self._prepare(model, ctx)
+        self._state = "prepared"
+        return targeted
+
+    def finalize(self, model: nn.Module) -> nn.Module:
+        """Bake the decisions into the model; returns the model to use from now on."""
+        self._require("prepared", action="finalize")
+        model = self._finalize(model)
+        self._state = "finalized"
+        return model
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # -- to implement ------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _finalize(self, model: nn.Module) -> nn.Module: ...
+
+    @abc.abstractmethod
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Plugin-owned tensors only, each key under the plugin's own prefix."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load what :meth:`state_dict` returned into a prepared model. Missing or unexpected keys
+        must raise :class:`compresskit.errors.ArtifactError`, never leave a silent default."""
+
+    # -- optional ----------------------------------------------------------------------------
+    def calibrate(self, model: nn.Module, batches: Iterable[Batch]) -> None:  # noqa: B027 - optional hook
+        """Observe calibration data (tracked hooks only). Default: nothing to calibrate."""
+        self._require("prepared", action="calibrate")
+
+    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """Parameters a training stage should optimise. Default: none."""
+        return []
+
+    def regularization(self, model: nn.Module) -> torch.Tensor | None:
+        """A loss term added to the LM loss during training (e.g. a sparsity budget). Default: none."""
+        return None
+
+    def on_train_step(self, step: int, total_steps: int) -> dict[str, float]:
+        """Called by a training stage before each optimiser step (schedules such as a temperature
+        anneal). Returns values worth logging. Default: nothing."""
+        return {}
+
+    def reset_sparsity(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Start measuring the realised sparsity afresh (dynamic methods)."""
+
+    def sparsity(self, model: nn.Module) -> SparsityReport | None:
+        """The realised sparsity since the last :meth:`reset_sparsity` (None: nothing skipped)."""
+        return None
+
+    def summary(self, model: nn.Module) -> PruneSummary:
+        n = sum(p.numel() for p in model.parameters())
+        return PruneSummary(method=type(self).__name__, targeted=[], params_before=n, params_after=n)
+
+
+class Trainer(abc.ABC):
+    """A training stage: optimises what the pruner hands it, on the LM loss plus the pruner's
+    regularisation. A recipe may chain several stages.
+
+    The trainer never reaches into a pruner's modules: it gets parameters from
+    ``pruner.trainable_parameters``, the extra loss from ``pruner.regularization`` and calls
+    ``pruner.on_train_step`` for schedules.
+    """
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    @abc.abstractmethod
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+        """Train in place and report."""
+
+
+class NoopTrainer(Trainer):
+    """The ``none`` training stage: trains nothing (one-shot methods)."""
+
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+        return TrainSummary(stage="none")
+
+
+class Executor(abc.ABC):
+    """Turns a finalized model into the form that runs fast on this machine."""
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+
+    def __init__(self, config: PluginConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    def check(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`compresskit.errors.KernelUnavailableError` with the reason when this
+        executor cannot run ``model`` here (no CUDA, no Triton, unsupported dtype or shape)."""
+
+    @abc.abstractmethod
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Cheap structural runtime swap; returns the model to evaluate."""
+

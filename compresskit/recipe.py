@@ -1,0 +1,322 @@
+"""Recipes: the YAML that drives ``compresskit apply``.
+
+Sample::
+
+    include: _base/eval.yaml            # a path or a list, relative to this file
+    seed: 0
+    model: {name_or_path: smollm2-135m, dtype: auto}
+    data: {calibration: {n_samples: 64, seq_len: 512}}
+    pruner: {name: wide, config: {target_sparsity: 0.5}}
+    training:
+      - {name: router, config: {steps: 200}}
+    executor: {name: torch}
+    evaluation: {tasks: [perplexity, piqa, next_sentence], limit: 200}
+    output: {dir: runs/wide-50}
+
+Precedence: ``--set key=value`` overrides > the recipe (an including file over what it
+includes) > defaults. Validation runs in two stages: the envelope below (unknown keys are
+errors), then each plugin's own ``Config`` once the plugin is loaded; every error names the
+YAML path, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from compresskit import plugins
+from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+from compresskit.interfaces import PluginConfig
+
+SCHEMA_VERSION = 1
+TASKS = ("perplexity", "piqa", "next_sentence")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    name_or_path: str = Field(description="A built-in alias (smollm2-135m), a local HF directory, or a hub id.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on a GPU, float32 on the CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    allow_download: bool = Field(False, description="Let transformers download a hub id (needs network).")
+
+
+class CalibrationSection(_Section):
+    n_samples: int = Field(64, ge=1, description="Sequences of calibration/training text per pass.")
+    seq_len: int = Field(512, ge=8, le=32768)
+    batch_size: int = Field(8, ge=1)
+
+
+class DataSection(_Section):
+    source: Literal["wiki"] = Field("wiki", description="wiki: the English Wikipedia excerpt shipped in gensim.")
+    test_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="Share of articles held out for evaluation.")
+    split_seed: int = 0
+    calibration: CalibrationSection = CalibrationSection()
+
+
+class PluginSection(_Section):
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class EvaluationSection(_Section):
+    tasks: list[Literal["perplexity", "piqa", "next_sentence"]] = Field(default_factory=lambda: list(TASKS))
+    limit: int | None = Field(None, ge=1, description="Items per zero-shot task (None: all); a fixed prefix.")
+    perplexity_docs: int | None = Field(None, ge=1, description="Held-out articles for perplexity (None: all).")
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(1024, ge=16, description="Context window of the rolling perplexity and of lm-eval.")
+    next_sentence_items: int = Field(500, ge=1)
+    seed: int = 1234
+
+
+class OutputSection(_Section):
+    dir: str
+    overwrite: bool = Field(False, description="Replace a finished run of a different recipe in dir.")
+
+
+class Recipe(_Section):
+    schema_version: int = SCHEMA_VERSION
+    name: str | None = None
+    seed: int = 0
+    model: ModelSection
+    data: DataSection = DataSection()
+    pruner: PluginSection | None = None
+    training: list[PluginSection] = Field(default_factory=list)
+    executor: PluginSection = PluginSection(name="torch")
+    evaluation: EvaluationSection = EvaluationSection()
+    output: OutputSection
+
+
+# ---------------------------------------------------------------------------------------------
+# error formatting
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
+    """Field names of the sub-model found by walking ``loc`` from ``model`` (None if unknown)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return None
+        annotation = current.model_fields[part].annotation
+        current = _unwrap(annotation)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return None
+
+
+def _unwrap(annotation: Any) -> Any:
+    for arg in getattr(annotation, "__args__", ()) or ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation
+
+
+def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line per problem: ``path: what is wrong (given: X; allowed: ...)``, joined with '; '."""
+    parts = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = prefix + ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden":
+            allowed = _fields_at(model, loc[:-1]) or []
+            parts.append(f"{path}: {did_you_mean(str(loc[-1]), allowed, what='key')}")
+        elif err["type"] == "missing":
+            parts.append(f"{path}: required key is missing")
+        else:
+            given = err.get("input")
+            given_s = json.dumps(given) if isinstance(given, (int, float, str, bool, type(None))) else repr(given)
+            parts.append(f"{path}: {err['msg']} (given: {given_s[:80]})")
+    return "; ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML loading, include and overrides
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise RecipeError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def load_raw(path: str | Path, _stack: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe YAML and resolve ``include:`` (relative paths, in order, the file itself last)."""
+    path = Path(path).resolve()
+    if path in _stack:
+        chain = " -> ".join(str(p) for p in (*_stack, path))
+        raise RecipeError(f"include cycle: {chain}")
+    data = _read_yaml(path)
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise RecipeError(f"{path}: include: expected a path or a list of paths, given {includes!r}")
+    merged: dict = {}
+    for inc in includes:
+        merged = _deep_merge(merged, load_raw(path.parent / inc, (*_stack, path)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.0.c=value`` -> (["a", "b", "0", "c"], yaml-parsed value)."""
+    if "=" not in text:
+        raise RecipeError(f"--set {text!r}: expected KEY=VALUE, for example --set evaluation.limit=50")
+    key, _, value = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"--set {text!r}: the key must be a dotted path such as pruner.config.target_sparsity")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any] | None) -> dict:
+    """Apply ``--set`` overrides (a list of KEY=VALUE strings or a {dotted.key: value} dict)."""
+    if not overrides:
+        return raw
+    items = (
+        [parse_override(o) for o in overrides]
+        if isinstance(overrides, list)
+        else [(k.split("."), v) for k, v in overrides.items()]
+    )
+    out = copy.deepcopy(raw)
+    for parts, value in items:
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            nxt = parts[i + 1]
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise RecipeError(f"--set {'.'.join(parts)}: index {part} is out of range (list of {len(node)})")
+                node = node[int(part)]
+            else:
+                if node.get(part) is None:
+                    node[part] = [] if nxt.isdigit() else {}
+                node = node[part]
+        last = parts[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) > len(node):
+                raise RecipeError(f"--set {'.'.join(parts)}: index {last} is out of range (list of {len(node)})")
+            if int(last) == len(node):
+                node.append(value)
+            else:
+                node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise RecipeError(f"--set {'.'.join(parts)}: {'.'.join(parts[:-1])} is a {type(node).__name__}, not a mapping")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+
+
+@dataclass
+class ResolvedPlugin:
+    kind: str
+    name: str
+    cls: type
+    config: PluginConfig
+    path: str  # YAML path of the section, e.g. "training.0"
+
+
+@dataclass
+class ResolvedRecipe:
+    """A recipe with every plugin loaded and every plugin config validated (defaults filled)."""
+
+    recipe: Recipe
+    pruner: ResolvedPlugin | None
+    training: list[ResolvedPlugin]
+    executor: ResolvedPlugin
+    source: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fully resolved recipe as plain JSON data (what is saved with every output)."""
+        data = self.recipe.model_dump(mode="json")
+        if self.pruner is not None:
+            data["pruner"]["config"] = self.pruner.config.model_dump(mode="json")
+        for i, stage in enumerate(self.training):
+            data["training"][i]["config"] = stage.config.model_dump(mode="json")
+        data["executor"]["config"] = self.executor.config.model_dump(mode="json")
+        return data
+
+    def hash(self) -> str:
+        """sha256 of everything that determines the results (the output section excluded)."""
+        data = self.to_dict()
+        data.pop("output", None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def validate_plugin(kind: str, section: PluginSection, path: str) -> ResolvedPlugin:
+    try:
+        cls = plugins.load(kind, section.name)
+    except CompressKitError as exc:
+        raise RecipeError(f"{path}.name: {exc}") from None
+    try:
+        config = cls.Config.model_validate(section.config)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, cls.Config, prefix=f"{path}.config.")) from None
+    return ResolvedPlugin(kind=kind, name=section.name, cls=cls, config=config, path=path)
+
+
+def validate(raw: dict, *, source: str | None = None, overrides: list[str] | None = None) -> ResolvedRecipe:
+    """Both validation stages on an already-merged recipe mapping."""
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, Recipe)) from None
+    if recipe.schema_version > SCHEMA_VERSION:
+        raise RecipeError(
+            f"schema_version: {recipe.schema_version} is newer than this compresskit understands "
+            f"(<= {SCHEMA_VERSION}); upgrade compresskit"
+        )
+    pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
+    training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
+    executor = validate_plugin("executor", recipe.executor, "executor")
+    return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
+
+
+def load_recipe(
+    path: str | Path | dict, overrides: list[str] | dict[str, Any] | None = None
+) -> ResolvedRecipe:
+    """Load, compose, override and validate a recipe (a YAML path or an already-parsed mapping)."""
+    raw = load_raw(path) if not isinstance(path, dict) else copy.deepcopy(path)
+    raw = apply_overrides(raw, overrides)
+    ov = overrides if isinstance(overrides, list) else [f"{k}={v}" for k, v in (overrides or {}).items()]
+    return validate(raw, source=None if isinstance(path, dict) else str(path), overrides=ov)

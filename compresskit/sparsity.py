@@ -1,0 +1,133 @@
+"""Accounting of the prunable work, in multiply-adds (MACs) per token.
+
+The prunable work of a decoder layer is the MACs of its linear projections: the attention
+block's ``q, k, v, o`` and the FFN block's ``gate, up, down``. Embeddings, the LM head, norms,
+routers and the attention score/value products (which grow with context) are not counted.
+Every method reports the fraction of this work it skipped, so that methods that prune
+different things (heads, channels, whole sublayers, whole layers) are compared on one scale.
+
+``sparsity.attention``, ``sparsity.ffn`` and ``sparsity.macs`` in ``results.json`` are the
+skipped fractions of the attention block, the FFN block and of both together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def layer_linear_macs(config: Any) -> dict[str, int]:
+    """Per-token MACs of one decoder layer's projections, from an HF Llama-style config.
+
+    Returns ``{"q", "k", "v", "o", "gate", "up", "down"}`` -> MACs per token.
+    """
+    d = config.hidden_size
+    n_q = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_q
+    head_dim = getattr(config, "head_dim", None) or d // n_q
+    ffn = config.intermediate_size
+    return {
+        "q": d * n_q * head_dim,
+        "k": d * n_kv * head_dim,
+        "v": d * n_kv * head_dim,
+        "o": n_q * head_dim * d,
+        "gate": d * ffn,
+        "up": d * ffn,
+        "down": ffn * d,
+    }
+
+
+ATTENTION_PROJ = ("q", "k", "v", "o")
+FFN_PROJ = ("gate", "up", "down")
+
+
+@dataclass
+class BlockCount:
+    """Skipped and total MACs of one block, summed over the tokens seen."""
+
+    skipped: float = 0.0
+    total: float = 0.0
+
+    def add(self, other: BlockCount) -> None:
+        self.skipped += other.skipped
+        self.total += other.total
+
+    @property
+    def fraction(self) -> float | None:
+        return None if self.total == 0 else self.skipped / self.total
+
+
+@dataclass
+class SparsityReport:
+    """Realised sparsity: skipped / total prunable MACs, overall and per layer.
+
+    Raw sums (not fractions) are kept so that reports from several tasks or batches add up
+    exactly with :meth:`merge`. ``tokens`` is the number of tokens measured (0 for a static
+    method, whose sparsity does not depend on the input).
+    """
+
+    layers: list[dict[str, BlockCount]] = field(default_factory=list)
+    tokens: int = 0
+    dynamic: bool = False
+
+    @classmethod
+    def empty(cls, num_layers: int, *, dynamic: bool = False) -> SparsityReport:
+        return cls(
+            layers=[{"attention": BlockCount(), "ffn": BlockCount()} for _ in range(num_layers)],
+            dynamic=dynamic,
+        )
+
+    @classmethod
+    def dense(cls, config: Any) -> SparsityReport:
+        """A report for a model that skips nothing (totals for one token)."""
+        rep = cls.empty(config.num_hidden_layers)
+        macs = layer_linear_macs(config)
+        for layer in rep.layers:
+            layer["attention"].total = sum(macs[p] for p in ATTENTION_PROJ)
+            layer["ffn"].total = sum(macs[p] for p in FFN_PROJ)
+        return rep
+
+    def merge(self, other: SparsityReport) -> SparsityReport:
+        if len(self.layers) != len(other.layers):
+            raise ValueError(f"cannot merge reports of {len(self.layers)} and {len(other.layers)} layers")
+        out = SparsityReport.empty(len(self.layers), dynamic=self.dynamic or other.dynamic)
+        for mine, theirs, merged in zip(self.layers, other.layers, out.layers, strict=True):
+            for block in ("attention", "ffn"):
+                merged[block].add(mine[block])
+                merged[block].add(theirs[block])
+        out.tokens = self.tokens + other.tokens
+        return out
+
+    def _block(self, block: str) -> BlockCount:
+        acc = BlockCount()
+        for layer in self.layers:
+            acc.add(layer[block])
+        return acc
+
+    @property
+    def attention(self) -> float:
+        return self._block("attention").fraction or 0.0
+
+    @property
+    def ffn(self) -> float:
+        return self._block("ffn").fraction or 0.0
+
+    @property
+    def macs(self) -> float:
+        att, ffn = self._block("attention"), self._block("ffn")
+        total = att.total + ffn.total
+        return 0.0 if total == 0 else (att.skipped + ffn.skipped) / total
+
+    def to_dict(self, *, per_layer: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "attention": round(self.attention, 6),
+            "ffn": round(self.ffn, 6),
+            "macs": round(self.macs, 6),
+            "dynamic": self.dynamic,
+            "tokens": self.tokens,
+        }
+        if per_layer:
+            out["per_layer"] = [
+                {b: round(layer[b].fraction or 0.0, 6) for b in ("attention", "ffn")} for layer in self.layers
+            ]
+        return out
