@@ -77,6 +77,7 @@ class EvaluationSection(_Section):
     batch_size: int = Field(16, ge=1)
     max_length: int = Field(1024, ge=16, description="Context window of the rolling perplexity and of lm-eval.")
     next_sentence_items: int = Field(500, ge=1)
+    compare_dense: bool = Field(True, description="Also evaluate the unpruned model (cached) and report recovery.")
     seed: int = 1234
 
 

@@ -1,0 +1,3 @@
+from compresskit.cli import main
+
+raise SystemExit(main())

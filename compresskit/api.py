@@ -1,0 +1,342 @@
+"""``apply(recipe)``: the whole pipeline, as one verb.
+
+load -> prepare -> calibrate -> train (each stage) -> finalize -> convert -> evaluate -> save -> report
+
+Outputs are staged in ``<output.dir>.partial`` (where training stages keep checkpoints, so an
+interrupted run resumes) and moved into ``output.dir`` only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from compresskit import artifacts
+from compresskit.data import DataModule
+from compresskit.errors import OutputExistsError
+from compresskit.evaluate import EvalResult, evaluate, recovery
+from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
+from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
+from compresskit.progress import Progress
+from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
+from compresskit.sparsity import SparsityReport
+
+RESULTS_VERSION = 1
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    results: dict[str, Any]
+    prune_summary: PruneSummary | None = None
+    train_summaries: list[TrainSummary] = field(default_factory=list)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_output_dir(resolved: ResolvedRecipe) -> Path:
+    """The output directory, after checking it holds nothing we would silently destroy."""
+    out = Path(resolved.recipe.output.dir)
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"output.dir: {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        results = out / "results.json"
+        previous = None
+        if results.is_file():
+            try:
+                previous = json.loads(results.read_text()).get("recipe_hash")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                previous = None
+        if previous != resolved.hash() and not resolved.recipe.output.overwrite:
+            what = "a run of a different recipe" if previous else "files that are not a compresskit run"
+            raise OutputExistsError(
+                f"output.dir: {str(out)!r} already holds {what}; choose another output.dir, "
+                "or set output.overwrite: true (--overwrite) to replace it"
+            )
+    return out
+
+
+def _eval_summary(ev: EvalResult) -> dict[str, Any]:
+    return {
+        **ev.meta,
+        "tasks": {name: {"n_items": t.n_items, "seconds": round(t.seconds, 2)} for name, t in ev.tasks.items()},
+    }
+
+
+def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule, progress: Progress) -> dict[str, Any]:
+    """Metrics of the unpruned model under the same evaluation, cached by everything that decides them."""
+    rec = resolved.recipe
+    key_src = {
+        "model": rec.model.model_dump(mode="json"),
+        "data": rec.data.model_dump(mode="json"),
+        "evaluation": rec.evaluation.model_dump(mode="json"),
+        "device": str(next(model.parameters()).device),
+        "dtype": str(next(model.parameters()).dtype),
+    }
+    key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "dense" / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    with progress.task("dense reference (cached after the first run)"):
+        ev = evaluate(model, tokenizer, data, rec.evaluation, progress=progress)
+    out = {"metrics": ev.metrics(), "zero_shot_average": ev.zero_shot_average(), "key": key_src}
+    artifacts.write_json(path, out)
+    return out
+
+
+def apply(
+    recipe: ResolvedRecipe | str | Path | dict,
+    *,
+    overrides: list[str] | dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> RunResult:
+    """Run a recipe end to end and write ``results.json``, ``results.md`` and ``model/``.
+
+    Args:
+        recipe: a resolved recipe, a YAML path or a mapping.
+        overrides: ``["key.path=value", ...]`` or ``{"key.path": value}``; they win over the recipe.
+        progress: where long steps report (the CLI passes a rich one).
+    """
+    from compresskit.report import results_markdown
+
+    progress = progress or Progress()
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else load_recipe(recipe, overrides)
+    rec = resolved.recipe
+    # Everything a user can get wrong is checked before anything is written.
+    resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+    out = check_output_dir(resolved)
+    recipe_hash = resolved.hash()
+
+    staging = out.with_name(out.name + ".partial")
+    marker = staging / "recipe.json"
+    if staging.is_dir():
+        try:
+            same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            same = False
+        if same:
+            progress.log(f"resuming the interrupted run in {staging}")
+        else:
+            shutil.rmtree(staging)
+    staging.mkdir(parents=True, exist_ok=True)
+    artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
+
+    seed_everything(rec.seed)
+    model, tokenizer = load_model(
+        rec.model.name_or_path,
+        dtype=rec.model.dtype,
+        device=rec.model.device,
+        allow_download=rec.model.allow_download,
+        progress=progress,
+    )
+    param = next(model.parameters())
+    params_before = count_parameters(model)
+    with progress.task("preparing the embedded text"):
+        data = DataModule(tokenizer, test_fraction=rec.data.test_fraction, split_seed=rec.data.split_seed)
+        split = data.split_info()
+
+    dense = None
+    if resolved.pruner is not None and rec.evaluation.compare_dense:
+        dense = dense_reference(resolved, model, tokenizer, data, progress)
+
+    ctx = RunContext(
+        model_config=model.config,
+        tokenizer=tokenizer,
+        device=param.device,
+        dtype=param.dtype,
+        seed=rec.seed,
+        progress=progress,
+        work_dir=staging / "work",
+    )
+    pruner = None
+    prune_summary = None
+    train_summaries: list[TrainSummary] = []
+    if resolved.pruner is not None:
+        pruner = resolved.pruner.cls(resolved.pruner.config)
+        targeted = pruner.prepare(model, ctx)
+        progress.log(f"{resolved.pruner.name}: attached to {len(targeted)} modules")
+        if pruner.requires_calibration:
+            cal = rec.data.calibration
+            batches = data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=rec.seed)
+            with progress.task("calibrating", total=len(batches)) as task:
+
+                def counted(bs=batches, t=task):
+                    for b in bs:
+                        yield b.to(param.device)
+                        t.advance(1)
+
+                pruner.calibrate(model, counted())
+    for stage in resolved.training:
+        trainer = stage.cls(stage.config)
+        summary = trainer.fit(model, pruner, data, ctx)
+        summary.stage = stage.name
+        train_summaries.append(summary)
+    if pruner is not None:
+        model = pruner.finalize(model)
+        prune_summary = pruner.summary(model)
+
+    executor = resolved.executor.cls(resolved.executor.config)
+    executor.check(model)
+    model = executor.convert(model)
+
+    seed_everything(rec.seed)
+    ev = evaluate(model, tokenizer, data, rec.evaluation, pruner=pruner, progress=progress)
+    sparsity = ev.sparsity or SparsityReport.dense(model.config if pruner is None else ctx.model_config)
+
+    results = build_results(
+        name=rec.name or out.name,
+        recipe_hash=recipe_hash,
+        model_info={
+            "name_or_path": rec.model.name_or_path,
+            "dtype": str(param.dtype).removeprefix("torch."),
+            "device": str(param.device),
+            "params_before": params_before,
+            "params_after": count_parameters(model),
+        },
+        pruner_name=resolved.pruner.name if resolved.pruner else None,
+        ev=ev,
+        sparsity=sparsity,
+        dense=dense,
+        split=split,
+        seeds={"recipe": rec.seed, "evaluation": rec.evaluation.seed, "split": rec.data.split_seed},
+        recipe=resolved.to_dict(),
+        overrides=resolved.overrides,
+        training=[vars(s) for s in train_summaries],
+        prune_summary=vars(prune_summary) if prune_summary else None,
+    )
+
+    with progress.task("saving"):
+        artifacts.save(
+            staging / "model",
+            model,
+            tokenizer,
+            base_model=rec.model.name_or_path,
+            pruner_name=resolved.pruner.name if resolved.pruner else None,
+            pruner=pruner,
+            recipe=resolved.to_dict(),
+        )
+        artifacts.write_json(staging / "results.json", results)
+        artifacts.write_text(staging / "results.md", results_markdown(results))
+        shutil.rmtree(staging / "work", ignore_errors=True)
+        marker.unlink(missing_ok=True)
+        artifacts.replace_dir(staging, out)
+    return RunResult(out, results, prune_summary, train_summaries)
+
+
+def build_results(
+    *,
+    name: str,
+    recipe_hash: str,
+    model_info: dict[str, Any],
+    pruner_name: str | None,
+    ev: EvalResult,
+    sparsity: SparsityReport,
+    dense: dict[str, Any] | None,
+    split: dict[str, Any],
+    seeds: dict[str, int],
+    recipe: dict[str, Any],
+    overrides: list[str],
+    training: list[dict[str, Any]] | None = None,
+    prune_summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``results.json`` document (see the README for its fields)."""
+    return {
+        "schema_version": RESULTS_VERSION,
+        "name": name,
+        "recipe_hash": recipe_hash,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": model_info,
+        "pruner": pruner_name,
+        "metrics": ev.metrics(),
+        "zero_shot_average": ev.zero_shot_average(),
+        "sparsity": {
+            **sparsity.to_dict(),
+            "per_task": {task: t.sparsity.to_dict(per_layer=False) for task, t in ev.tasks.items() if t.sparsity},
+        },
+        "dense": dense,
+        "recovery": recovery(ev.metrics(), dense["metrics"]) if dense else None,
+        "training": training or [],
+        "prune_summary": prune_summary,
+        "evaluation": _eval_summary(ev),
+        "data": split,
+        "seeds": seeds,
+        "versions": artifacts.versions(),
+        "recipe": recipe,
+        "overrides": overrides,
+    }
+
+
+def eval_model(
+    model_ref: str,
+    *,
+    evaluation: EvaluationSection | None = None,
+    data: DataSection | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    output_dir: str | Path | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
+    shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``."""
+    from compresskit.report import results_markdown
+
+    progress = progress or Progress()
+    evaluation = evaluation or EvaluationSection()
+    data_section = data or DataSection()
+    path = Path(model_ref).expanduser()
+    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
+        model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)
+        manifest = artifacts.read_manifest(path)
+        base = manifest["base_model"]
+        pruner_name = (manifest.get("pruner") or {}).get("name")
+    else:
+        resolve_model_source(model_ref)
+        model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress)
+        pruner, pruner_name, base = None, None, model_ref
+    seed_everything(evaluation.seed)
+    with progress.task("preparing the embedded text"):
+        dm = DataModule(tokenizer, test_fraction=data_section.test_fraction, split_seed=data_section.split_seed)
+        split = dm.split_info()
+    ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, progress=progress)
+    param = next(model.parameters())
+    recipe = {"eval": model_ref, "evaluation": evaluation.model_dump(mode="json"), "data": data_section.model_dump(mode="json")}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    n_params = count_parameters(model)
+    results = build_results(
+        name=Path(model_ref).name or model_ref,
+        recipe_hash=key,
+        model_info={
+            "name_or_path": model_ref,
+            "base_model": base,
+            "dtype": str(param.dtype).removeprefix("torch."),
+            "device": str(param.device),
+            "params_before": n_params,
+            "params_after": n_params,
+        },
+        pruner_name=pruner_name,
+        ev=ev,
+        sparsity=ev.sparsity or SparsityReport.dense(model.config),
+        dense=None,
+        split=split,
+        seeds={"evaluation": evaluation.seed, "split": data_section.split_seed},
+        recipe=recipe,
+        overrides=[],
+    )
+    if output_dir is not None:
+        with artifacts.staged_dir(Path(output_dir)) as tmp:
+            artifacts.write_json(tmp / "results.json", results)
+            artifacts.write_text(tmp / "results.md", results_markdown(results))
+    return results

@@ -1,0 +1,204 @@
+"""Saving and loading compressed models, and atomic output writing.
+
+A compresskit model directory (``<output.dir>/model``) holds:
+
+* ``compresskit.json``: format, base model, pruner name and resolved config, the resolved
+  recipe, package versions;
+* ``pruner.safetensors``: only the pruner's own tensors (routers, masks, ...), when the pruner
+  re-applies itself to the base model on load (``format: "pruner"``);
+* or a full transformers checkpoint (``format: "hf"``) when the pruner produced a plain,
+  smaller model that stock ``from_pretrained`` loads;
+* the tokenizer files.
+
+A dense run (no pruner) records the base model only (``format: "dense"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from compresskit import plugins
+from compresskit.errors import ArtifactError, CompressKitError
+from compresskit.interfaces import PluginConfig, Pruner, RunContext
+
+MANIFEST = "compresskit.json"
+PRUNER_FILE = "pruner.safetensors"
+FORMAT_VERSION = 1
+
+
+def versions() -> dict[str, str]:
+    """Versions of what determines the numbers."""
+    out = {"python": platform.python_version()}
+    for dist in ("compresskit", "torch", "transformers", "lm_eval", "datasets", "safetensors", "pydantic", "triton"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    out["cuda"] = torch.version.cuda or "none"
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically (temp file in the same folder, then rename)."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: Path, *, what: str = "file") -> Any:
+    if not path.is_file():
+        raise ArtifactError(f"{path}: {what} not found")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path}: {what} is corrupt (not valid JSON: {exc})") from None
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """Build a directory next to ``target`` and move it into place only when the block succeeds."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def replace_dir(src: Path, target: Path) -> None:
+    """Move ``src`` to ``target``, replacing an existing ``target`` with one rename each."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(src, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, target)
+
+
+def save(
+    directory: Path,
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    base_model: str,
+    pruner_name: str | None = None,
+    pruner: Pruner | None = None,
+    recipe: dict[str, Any] | None = None,
+) -> Path:
+    """Save a (compressed) model to ``directory`` atomically; see the module docstring."""
+    directory = Path(directory)
+    with staged_dir(directory) as tmp:
+        manifest: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "base_model": base_model,
+            "pruner": None,
+            "recipe": recipe,
+            "versions": versions(),
+        }
+        if pruner is None:
+            manifest["format"] = "dense"
+        else:
+            manifest["pruner"] = {"name": pruner_name, "config": pruner.config.model_dump(mode="json")}
+            if pruner.saves_full_model:
+                manifest["format"] = "hf"
+                model.save_pretrained(tmp)
+            else:
+                manifest["format"] = "pruner"
+                state = {k: v.detach().contiguous().cpu() for k, v in pruner.state_dict(model).items()}
+                save_file(state, str(tmp / PRUNER_FILE), metadata={"pruner": str(pruner_name)})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_json(tmp / MANIFEST, manifest)
+    return directory
+
+
+def _pruner_config(cls: type[Pruner], data: dict[str, Any], where: str) -> PluginConfig:
+    """Validate a saved pruner config; keys this version does not know are dropped with a warning
+    (artifacts from a newer version), everything else must validate."""
+    try:
+        return cls.Config.model_validate(data)
+    except ValidationError as exc:
+        unknown = [e["loc"][0] for e in exc.errors() if e["type"] == "extra_forbidden" and len(e["loc"]) == 1]
+        if not unknown or len(unknown) != len(exc.errors()):
+            raise ArtifactError(f"{where}: saved pruner config is invalid: {exc.errors()[0]['msg']}") from None
+        warnings.warn(f"{where}: dropping keys this compresskit does not know: {unknown}", stacklevel=3)
+        return cls.Config.model_validate({k: v for k, v in data.items() if k not in unknown})
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: model directory not found")
+    manifest = read_json(directory / MANIFEST, what=f"{MANIFEST} (is this a compresskit model directory?)")
+    if manifest.get("format") not in ("dense", "pruner", "hf"):
+        raise ArtifactError(f"{directory / MANIFEST}: unknown format {manifest.get('format')!r}; allowed: dense, pruner, hf")
+    return manifest
+
+
+def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progress=None):
+    """Rebuild a saved model: ``(model, tokenizer, pruner or None)``.
+
+    ``format: pruner`` reloads the base model, re-attaches the pruner and loads its tensors;
+    ``format: hf`` loads the saved checkpoint; ``format: dense`` loads the base model.
+    """
+    from compresskit.modeling import load_model
+
+    directory = Path(path)
+    manifest = read_manifest(directory)
+    fmt = manifest["format"]
+    if fmt == "hf":
+        model, tokenizer = load_model(str(directory), dtype=dtype, device=device, progress=progress)
+    else:
+        model, tokenizer = load_model(manifest["base_model"], dtype=dtype, device=device, progress=progress)
+    if fmt == "dense" or manifest.get("pruner") is None:
+        return model, tokenizer, None
+    info = manifest["pruner"]
+    try:
+        cls = plugins.load("pruner", info["name"])
+    except CompressKitError as exc:
+        raise ArtifactError(f"{directory / MANIFEST}: {exc}") from None
+    pruner = cls(_pruner_config(cls, info.get("config", {}), str(directory / MANIFEST)))
+    if fmt == "hf":
+        return model, tokenizer, pruner
+    file = directory / PRUNER_FILE
+    if not file.is_file():
+        raise ArtifactError(f"{file}: pruner tensors not found")
+    try:
+        state = load_file(str(file), device=str(next(model.parameters()).device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{file}: corrupt safetensors file ({exc})") from None
+    param = next(model.parameters())
+    ctx = RunContext(model_config=model.config, tokenizer=tokenizer, device=param.device, dtype=param.dtype)
+    pruner.prepare(model, ctx)
+    pruner.load_state_dict(model, state)
+    model = pruner.finalize(model)
+    model.eval()
+    return model, tokenizer, pruner

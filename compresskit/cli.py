@@ -1,0 +1,337 @@
+"""``compresskit``: apply | eval | compare | plugins | validate | schema.
+
+Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and what is allowed),
+1 internal error (add ``--debug`` for the traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with our bad-input code and one line."""
+
+    def error(self, message: str):
+        raise CompressKitError(f"{self.prog}: {message}")
+
+
+def _consoles() -> tuple[Console, Console]:
+    out = Console(soft_wrap=True)
+    err = Console(stderr=True)
+    return out, err
+
+
+def _progress(err: Console):
+    from compresskit.progress import PlainProgress
+    from compresskit.report import RichProgress
+
+    return RichProgress(err) if err.is_terminal else PlainProgress()
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import logging
+
+    for name in ("transformers", "lm_eval", "datasets", "huggingface_hub", "stevedore", "gensim", "smart_open"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _print_results(out: Console, results: dict[str, Any]) -> None:
+    from compresskit.report import results_markdown, results_table
+
+    if out.is_terminal:
+        out.print(results_table(results))
+    else:
+        out.print(results_markdown(results), markup=False, highlight=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def cmd_apply(args, out: Console, err: Console) -> int:
+    from compresskit.api import apply
+    from compresskit.recipe import load_recipe
+
+    overrides = list(args.set or [])
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+    resolved = load_recipe(args.recipe, overrides)
+    _quiet_libraries()
+    result = apply(resolved, progress=_progress(err))
+    _print_results(out, result.results)
+    out.print(f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}", markup=False)
+    return EXIT_OK
+
+
+def cmd_validate(args, out: Console, err: Console) -> int:
+    from compresskit.modeling import resolve_model_source
+    from compresskit.recipe import load_recipe
+
+    resolved = load_recipe(args.recipe, list(args.set or []))
+    rec = resolved.recipe
+    resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+    if args.print:
+        out.print_json(json.dumps(resolved.to_dict()))
+    stages = ", ".join(s.name for s in resolved.training) or "none"
+    pruner = resolved.pruner.name if resolved.pruner else "none (dense)"
+    out.print(
+        f"ok: {args.recipe}: model {rec.model.name_or_path}, pruner {pruner}, training [{stages}], "
+        f"executor {resolved.executor.name}, output {rec.output.dir} (recipe hash {resolved.hash()})",
+        markup=False,
+    )
+    return EXIT_OK
+
+
+def cmd_schema(args, out: Console, err: Console) -> int:
+    from compresskit import plugins
+    from compresskit.recipe import Recipe
+
+    if args.name == "recipe":
+        out.print_json(json.dumps(Recipe.model_json_schema()))
+        return EXIT_OK
+    kinds = [args.kind] if args.kind else list(plugins.KINDS)
+    found = [k for k in kinds if args.name in plugins.names(k)]
+    if not found:
+        every = {n for k in plugins.KINDS for n in plugins.names(k)} | {"recipe"}
+        raise CompressKitError(f"schema: {did_you_mean(args.name, every, what='plugin')}")
+    if len(found) > 1:
+        raise CompressKitError(f"schema: {args.name!r} is a {' and a '.join(found)}; pick one with --kind")
+    cls = plugins.load(found[0], args.name)
+    out.print_json(json.dumps(cls.Config.model_json_schema()))
+    return EXIT_OK
+
+
+def cmd_plugins(args, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    from compresskit import plugins
+
+    if args.action == "check":
+        if not args.name:
+            raise CompressKitError("plugins check: name the pruner to check, e.g. `compresskit plugins check wide`")
+        from compresskit.testing import check_plugin_contract
+
+        _quiet_libraries()
+        if args.name not in plugins.names("pruner"):
+            raise CompressKitError(f"plugins check: {did_you_mean(args.name, plugins.names('pruner'), what='pruner')}")
+        checks = check_plugin_contract(args.name)
+        for c in checks:
+            mark = "PASS" if c.ok else "FAIL"
+            out.print(f"{mark}  {c.name}" + (f": {c.detail}" if c.detail else ""), markup=False, highlight=False)
+        ok = all(c.ok for c in checks)
+        out.print(f"{args.name}: contract {'passed' if ok else 'FAILED'}", markup=False)
+        return EXIT_OK if ok else EXIT_INTERNAL
+    infos = plugins.discover()
+    if out.is_terminal:
+        table = Table(title="compresskit plugins")
+        for col in ("kind", "name", "status", "distribution", "target"):
+            table.add_column(col)
+        for i in infos:
+            status = "[green]ok[/green]" if i.ok else f"[red]broken[/red]: {i.error}"
+            table.add_row(i.kind, i.name, status, f"{i.distribution} {i.version}", i.target)
+        out.print(table)
+    else:
+        for i in infos:
+            status = "ok" if i.ok else f"broken: {i.error}"
+            out.print(f"{i.kind}\t{i.name}\t{status}\t{i.distribution} {i.version}\t{i.target}", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def cmd_eval(args, out: Console, err: Console) -> int:
+    from pydantic import ValidationError
+
+    from compresskit.api import eval_model
+    from compresskit.recipe import DataSection, EvaluationSection, format_validation_error
+
+    fields: dict[str, Any] = {}
+    if args.tasks:
+        fields["tasks"] = args.tasks.split(",")
+    for key in ("limit", "batch_size", "perplexity_docs", "max_length", "next_sentence_items"):
+        if getattr(args, key) is not None:
+            fields[key] = getattr(args, key)
+    try:
+        evaluation = EvaluationSection(**fields)
+    except ValidationError as exc:
+        raise RecipeError(format_validation_error(exc, EvaluationSection, prefix="evaluation.")) from None
+    _quiet_libraries()
+    results = eval_model(
+        args.model,
+        evaluation=evaluation,
+        data=DataSection(),
+        dtype=args.dtype,
+        device=args.device,
+        output_dir=args.output,
+        progress=_progress(err),
+    )
+    _print_results(out, results)
+    if args.output:
+        out.print(f"results: {Path(args.output) / 'results.json'}", markup=False)
+    return EXIT_OK
+
+
+def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[str, Any]:
+    """A results document from a recipe (run, or reused when its results are current), a
+    results.json file or a run directory."""
+    from compresskit import artifacts
+    from compresskit.api import apply
+    from compresskit.recipe import load_recipe
+
+    path = Path(ref)
+    if path.suffix in (".yaml", ".yml"):
+        resolved = load_recipe(path, overrides)
+        results = Path(resolved.recipe.output.dir) / "results.json"
+        if results.is_file():
+            cached = artifacts.read_json(results, what="results")
+            if cached.get("recipe_hash") == resolved.hash():
+                progress.log(f"{ref}: reusing {results}")
+                return cached
+        return apply(resolved, progress=progress).results
+    if path.is_dir():
+        path = path / "results.json"
+    data = artifacts.read_json(path, what="results file")
+    if not isinstance(data, dict) or "metrics" not in data or "sparsity" not in data:
+        raise CompressKitError(f"{path}: not a compresskit results.json (no metrics/sparsity)")
+    return data
+
+
+def cmd_compare(args, out: Console, err: Console) -> int:
+    from compresskit import artifacts
+    from compresskit.report import compare_csv, compare_markdown, compare_table
+
+    # Validate every recipe before running any of them.
+    from compresskit.recipe import load_recipe
+
+    for ref in args.inputs:
+        if Path(ref).suffix in (".yaml", ".yml"):
+            load_recipe(ref, list(args.set or []))
+        elif not Path(ref).exists():
+            raise CompressKitError(f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory")
+    _quiet_libraries()
+    progress = _progress(err)
+    runs = [_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs]
+    if out.is_terminal:
+        out.print(compare_table(runs))
+    else:
+        out.print(compare_markdown(runs), markup=False, highlight=False)
+    if args.output:
+        target = Path(args.output)
+        with artifacts.staged_dir(target) as tmp:
+            artifacts.write_text(tmp / "compare.md", compare_markdown(runs))
+            artifacts.write_text(tmp / "compare.csv", compare_csv(runs))
+            artifacts.write_json(tmp / "compare.json", runs)
+        out.print(f"written: {target / 'compare.md'}, compare.csv, compare.json", markup=False)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="compresskit", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    def with_set(p):
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe value (repeatable)")
+
+    p = sub.add_parser("apply", help="run a recipe: load, prune, train, finalize, convert, evaluate, save")
+    p.add_argument("recipe")
+    with_set(p)
+    p.add_argument("--overwrite", action="store_true", help="replace output.dir even if it holds another run")
+    p.set_defaults(fn=cmd_apply)
+
+    p = sub.add_parser("validate", help="check a recipe (both stages) without loading weights")
+    p.add_argument("recipe")
+    with_set(p)
+    p.add_argument("--print", action="store_true", help="print the resolved recipe as JSON")
+    p.set_defaults(fn=cmd_validate)
+
+    p = sub.add_parser("schema", help="JSON schema of a plugin's config (or of 'recipe')")
+    p.add_argument("name")
+    p.add_argument("--kind", choices=["pruner", "trainer", "executor"])
+    p.set_defaults(fn=cmd_schema)
+
+    p = sub.add_parser("plugins", help="list installed plugins, or `plugins check NAME` to run the contract")
+    p.add_argument("action", nargs="?", choices=["list", "check"], default="list")
+    p.add_argument("name", nargs="?")
+    p.set_defaults(fn=cmd_plugins)
+
+    p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
+    p.add_argument("model")
+    p.add_argument("--tasks", help="comma-separated: perplexity,piqa,next_sentence")
+    p.add_argument("--limit", type=int, help="items per zero-shot task")
+    p.add_argument("--perplexity-docs", type=int, dest="perplexity_docs")
+    p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")
+    p.add_argument("--batch-size", type=int, dest="batch_size")
+    p.add_argument("--max-length", type=int, dest="max_length")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--output", help="directory for results.json and results.md")
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("compare", help="one table from several recipes (run or reused) and/or results files")
+    p.add_argument("inputs", nargs="+")
+    with_set(p)
+    p.add_argument("--output", help="directory for compare.md, compare.csv and compare.json")
+    p.set_defaults(fn=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    out, err = _consoles()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if args.version:
+            from compresskit import __version__
+
+            out.print(f"compresskit {__version__}")
+            return EXIT_OK
+        if not getattr(args, "fn", None):
+            build_parser().print_help()
+            return EXIT_BAD_INPUT
+        return args.fn(args, out, err)
+    except CompressKitError as exc:
+        if debug:
+            traceback.print_exc()
+        msg = " ".join(str(exc).split())  # one line
+        err.print(f"error: {msg}", markup=False, highlight=False)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        err.print("interrupted; run the same command again to resume", markup=False)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
+        if debug:
+            traceback.print_exc()
+        err.print(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", markup=False, highlight=False
+        )
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Rendering results: rich tables and progress for terminals, Markdown and CSV for files.
+
+Only this module and ``cli.py`` import rich; library code returns plain data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as _RichProgress
+from rich.table import Table
+
+from compresskit.progress import Progress, Task
+
+# (column title, task, metric, format)
+METRIC_COLUMNS = [
+    ("held-out ppl", "perplexity", "token_perplexity", "{:.2f}"),
+    ("word ppl", "perplexity", "word_perplexity", "{:.2f}"),
+    ("PIQA acc", "piqa", "acc", "{:.4f}"),
+    ("PIQA acc_norm", "piqa", "acc_norm", "{:.4f}"),
+    ("next-sent acc", "next_sentence", "acc", "{:.4f}"),
+    ("next-sent acc_norm", "next_sentence", "acc_norm", "{:.4f}"),
+]
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(metric, value, dense, recovery) rows of one run."""
+    rows = []
+    dense = (results.get("dense") or {}).get("metrics", {})
+    rec = results.get("recovery") or {}
+    for title, task, metric, fmt in METRIC_COLUMNS:
+        value = results["metrics"].get(task, {}).get(metric)
+        if value is None:
+            continue
+        rows.append(
+            (
+                title,
+                _fmt(value, fmt),
+                _fmt(dense.get(task, {}).get(metric), fmt),
+                _fmt(rec.get(task, {}).get(metric), "{:.3f}"),
+            )
+        )
+    zs = results.get("zero_shot_average")
+    if zs is not None:
+        dz = (results.get("dense") or {}).get("zero_shot_average")
+        rows.append(("zero-shot avg acc", f"{zs:.4f}", _fmt(dz, "{:.4f}"), _fmt(zs / dz if dz else None, "{:.3f}")))
+    sp = results["sparsity"]
+    kind = "measured" if sp.get("dynamic") else "static"
+    rows.append((f"sparsity attention ({kind})", f"{sp['attention']:.3f}", "0.000", "-"))
+    rows.append((f"sparsity ffn ({kind})", f"{sp['ffn']:.3f}", "0.000", "-"))
+    rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
+    m = results["model"]
+    rows.append(("parameters", f"{m['params_after']:,}", f"{m['params_before']:,}", f"{m['params_after'] / m['params_before']:.3f}"))
+    return rows
+
+
+def results_table(results: dict[str, Any]) -> Table:
+    table = Table(title=f"{results['name']}: {results['model']['name_or_path']} ({results.get('pruner') or 'dense'})")
+    for col, just in (("metric", "left"), ("value", "right"), ("dense", "right"), ("recovery", "right")):
+        table.add_column(col, justify=just)
+    for row in summary_rows(results):
+        table.add_row(*row)
+    return table
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def results_markdown(results: dict[str, Any]) -> str:
+    ev = results["evaluation"]
+    items = ", ".join(f"{k}: {v['n_items']}" for k, v in ev["tasks"].items())
+    data = results["data"]
+    parts = [
+        f"# {results['name']}",
+        "",
+        f"Model `{results['model']['name_or_path']}` ({results['model']['dtype']}, {results['model']['device']}), "
+        f"pruner `{results.get('pruner') or 'none (dense)'}`, recipe hash `{results['recipe_hash']}`, {results['created']}.",
+        "",
+        _md_table(["metric", "value", "dense", "recovery"], [list(r) for r in summary_rows(results)]),
+        "",
+        f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, batch size {ev['batch_size']}, "
+        f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",
+        f"Data: {data['articles']} Wikipedia articles from the gensim test data, split by article "
+        f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
+        f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
+        "Sparsity: fraction of the decoder layers' linear-projection multiply-adds skipped"
+        + (" (measured while the evaluator ran)." if results["sparsity"].get("dynamic") else "."),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
+        "",
+    ]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparisons
+
+
+def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
+    header += [c[0] for c in METRIC_COLUMNS] + ["zero-shot avg", "recovery (zero-shot)"]
+    rows = []
+    for r in runs:
+        sp = r["sparsity"]
+        row = [
+            r["name"],
+            r.get("pruner") or "dense",
+            f"{sp['macs']:.3f}",
+            f"{sp['attention']:.3f}",
+            f"{sp['ffn']:.3f}",
+            f"{r['model']['params_after'] / 1e6:.1f}M",
+        ]
+        for _, task, metric, fmt in METRIC_COLUMNS:
+            row.append(_fmt(r["metrics"].get(task, {}).get(metric), fmt))
+        zs = r.get("zero_shot_average")
+        dz = (r.get("dense") or {}).get("zero_shot_average")
+        row += [_fmt(zs, "{:.4f}"), _fmt(zs / dz if zs is not None and dz else None, "{:.3f}")]
+        rows.append(row)
+    return header, rows
+
+
+def compare_table(runs: list[dict[str, Any]]) -> Table:
+    header, rows = compare_rows(runs)
+    table = Table(title="comparison (sparsity = realised fraction of prunable MACs skipped)")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i < 2 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def compare_markdown(runs: list[dict[str, Any]]) -> str:
+    header, rows = compare_rows(runs)
+    return _md_table(header, rows) + "\n"
+
+
+def compare_csv(runs: list[dict[str, Any]]) -> str:
+    header, rows = compare_rows(runs)
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# progress
+
+
+class _RichTask(Task):
+    def __init__(self, progress: _RichProgress, task_id) -> None:
+        self.progress, self.task_id = progress, task_id
+
+    def advance(self, n: float = 1) -> None:
+        self.progress.advance(self.task_id, n)
+
+    def update(self, **fields: object) -> None:
+        text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        self.progress.update(self.task_id, info=text)
+
+
+class RichProgress(Progress):
+    """Progress bars on a terminal: one bar per long step, kept on screen when done."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._progress = _RichProgress(
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+        )
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def task(self, description: str, total: float | None = None) -> Iterator[Task]:
+        if self._depth == 0:
+            self._progress.start()
+        self._depth += 1
+        task_id = self._progress.add_task(description, total=total, info="")
+        try:
+            yield _RichTask(self._progress, task_id)
+            if total is None:
+                self._progress.update(task_id, total=1, completed=1)
+            else:
+                self._progress.update(task_id, completed=total)
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._progress.stop()
+
+    def log(self, message: str) -> None:
+        self.console.log(message) if self._depth else self.console.print(f"[dim]{message}[/dim]")
