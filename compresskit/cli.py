@@ -6,17 +6,21 @@ Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and wha
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import traceback
-from pathlib import Path
-from typing import Any
 
-from rich.console import Console
+# Our own progress bars replace the libraries' tqdm bars; tqdm reads this when it is imported.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
-from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from rich.console import Console  # noqa: E402
+
+from compresskit.errors import CompressKitError, RecipeError, did_you_mean  # noqa: E402
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -30,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _consoles() -> tuple[Console, Console]:
     out = Console(soft_wrap=True)
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     return out, err
 
 
@@ -57,13 +61,19 @@ def _quiet_libraries() -> None:
         pass
 
 
+def _plain(out: Console, text: str) -> None:
+    """Stable text for pipes and logs, written as is (no wrapping, no markup)."""
+    out.file.write(text if text.endswith("\n") else text + "\n")
+    out.file.flush()
+
+
 def _print_results(out: Console, results: dict[str, Any]) -> None:
     from compresskit.report import results_markdown, results_table
 
     if out.is_terminal:
         out.print(results_table(results))
     else:
-        out.print(results_markdown(results), markup=False, highlight=False)
+        _plain(out, results_markdown(results))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +91,7 @@ def cmd_apply(args, out: Console, err: Console) -> int:
     _quiet_libraries()
     result = apply(resolved, progress=_progress(err))
     _print_results(out, result.results)
-    out.print(f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}", markup=False)
+    _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
     return EXIT_OK
 
 
@@ -139,9 +149,9 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
         checks = check_plugin_contract(args.name)
         for c in checks:
             mark = "PASS" if c.ok else "FAIL"
-            out.print(f"{mark}  {c.name}" + (f": {c.detail}" if c.detail else ""), markup=False, highlight=False)
+            _plain(out, f"{mark}  {c.name}" + (f": {c.detail}" if c.detail else ""))
         ok = all(c.ok for c in checks)
-        out.print(f"{args.name}: contract {'passed' if ok else 'FAILED'}", markup=False)
+        _plain(out, f"{args.name}: contract {'passed' if ok else 'FAILED'}")
         return EXIT_OK if ok else EXIT_INTERNAL
     infos = plugins.discover()
     if out.is_terminal:
@@ -155,7 +165,7 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
     else:
         for i in infos:
             status = "ok" if i.ok else f"broken: {i.error}"
-            out.print(f"{i.kind}\t{i.name}\t{status}\t{i.distribution} {i.version}\t{i.target}", markup=False, highlight=False)
+            _plain(out, f"{i.kind}\t{i.name}\t{status}\t{i.distribution} {i.version}\t{i.target}")
     return EXIT_OK
 
 
@@ -187,7 +197,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     )
     _print_results(out, results)
     if args.output:
-        out.print(f"results: {Path(args.output) / 'results.json'}", markup=False)
+        _plain(out, f"results: {Path(args.output) / 'results.json'}")
     return EXIT_OK
 
 
@@ -234,14 +244,14 @@ def cmd_compare(args, out: Console, err: Console) -> int:
     if out.is_terminal:
         out.print(compare_table(runs))
     else:
-        out.print(compare_markdown(runs), markup=False, highlight=False)
+        _plain(out, compare_markdown(runs))
     if args.output:
         target = Path(args.output)
         with artifacts.staged_dir(target) as tmp:
             artifacts.write_text(tmp / "compare.md", compare_markdown(runs))
             artifacts.write_text(tmp / "compare.csv", compare_csv(runs))
             artifacts.write_json(tmp / "compare.json", runs)
-        out.print(f"written: {target / 'compare.md'}, compare.csv, compare.json", markup=False)
+        _plain(out, f"written: {target / 'compare.md'}, compare.csv, compare.json")
     return EXIT_OK
 
 

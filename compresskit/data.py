@@ -26,7 +26,7 @@ from compresskit.interfaces import Batch
 
 WIKI_GLOB = "test/test_data/enwiki-latest-pages-articles1*.bz2"
 MIN_ARTICLE_CHARS = 2000
-EXTRACT_VERSION = 1
+EXTRACT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def wiki_dump_path() -> Path:
 
 
 _HEADING = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$")
-_BAD_LINE = re.compile(r"^\s*(\||!|\{\||\|\}|thumb\b|left\||right\||Category:|File:|Image:)")
+_BAD_LINE = re.compile(r"^\s*(\||!|\{\||\|\}|[*#:;]|thumb\b|left\||right\||Category:|File:|Image:)")
 
 
 def clean_wiki_text(text: str) -> str:
@@ -61,7 +61,6 @@ def clean_wiki_text(text: str) -> str:
                 paragraphs.append(" ".join(current))
                 current = []
             continue
-        line = re.sub(r"^[*#:;]+\s*", "", line)
         line = re.sub(r"\s+", " ", line)
         current.append(line)
     if current:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from compresskit.data import Article, DataModule
+from compresskit.errors import CompressKitError
 from compresskit.interfaces import Pruner
 from compresskit.progress import Progress
 from compresskit.recipe import EvaluationSection
@@ -183,9 +184,15 @@ def task_configs(data: DataModule, tokenizer, section: EvaluationSection) -> dic
             "metadata": {"version": 1.0},
         }
     if "next_sentence" in section.tasks:
+        ns_docs = next_sentence_docs(data.test, section.next_sentence_items, seed=data.split_seed)
+        if not ns_docs:
+            raise CompressKitError(
+                f"evaluation.tasks: next_sentence found no items in the {len(data.test)} held-out articles "
+                "(it needs at least 3 articles with 3-sentence paragraphs); raise data.test_fraction or drop the task"
+            )
         configs["next_sentence"] = {
             "task": "ck_next_sentence",
-            "custom_dataset": _dataset(next_sentence_docs(data.test, section.next_sentence_items, seed=data.split_seed)),
+            "custom_dataset": _dataset(ns_docs),
             "test_split": "test",
             "output_type": "multiple_choice",
             "doc_to_text": "{{context}}",

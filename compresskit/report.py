@@ -64,12 +64,18 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _columns(results: dict[str, Any]) -> int:
+    """4 columns (metric, value, dense, recovery) when there is a dense reference, else 2."""
+    return 4 if results.get("dense") else 2
+
+
 def results_table(results: dict[str, Any]) -> Table:
     table = Table(title=f"{results['name']}: {results['model']['name_or_path']} ({results.get('pruner') or 'dense'})")
-    for col, just in (("metric", "left"), ("value", "right"), ("dense", "right"), ("recovery", "right")):
+    n = _columns(results)
+    for col, just in (("metric", "left"), ("value", "right"), ("dense", "right"), ("recovery", "right"))[:n]:
         table.add_column(col, justify=just)
     for row in summary_rows(results):
-        table.add_row(*row)
+        table.add_row(*row[:n])
     return table
 
 
@@ -89,7 +95,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"Model `{results['model']['name_or_path']}` ({results['model']['dtype']}, {results['model']['device']}), "
         f"pruner `{results.get('pruner') or 'none (dense)'}`, recipe hash `{results['recipe_hash']}`, {results['created']}.",
         "",
-        _md_table(["metric", "value", "dense", "recovery"], [list(r) for r in summary_rows(results)]),
+        _md_table(["metric", "value", "dense", "recovery"][: _columns(results)], [list(r[: _columns(results)]) for r in summary_rows(results)]),
         "",
         f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, batch size {ev['batch_size']}, "
         f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",

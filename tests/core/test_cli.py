@@ -1,0 +1,172 @@
+"""The CLI as a user meets it: exit codes, one-line errors, no partial outputs, end to end on a tiny model."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from compresskit.cli import main
+
+TESTS = Path(__file__).parents[1]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def recipe_file(tmp_path, tiny_recipe):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(tiny_recipe))
+    return path
+
+
+def one_line_error(err):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("override", "expect"),
+    [
+        ("evalution.limit=3", "evalution: unknown key 'evalution'. Did you mean: evaluation?"),
+        ("pruner.name=toy-magnitud", "pruner.name: unknown pruner 'toy-magnitud'. Did you mean: toy-magnitude?"),
+        ("pruner.config.sparsity=1.5", "pruner.config.sparsity: Input should be less than 1 (given: 1.5)"),
+        ("model.name_or_path=./does/not/exist", "model.name_or_path: directory './does/not/exist' does not exist"),
+        ("model.name_or_path=meta-llama/Llama-3.1-8B", "model.name_or_path: 'meta-llama/Llama-3.1-8B' looks like a hub id"),
+    ],
+)
+@pytest.mark.parametrize("command", ["validate", "apply"])
+def test_bad_input_exit_2_one_line_no_output(capsys, recipe_file, tiny_recipe, override, expect, command):
+    extra = ["--set", "pruner.name=toy-magnitude"] if "pruner.name" not in override else []
+    code, out, err = run(capsys, command, str(recipe_file), *extra, "--set", override)
+    assert code == 2
+    line = one_line_error(err)
+    assert expect in line
+    assert "Traceback" not in err
+    out_dir = Path(tiny_recipe["output"]["dir"])
+    assert not out_dir.exists() and not out_dir.with_name("run.partial").exists()
+
+
+def test_missing_recipe_file(capsys, tmp_path):
+    code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
+    assert code == 2 and "recipe file not found" in one_line_error(err)
+
+
+def test_debug_shows_traceback(capsys, recipe_file):
+    code, _, err = run(capsys, "--debug", "validate", str(recipe_file), "--set", "seed=x")
+    assert code == 2 and "Traceback" in err
+
+
+def test_validate_ok_and_print(capsys, recipe_file):
+    code, out, _ = run(capsys, "validate", str(recipe_file), "--print")
+    assert code == 0 and "ok: " in out and '"executor"' in out
+
+
+def test_schema(capsys):
+    code, out, _ = run(capsys, "schema", "toy-magnitude")
+    assert code == 0 and json.loads(out)["properties"]["sparsity"]["exclusiveMaximum"] == 1.0
+    code, out, _ = run(capsys, "schema", "recipe")
+    assert code == 0 and "model" in json.loads(out)["properties"]
+    code, _, err = run(capsys, "schema", "tooy-magnitude")
+    assert code == 2 and "Did you mean: toy-magnitude?" in one_line_error(err)
+
+
+def test_plugins_list_and_check(capsys):
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0
+    rows = {tuple(line.split("\t")[:2]): line for line in out.splitlines()}
+    assert "\tok\t" in rows[("pruner", "toy-magnitude")]
+    assert "broken: ModuleNotFoundError" in rows[("pruner", "toy-broken")]
+    code, out, _ = run(capsys, "plugins", "check", "toy-magnitude")
+    assert code == 0 and out.count("PASS") == 6 and "contract passed" in out
+    code, out, _ = run(capsys, "plugins", "check", "toy-broken")
+    assert code == 1 and "FAIL  load plugin" in out
+
+
+def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_path):
+    out_dir = tmp_path / "run"
+    code, out, err = run(
+        capsys,
+        "apply",
+        str(TESTS / "recipes" / "tiny-toy.yaml"),
+        "--set",
+        f"model.name_or_path={tiny_model_dir}",
+        "--set",
+        f"output.dir={out_dir}",
+    )
+    assert code == 0, err
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["pruner"] == "toy-magnitude"
+    assert set(results["metrics"]) == {"perplexity", "piqa", "next_sentence"}
+    sp = results["sparsity"]
+    assert set(sp) >= {"attention", "ffn", "macs", "per_layer", "per_task"}
+    assert sp["attention"] == 0.0 and sp["ffn"] == pytest.approx(0.3, abs=0.01) and 0 < sp["macs"] < sp["ffn"]
+    assert results["dense"]["metrics"]["piqa"]["acc"] >= 0 and results["recovery"]["piqa"]["acc"] >= 0
+    assert results["recipe"]["pruner"]["config"]["sparsity"] == 0.3
+    assert results["data"]["test_articles"] > 0 and results["versions"]["torch"]
+    assert len(results["recipe_hash"]) == 16
+    assert (out_dir / "results.md").read_text().startswith("# tiny-toy")
+    assert "held-out ppl" in out and "sparsity MACs" in out
+    assert not (tmp_path / "run.partial").exists()
+
+    # the saved model reloads with identical logits, and `eval` evaluates it
+    from compresskit import load
+
+    model, _, pruner = load(out_dir / "model", dtype="float32", device="cpu")
+    assert pruner.state == "finalized"
+    code, out, err = run(capsys, "eval", str(out_dir / "model"), "--limit", "4", "--perplexity-docs", "1",
+                         "--next-sentence-items", "4", "--max-length", "512", "--output", str(tmp_path / "ev"))
+    assert code == 0, err
+    ev = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert ev["pruner"] == "toy-magnitude" and ev["sparsity"]["ffn"] == pytest.approx(sp["ffn"])
+
+    # compare: a results file and a recipe whose results are current (reused, not rerun)
+    code, out, err = run(capsys, "compare", str(out_dir), str(tmp_path / "ev" / "results.json"), "--output", str(tmp_path / "cmp"))
+    assert code == 0, err
+    csv_rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
+    assert len(csv_rows) == 3 and csv_rows[0].startswith("run,pruner,sparsity MACs")
+
+    # a finished run of a different recipe is never silently replaced
+    code, _, err = run(capsys, "apply", str(TESTS / "recipes" / "tiny-toy.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
+                       "--set", f"output.dir={out_dir}", "--set", "seed=7")
+    assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
+
+
+def test_interrupted_run_leaves_partial_and_resumes(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    import compresskit.api as api
+
+    out_dir = tmp_path / "run"
+    args = ["apply", str(TESTS / "recipes" / "tiny-toy.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
+            "--set", f"output.dir={out_dir}", "--set", "evaluation.tasks=[piqa]", "--set", "evaluation.compare_dense=false"]
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "evaluate", boom)
+    code, _, err = run(capsys, *args)
+    assert code == 130 and "resume" in err
+    assert not out_dir.exists() and (tmp_path / "run.partial" / "recipe.json").is_file()
+    monkeypatch.undo()
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    assert "resuming" in err
+    assert (out_dir / "results.json").is_file() and not (tmp_path / "run.partial").exists()
+
+
+def test_internal_error_exit_1(capsys, recipe_file, monkeypatch):
+    import compresskit.api as api
+
+    def broken(*a, **k):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(api, "load_model", broken)
+    code, _, err = run(capsys, "apply", str(recipe_file))
+    assert code == 1 and "internal error: ZeroDivisionError: boom (rerun with --debug" in err

@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+
+from compresskit import plugins
+from compresskit.errors import PluginLoadError, PluginNotFoundError
+from compresskit.executors import TorchExecutor
+from compresskit.interfaces import NoopTrainer
+
+
+def test_core_plugins_load_through_entry_points():
+    assert plugins.load("trainer", "none") is NoopTrainer
+    assert plugins.load("executor", "torch") is TorchExecutor
+
+
+def test_unknown_name_did_you_mean():
+    with pytest.raises(PluginNotFoundError) as exc:
+        plugins.load("executor", "torhc")
+    assert str(exc.value) == "unknown executor 'torhc'. Did you mean: torch? Available: torch"
+
+
+def test_third_party_plugin_is_discovered():
+    cls = plugins.load("pruner", "toy-magnitude")
+    assert cls.__module__ == "ck_toy_pruner"
+    assert "toy-magnitude" in plugins.names("pruner")
+
+
+def test_broken_plugin_is_listed_and_breaks_nothing():
+    infos = {(i.kind, i.name): i for i in plugins.discover()}
+    broken = infos[("pruner", "toy-broken")]
+    assert not broken.ok and "ModuleNotFoundError" in broken.error
+    assert infos[("pruner", "toy-magnitude")].ok and infos[("executor", "torch")].ok
+    with pytest.raises(PluginLoadError, match="toy-broken.*failed to load"):
+        plugins.load("pruner", "toy-broken")
+
+
+def test_loading_one_plugin_imports_no_other():
+    code = (
+        "import sys; from compresskit import plugins; plugins.load('executor', 'torch'); "
+        "print('ck_toy_pruner' in sys.modules, 'triton' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="Did you mean: pruner"):
+        plugins.names("pruners")

@@ -1,0 +1,131 @@
+import json
+
+import pytest
+
+from compresskit.errors import RecipeError
+from compresskit.recipe import apply_overrides, load_raw, load_recipe
+
+BASE = {"model": {"name_or_path": "smollm2-135m"}, "output": {"dir": "runs/x"}}
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_minimal_recipe_gets_defaults():
+    r = load_recipe(dict(BASE))
+    assert r.recipe.executor.name == "torch"
+    assert r.recipe.evaluation.tasks == ["perplexity", "piqa", "next_sentence"]
+    assert r.pruner is None and r.training == []
+    assert r.to_dict()["executor"]["config"] == {"schema_version": 1, "compile": False}
+
+
+def test_include_composes_and_precedence(tmp_path):
+    (tmp_path / "base").mkdir()
+    write(tmp_path / "base" / "eval.yaml", "evaluation: {limit: 5, batch_size: 3}\nseed: 1\n")
+    write(
+        tmp_path / "r.yaml",
+        "include: base/eval.yaml\nseed: 2\nmodel: {name_or_path: smollm2-135m}\nevaluation: {limit: 7}\noutput: {dir: o}\n",
+    )
+    r = load_recipe(tmp_path / "r.yaml", ["evaluation.batch_size=9"])
+    assert r.recipe.seed == 2  # the including file wins over the include
+    assert r.recipe.evaluation.limit == 7
+    assert r.recipe.evaluation.batch_size == 9  # CLI wins over both
+    assert r.overrides == ["evaluation.batch_size=9"]
+
+
+def test_include_cycle(tmp_path):
+    write(tmp_path / "a.yaml", "include: b.yaml\n")
+    write(tmp_path / "b.yaml", "include: a.yaml\n")
+    with pytest.raises(RecipeError, match="include cycle"):
+        load_raw(tmp_path / "a.yaml")
+
+
+def test_misspelt_top_level_key_suggests():
+    with pytest.raises(RecipeError) as exc:
+        load_recipe({**BASE, "evalution": {"limit": 3}})
+    msg = str(exc.value)
+    assert "evalution" in msg and "Did you mean: evaluation?" in msg and "Available:" in msg
+
+
+def test_misspelt_nested_key_names_path():
+    with pytest.raises(RecipeError) as exc:
+        load_recipe({**BASE, "evaluation": {"limt": 3}})
+    assert "evaluation.limt" in str(exc.value) and "limit" in str(exc.value)
+
+
+def test_bad_value_names_path_given_and_allowed():
+    with pytest.raises(RecipeError) as exc:
+        load_recipe({**BASE, "model": {"name_or_path": "x", "dtype": "float8"}})
+    msg = str(exc.value)
+    assert "model.dtype" in msg and "float8" in msg and "bfloat16" in msg
+
+
+def test_unknown_plugin_did_you_mean():
+    with pytest.raises(RecipeError) as exc:
+        load_recipe({**BASE, "executor": {"name": "trch"}})
+    msg = str(exc.value)
+    assert msg.startswith("executor.name:") and "Did you mean: torch?" in msg
+
+
+def test_plugin_config_validated_with_yaml_path():
+    with pytest.raises(RecipeError) as exc:
+        load_recipe({**BASE, "pruner": {"name": "toy-magnitude", "config": {"sparsity": 1.5}}})
+    msg = str(exc.value)
+    assert "pruner.config.sparsity" in msg and "1.5" in msg and "less than 1" in msg
+    with pytest.raises(RecipeError, match=r"pruner\.config\.sparsty.*Did you mean: sparsity"):
+        load_recipe({**BASE, "pruner": {"name": "toy-magnitude", "config": {"sparsty": 0.5}}})
+
+
+def test_training_stage_path():
+    with pytest.raises(RecipeError, match=r"training\.1\.name: unknown trainer 'nope'"):
+        load_recipe({**BASE, "training": [{"name": "none"}, {"name": "nope"}]})
+
+
+def test_overrides_types_and_lists():
+    raw = apply_overrides(
+        {**BASE, "training": [{"name": "none"}]},
+        ["evaluation.limit=12", "training.0.config.x=[1, 2]", "model.allow_download=true", "name=abc"],
+    )
+    assert raw["evaluation"]["limit"] == 12
+    assert raw["training"][0]["config"]["x"] == [1, 2]
+    assert raw["model"]["allow_download"] is True
+    with pytest.raises(RecipeError, match="KEY=VALUE"):
+        apply_overrides(BASE, ["evaluation.limit"])
+    with pytest.raises(RecipeError, match="out of range"):
+        apply_overrides({**BASE, "training": []}, ["training.3.name=none"])
+
+
+def test_hash_ignores_output_but_not_settings():
+    a = load_recipe(dict(BASE))
+    b = load_recipe({**BASE, "output": {"dir": "elsewhere"}})
+    c = load_recipe({**BASE, "seed": 5})
+    assert a.hash() == b.hash() != c.hash()
+
+
+def test_resolved_recipe_round_trips_through_json():
+    r = load_recipe({**BASE, "pruner": {"name": "toy-magnitude", "config": {"sparsity": 0.2}}})
+    again = load_recipe(json.loads(json.dumps(r.to_dict())))
+    assert again.to_dict() == r.to_dict() and again.hash() == r.hash()
+
+
+def test_newer_schema_version_refused():
+    with pytest.raises(RecipeError, match="schema_version"):
+        load_recipe({**BASE, "schema_version": 99})
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    write(tmp_path / "bad.yaml", "model: {name_or_path: x\noutput: [\n")
+    with pytest.raises(RecipeError, match="not valid YAML at line"):
+        load_recipe(tmp_path / "bad.yaml")
+
+
+def test_every_shipped_recipe_validates():
+    from pathlib import Path
+
+    root = Path(__file__).parents[2] / "recipes"
+    recipes = [p for p in root.rglob("*.yaml") if not p.parent.name.startswith("_")]
+    assert recipes
+    for path in recipes:
+        load_recipe(path)
