@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test: $(VENV)/.test-setup-done
 
 test-fast: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: $(VENV)/.setup-done
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) runs

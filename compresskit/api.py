@@ -312,7 +312,11 @@ def eval_model(
         split = dm.split_info()
     ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, progress=progress)
     param = next(model.parameters())
-    recipe = {"eval": model_ref, "evaluation": evaluation.model_dump(mode="json"), "data": data_section.model_dump(mode="json")}
+    recipe = {
+        "eval": model_ref,
+        "evaluation": evaluation.model_dump(mode="json"),
+        "data": data_section.model_dump(mode="json"),
+    }
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     n_params = count_parameters(model)
     results = build_results(

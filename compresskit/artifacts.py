@@ -159,7 +159,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ArtifactError(f"{directory}: model directory not found")
     manifest = read_json(directory / MANIFEST, what=f"{MANIFEST} (is this a compresskit model directory?)")
     if manifest.get("format") not in ("dense", "pruner", "hf"):
-        raise ArtifactError(f"{directory / MANIFEST}: unknown format {manifest.get('format')!r}; allowed: dense, pruner, hf")
+        raise ArtifactError(
+            f"{directory / MANIFEST}: unknown format {manifest.get('format')!r}; allowed: dense, pruner, hf"
+        )
     return manifest
 
 

@@ -228,16 +228,18 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
 
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
-    from compresskit.report import compare_csv, compare_markdown, compare_table
 
     # Validate every recipe before running any of them.
     from compresskit.recipe import load_recipe
+    from compresskit.report import compare_csv, compare_markdown, compare_table
 
     for ref in args.inputs:
         if Path(ref).suffix in (".yaml", ".yml"):
             load_recipe(ref, list(args.set or []))
         elif not Path(ref).exists():
-            raise CompressKitError(f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory")
+            raise CompressKitError(
+                f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory"
+            )
     _quiet_libraries()
     progress = _progress(err)
     runs = [_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs]
@@ -338,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         err.print(
-            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", markup=False, highlight=False
+            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            markup=False,
+            highlight=False,
         )
         return EXIT_INTERNAL
 

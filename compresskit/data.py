@@ -114,7 +114,9 @@ class DataModule:
         articles: override the embedded articles (tests).
     """
 
-    def __init__(self, tokenizer, *, test_fraction: float = 0.25, split_seed: int = 0, articles: list[Article] | None = None):
+    def __init__(
+        self, tokenizer, *, test_fraction: float = 0.25, split_seed: int = 0, articles: list[Article] | None = None
+    ):
         self.tokenizer = tokenizer
         self.test_fraction = test_fraction
         self.split_seed = split_seed
@@ -151,7 +153,9 @@ class DataModule:
         ids = self.train_token_ids()
         n = ids.numel() // seq_len
         if n == 0:
-            raise CompressKitError(f"data.calibration.seq_len: {seq_len} is longer than the training text ({ids.numel()} tokens)")
+            raise CompressKitError(
+                f"data.calibration.seq_len: {seq_len} is longer than the training text ({ids.numel()} tokens)"
+            )
         return ids[: n * seq_len].view(n, seq_len)  # [n, seq_len]
 
     def calibration_batches(self, n_samples: int, seq_len: int, batch_size: int, seed: int = 0) -> list[Batch]:

@@ -59,7 +59,10 @@ def piqa_docs() -> list[dict[str, Any]]:
     labels = [int(x) for x in (root / "valid-labels.lst").read_text().split()]
     if len(rows) != len(labels):
         raise RuntimeError(f"PIQA files disagree: {len(rows)} items, {len(labels)} labels")
-    return [{"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": lab} for r, lab in zip(rows, labels, strict=True)]
+    return [
+        {"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": lab}
+        for r, lab in zip(rows, labels, strict=True)
+    ]
 
 
 _SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
@@ -113,7 +116,9 @@ def next_sentence_docs(articles: list[Article], n_items: int, seed: int = 0) -> 
             distractors.append(rng.choice(pool))
         label = rng.randrange(4)
         choices = distractors[:label] + [answer] + distractors[label:]
-        docs.append({"context": " ".join(para[si : si + 2]), "choices": choices, "label": label, "title": articles[a].title})
+        docs.append(
+            {"context": " ".join(para[si : si + 2]), "choices": choices, "label": label, "title": articles[a].title}
+        )
     return docs
 
 
@@ -276,7 +281,9 @@ def evaluate(
     progress = progress or Progress()
     model.eval()
     with _quiet():
-        lm = _progress_lm(model, tokenizer, batch_size=section.batch_size, max_length=section.max_length, progress=progress)
+        lm = _progress_lm(
+            model, tokenizer, batch_size=section.batch_size, max_length=section.max_length, progress=progress
+        )
         manager = TaskManager(include_defaults=False)
     result = EvalResult(
         meta={
@@ -313,7 +320,9 @@ def evaluate(
                 log_samples=False,
             )
         raw = out["results"][cfg["task"]]
-        metrics = {k.split(",")[0]: float(v) for k, v in raw.items() if "," in k and not k.split(",")[0].endswith("_stderr")}
+        metrics = {
+            k.split(",")[0]: float(v) for k, v in raw.items() if "," in k and not k.split(",")[0].endswith("_stderr")
+        }
         n_items = int(out.get("n-samples", {}).get(cfg["task"], {}).get("effective", 0))
         rep = pruner.sparsity(model) if pruner is not None else None
         result.tasks[name] = TaskResult(name, metrics, n_items, time.perf_counter() - t0, rep)
@@ -342,7 +351,9 @@ def _quiet():
             logging.getLogger(n).setLevel(lvl)
 
 
-def recovery(compressed: dict[str, dict[str, float]], dense: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def recovery(
+    compressed: dict[str, dict[str, float]], dense: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     """Compressed / dense per metric; for lower-is-better metrics dense / compressed, so that
     1.0 means "as good as dense" for every metric."""
     out: dict[str, dict[str, float]] = {}

@@ -27,7 +27,9 @@ class TorchExecutor(Executor):
 
     def check(self, model: nn.Module) -> None:
         if self.config.compile and not hasattr(torch, "compile"):
-            raise KernelUnavailableError("executor.config.compile: this PyTorch has no torch.compile; set compile: false")
+            raise KernelUnavailableError(
+                "executor.config.compile: this PyTorch has no torch.compile; set compile: false"
+            )
 
     def convert(self, model: nn.Module) -> nn.Module:
         if self.config.compile:

@@ -236,4 +236,3 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def convert(self, model: nn.Module) -> nn.Module:
         """Cheap structural runtime swap; returns the model to evaluate."""
-

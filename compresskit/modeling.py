@@ -49,7 +49,10 @@ ALIASES: dict[str, GGUFAlias] = {
 
 def cache_dir() -> Path:
     """Where compresskit keeps derived files (converted models, extracted text)."""
-    root = os.environ.get("COMPRESSKIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compresskit"
+    root = (
+        os.environ.get("COMPRESSKIT_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compresskit"
+    )
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -90,7 +93,9 @@ def resolve_model_source(name_or_path: str, *, allow_download: bool = False) -> 
     expanded = Path(name_or_path).expanduser()
     if expanded.is_dir():
         if not (expanded / "config.json").is_file():
-            raise ModelNotFoundError(f"{field}: directory {str(expanded)!r} has no config.json (not an HF model directory)")
+            raise ModelNotFoundError(
+                f"{field}: directory {str(expanded)!r} has no config.json (not an HF model directory)"
+            )
         return ModelSource("local", name_or_path, str(expanded.resolve()))
     if _looks_like_path(name_or_path) or expanded.exists():
         raise ModelNotFoundError(
@@ -106,11 +111,14 @@ def resolve_model_source(name_or_path: str, *, allow_download: bool = False) -> 
         if allow_download:
             return ModelSource("hub", name_or_path, name_or_path)
         raise ModelNotFoundError(
-            f"{field}: {name_or_path!r} looks like a hub id, but it is not in the local HF cache and downloads are off; "
+            f"{field}: {name_or_path!r} looks like a hub id, but it is not in the local HF cache "
+            "and downloads are off; "
             f"use a local directory or a built-in alias ({', '.join(ALIASES)}), or set model.allow_download: true "
             "on a machine with network"
         )
-    raise ModelNotFoundError(f"{field}: {did_you_mean(name_or_path, ALIASES, what='model alias')} (or a local directory)")
+    raise ModelNotFoundError(
+        f"{field}: {did_you_mean(name_or_path, ALIASES, what='model alias')} (or a local directory)"
+    )
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -252,7 +260,8 @@ def select_modules(
         raise TargetNotFoundError(
             f"targets {targets} (ignore {ignore}) matched no module"
             + (f" of type {getattr(kind, '__name__', kind)}" if kind is not None else "")
-            + f"; module names look like: {', '.join(examples)}; use an exact name, a suffix such as 'mlp', or 're:<regex>'"
+            + f"; module names look like: {', '.join(examples)}; "
+            + "use an exact name, a suffix such as 'mlp', or 're:<regex>'"
         )
     return hits
 
@@ -271,7 +280,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise RecipeError(f"model: {type(model).__name__} has no model.layers; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise RecipeError(
+            f"model: {type(model).__name__} has no model.layers; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     return layers
 
 

@@ -45,7 +45,9 @@ def load(kind: str, name: str) -> type:
         raise PluginNotFoundError(did_you_mean(name, names(kind), what=kind))
 
     def _failed(_manager, entrypoint, exc):
-        raise PluginLoadError(f"{kind} {name!r} ({entrypoint.value}) failed to load: {type(exc).__name__}: {exc}") from exc
+        raise PluginLoadError(
+            f"{kind} {name!r} ({entrypoint.value}) failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
 
     try:
         manager = DriverManager(ns, name, invoke_on_load=False, on_load_failure_callback=_failed)

@@ -59,7 +59,9 @@ class PlainProgress(Progress):
         task = _PlainTask()
         yield task
         extra = "".join(f" {k}={v}" for k, v in task.fields.items())
-        print(f"[compresskit] {description}: done in {time.perf_counter() - t0:.1f}s{extra}", file=self.stream, flush=True)
+        print(
+            f"[compresskit] {description}: done in {time.perf_counter() - t0:.1f}s{extra}", file=self.stream, flush=True
+        )
 
     def log(self, message: str) -> None:
         print(f"[compresskit] {message}", file=self.stream, flush=True)

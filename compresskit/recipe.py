@@ -239,7 +239,9 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any] | None) -> 
         elif isinstance(node, dict):
             node[last] = value
         else:
-            raise RecipeError(f"--set {'.'.join(parts)}: {'.'.join(parts[:-1])} is a {type(node).__name__}, not a mapping")
+            raise RecipeError(
+                f"--set {'.'.join(parts)}: {'.'.join(parts[:-1])} is a {type(node).__name__}, not a mapping"
+            )
     return out
 
 
@@ -313,9 +315,7 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 
 
-def load_recipe(
-    path: str | Path | dict, overrides: list[str] | dict[str, Any] | None = None
-) -> ResolvedRecipe:
+def load_recipe(path: str | Path | dict, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedRecipe:
     """Load, compose, override and validate a recipe (a YAML path or an already-parsed mapping)."""
     raw = load_raw(path) if not isinstance(path, dict) else copy.deepcopy(path)
     raw = apply_overrides(raw, overrides)

@@ -60,7 +60,14 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows.append((f"sparsity ffn ({kind})", f"{sp['ffn']:.3f}", "0.000", "-"))
     rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
     m = results["model"]
-    rows.append(("parameters", f"{m['params_after']:,}", f"{m['params_before']:,}", f"{m['params_after'] / m['params_before']:.3f}"))
+    rows.append(
+        (
+            "parameters",
+            f"{m['params_after']:,}",
+            f"{m['params_before']:,}",
+            f"{m['params_after'] / m['params_before']:.3f}",
+        )
+    )
     return rows
 
 
@@ -93,9 +100,13 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"# {results['name']}",
         "",
         f"Model `{results['model']['name_or_path']}` ({results['model']['dtype']}, {results['model']['device']}), "
-        f"pruner `{results.get('pruner') or 'none (dense)'}`, recipe hash `{results['recipe_hash']}`, {results['created']}.",
+        f"pruner `{results.get('pruner') or 'none (dense)'}`, recipe hash `{results['recipe_hash']}`, "
+        f"{results['created']}.",
         "",
-        _md_table(["metric", "value", "dense", "recovery"][: _columns(results)], [list(r[: _columns(results)]) for r in summary_rows(results)]),
+        _md_table(
+            ["metric", "value", "dense", "recovery"][: _columns(results)],
+            [list(r[: _columns(results)]) for r in summary_rows(results)],
+        ),
         "",
         f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, batch size {ev['batch_size']}, "
         f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",

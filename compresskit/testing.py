@@ -34,7 +34,9 @@ def tiny_tokenizer(vocab_size: int = 384):
         show_progress=False,
     )
     tok.train_from_iterator([TINY_CORPUS], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", bos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", bos_token="<|endoftext|>"
+    )
 
 
 def tiny_llama(seed: int = 0, **overrides: Any):
@@ -169,7 +171,9 @@ def check_plugin_contract(name: str) -> list[Check]:
 
     def save_load():
         out = state["tmp"] / "saved"
-        artifacts.save(out, state["model"], state["tok"], base_model=str(state["base"]), pruner_name=name, pruner=state["pruner"])
+        artifacts.save(
+            out, state["model"], state["tok"], base_model=str(state["base"]), pruner_name=name, pruner=state["pruner"]
+        )
         model2, _, _ = artifacts.load(out, dtype="float32", device="cpu")
         with torch.no_grad():
             logits2 = model2(state["ids"]).logits

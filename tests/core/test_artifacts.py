@@ -21,7 +21,9 @@ def _pruned(tiny_model_dir, sparsity=0.4):
 def test_save_load_round_trip_identical_logits(tiny_model_dir, tmp_path):
     model, tok, pruner = _pruned(tiny_model_dir)
     ids = torch.randint(2, 300, (2, 12))
-    out = artifacts.save(tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner)
+    out = artifacts.save(
+        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
+    )
     manifest = json.loads((out / "compresskit.json").read_text())
     assert manifest["format"] == "pruner" and manifest["pruner"]["config"]["sparsity"] == 0.4
     assert "torch" in manifest["versions"]
@@ -43,7 +45,9 @@ def test_missing_and_corrupt_artifacts(tiny_model_dir, tmp_path):
     with pytest.raises(ArtifactError, match="compresskit.json .*not found"):
         artifacts.load(tmp_path / "empty")
     model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner)
+    out = artifacts.save(
+        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
+    )
     (out / "pruner.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ArtifactError, match="pruner.safetensors: corrupt"):
         artifacts.load(out)
@@ -56,7 +60,9 @@ def test_missing_key_is_an_error_not_a_silent_default(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner)
+    out = artifacts.save(
+        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
+    )
     state = load_file(str(out / "pruner.safetensors"))
     state.pop(sorted(state)[0])
     save_file(state, str(out / "pruner.safetensors"))
@@ -66,7 +72,9 @@ def test_missing_key_is_an_error_not_a_silent_default(tiny_model_dir, tmp_path):
 
 def test_newer_artifact_keys_dropped_with_warning(tiny_model_dir, tmp_path):
     model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner)
+    out = artifacts.save(
+        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
+    )
     manifest = json.loads((out / "compresskit.json").read_text())
     manifest["pruner"]["config"]["added_in_a_later_version"] = 1
     (out / "compresskit.json").write_text(json.dumps(manifest))

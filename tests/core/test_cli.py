@@ -1,11 +1,9 @@
 """The CLI as a user meets it: exit codes, one-line errors, no partial outputs, end to end on a tiny model."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from compresskit.cli import main
 
@@ -40,7 +38,10 @@ def one_line_error(err):
         ("pruner.name=toy-magnitud", "pruner.name: unknown pruner 'toy-magnitud'. Did you mean: toy-magnitude?"),
         ("pruner.config.sparsity=1.5", "pruner.config.sparsity: Input should be less than 1 (given: 1.5)"),
         ("model.name_or_path=./does/not/exist", "model.name_or_path: directory './does/not/exist' does not exist"),
-        ("model.name_or_path=meta-llama/Llama-3.1-8B", "model.name_or_path: 'meta-llama/Llama-3.1-8B' looks like a hub id"),
+        (
+            "model.name_or_path=meta-llama/Llama-3.1-8B",
+            "model.name_or_path: 'meta-llama/Llama-3.1-8B' looks like a hub id",
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["validate", "apply"])
@@ -122,21 +123,45 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
 
     model, _, pruner = load(out_dir / "model", dtype="float32", device="cpu")
     assert pruner.state == "finalized"
-    code, out, err = run(capsys, "eval", str(out_dir / "model"), "--limit", "4", "--perplexity-docs", "1",
-                         "--next-sentence-items", "4", "--max-length", "512", "--output", str(tmp_path / "ev"))
+    code, out, err = run(
+        capsys,
+        "eval",
+        str(out_dir / "model"),
+        "--limit",
+        "4",
+        "--perplexity-docs",
+        "1",
+        "--next-sentence-items",
+        "4",
+        "--max-length",
+        "512",
+        "--output",
+        str(tmp_path / "ev"),
+    )
     assert code == 0, err
     ev = json.loads((tmp_path / "ev" / "results.json").read_text())
     assert ev["pruner"] == "toy-magnitude" and ev["sparsity"]["ffn"] == pytest.approx(sp["ffn"])
 
     # compare: a results file and a recipe whose results are current (reused, not rerun)
-    code, out, err = run(capsys, "compare", str(out_dir), str(tmp_path / "ev" / "results.json"), "--output", str(tmp_path / "cmp"))
+    code, out, err = run(
+        capsys, "compare", str(out_dir), str(tmp_path / "ev" / "results.json"), "--output", str(tmp_path / "cmp")
+    )
     assert code == 0, err
     csv_rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
     assert len(csv_rows) == 3 and csv_rows[0].startswith("run,pruner,sparsity MACs")
 
     # a finished run of a different recipe is never silently replaced
-    code, _, err = run(capsys, "apply", str(TESTS / "recipes" / "tiny-toy.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
-                       "--set", f"output.dir={out_dir}", "--set", "seed=7")
+    code, _, err = run(
+        capsys,
+        "apply",
+        str(TESTS / "recipes" / "tiny-toy.yaml"),
+        "--set",
+        f"model.name_or_path={tiny_model_dir}",
+        "--set",
+        f"output.dir={out_dir}",
+        "--set",
+        "seed=7",
+    )
     assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
 
 
@@ -144,8 +169,18 @@ def test_interrupted_run_leaves_partial_and_resumes(capsys, tiny_model_dir, tmp_
     import compresskit.api as api
 
     out_dir = tmp_path / "run"
-    args = ["apply", str(TESTS / "recipes" / "tiny-toy.yaml"), "--set", f"model.name_or_path={tiny_model_dir}",
-            "--set", f"output.dir={out_dir}", "--set", "evaluation.tasks=[piqa]", "--set", "evaluation.compare_dense=false"]
+    args = [
+        "apply",
+        str(TESTS / "recipes" / "tiny-toy.yaml"),
+        "--set",
+        f"model.name_or_path={tiny_model_dir}",
+        "--set",
+        f"output.dir={out_dir}",
+        "--set",
+        "evaluation.tasks=[piqa]",
+        "--set",
+        "evaluation.compare_dense=false",
+    ]
 
     def boom(*a, **k):
         raise KeyboardInterrupt

@@ -5,7 +5,10 @@ from compresskit.testing import tiny_tokenizer
 
 
 def test_clean_wiki_text_keeps_prose_only():
-    raw = "== History ==\n'''Albedo''' is the fraction of light that a surface reflects back.\n* [[a]]\n| table | cell |\n"
+    raw = (
+        "== History ==\n'''Albedo''' is the fraction of light that a surface reflects back.\n"
+        "* [[a]]\n| table | cell |\n"
+    )
     assert clean_wiki_text(raw) == "Albedo is the fraction of light that a surface reflects back."
 
 
@@ -23,7 +26,7 @@ def test_embedded_articles_are_real_and_split_is_deterministic_and_disjoint():
 
 
 def _module():
-    arts = [Article(f"t{i}", i, ("Sentence number %d is here. " % i) * 200) for i in range(8)]
+    arts = [Article(f"t{i}", i, (f"Sentence number {i} is here. ") * 200) for i in range(8)]
     return DataModule(tiny_tokenizer(), test_fraction=0.25, split_seed=0, articles=arts)
 
 
@@ -32,7 +35,7 @@ def test_calibration_batches_shapes_and_determinism():
     a = dm.calibration_batches(5, 16, 2, seed=3)
     b = dm.calibration_batches(5, 16, 2, seed=3)
     assert [x.input_ids.shape for x in a] == [torch.Size([2, 16]), torch.Size([2, 16]), torch.Size([1, 16])]
-    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b, strict=True))
     test_titles = {t.title for t in dm.test}
     assert dm.split_info()["test_titles"] == sorted(test_titles, key=lambda t: int(t[1:]))
 

@@ -64,4 +64,6 @@ def test_evaluate_tiny_model_with_lm_eval(tiny_model_dir):
     for t in ("piqa", "next_sentence"):
         assert res.tasks[t].n_items == 5 and 0 <= res.tasks[t].metrics["acc"] <= 1
     assert res.meta["lm_eval_version"].startswith("0.4")
-    assert res.zero_shot_average() == pytest.approx((res.tasks["piqa"].metrics["acc"] + res.tasks["next_sentence"].metrics["acc"]) / 2)
+    assert res.zero_shot_average() == pytest.approx(
+        (res.tasks["piqa"].metrics["acc"] + res.tasks["next_sentence"].metrics["acc"]) / 2
+    )

@@ -11,7 +11,11 @@ def test_select_by_suffix_regex_and_ignore():
     names = [n for n, _ in select_modules(model, ["mlp"])]
     assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
     names = [n for n, _ in select_modules(model, [r"re:.*\.(q|o)_proj"], ignore=["model.layers.0.self_attn.o_proj"])]
-    assert names == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"]
+    assert names == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
     assert len(select_modules(model, ["re:.*"], kind=nn.Linear)) == 2 * 7 + 1  # + lm_head
 
 

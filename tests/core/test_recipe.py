@@ -26,7 +26,8 @@ def test_include_composes_and_precedence(tmp_path):
     write(tmp_path / "base" / "eval.yaml", "evaluation: {limit: 5, batch_size: 3}\nseed: 1\n")
     write(
         tmp_path / "r.yaml",
-        "include: base/eval.yaml\nseed: 2\nmodel: {name_or_path: smollm2-135m}\nevaluation: {limit: 7}\noutput: {dir: o}\n",
+        "include: base/eval.yaml\nseed: 2\nmodel: {name_or_path: smollm2-135m}\n"
+        "evaluation: {limit: 7}\noutput: {dir: o}\n",
     )
     r = load_recipe(tmp_path / "r.yaml", ["evaluation.batch_size=9"])
     assert r.recipe.seed == 2  # the including file wins over the include

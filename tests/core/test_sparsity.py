@@ -5,13 +5,26 @@ import pytest
 from compresskit.sparsity import SparsityReport, layer_linear_macs
 
 SMOLLM2 = SimpleNamespace(
-    hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536, num_hidden_layers=30
+    hidden_size=576,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    num_hidden_layers=30,
 )
 
 
 def test_layer_macs_of_smollm2():
     m = layer_linear_macs(SMOLLM2)
-    assert m == {"q": 576 * 576, "k": 576 * 192, "v": 576 * 192, "o": 576 * 576, "gate": 576 * 1536, "up": 576 * 1536, "down": 576 * 1536}
+    assert m == {
+        "q": 576 * 576,
+        "k": 576 * 192,
+        "v": 576 * 192,
+        "o": 576 * 576,
+        "gate": 576 * 1536,
+        "up": 576 * 1536,
+        "down": 576 * 1536,
+    }
     # 30 layers of projections + tied embedding = the model's 134.5M parameters
     assert 30 * sum(m.values()) + 49152 * 576 + 30 * 2 * 576 + 576 == 134_515_008
 

@@ -24,12 +24,19 @@ def test_converted_checkpoint_matches_the_gguf_model():
     src = resolve_model_source("smollm2-135m")
     folder, name = src.path.rsplit("/", 1)
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    ids = tok("Wikipedia is a free online encyclopedia, created and edited by volunteers", return_tensors="pt").input_ids
+    ids = tok(
+        "Wikipedia is a free online encyclopedia, created and edited by volunteers", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         assert torch.equal(model(ids).logits, gguf(ids).logits)
     cfg = model.config
-    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (
-        30, 576, 9, 3, 1536)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    ) == (30, 576, 9, 3, 1536)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
 
 
@@ -39,9 +46,22 @@ def test_quickstart_recipe_runs(tmp_path, capsys):
 
     out = tmp_path / "qs"
     recipe = str(Path(__file__).parents[2] / "recipes" / "quickstart.yaml")
-    code = main(["apply", recipe, "--set", f"output.dir={out}", "--set", "evaluation.limit=20",
-                 "--set", "evaluation.next_sentence_items=20", "--set", "evaluation.perplexity_docs=1",
-                 "--set", "evaluation.max_length=512"])
+    code = main(
+        [
+            "apply",
+            recipe,
+            "--set",
+            f"output.dir={out}",
+            "--set",
+            "evaluation.limit=20",
+            "--set",
+            "evaluation.next_sentence_items=20",
+            "--set",
+            "evaluation.perplexity_docs=1",
+            "--set",
+            "evaluation.max_length=512",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     res = json.loads((out / "results.json").read_text())
