@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compresskit import plugins
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
@@ -80,6 +80,15 @@ class EvaluationSection(_Section):
     compare_dense: bool = Field(True, description="Also evaluate the unpruned model (cached) and report recovery.")
     seed: int = 1234
 
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_unique(cls, tasks: list[str]) -> list[str]:
+        if not tasks:
+            raise ValueError(f"name at least one task; allowed: {', '.join(TASKS)}")
+        if len(set(tasks)) != len(tasks):
+            raise ValueError(f"a task is listed twice: {tasks}")
+        return tasks
+
 
 class OutputSection(_Section):
     dir: str
@@ -98,6 +107,16 @@ class Recipe(_Section):
     evaluation: EvaluationSection = EvaluationSection()
     output: OutputSection
 
+    @model_validator(mode="after")
+    def _output_is_not_the_model(self) -> Recipe:
+        model_dir = Path(self.model.name_or_path).expanduser().resolve()
+        out_dir = Path(self.output.dir).expanduser().resolve()
+        if out_dir == model_dir or model_dir.is_relative_to(out_dir):
+            raise ValueError(
+                f"output.dir {self.output.dir!r} would overwrite the input model.name_or_path "
+                f"{self.model.name_or_path!r}; write the run somewhere else"
+            )
+        return self
 
 # ---------------------------------------------------------------------------------------------
 # error formatting
@@ -130,16 +149,20 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
     parts = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        path = prefix + ".".join(str(p) for p in loc)
+        path = (prefix + ".".join(str(p) for p in loc)).rstrip(".") or "recipe"
         if err["type"] == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1]) or []
             parts.append(f"{path}: {did_you_mean(str(loc[-1]), allowed, what='key')}")
         elif err["type"] == "missing":
             parts.append(f"{path}: required key is missing")
         else:
+            msg = err["msg"].removeprefix("Value error, ")
             given = err.get("input")
+            if isinstance(given, (dict, list)):  # a rule across fields: the message says what is wrong
+                parts.append(f"{path}: {msg}")
+                continue
             given_s = json.dumps(given) if isinstance(given, (int, float, str, bool, type(None))) else repr(given)
-            parts.append(f"{path}: {err['msg']} (given: {given_s[:80]})")
+            parts.append(f"{path}: {msg} (given: {given_s[:80]})")
     return "; ".join(parts)
 
 

@@ -39,9 +39,13 @@ def tiny_tokenizer(vocab_size: int = 384):
     )
 
 
-def tiny_llama(seed: int = 0, **overrides: Any):
-    """A random-init ``LlamaForCausalLM`` small enough for unit tests (GQA: 6 q heads, 2 kv heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def tiny_llama(seed: int = 0, family: str = "llama", **overrides: Any):
+    """A random-init causal LM small enough for unit tests (GQA: 6 q heads, 2 kv heads), of the
+    Llama family by default, or ``family="mistral"`` / ``"qwen2"``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg: dict[str, Any] = dict(
         vocab_size=384,
@@ -59,15 +63,15 @@ def tiny_llama(seed: int = 0, **overrides: Any):
     )
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **cfg))
     return model.eval()
 
 
-def save_tiny_model(directory: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def save_tiny_model(directory: str | Path, seed: int = 0, family: str = "llama", **overrides: Any) -> Path:
     """Write a tiny model and its tokenizer as an HF directory (a stand-in for a real checkpoint)."""
     directory = Path(directory)
     tok = tiny_tokenizer()
-    model = tiny_llama(seed=seed, vocab_size=len(tok), **overrides)
+    model = tiny_llama(seed=seed, family=family, vocab_size=len(tok), **overrides)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory

@@ -51,6 +51,30 @@ def test_directory_without_config(tmp_path):
         resolve_model_source(str(tmp_path))
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_families_run_the_pipeline(family, tmp_path, tiny_recipe):
+    from compresskit.api import apply
+    from compresskit.testing import save_tiny_model
+
+    path = save_tiny_model(tmp_path / family, family=family)
+    recipe = {**tiny_recipe, "model": {**tiny_recipe["model"], "name_or_path": str(path)}}
+    recipe["pruner"] = {"name": "toy-magnitude", "config": {"sparsity": 0.5}}
+    recipe["evaluation"] = {**recipe["evaluation"], "tasks": ["piqa"], "limit": 3, "compare_dense": False}
+    res = apply(recipe).results
+    assert res["sparsity"]["ffn"] == pytest.approx(0.5, abs=0.01)
+    assert 0 <= res["metrics"]["piqa"]["acc"] <= 1
+
+
+def test_unsupported_family_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from compresskit.errors import RecipeError
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(tmp_path)
+    with pytest.raises(RecipeError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+        load_model(str(tmp_path), device="cpu")
+
+
 def test_load_local_directory(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     assert model.config.num_hidden_layers == 2 and not model.training

@@ -111,6 +111,15 @@ def test_resolved_recipe_round_trips_through_json():
     assert again.to_dict() == r.to_dict() and again.hash() == r.hash()
 
 
+def test_cross_field_rules():
+    with pytest.raises(RecipeError, match="output.dir 'm' would overwrite the input model.name_or_path 'm'"):
+        load_recipe({"model": {"name_or_path": "m"}, "output": {"dir": "m"}})
+    with pytest.raises(RecipeError, match="evaluation.tasks: .*listed twice"):
+        load_recipe({**BASE, "evaluation": {"tasks": ["piqa", "piqa"]}})
+    with pytest.raises(RecipeError, match="evaluation.tasks: .*at least one task"):
+        load_recipe({**BASE, "evaluation": {"tasks": []}})
+
+
 def test_newer_schema_version_refused():
     with pytest.raises(RecipeError, match="schema_version"):
         load_recipe({**BASE, "schema_version": 99})
