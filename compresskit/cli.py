@@ -6,21 +6,17 @@ Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and wha
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
 
-# Our own progress bars replace the libraries' tqdm bars; tqdm reads this when it is imported.
-os.environ.setdefault("TQDM_DISABLE", "1")
+from rich.console import Console
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from rich.console import Console  # noqa: E402
-
-from compresskit.errors import CompressKitError, RecipeError, did_you_mean  # noqa: E402
+from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -46,9 +42,27 @@ def _progress(err: Console):
 
 
 def _quiet_libraries() -> None:
+    """Our progress bars and tables replace the libraries' tqdm bars and INFO logs. Runs before
+    lm-eval, datasets or transformers are imported, so that their ``from tqdm import tqdm`` gets
+    the silent class."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import logging
+
+    import tqdm
+    import tqdm.auto
+    import tqdm.std
+
+    if not getattr(tqdm.tqdm, "_compresskit_silent", False):
+
+        class _SilentTqdm(tqdm.std.tqdm):
+            _compresskit_silent = True
+
+            def __init__(self, *args, **kwargs):
+                kwargs["disable"] = True
+                super().__init__(*args, **kwargs)
+
+        tqdm.tqdm = tqdm.std.tqdm = tqdm.auto.tqdm = _SilentTqdm
 
     for name in ("transformers", "lm_eval", "datasets", "huggingface_hub", "stevedore", "gensim", "smart_open"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -88,7 +102,6 @@ def cmd_apply(args, out: Console, err: Console) -> int:
     if args.overwrite:
         overrides.append("output.overwrite=true")
     resolved = load_recipe(args.recipe, overrides)
-    _quiet_libraries()
     result = apply(resolved, progress=_progress(err))
     _print_results(out, result.results)
     _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
@@ -143,8 +156,7 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
             raise CompressKitError("plugins check: name the pruner to check, e.g. `compresskit plugins check wide`")
         from compresskit.testing import check_plugin_contract
 
-        _quiet_libraries()
-        if args.name not in plugins.names("pruner"):
+            if args.name not in plugins.names("pruner"):
             raise CompressKitError(f"plugins check: {did_you_mean(args.name, plugins.names('pruner'), what='pruner')}")
         checks = check_plugin_contract(args.name)
         for c in checks:
@@ -185,7 +197,6 @@ def cmd_eval(args, out: Console, err: Console) -> int:
         evaluation = EvaluationSection(**fields)
     except ValidationError as exc:
         raise RecipeError(format_validation_error(exc, EvaluationSection, prefix="evaluation.")) from None
-    _quiet_libraries()
     results = eval_model(
         args.model,
         evaluation=evaluation,
@@ -240,7 +251,6 @@ def cmd_compare(args, out: Console, err: Console) -> int:
             raise CompressKitError(
                 f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory"
             )
-    _quiet_libraries()
     progress = _progress(err)
     runs = [_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs]
     if out.is_terminal:
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     out, err = _consoles()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    _quiet_libraries()
     try:
         args = build_parser().parse_args(argv)
         if args.version:
