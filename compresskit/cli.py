@@ -156,7 +156,7 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
             raise CompressKitError("plugins check: name the pruner to check, e.g. `compresskit plugins check wide`")
         from compresskit.testing import check_plugin_contract
 
-            if args.name not in plugins.names("pruner"):
+        if args.name not in plugins.names("pruner"):
             raise CompressKitError(f"plugins check: {did_you_mean(args.name, plugins.names('pruner'), what='pruner')}")
         checks = check_plugin_contract(args.name)
         for c in checks:
