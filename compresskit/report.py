@@ -220,7 +220,9 @@ class RichProgress(Progress):
         finally:
             self._depth -= 1
             if self._depth == 0:
-                self._progress.stop()
+                self._progress.stop()  # leaves the finished bars on screen
+                for tid in list(self._progress.task_ids):
+                    self._progress.remove_task(tid)
 
     def log(self, message: str) -> None:
         self.console.log(message) if self._depth else self.console.print(f"[dim]{message}[/dim]")
