@@ -183,6 +183,10 @@ class Pruner(abc.ABC):
         anneal). Returns values worth logging. Default: nothing."""
         return {}
 
+    def train_metrics(self, model: nn.Module) -> dict[str, float]:
+        """Values worth logging after a training step (e.g. the realised sparsity of the batch)."""
+        return {}
+
     def reset_sparsity(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Start measuring the realised sparsity afresh (dynamic methods)."""
 

@@ -1,0 +1,40 @@
+"""Which tokens are real: a context that training stages and the evaluator set, so that a
+dynamic pruner can leave padding out of its sparsity statistics and losses.
+
+    from compresskit.tokens import valid_tokens
+    mask = valid_tokens()   # [B, T] bool for the forward pass in flight, or None (all real)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+
+_VALID: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("compresskit_valid_tokens", default=None)
+
+
+def valid_tokens() -> torch.Tensor | None:
+    """The ``[B, T]`` bool mask of real tokens of the forward pass in flight, or None."""
+    return _VALID.get()
+
+
+@contextlib.contextmanager
+def token_mask(mask: torch.Tensor | None) -> Iterator[None]:
+    """Declare which tokens of the next forward passes are real (``[B, T]``, nonzero = real)."""
+    token = _VALID.set(None if mask is None else mask.bool())
+    try:
+        yield
+    finally:
+        _VALID.reset(token)
+
+
+def mask_for(x: torch.Tensor) -> torch.Tensor:
+    """The valid mask for activations ``x: [B, T, ...]`` as a float tensor ``[B, T]`` (ones when
+    no mask is declared or it does not fit this pass, e.g. a decode step)."""
+    mask = _VALID.get()
+    if mask is None or mask.shape != x.shape[:2]:
+        return torch.ones(x.shape[:2], device=x.device, dtype=torch.float32)
+    return mask.to(device=x.device, dtype=torch.float32)
