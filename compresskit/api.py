@@ -8,6 +8,7 @@ interrupted run resumes) and moved into ``output.dir`` only when everything succ
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -179,11 +180,14 @@ def apply(
                         t.advance(1)
 
                 pruner.calibrate(model, counted())
-    for stage in resolved.training:
+    stages = []
+    for i, stage in enumerate(resolved.training):
         trainer = stage.cls(stage.config)
-        summary = trainer.fit(model, pruner, data, ctx)
+        stage_ctx = dataclasses.replace(ctx, work_dir=staging / "work" / f"stage{i}-{stage.name}")
+        summary = trainer.fit(model, pruner, data, stage_ctx)
         summary.stage = stage.name
         train_summaries.append(summary)
+        stages.append((stage.name, trainer))
     if pruner is not None:
         model = pruner.finalize(model)
         prune_summary = pruner.summary(model)
@@ -226,6 +230,7 @@ def apply(
             base_model=rec.model.name_or_path,
             pruner_name=resolved.pruner.name if resolved.pruner else None,
             pruner=pruner,
+            stages=stages,
             recipe=resolved.to_dict(),
         )
         artifacts.write_json(staging / "results.json", results)

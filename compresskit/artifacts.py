@@ -111,27 +111,46 @@ def save(
     base_model: str,
     pruner_name: str | None = None,
     pruner: Pruner | None = None,
+    stages: list[tuple[str, Any]] | None = None,
     recipe: dict[str, Any] | None = None,
 ) -> Path:
-    """Save a (compressed) model to ``directory`` atomically; see the module docstring."""
+    """Save a (compressed) model to ``directory`` atomically; see the module docstring.
+
+    ``stages`` are the training stages that ran, as (name, trainer); those that change the model
+    beyond the pruner's tensors (LoRA) save their own tensors, re-applied on load in order.
+    """
     directory = Path(directory)
+    stage_tensors = [
+        (i, name, t) for i, (name, t) in enumerate(stages or []) if hasattr(t, "state_dict") and hasattr(t, "restore")
+    ]
     with staged_dir(directory) as tmp:
         manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "base_model": base_model,
             "pruner": None,
+            "training": [],
             "recipe": recipe,
             "versions": versions(),
         }
-        if pruner is None:
+        if pruner is not None and pruner.saves_full_model:
+            manifest["format"] = "hf"
+        elif pruner is None and not stage_tensors:
             manifest["format"] = "dense"
         else:
+            manifest["format"] = "pruner"
+        for i, name, trainer in stage_tensors:
+            if manifest["format"] == "hf":
+                break  # the full checkpoint already holds what the stages changed
+            file = f"stage{i}-{name}.safetensors"
+            save_file({k: v.contiguous() for k, v in trainer.state_dict(model).items()}, str(tmp / file))
+            manifest["training"].append(
+                {"index": i, "name": name, "config": trainer.config.model_dump(mode="json"), "file": file}
+            )
+        if pruner is not None:
             manifest["pruner"] = {"name": pruner_name, "config": pruner.config.model_dump(mode="json")}
             if pruner.saves_full_model:
-                manifest["format"] = "hf"
                 model.save_pretrained(tmp)
             else:
-                manifest["format"] = "pruner"
                 state = {k: v.detach().contiguous().cpu() for k, v in pruner.state_dict(model).items()}
                 save_file(state, str(tmp / PRUNER_FILE), metadata={"pruner": str(pruner_name)})
         if tokenizer is not None:
@@ -180,27 +199,46 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
         model, tokenizer = load_model(str(directory), dtype=dtype, device=device, progress=progress)
     else:
         model, tokenizer = load_model(manifest["base_model"], dtype=dtype, device=device, progress=progress)
-    if fmt == "dense" or manifest.get("pruner") is None:
+    if fmt == "dense":
         return model, tokenizer, None
-    info = manifest["pruner"]
-    try:
-        cls = plugins.load("pruner", info["name"])
-    except CompressKitError as exc:
-        raise ArtifactError(f"{directory / MANIFEST}: {exc}") from None
-    pruner = cls(_pruner_config(cls, info.get("config", {}), str(directory / MANIFEST)))
+    info = manifest.get("pruner")
+    pruner = None
+    if info is not None:
+        try:
+            cls = plugins.load("pruner", info["name"])
+        except CompressKitError as exc:
+            raise ArtifactError(f"{directory / MANIFEST}: {exc}") from None
+        pruner = cls(_pruner_config(cls, info.get("config", {}), str(directory / MANIFEST)))
     if fmt == "hf":
         return model, tokenizer, pruner
-    file = directory / PRUNER_FILE
-    if not file.is_file():
-        raise ArtifactError(f"{file}: pruner tensors not found")
-    try:
-        state = load_file(str(file), device=str(next(model.parameters()).device))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise ArtifactError(f"{file}: corrupt safetensors file ({exc})") from None
     param = next(model.parameters())
+    device = str(param.device)
     ctx = RunContext(model_config=model.config, tokenizer=tokenizer, device=param.device, dtype=param.dtype)
-    pruner.prepare(model, ctx)
-    pruner.load_state_dict(model, state)
-    model = pruner.finalize(model)
+    if pruner is not None:
+        pruner.prepare(model, ctx)
+    for stage in manifest.get("training", []):
+        try:
+            tcls = plugins.load("trainer", stage["name"])
+        except CompressKitError as exc:
+            raise ArtifactError(f"{directory / MANIFEST}: training stage {stage.get('index')}: {exc}") from None
+        try:
+            trainer = tcls(tcls.Config.model_validate(stage["config"]))
+        except ValidationError as exc:
+            raise ArtifactError(
+                f"{directory / MANIFEST}: training stage {stage['name']!r}: invalid config: {exc}"
+            ) from None
+        trainer.restore(model, _read_tensors(directory / stage["file"], device))
+    if pruner is not None:
+        pruner.load_state_dict(model, _read_tensors(directory / PRUNER_FILE, device))
+        model = pruner.finalize(model)
     model.eval()
     return model, tokenizer, pruner
+
+
+def _read_tensors(file: Path, device: str) -> dict[str, torch.Tensor]:
+    if not file.is_file():
+        raise ArtifactError(f"{file}: tensors not found")
+    try:
+        return load_file(str(file), device=device)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ArtifactError(f"{file}: corrupt safetensors file ({exc})") from None

@@ -35,6 +35,7 @@ from compresskit.interfaces import Pruner
 from compresskit.progress import Progress
 from compresskit.recipe import EvaluationSection
 from compresskit.sparsity import SparsityReport
+from compresskit.tokens import token_mask
 
 # metric -> True when higher is better (used for recovery and table arrows)
 HIGHER_IS_BETTER = {
@@ -230,6 +231,16 @@ def _progress_lm(model, tokenizer, *, batch_size: int, max_length: int, progress
                     task.advance(len(requests[i : i + chunk]))
             return out
 
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            # Tell dynamic pruners which positions are lm-eval's right padding (not real tokens).
+            lengths, self._pad_lengths = self._pad_lengths, None
+            valid = None
+            if lengths is not None and len(lengths) == inps.shape[0]:
+                positions = torch.arange(inps.shape[1], device=inps.device)
+                valid = positions[None, :] < torch.tensor(lengths, device=inps.device)[:, None]  # [B, T]
+            with token_mask(valid):
+                return super()._model_call(inps, attn_mask=attn_mask, labels=labels)
+
         def loglikelihood(self, requests, disable_tqdm: bool = False):
             return self._chunked(super().loglikelihood, requests, self._label)
 
@@ -238,7 +249,31 @@ def _progress_lm(model, tokenizer, *, batch_size: int, max_length: int, progress
 
     lm = ProgressHFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
     lm._label = "evaluating"
+    lm._pad_lengths = None
     return lm
+
+
+@contextlib.contextmanager
+def _recording_pad_lengths(lm):
+    """lm-eval right-pads each batch with zeros and passes no attention mask; record the true
+    lengths where it pads (its module-level ``pad_and_concat``), for ``_model_call``."""
+    import lm_eval.models.huggingface as hf
+
+    original = getattr(hf, "pad_and_concat", None)
+    if original is None:  # another lm-eval layout: pads are then counted as tokens
+        yield
+        return
+
+    def recording(max_length, tensors, padding_side="right"):
+        if padding_side == "right":
+            lm._pad_lengths = [t.shape[-1] for t in tensors]
+        return original(max_length, tensors, padding_side=padding_side)
+
+    hf.pad_and_concat = recording
+    try:
+        yield
+    finally:
+        hf.pad_and_concat = original
 
 
 @dataclass
@@ -304,7 +339,7 @@ def evaluate(
         if pruner is not None:
             pruner.reset_sparsity(model)
         t0 = time.perf_counter()
-        with torch.inference_mode(), _quiet():
+        with torch.inference_mode(), _quiet(), _recording_pad_lengths(lm):
             out = simple_evaluate(
                 model=lm,
                 tasks=[cfg],

@@ -210,8 +210,10 @@ class WidePruner(Pruner):
             sub = {k: state[f"{PREFIX}{name}.router.{k}"] for k in proj.router.state_dict()}
             for k, v in sub.items():
                 if v.shape != proj.router.state_dict()[k].shape:
-                    raise ArtifactError(f"wide: {PREFIX}{name}.router.{k} has shape {tuple(v.shape)}, "
-                                        f"the model expects {tuple(proj.router.state_dict()[k].shape)}")
+                    raise ArtifactError(
+                        f"wide: {PREFIX}{name}.router.{k} has shape {tuple(v.shape)}, "
+                        f"the model expects {tuple(proj.router.state_dict()[k].shape)}"
+                    )
             proj.router.load_state_dict(sub)
 
     # -- measurement --------------------------------------------------------------------------

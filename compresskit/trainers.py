@@ -1,0 +1,338 @@
+"""Generic training stages, shared by every pruner (no plugin imports another).
+
+* ``router``: optimises what the pruner hands over (``pruner.trainable_parameters``, e.g. WIDE's
+  routers) on the next-token LM loss plus ``pruner.regularization``; the backbone is frozen but
+  gradients flow through it.
+* ``lora``: adds LoRA adapters (peft) to the model's projections and trains them together with
+  the pruner's parameters (a recovery stage). ``merge: true`` folds them into the weights at the
+  end of the stage.
+
+Both run on CPU or GPU (bf16 autocast on GPU), report progress (loss, realised sparsity,
+tokens/s), checkpoint every ``checkpoint_every`` steps into the run's staging directory and
+resume from there after an interruption, seeing the same data and random numbers as an
+uninterrupted run.
+
+Sample YAML::
+
+    training:
+      - {name: router, config: {steps: 200, batch_size: 4, seq_len: 512, lr: 2.0e-3}}
+      - {name: lora, config: {steps: 200, lr: 2.0e-4, r: 16, alpha: 32}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from compresskit.data import DataModule
+from compresskit.errors import ArtifactError, RecipeError
+from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
+from compresskit.tokens import token_mask
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class TrainStageConfig(PluginConfig):
+    steps: int = Field(200, ge=1, description="Optimiser steps.")
+    batch_size: int = Field(4, ge=1, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimiser step.")
+    seq_len: int = Field(512, ge=8, description="Tokens per training sequence (packed, no padding).")
+    lr: float = Field(2e-3, gt=0.0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(0.0, ge=0.0, description="Learning rate at the end of the cosine decay.")
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0, description="Share of steps with linear warm-up.")
+    weight_decay: float = Field(0.01, ge=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (None: no clipping).")
+    autocast_bf16: bool = Field(True, description="bf16 autocast on a GPU (ignored on the CPU).")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between resumable checkpoints.")
+    seed: int | None = Field(None, description="Data order and noise seed (None: the recipe's seed).")
+
+    @model_validator(mode="after")
+    def _lr_range(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
+    """Linear warm-up over ``int(total * warmup_ratio)`` steps, then cosine to ``min_ratio``."""
+    warm = int(total * warmup_ratio)
+    if warm > 0 and step < warm:
+        return (step + 1) / warm
+    span = max(1, total - warm)
+    progress = min(1.0, (step - warm) / span)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class RouterTrainer(Trainer):
+    """``router``: train the pruner's own parameters (routers) on LM loss + its regularisation."""
+
+    Config = TrainStageConfig
+    stage_name = "router"
+
+    # -- what is trained ----------------------------------------------------------------------
+    def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
+        if pruner is None:
+            raise RecipeError(
+                f"training: the {self.stage_name!r} stage trains a pruner's parameters; the recipe has no pruner"
+            )
+        params = pruner.trainable_parameters(model)
+        if not params:
+            raise RecipeError(
+                f"training: pruner {type(pruner).__name__} hands no trainable parameters to the {self.stage_name!r} stage"
+            )
+        return params
+
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+        c = self.config
+        params = self.setup(model, pruner, ctx)
+        trainable = {id(p) for p in params}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trainable)
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        named = {names[id(p)]: p for p in params}
+        optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+        min_ratio = c.min_lr / c.lr
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, c.steps, c.warmup_ratio, min_ratio)
+        )
+        seed = ctx.seed if c.seed is None else c.seed
+        work = Path(ctx.work_dir) if ctx.work_dir is not None else None
+        start, history, done = 0, [], False
+        ckpt = work / CHECKPOINT if work else None
+        if ckpt is not None and ckpt.is_file():
+            start, history, done = self._load_checkpoint(ckpt, named, optimizer, scheduler)
+            if ctx.progress is not None:
+                ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
+        else:
+            torch.manual_seed(seed)
+        device = ctx.device
+        use_autocast = c.autocast_bf16 and device.type == "cuda"
+        batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * c.grad_accum)
+        progress = ctx.progress
+        t0, tokens = time.perf_counter(), 0
+        model.train()
+        task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
+        try:
+            with task_cm as task:
+                if task is not None and start:
+                    task.advance(start)
+                for step in range(start, c.steps if not done else start):
+                    logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
+                    optimizer.zero_grad(set_to_none=True)
+                    total_loss = 0.0
+                    for _ in range(c.grad_accum):
+                        batch = next(batches).to(device)
+                        with (
+                            token_mask(batch.attention_mask),
+                            torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_autocast),
+                        ):
+                            out = model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False)
+                            loss = out.loss
+                            reg = pruner.regularization(model) if pruner is not None else None
+                            if reg is not None:
+                                loss = loss + reg
+                        (loss / c.grad_accum).backward()
+                        total_loss += float(loss.detach()) / c.grad_accum
+                        tokens += int(batch.attention_mask.sum())
+                        logs["lm_loss"] = float(out.loss.detach())
+                    if not math.isfinite(total_loss):
+                        raise FloatingPointError(f"{self.stage_name}: loss became {total_loss} at step {step}")
+                    if c.grad_clip is not None:
+                        torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    if pruner is not None:
+                        logs.update(pruner.train_metrics(model))
+                    logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
+                    history.append({k: float(v) for k, v in logs.items()})
+                    if task is not None:
+                        task.advance(1)
+                        shown = {k: logs[k] for k in ("loss", "lm_loss") if k in logs}
+                        shown.update({k: v for k, v in logs.items() if k.startswith("sparsity")})
+                        shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
+                        task.update(**shown)
+                    if ckpt is not None and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
+                        self._save_checkpoint(ckpt, step + 1, named, optimizer, scheduler, history, step + 1 == c.steps)
+        finally:
+            model.eval()
+        for p in params:
+            p.requires_grad_(False)
+        self.finish(model, pruner, ctx)
+        return TrainSummary(
+            stage=self.stage_name,
+            steps=c.steps,
+            tokens=tokens,
+            final_loss=history[-1]["loss"] if history else None,
+            seconds=time.perf_counter() - t0,
+            history=history[-20:],
+        )
+
+    def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
+        """Called after the last step (LoRA merges here)."""
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save_checkpoint(self, path: Path, step, named, optimizer, scheduler, history, done) -> None:
+        state = {
+            "step": step,
+            "done": done,
+            "params": {k: v.detach().cpu() for k, v in named.items()},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "history": history,
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "config": self.config.model_dump(mode="json"),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def _load_checkpoint(self, path: Path, named, optimizer, scheduler):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as exc:  # a torn or foreign file: say which and why
+            raise ArtifactError(
+                f"{path}: corrupt training checkpoint ({type(exc).__name__}: {exc}); delete it to restart"
+            ) from None
+        if state.get("config") != self.config.model_dump(mode="json"):
+            raise ArtifactError(
+                f"{path}: checkpoint of a different {self.stage_name!r} configuration; delete it to restart"
+            )
+        missing = sorted(set(named) - set(state["params"]))
+        unexpected = sorted(set(state["params"]) - set(named))
+        if missing or unexpected:
+            raise ArtifactError(
+                f"{path}: checkpoint does not match the model: missing {missing[:2]} ({len(missing)}), "
+                f"unexpected {unexpected[:2]} ({len(unexpected)})"
+            )
+        with torch.no_grad():
+            for k, p in named.items():
+                p.copy_(state["params"][k].to(p.device, p.dtype))
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        return state["step"], state["history"], state["done"]
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA recovery
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraStageConfig(TrainStageConfig):
+    lr: float = Field(2e-4, gt=0.0, description="Peak learning rate (AdamW).")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale alpha / r).")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    train_pruner_params: bool = Field(True, description="Also train the pruner's parameters (e.g. routers).")
+    merge: bool = Field(False, description="Fold the adapters into the weights at the end of the stage.")
+
+
+def lora_target_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """FQNs of the ``nn.Linear`` modules for each target name: ``<...>.<target>`` itself, or
+    ``<...>.<target>.base_layer`` where a pruner wrapped it."""
+    hits = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".")
+        if parts[-1] in targets or (parts[-1] == "base_layer" and len(parts) > 1 and parts[-2] in targets):
+            hits.append(name)
+    if not hits:
+        raise RecipeError(f"training: lora target_modules {targets} matched no linear layer of the model")
+    return hits
+
+
+class LoraTrainer(RouterTrainer):
+    """``lora``: LoRA adapters (peft) on the projections, trained with the pruner's parameters."""
+
+    Config = LoraStageConfig
+    stage_name = "lora"
+
+    def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
+        inject_lora(model, self.config)
+        params = [p for n, p in model.named_parameters() if "lora_" in n]
+        if pruner is not None and self.config.train_pruner_params:
+            params += pruner.trainable_parameters(model)
+        return params
+
+    def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
+        if self.config.merge:
+            merge_lora(model)
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What a saved model needs to reproduce this stage: the adapter tensors, or after a
+        merge, the merged weights of the adapted layers."""
+        if self.config.merge:
+            names = lora_target_names(model, self.config.target_modules)
+            return {f"merged.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
+        return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+    def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Re-apply a saved stage to a freshly prepared model."""
+        if self.config.merge:
+            names = lora_target_names(model, self.config.target_modules)
+            expected = {f"merged.{n}.weight" for n in names}
+        else:
+            inject_lora(model, self.config)
+            expected = {n for n, _ in model.named_parameters() if "lora_" in n}
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ArtifactError(
+                f"lora: saved tensors do not match the model: missing {missing[:2]} ({len(missing)}), "
+                f"unexpected {unexpected[:2]} ({len(unexpected)})"
+            )
+        with torch.no_grad():
+            if self.config.merge:
+                for key, value in state.items():
+                    w = model.get_submodule(key[len("merged.") : -len(".weight")]).weight
+                    w.copy_(value.to(w.device, w.dtype))
+            else:
+                params = dict(model.named_parameters())
+                for key, value in state.items():
+                    params[key].copy_(value.to(params[key].device, params[key].dtype))
+
+
+def inject_lora(model: nn.Module, config: LoraStageConfig) -> None:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    names = lora_target_names(model, config.target_modules)
+    lora = LoraConfig(
+        r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none", target_modules=names
+    )
+    inject_adapter_in_model(lora, model)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()  # fp32 adapters whatever the model dtype
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Fold every LoRA adapter into its base weight and put the plain layer back."""
+    from peft.tuners.lora import LoraLayer
+
+    from compresskit.modeling import replace_module
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            replace_module(model, name, module.get_base_layer())
+
+
+def trainer_artifacts(stage: Any) -> bool:
+    """Whether a training stage contributes tensors to a saved model."""
+    return hasattr(stage, "state_dict") and hasattr(stage, "restore")
