@@ -86,7 +86,8 @@ class RouterTrainer(Trainer):
         params = pruner.trainable_parameters(model)
         if not params:
             raise RecipeError(
-                f"training: pruner {type(pruner).__name__} hands no trainable parameters to the {self.stage_name!r} stage"
+                f"training: pruner {type(pruner).__name__} hands no trainable parameters "
+                f"to the {self.stage_name!r} stage"
             )
         return params
 

@@ -54,7 +54,8 @@ class WidePrunerConfig(PluginConfig):
             if "target_sparsity" in data and data["target_sparsity"] is not None:
                 raise ValueError(
                     "give either target_sparsity, or target_attention and target_ffn, not both kinds "
-                    f"(given target_sparsity={data['target_sparsity']}, target_attention={data.get('target_attention')}, "
+                    f"(given target_sparsity={data['target_sparsity']}, "
+                    f"target_attention={data.get('target_attention')}, "
                     f"target_ffn={data.get('target_ffn')})"
                 )
             data = {**data, "target_sparsity": None}
