@@ -112,6 +112,7 @@ class WidePruner(Pruner):
                 replace_module(layer, "post_attention_layernorm", RouterTap(layer.post_attention_layernorm, proj))
             targeted.append(name)
         model.train(model.training)  # new wrappers take the model's current mode
+        self._bind(model)
         self._layer_macs = sum(macs.values())
         self._num_layers = len(layers)
         self._attn_g, self._ffn_g = attn_g, ffn_g
@@ -171,6 +172,8 @@ class WidePruner(Pruner):
 
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
         rho = self.realised(model)
+        for _, proj in self._projections:  # consumed: the graph is not kept past this step
+            proj.last_skip = proj.last_valid = None
         if not rho:
             return None
         c = self.config

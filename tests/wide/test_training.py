@@ -1,0 +1,176 @@
+"""The router and LoRA training stages with the WIDE pruner, end to end on a tiny model:
+sparsity is driven to its target, stages resume bit-exactly after an interruption, and saved
+models (routers, LoRA, merged LoRA) reload with identical logits."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import compresskit.api as api
+from compresskit import artifacts, plugins
+from compresskit.api import apply
+from compresskit.data import DataModule
+from compresskit.interfaces import RunContext
+from compresskit.modeling import load_model
+from compresskit.trainers import LoraStageConfig, LoraTrainer, RouterTrainer, TrainStageConfig, lr_factor
+
+
+def recipe(tiny_model_dir, tmp_path, stages, **pruner_kw):
+    return {
+        "name": "wide-tiny",
+        "seed": 3,
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8, **pruner_kw}},
+        "training": stages,
+        "evaluation": {"tasks": ["piqa"], "limit": 4, "batch_size": 4, "max_length": 512, "compare_dense": False},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+
+
+def stage(name, **kw):
+    base = {"steps": 8, "batch_size": 2, "seq_len": 32, "checkpoint_every": 2}
+    return {"name": name, "config": {**base, **kw}}
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_factor(0, 100, 0.1, 0.0) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 0.1, 0.0) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 0.1, 0.0) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 0.1, 0.0) == pytest.approx(0.5)
+    assert lr_factor(100, 100, 0.1, 0.2) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainStageConfig(lr=1e-3, min_lr=1e-2)
+
+
+def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    results = {}
+    for target in (0.2, 0.8):
+        m = copy.deepcopy(model)
+        pruner = cls(cls.Config(ffn_group_size=16, router_rank=8, target_sparsity=target))
+        ctx = RunContext(model_config=m.config, tokenizer=tok, seed=0)
+        pruner.prepare(m, ctx)
+        data = DataModule(tok)
+        summary = RouterTrainer(TrainStageConfig(steps=60, batch_size=2, seq_len=32, lr=2e-2)).fit(m, pruner, data, ctx)
+        last = summary.history[-5:]
+        results[target] = sum((h["sparsity_attention"] + h["sparsity_ffn"]) / 2 for h in last) / len(last)
+        assert not m.training and all(not p.requires_grad for p in m.parameters())
+    assert results[0.2] == pytest.approx(0.2, abs=0.12)
+    assert results[0.8] == pytest.approx(0.8, abs=0.12)
+
+
+def test_two_stages_save_and_reload_with_identical_logits(tiny_model_dir, tmp_path):
+    res = apply(recipe(tiny_model_dir, tmp_path, [stage("router"), stage("lora", r=4, alpha=8)]))
+    out = tmp_path / "run"
+    manifest = json.loads((out / "model" / "compresskit.json").read_text())
+    assert manifest["format"] == "pruner"
+    assert [s["name"] for s in manifest["training"]] == ["lora"]
+    from safetensors.torch import load_file
+
+    lora = load_file(str(out / "model" / manifest["training"][0]["file"]))
+    assert lora and all("lora_" in k for k in lora)
+    assert [t["stage"] for t in res.results["training"]] == ["router", "lora"]
+    assert res.results["sparsity"]["dynamic"] and res.results["sparsity"]["tokens"] > 0
+    # reload twice: deterministic and identical to the model that was evaluated
+    m1, _, p1 = artifacts.load(out / "model", dtype="float32", device="cpu")
+    m2, _, _ = artifacts.load(out / "model", dtype="float32", device="cpu")
+    ids = torch.randint(2, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(m1(ids).logits, m2(ids).logits)
+    assert p1.state == "finalized"
+    # and `eval` on the saved model reproduces the run's numbers
+    ev = api.eval_model(
+        str(out / "model"), evaluation=api.EvaluationSection(tasks=["piqa"], limit=4, batch_size=4, max_length=512)
+    )
+    assert ev["metrics"] == res.results["metrics"]
+    assert ev["sparsity"]["macs"] == res.results["sparsity"]["macs"]
+
+
+def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    ctx = RunContext(model_config=model.config, tokenizer=tok, seed=0)
+    pruner.prepare(model, ctx)
+    data = DataModule(tok)
+    trainer = LoraTrainer(LoraStageConfig(steps=4, batch_size=2, seq_len=32, r=4, alpha=8, lr=1e-2))
+    trainer.fit(model, pruner, data, ctx)
+    ids = torch.randint(2, 300, (2, 16))
+    merged = copy.deepcopy(model)
+    from compresskit.trainers import merge_lora
+
+    merge_lora(merged)
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    # a run with merge: true saves the merged weights and reloads to identical logits
+    res = apply(recipe(tiny_model_dir, tmp_path, [stage("router"), stage("lora", r=4, alpha=8, merge=True)]))
+    out = tmp_path / "run" / "model"
+    m1, _, _ = artifacts.load(out, dtype="float32", device="cpu")
+    assert not any("lora_" in n for n, _ in m1.named_parameters())
+    manifest = json.loads((out / "compresskit.json").read_text())
+    from safetensors.torch import load_file
+
+    assert all(k.startswith("merged.") for k in load_file(str(out / manifest["training"][0]["file"])))
+    assert res.results["metrics"]["piqa"]["acc"] >= 0
+
+
+def test_interrupted_training_resumes_bit_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    stages = [stage("router", steps=6), stage("lora", steps=4, r=4, alpha=8)]
+    full = apply(recipe(tiny_model_dir, tmp_path / "a", stages))
+    ref_model, _, _ = artifacts.load(tmp_path / "a" / "run" / "model", dtype="float32", device="cpu")
+
+    from compresskit_wide.pruner import WidePruner
+
+    original = WidePruner.on_train_step
+    calls = {"n": 0}
+
+    def interrupt(self, step, total):
+        calls["n"] += 1
+        if calls["n"] == 9:  # step 2 of the LoRA stage, after the router stage finished
+            raise KeyboardInterrupt
+        return original(self, step, total)
+
+    monkeypatch.setattr(WidePruner, "on_train_step", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        apply(recipe(tiny_model_dir, tmp_path / "b", stages))
+    partial = tmp_path / "b" / "run.partial"
+    assert (partial / "work" / "stage0-router" / "checkpoint.pt").is_file()
+    assert (partial / "work" / "stage1-lora" / "checkpoint.pt").is_file()
+    monkeypatch.setattr(WidePruner, "on_train_step", original)
+    resumed = apply(recipe(tiny_model_dir, tmp_path / "b", stages))
+    model, _, _ = artifacts.load(tmp_path / "b" / "run" / "model", dtype="float32", device="cpu")
+    ids = torch.randint(2, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref_model(ids).logits)
+    assert resumed.results["metrics"] == full.results["metrics"]
+    assert not partial.exists()
+
+
+def test_router_stage_needs_a_pruner_with_parameters(tiny_model_dir, tmp_path):
+    from compresskit.errors import RecipeError
+
+    r = recipe(tiny_model_dir, tmp_path, [stage("router")])
+    r.pop("pruner")
+    with pytest.raises(RecipeError, match="has no pruner"):
+        apply(r)
+
+
+def test_checkpoint_of_another_config_is_refused(tiny_model_dir, tmp_path):
+    from compresskit.errors import ArtifactError
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    ctx = RunContext(model_config=model.config, tokenizer=tok, work_dir=tmp_path / "w")
+    pruner.prepare(model, ctx)
+    data = DataModule(tok)
+    RouterTrainer(TrainStageConfig(steps=2, batch_size=2, seq_len=32)).fit(model, pruner, data, ctx)
+    with pytest.raises(ArtifactError, match="different 'router' configuration"):
+        RouterTrainer(TrainStageConfig(steps=3, batch_size=2, seq_len=32)).fit(model, pruner, data, ctx)
+    (tmp_path / "w" / "checkpoint.pt").write_bytes(b"torn")
+    with pytest.raises(ArtifactError, match="corrupt training checkpoint"):
+        RouterTrainer(TrainStageConfig(steps=2, batch_size=2, seq_len=32)).fit(model, pruner, data, ctx)
