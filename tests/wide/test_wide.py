@@ -328,3 +328,24 @@ def test_routed_projection_needs_its_tap():
     assert isinstance(proj, RoutedProjection)
     with pytest.raises(RuntimeError, match="router tap did not run"):
         proj(torch.zeros(1, 2, 48))
+
+
+def test_group_fractions_are_reported_beside_mac_fractions():
+    model = tiny_llama()
+    pruner = wide(model)
+    with torch.no_grad():
+        model(ids())
+    rep = pruner.sparsity(model)
+    d = rep.to_dict()
+    groups = d["groups"]
+    att = [p for _, p in routed_projections(model) if p.kind == "attention"]
+    expected_att = sum(float(p.stat_skipped) for p in att) / sum(float(p.stat_tokens) * p.groups for p in att)
+    assert groups["attention"] == pytest.approx(expected_att, abs=1e-6)
+    assert groups["mean"] == pytest.approx((groups["attention"] + groups["ffn"]) / 2, abs=1e-6)
+    # every attention group costs the same MACs: the block's MAC fraction is the group fraction
+    # times the prunable (q + o) share of the block (k and v are never skipped)
+    cfg = model.config
+    share = (2 * 48 * 48) / (2 * 48 * 48 + 2 * 48 * 16)
+    assert d["attention"] == pytest.approx(groups["attention"] * share, abs=1e-5)
+    assert rep.merge(rep).to_dict()["groups"] == groups
+    assert cfg.num_attention_heads == 6

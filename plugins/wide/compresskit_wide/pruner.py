@@ -24,7 +24,7 @@ from torch import nn
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import Pruner, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module, select_modules
-from compresskit.sparsity import SparsityReport, layer_linear_macs
+from compresskit.sparsity import BlockCount, SparsityReport, layer_linear_macs
 from compresskit_wide.config import WidePrunerConfig
 from compresskit_wide.layers import RoutedProjection, RouterTap, routed_projections, unwrap
 from compresskit_wide.router import GroupRouter, linear_tau
@@ -237,6 +237,9 @@ class WidePruner(Pruner):
             layer["ffn"].total = tokens * ffn_total
         for _, proj in routed_projections(model):
             rep.layers[proj.layer_idx][proj.kind].skipped += float(proj.stat_skipped) * proj.macs_per_group
+            slots = rep.groups.setdefault(proj.kind, BlockCount())
+            slots.skipped += float(proj.stat_skipped)
+            slots.total += float(proj.stat_tokens) * proj.groups
         rep.tokens = int(tokens)
         return rep
 
