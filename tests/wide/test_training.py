@@ -83,7 +83,10 @@ def test_two_stages_save_and_reload_with_identical_logits(tiny_model_dir, tmp_pa
     assert p1.state == "finalized"
     # and `eval` on the saved model reproduces the run's numbers
     ev = api.eval_model(
-        str(out / "model"), evaluation=api.EvaluationSection(tasks=["piqa"], limit=4, batch_size=4, max_length=512)
+        str(out / "model"),
+        evaluation=api.EvaluationSection(tasks=["piqa"], limit=4, batch_size=4, max_length=512),
+        dtype="float32",
+        device="cpu",
     )
     assert ev["metrics"] == res.results["metrics"]
     assert ev["sparsity"]["macs"] == res.results["sparsity"]["macs"]
