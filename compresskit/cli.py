@@ -237,6 +237,29 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
+def _with_dense_row(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Put the dense reference first when every compressed run was measured against the same one
+    and no dense run is in the list already."""
+    refs = [r.get("dense") for r in runs if r.get("pruner")]
+    if not refs or any(r is None for r in refs) or any(r.get("key") != refs[0].get("key") for r in refs):
+        return runs
+    if any(not r.get("pruner") for r in runs):
+        return runs
+    first = next(r for r in runs if r.get("pruner"))
+    zero = {"attention": 0.0, "ffn": 0.0, "macs": 0.0, "dynamic": False, "tokens": 0}
+    params = first["model"]["params_before"]
+    dense = {
+        "name": "dense",
+        "pruner": None,
+        "metrics": refs[0]["metrics"],
+        "zero_shot_average": refs[0].get("zero_shot_average"),
+        "sparsity": zero,
+        "model": {"params_before": params, "params_after": params, "name_or_path": first["model"]["name_or_path"]},
+        "dense": refs[0],
+    }
+    return [dense, *runs]
+
+
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
 
@@ -252,7 +275,7 @@ def cmd_compare(args, out: Console, err: Console) -> int:
                 f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory"
             )
     progress = _progress(err)
-    runs = [_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs]
+    runs = _with_dense_row([_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs])
     if out.is_terminal:
         out.print(compare_table(runs))
     else:
@@ -263,7 +286,10 @@ def cmd_compare(args, out: Console, err: Console) -> int:
             artifacts.write_text(tmp / "compare.md", compare_markdown(runs))
             artifacts.write_text(tmp / "compare.csv", compare_csv(runs))
             artifacts.write_json(tmp / "compare.json", runs)
-        _plain(out, f"written: {target / 'compare.md'}, compare.csv, compare.json")
+            from compresskit.plot import quality_vs_sparsity
+
+            quality_vs_sparsity(runs, tmp / "compare.png")
+        _plain(out, f"written: {target / 'compare.md'}, compare.csv, compare.json, compare.png")
     return EXIT_OK
 
 

@@ -9,8 +9,8 @@ import pytest
 from compresskit import plugins
 from compresskit.testing import check_plugin_contract
 
-CASES = ["toy-magnitude", "wide"]
-OPTIONAL = {"static-width", "dynamic-depth", "static-depth"}  # plugin distributions still to come
+CASES = ["toy-magnitude", "wide", "static-width", "static-depth"]
+OPTIONAL = {"dynamic-depth"}  # plugin still to come
 EXPECTED_BROKEN = {"toy-broken"}
 
 

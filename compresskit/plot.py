@@ -1,0 +1,50 @@
+"""The comparison plot: quality against realised sparsity, one point per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
+    """Write a PNG with two panels: zero-shot average accuracy and held-out perplexity against
+    the realised fraction of projection MACs skipped; points of one pruner share a colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    methods = sorted({r.get("pruner") or "dense" for r in runs})
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    for method in methods:
+        pts = sorted(
+            (
+                r["sparsity"]["macs"],
+                r.get("zero_shot_average"),
+                r["metrics"].get("perplexity", {}).get("token_perplexity"),
+                r["name"],
+            )
+            for r in runs
+            if (r.get("pruner") or "dense") == method
+        )
+        for ax, idx in ((ax_acc, 1), (ax_ppl, 2)):
+            shown = [p for p in pts if p[idx] is not None]
+            if not shown:
+                continue
+            ax.scatter([p[0] for p in shown], [p[idx] for p in shown], color=colours[method], label=method, zorder=3)
+            for p in shown:  # each point is its own run: label it rather than join the points
+                ax.annotate(p[3], (p[0], p[idx]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax_acc.set_xlabel("realised sparsity (fraction of projection MACs skipped)")
+    ax_acc.set_ylabel("zero-shot average accuracy")
+    ax_ppl.set_xlabel("realised sparsity (fraction of projection MACs skipped)")
+    ax_ppl.set_ylabel("held-out perplexity (log scale)")
+    ax_ppl.set_yscale("log")
+    for ax in (ax_acc, ax_ppl):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

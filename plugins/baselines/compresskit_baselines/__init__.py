@@ -1,0 +1,1 @@
+"""Baseline pruners for compresskit: ``static-width`` and ``static-depth``."""

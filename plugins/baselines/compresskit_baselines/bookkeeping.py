@@ -1,0 +1,57 @@
+"""What a static pruner removed, recorded in the model's own config.
+
+A statically pruned model is a plain transformers checkpoint. So that its realised sparsity can
+be reported wherever it is loaded (``compresskit eval``, a comparison), the pruner writes the
+original dimensions and what it removed into ``config.compresskit_pruning``; transformers keeps
+unknown config keys through ``save_pretrained`` / ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, SparsityReport, layer_linear_macs
+
+DIMS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)
+
+
+def original_dims(config) -> dict[str, int]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return {
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": config.intermediate_size,
+    }
+
+
+def record_pruning(config, method: str, original: dict[str, int], **info: Any) -> None:
+    config.compresskit_pruning = {"method": method, "original": original, **info}
+
+
+def static_report(config) -> SparsityReport | None:
+    """Skipped fraction of the original model's projection MACs, per original layer."""
+    info = getattr(config, "compresskit_pruning", None)
+    if not info:
+        return None
+    orig = SimpleNamespace(**info["original"])
+    rep = SparsityReport.dense(orig)
+    full = layer_linear_macs(orig)
+    now = layer_linear_macs(SimpleNamespace(**original_dims(config)))
+    removed = set(info.get("removed_layers", []))
+    for i, layer in enumerate(rep.layers):
+        for block, projs in (("attention", ATTENTION_PROJ), ("ffn", FFN_PROJ)):
+            total = sum(full[p] for p in projs)
+            layer[block].skipped = total if i in removed else total - sum(now[p] for p in projs)
+    return rep
