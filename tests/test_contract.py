@@ -9,8 +9,8 @@ import pytest
 from compresskit import plugins
 from compresskit.testing import check_plugin_contract
 
-CASES = ["toy-magnitude", "wide", "static-width", "static-depth"]
-OPTIONAL = {"dynamic-depth"}  # plugin still to come
+CASES = ["toy-magnitude", "wide", "static-width", "static-depth", "dynamic-depth"]
+OPTIONAL: set[str] = set()
 EXPECTED_BROKEN = {"toy-broken"}
 
 

@@ -148,9 +148,12 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     )
     assert code == 0, err
     csv_rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
-    assert len(csv_rows) == 4 and csv_rows[0].startswith("run,pruner,sparsity MACs")
-    assert csv_rows[1].startswith("dense,dense,0.000")  # the shared dense reference leads the table
+    # the eval results carry no dense reference, so no dense row is invented for the pair
+    assert len(csv_rows) == 3 and csv_rows[0].startswith("run,pruner,sparsity MACs")
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = run(capsys, "compare", str(out_dir), "--output", str(tmp_path / "cmp2"))
+    rows = (tmp_path / "cmp2" / "compare.csv").read_text().splitlines()
+    assert code == 0 and len(rows) == 3 and rows[1].startswith("dense,dense,0.000")  # the run's dense reference leads
 
     # a finished run of a different recipe is never silently replaced
     code, _, err = run(

@@ -8,12 +8,11 @@ import torch
 
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import RunContext
+from compresskit.routing import GroupRouter, RoutedProjection, decide, linear_tau, routed_projections
 from compresskit.testing import tiny_llama
 from compresskit.tokens import token_mask
 from compresskit_wide.config import WidePrunerConfig
-from compresskit_wide.layers import RoutedProjection, routed_projections
 from compresskit_wide.pruner import WidePruner
-from compresskit_wide.router import GroupRouter, decide, linear_tau
 
 
 def wide(model, **kw):

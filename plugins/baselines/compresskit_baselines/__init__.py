@@ -1,1 +1,1 @@
-"""Baseline pruners for compresskit: ``static-width`` and ``static-depth``."""
+"""Baseline pruners for compresskit: ``static-width``, ``static-depth`` and ``dynamic-depth``."""

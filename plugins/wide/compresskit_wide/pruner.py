@@ -24,10 +24,20 @@ from torch import nn
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import Pruner, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module, select_modules
-from compresskit.sparsity import BlockCount, SparsityReport, layer_linear_macs
+from compresskit.routing import (
+    GroupRouter,
+    RoutedProjection,
+    RouterTap,
+    batch_skip_fractions,
+    linear_tau,
+    measured_sparsity,
+    release_batch,
+    routed_projections,
+    unwrap,
+)
+from compresskit.sparsity import SparsityReport, layer_linear_macs
 from compresskit_wide.config import WidePrunerConfig
-from compresskit_wide.layers import RoutedProjection, RouterTap, routed_projections, unwrap
-from compresskit_wide.router import GroupRouter, linear_tau
+from compresskit_wide.layers import wide_projection
 
 PREFIX = "wide."
 _SUBLAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)$")
@@ -87,26 +97,24 @@ class WidePruner(Pruner):
             if kind == "self_attn":
                 groups = cfg.num_attention_heads // attn_g
                 router = GroupRouter(d, groups, self.config.router_rank).to(dev)
-                proj = RoutedProjection(
+                proj = wide_projection(
                     layer.self_attn.o_proj,
                     router,
                     kind="attention",
                     layer_idx=idx,
                     macs_per_group=2 * attn_g * head_dim * d,  # q rows + o columns of the group's heads
-                    block_macs=sum(macs[p] for p in ("q", "k", "v", "o")),
                 )
                 replace_module(layer.self_attn, "o_proj", proj)
                 replace_module(layer, "input_layernorm", RouterTap(layer.input_layernorm, proj))
             else:
                 groups = cfg.intermediate_size // ffn_g
                 router = GroupRouter(d, groups, self.config.router_rank).to(dev)
-                proj = RoutedProjection(
+                proj = wide_projection(
                     layer.mlp.down_proj,
                     router,
                     kind="ffn",
                     layer_idx=idx,
                     macs_per_group=3 * ffn_g * d,  # gate and up rows, down columns
-                    block_macs=sum(macs[p] for p in ("gate", "up", "down")),
                 )
                 replace_module(layer.mlp, "down_proj", proj)
                 replace_module(layer, "post_attention_layernorm", RouterTap(layer.post_attention_layernorm, proj))
@@ -151,29 +159,12 @@ class WidePruner(Pruner):
     def realised(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Skip fractions of the last training batch (differentiable): per router type (mean over
         layers of skipped-group fractions, real tokens only) and of the linear MACs."""
-        projs = self._bind(model)
-        per_kind: dict[str, list[torch.Tensor]] = {"attention": [], "ffn": []}
-        skipped_macs = None
-        tokens = None
-        for _, proj in projs:
-            if proj.last_skip is None:
-                continue
-            valid = proj.last_valid  # [B, T]
-            n = valid.sum().clamp_min(1.0)
-            skipped_groups = (proj.last_skip * valid.unsqueeze(-1)).sum()  # differentiable
-            per_kind[proj.kind].append(skipped_groups / (n * proj.groups))
-            term = skipped_groups * proj.macs_per_group
-            skipped_macs = term if skipped_macs is None else skipped_macs + term
-            tokens = n
-        out: dict[str, torch.Tensor] = {k: torch.stack(v).mean() for k, v in per_kind.items() if v}
-        if skipped_macs is not None:
-            out["macs"] = skipped_macs / (tokens * self._layer_macs * self._num_layers)
-        return out
+        projs = [p for _, p in self._bind(model)]
+        return batch_skip_fractions(projs, self._layer_macs * self._num_layers)
 
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
         rho = self.realised(model)
-        for _, proj in self._projections:  # consumed: the graph is not kept past this step
-            proj.last_skip = proj.last_valid = None
+        release_batch([p for _, p in self._projections])
         if not rho:
             return None
         c = self.config
@@ -225,23 +216,7 @@ class WidePruner(Pruner):
             proj.reset_stats()
 
     def sparsity(self, model: nn.Module) -> SparsityReport:
-        rep = SparsityReport.empty(self._num_layers, dynamic=True)
-        macs = layer_linear_macs(self._model_config)
-        attn_total = sum(macs[p] for p in ("q", "k", "v", "o"))
-        ffn_total = sum(macs[p] for p in ("gate", "up", "down"))
-        tokens = 0.0
-        for _, proj in routed_projections(model):
-            tokens = max(tokens, float(proj.stat_tokens))
-        for layer in rep.layers:
-            layer["attention"].total = tokens * attn_total
-            layer["ffn"].total = tokens * ffn_total
-        for _, proj in routed_projections(model):
-            rep.layers[proj.layer_idx][proj.kind].skipped += float(proj.stat_skipped) * proj.macs_per_group
-            slots = rep.groups.setdefault(proj.kind, BlockCount())
-            slots.skipped += float(proj.stat_skipped)
-            slots.total += float(proj.stat_tokens) * proj.groups
-        rep.tokens = int(tokens)
-        return rep
+        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)
 
     def summary(self, model: nn.Module) -> PruneSummary:
         projs = routed_projections(model)

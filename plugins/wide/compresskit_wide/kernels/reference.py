@@ -1,15 +1,11 @@
-"""Pure-PyTorch references (masked dense): ground truth for tests, CPU path, autograd path."""
+"""Pure-PyTorch references (masked dense): ground truth for tests, CPU path, autograd path.
+
+The group masking semantics are the core's (``compresskit.routing.mask_input_groups``): every
+fast kernel here must reproduce them.
+"""
 
 from __future__ import annotations
 
-import torch
+from compresskit.routing import mask_input_groups as torch_group_masked_input
 
-
-def torch_group_masked_input(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x: [B, T, K]``, ``mask: [B, T, K/G]`` (1 = active; may carry straight-through gradients)
-    -> ``x`` with each inactive group of G contiguous features set to exactly zero."""
-    groups = mask.shape[-1]
-    if x.shape[-1] % groups:
-        raise ValueError(f"last axis {x.shape[-1]} is not divisible into {groups} groups")
-    xg = x.unflatten(-1, (groups, x.shape[-1] // groups))  # [B, T, G, K/G]
-    return (xg * mask.unsqueeze(-1).to(x.dtype)).flatten(-2)  # [B, T, K]
+__all__ = ["torch_group_masked_input"]

@@ -1,0 +1,253 @@
+"""Per-token routing primitives shared by dynamic pruners (WIDE's width routers, dynamic depth).
+
+* :class:`GroupRouter`: a low-rank affine map from the raw residual stream to one
+  (execute, skip) logit pair per group; :func:`decide` turns logits into a 0/1 execute mask
+  (hard Gumbel-softmax with a straight-through gradient in training, argmax otherwise);
+  :func:`linear_tau` is the per-step temperature schedule.
+* :class:`RouterTap` replaces a norm whose input is the residual stream the router reads, and
+  :class:`RoutedProjection` replaces a projection (``o_proj``, ``down_proj``) whose input is
+  split into ``G`` contiguous groups, each kept or zeroed per token. With ``G = 1`` that skips
+  the whole sublayer (dynamic depth); K and V are never touched, so the KV cache stays complete.
+
+The transformers layer code is left alone: in a Llama-style decoder layer the input of
+``input_layernorm`` is the residual entering the layer and the input of
+``post_attention_layernorm`` the residual after the attention add.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compresskit.sparsity import SparsityReport
+from compresskit.tokens import mask_for
+
+
+class GroupRouter(nn.Module):
+    """``x: [B, T, D] -> logits: [B, T, G, 2]`` (index 0 = execute, 1 = skip).
+
+    ``Linear(D -> r)`` then ``Linear(r -> 2G)``, both with biases, no nonlinearity. Weights are
+    Kaiming-uniform with the linear gain, biases zero. Parameters stay in fp32 and the router
+    computes in fp32 whatever the model's dtype or autocast (the raw residual has outliers).
+    """
+
+    def __init__(self, hidden_size: int, groups: int, rank: int = 32) -> None:
+        super().__init__()
+        self.groups = groups
+        self.down = nn.Linear(hidden_size, rank, bias=True, dtype=torch.float32)
+        self.up = nn.Linear(rank, 2 * groups, bias=True, dtype=torch.float32)
+        for lin in (self.down, self.up):
+            nn.init.kaiming_uniform_(lin.weight, nonlinearity="linear")
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            z = self.down(x.float())  # [B, T, r]
+            logits = self.up(z)  # [B, T, 2G]
+        return logits.unflatten(-1, (self.groups, 2))  # [B, T, G, 2]
+
+
+def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
+    """Execute mask ``[B, T, G]`` from ``logits: [B, T, G, 2]``.
+
+    sample=True (training): a hard two-way Gumbel-softmax sample with a straight-through
+    gradient (exact 0/1 forward; the gradient of ``softmax((logits + g) / tau)``).
+    sample=False (inference): deterministic; a group is skipped iff its skip logit is larger
+    (a tie executes).
+    """
+    if sample:
+        return F.gumbel_softmax(logits, tau=tau, hard=True, dim=-1)[..., 0]
+    return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
+
+
+def linear_tau(step: int, total_steps: int, tau_start: float, tau_end: float) -> float:
+    """Temperature annealed linearly per optimiser step: ``tau_start`` at step 0, ``tau_end`` at
+    the last step (``total_steps - 1``)."""
+    if total_steps <= 1:
+        return tau_end
+    frac = min(max(step, 0), total_steps - 1) / (total_steps - 1)
+    return tau_start + (tau_end - tau_start) * frac
+
+
+def mask_input_groups(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference masking: ``x: [B, T, K]``, ``mask: [B, T, G]`` (1 = active; may carry
+    straight-through gradients) -> ``x`` with each inactive group of K/G features exactly zero."""
+    groups = mask.shape[-1]
+    if x.shape[-1] % groups:
+        raise ValueError(f"last axis {x.shape[-1]} is not divisible into {groups} groups")
+    xg = x.unflatten(-1, (groups, x.shape[-1] // groups))  # [B, T, G, K/G]
+    return (xg * mask.unsqueeze(-1).to(x.dtype)).flatten(-2)  # [B, T, K]
+
+
+class RoutedProjection(nn.Module):
+    """A projection whose input features form ``G`` contiguous groups, each kept or zeroed per token.
+
+    Args:
+        base_layer: the original ``nn.Linear`` (o_proj or down_proj).
+        router: the :class:`GroupRouter` with ``G`` groups, or None to follow ``leader``.
+        leader: another routed projection whose decision this one reuses (one router gating a
+            whole layer); it must run first in the forward pass.
+        kind: "attention" or "ffn" (for statistics).
+        layer_idx: decoder layer index.
+        macs_per_group: multiply-adds per token that skipping one group saves.
+        masker: ``(x, mask) -> x`` zeroing inactive groups; :func:`mask_input_groups` by default.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        router: GroupRouter | None,
+        *,
+        kind: Literal["attention", "ffn"],
+        layer_idx: int,
+        macs_per_group: int,
+        leader: RoutedProjection | None = None,
+        masker: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__()
+        if (router is None) == (leader is None):
+            raise ValueError("a routed projection needs exactly one of router and leader")
+        self.base_layer = base_layer
+        self.router = router
+        self.__dict__["leader"] = leader  # a reference, not a submodule
+        self.has_followers = False
+        if leader is not None:
+            leader.has_followers = True
+        self.groups = router.groups if router is not None else leader.groups
+        if base_layer.in_features % self.groups:
+            raise ValueError(f"{base_layer.in_features} input features do not split into {self.groups} groups")
+        self.kind = kind
+        self.layer_idx = layer_idx
+        self.macs_per_group = macs_per_group
+        self.masker = masker or mask_input_groups
+        self.tau = 1.0
+        self.deterministic = False  # True after finalize: argmax even in train mode
+        self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
+        self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
+        self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
+        self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        dev = self.base_layer.weight.device
+        self.stat_skipped = torch.zeros((), dtype=torch.float64, device=dev)  # skipped (token, group) pairs
+        self.stat_tokens = torch.zeros((), dtype=torch.float64, device=dev)  # real tokens routed
+
+    def route(self, x_raw: torch.Tensor) -> None:
+        """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
+        logits = self.router(x_raw)  # [B, T, G, 2]
+        execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
+        self._take(execute, mask_for(x_raw))
+
+    def _take(self, execute: torch.Tensor, valid: torch.Tensor) -> None:
+        self._mask = execute
+        if self.has_followers:  # handed on, then released by the follower
+            self._decision = (execute, valid)
+        if self.training:
+            self.last_skip, self.last_valid = 1.0 - execute, valid
+        else:
+            with torch.no_grad():
+                self.stat_skipped += ((1.0 - execute.double()) * valid.double().unsqueeze(-1)).sum()
+                self.stat_tokens += valid.double().sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.leader is not None:
+            decision, self.leader._decision = self.leader._decision, None
+            if decision is not None and decision[0].shape[:2] == x.shape[:2]:
+                self._take(*decision)
+        mask = self._mask
+        if mask is None or mask.shape[:2] != x.shape[:2]:
+            raise RuntimeError(
+                f"layer {self.layer_idx} {self.kind}: no routing decision for this input "
+                f"({None if mask is None else tuple(mask.shape)} vs {tuple(x.shape)}); the router tap did not run"
+            )
+        self._mask = None
+        return self.base_layer(self.masker(x, mask))
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, layer={self.layer_idx}, groups={self.groups}"
+
+
+class RouterTap(nn.Module):
+    """Replaces a norm: routes its input (the raw residual) for ``target``, returns ``norm(x)``."""
+
+    def __init__(self, base_layer: nn.Module, target: RoutedProjection) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.__dict__["target"] = target  # a reference, not a submodule (it lives in the attention/MLP)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        self.target.route(x)
+        return self.base_layer(x, *args, **kwargs)
+
+
+def routed_projections(model: nn.Module) -> list[tuple[str, RoutedProjection]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedProjection)]
+
+
+def routers(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of every router in ``model``."""
+    return [p for _, proj in routed_projections(model) if proj.router is not None for p in proj.router.parameters()]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Put every original module back (the dense model, exactly)."""
+    from compresskit.modeling import replace_module
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, (RoutedProjection, RouterTap)):
+            replace_module(model, name, module.base_layer)
+    return model
+
+
+def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_token: float) -> dict[str, torch.Tensor]:
+    """Skip fractions of the last training batch, differentiable through the ST masks: per kind,
+    the mean over projections of the skipped (token, group) fraction over real tokens; and
+    ``macs``, the skipped fraction of ``total_macs_per_token`` (all projection MACs of the model)."""
+    per_kind: dict[str, list[torch.Tensor]] = {"attention": [], "ffn": []}
+    skipped_macs = None
+    tokens = None
+    for proj in projections:
+        if proj.last_skip is None:
+            continue
+        valid = proj.last_valid  # [B, T]
+        n = valid.sum().clamp_min(1.0)
+        skipped_groups = (proj.last_skip * valid.unsqueeze(-1)).sum()
+        per_kind[proj.kind].append(skipped_groups / (n * proj.groups))
+        term = skipped_groups * proj.macs_per_group
+        skipped_macs = term if skipped_macs is None else skipped_macs + term
+        tokens = n
+    out: dict[str, torch.Tensor] = {k: torch.stack(v).mean() for k, v in per_kind.items() if v}
+    if skipped_macs is not None:
+        out["macs"] = skipped_macs / (tokens * total_macs_per_token)
+    return out
+
+
+def release_batch(projections: list[RoutedProjection]) -> None:
+    """Drop the training tensors of the last batch (the autograd graph is not kept past a step)."""
+    for proj in projections:
+        proj.last_skip = proj.last_valid = None
+
+
+def measured_sparsity(projections: list[RoutedProjection], model_config) -> SparsityReport:
+    """The realised sparsity counted by the projections since their last ``reset_stats``: skipped
+    projection MACs per layer, and skipped (token, group) slots per kind."""
+    from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, BlockCount, layer_linear_macs
+
+    rep = SparsityReport.empty(model_config.num_hidden_layers, dynamic=True)
+    macs = layer_linear_macs(model_config)
+    tokens = max((float(p.stat_tokens) for p in projections), default=0.0)
+    for layer in rep.layers:
+        layer["attention"].total = tokens * sum(macs[p] for p in ATTENTION_PROJ)
+        layer["ffn"].total = tokens * sum(macs[p] for p in FFN_PROJ)
+    for proj in projections:
+        rep.layers[proj.layer_idx][proj.kind].skipped += float(proj.stat_skipped) * proj.macs_per_group
+        slots = rep.groups.setdefault(proj.kind, BlockCount())
+        slots.skipped += float(proj.stat_skipped)
+        slots.total += float(proj.stat_tokens) * proj.groups
+    rep.tokens = int(tokens)
+    return rep
