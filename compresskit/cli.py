@@ -263,10 +263,19 @@ def _with_dense_row(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
 
-    # Validate every recipe before running any of them.
-    from compresskit.recipe import load_recipe
+    # Expand comparison specs, then validate every recipe before running any of them.
+    from compresskit.recipe import is_comparison, load_comparison, load_recipe
     from compresskit.report import compare_csv, compare_markdown, compare_table
 
+    inputs: list[str] = []
+    for ref in args.inputs:
+        if is_comparison(ref):
+            members, spec_out = load_comparison(ref)
+            inputs += [str(m) for m in members]
+            args.output = args.output or str(spec_out)
+        else:
+            inputs.append(ref)
+    args.inputs = inputs
     for ref in args.inputs:
         if Path(ref).suffix in (".yaml", ".yml"):
             load_recipe(ref, list(args.set or []))

@@ -345,3 +345,37 @@ def load_recipe(path: str | Path | dict, overrides: list[str] | dict[str, Any] |
     raw = apply_overrides(raw, overrides)
     ov = overrides if isinstance(overrides, list) else [f"{k}={v}" for k, v in (overrides or {}).items()]
     return validate(raw, source=None if isinstance(path, dict) else str(path), overrides=ov)
+
+
+# ---------------------------------------------------------------------------------------------
+# comparisons
+
+
+class ComparisonOutput(_Section):
+    dir: str
+
+
+class Comparison(_Section):
+    """A list of recipes compared on one table (``compresskit compare spec.yaml``)."""
+
+    compare: list[str] = Field(min_length=1, description="Recipe paths, relative to this file.")
+    output: ComparisonOutput
+
+
+def is_comparison(path: str | Path) -> bool:
+    path = Path(path)
+    return path.suffix in (".yaml", ".yml") and path.is_file() and "compare" in _read_yaml(path)
+
+
+def load_comparison(path: str | Path) -> tuple[list[Path], Path]:
+    """(member recipe paths, output directory) of a comparison spec; every member must exist."""
+    path = Path(path)
+    try:
+        spec = Comparison.model_validate(_read_yaml(path))
+    except ValidationError as exc:
+        raise RecipeError(f"{path}: " + format_validation_error(exc, Comparison)) from None
+    members = [path.parent / m for m in spec.compare]
+    missing = [str(m) for m in members if not m.is_file()]
+    if missing:
+        raise RecipeError(f"{path}: compare: recipe files not found: {', '.join(missing)}")
+    return members, Path(spec.output.dir)

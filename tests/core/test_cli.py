@@ -210,3 +210,26 @@ def test_internal_error_exit_1(capsys, recipe_file, monkeypatch):
     monkeypatch.setattr(api, "load_model", broken)
     code, _, err = run(capsys, "apply", str(recipe_file))
     assert code == 1 and "internal error: ZeroDivisionError: boom (rerun with --debug" in err
+
+
+def test_compare_spec_runs_members_once_then_reuses(capsys, tiny_model_dir, tmp_path):
+    import yaml
+
+    for s in (0.2, 0.4):
+        member = {
+            "name": f"toy-{s}",
+            "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+            "pruner": {"name": "toy-magnitude", "config": {"sparsity": s}},
+            "evaluation": {"tasks": ["piqa"], "limit": 4, "batch_size": 4, "max_length": 512},
+            "output": {"dir": str(tmp_path / f"run-{s}")},
+        }
+        (tmp_path / f"m{s}.yaml").write_text(yaml.safe_dump(member))
+    (tmp_path / "spec.yaml").write_text(
+        yaml.safe_dump({"compare": ["m0.2.yaml", "m0.4.yaml"], "output": {"dir": str(tmp_path / "cmp")}})
+    )
+    code, out, err = run(capsys, "compare", str(tmp_path / "spec.yaml"))
+    assert code == 0, err
+    rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["run", "dense", "toy-0.2", "toy-0.4"]
+    code, out, err = run(capsys, "compare", str(tmp_path / "spec.yaml"))
+    assert code == 0 and err.count("reusing") == 2  # results with the same recipe hash are not rerun

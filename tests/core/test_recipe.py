@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -132,10 +133,33 @@ def test_yaml_syntax_error_names_line(tmp_path):
 
 
 def test_every_shipped_recipe_validates():
-    from pathlib import Path
+    from compresskit.recipe import is_comparison, load_comparison
 
     root = Path(__file__).parents[2] / "recipes"
-    recipes = [p for p in root.rglob("*.yaml") if not p.parent.name.startswith("_")]
+    recipes = [p for p in root.rglob("*.yaml") if not p.parent.name.startswith("_") and not p.name.startswith("_")]
     assert recipes
+    hashes = {}
     for path in recipes:
-        load_recipe(path)
+        if is_comparison(path):
+            members, _ = load_comparison(path)
+            assert members
+            continue
+        r = load_recipe(path)
+        hashes.setdefault(r.hash(), []).append(path.name)
+    assert all(len(v) == 1 for v in hashes.values()), hashes  # no two shipped recipes run the same thing
+
+
+def test_comparison_spec(tmp_path):
+    from compresskit.recipe import is_comparison, load_comparison
+
+    write(tmp_path / "a.yaml", "model: {name_or_path: smollm2-135m}\noutput: {dir: x}\n")
+    write(tmp_path / "c.yaml", "compare: [a.yaml]\noutput: {dir: out}\n")
+    assert is_comparison(tmp_path / "c.yaml") and not is_comparison(tmp_path / "a.yaml")
+    members, out = load_comparison(tmp_path / "c.yaml")
+    assert members == [tmp_path / "a.yaml"] and out == Path("out")
+    write(tmp_path / "bad.yaml", "compare: [a.yaml, nope.yaml]\noutput: {dir: out}\n")
+    with pytest.raises(RecipeError, match="recipe files not found: .*nope.yaml"):
+        load_comparison(tmp_path / "bad.yaml")
+    write(tmp_path / "typo.yaml", "compare: [a.yaml]\noutptu: {dir: out}\n")
+    with pytest.raises(RecipeError, match="Did you mean: output"):
+        load_comparison(tmp_path / "typo.yaml")
