@@ -42,7 +42,10 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     ax_ppl.set_yscale("log")
     for ax in (ax_acc, ax_ppl):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not measured in these runs", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
