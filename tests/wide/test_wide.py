@@ -230,7 +230,7 @@ def test_budget_losses():
         x = ids()
         with token_mask(torch.ones_like(x)):
             m(x)
-        rho = pruner.realised(m)
+        rho = {k: v.detach() for k, v in pruner.realised(m).items()}
         skipped = sum(float(p.last_skip.detach().sum()) for _, p in routed_projections(m) if p.kind == "ffn")
         loss = pruner.regularization(m)
         assert all(p.last_skip is None for _, p in routed_projections(m))  # the step's graph is released
