@@ -10,6 +10,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter; set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 TESTS = Path(__file__).parent
 
 

@@ -1,20 +1,81 @@
 """Operators of the routed layers, dispatched by backend.
 
-Only the pure-PyTorch reference (``backend="torch"``) exists so far; it is the semantics every
-fast kernel must reproduce, the CPU path and the autograd path for training.
+Every operator has a pure-PyTorch reference (``torch_*``, the semantics, the CPU path and the
+autograd path for training) and, where written, a Triton kernel (``triton_*``):
+
+* zero inactive input groups (o_proj, down_proj inputs): ``torch_group_masked_input``; no
+  kernel yet (the masked dense product on the zero-filled input is exact);
+* routing layout (sorted tokens per group, counts, active groups): ``torch_routing_layout``,
+  ``triton_routing_layout``;
+* output-width masked GEMM, plain (q) or with a fused SwiGLU (gate, up):
+  ``torch_masked_out_gemm``, ``triton_masked_out_gemm``.
+
+``backend``: "torch", "triton" (an error naming the reason when it cannot run), or "auto" (Triton
+for CUDA tensors when it is installed, the reference otherwise).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from compresskit.errors import KernelUnavailableError
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
+from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
 from compresskit_wide.kernels.reference import torch_group_masked_input
 
-BACKENDS = ("torch", "auto")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> str | None:
+    """None when Triton kernels can run here, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+    return None
+
+
+def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not available; allowed: {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return False
+    reason = triton_available()
+    if backend == "triton":
+        if reason:
+            raise KernelUnavailableError(f"backend 'triton': {reason}")
+        return True
+    return reason is None and all(t.is_cuda for t in tensors)  # auto
 
 
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Zero the inactive groups of ``x``'s last axis: ``x: [B, T, K]``, ``mask: [B, T, K/G]``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not available; allowed: {', '.join(BACKENDS)}")
+    _use_triton("torch" if backend == "auto" else backend, x)  # validates the name
     return torch_group_masked_input(x, mask)
+
+
+def routing_layout(mask: torch.Tensor, backend: str = "auto"):
+    """``(order [G, M], counts [G], active_groups [G], n_active [1])`` for ``mask: [M, G]``."""
+    if _use_triton(backend, mask):
+        return triton_routing_layout(mask)
+    return torch_routing_layout(mask)
+
+
+def masked_out_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    layout=None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
+    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere."""
+    if _use_triton(backend, x, w):
+        return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+    return torch_masked_out_gemm(x, w, mask, w_up)

@@ -1,0 +1,104 @@
+"""Routing-layout prep ("mask reordering"): from a token x group mask, a stable per-group
+partition of the tokens, active first, and the list of groups any token needs.
+
+Computed once per routed block and shared by its projections (gate, up and down; q and o).
+No host synchronisation: counts stay on the device.
+
+    mask:          [M, G] bool, True = active
+    order:         [G, M] int32, per group: active tokens (ascending), then inactive (ascending)
+    counts:        [G]    int32, active tokens per group
+    active_groups: [G]    int32, groups with any active token (ascending), then the others
+    n_active:      [1]    int32, how many groups are active
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no Triton
+    triton = None
+
+
+def torch_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: ``(order, counts, active_groups, n_active)`` for ``mask: [M, G]``."""
+    mask = mask.bool()
+    # stable sort on "inactive" (0 before 1) keeps each partition in token order
+    order = torch.argsort((~mask).T.contiguous().to(torch.int8), dim=1, stable=True).to(torch.int32).contiguous()
+    counts = mask.sum(dim=0, dtype=torch.int32)  # [G]
+    any_active = mask.any(dim=0)  # [G]
+    active_groups = torch.argsort((~any_active).to(torch.int8), stable=True).to(torch.int32)
+    n_active = any_active.sum(dtype=torch.int32).reshape(1)
+    return order, counts, active_groups, n_active
+
+
+if triton is not None:
+
+    @triton.jit
+    def triton_routing_layout_kernel(mask_ptr, order_ptr, counts_ptr, M, G, stride_m, BLOCK_M: tl.constexpr):
+        # one program per group g: two passes over the tokens
+        g = tl.program_id(0)
+        total = tl.zeros((), dtype=tl.int32)
+        for start in range(0, M, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            act = tl.load(mask_ptr + rows * stride_m + g, mask=rows < M, other=0).to(tl.int32)
+            total += tl.sum(act, axis=0)
+        seen_act = tl.zeros((), dtype=tl.int32)
+        seen_inact = tl.zeros((), dtype=tl.int32)
+        for start in range(0, M, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            valid = rows < M
+            act = tl.load(mask_ptr + rows * stride_m + g, mask=valid, other=0).to(tl.int32)
+            inact = tl.where(valid, 1 - act, 0)
+            pos_act = seen_act + tl.cumsum(act, axis=0) - act  # exclusive prefix sums
+            pos_inact = total + seen_inact + tl.cumsum(inact, axis=0) - inact
+            pos = tl.where(act == 1, pos_act, pos_inact)
+            tl.store(order_ptr + g * M + pos, rows.to(tl.int32), mask=valid)
+            seen_act += tl.sum(act, axis=0)
+            seen_inact += tl.sum(inact, axis=0)
+        tl.store(counts_ptr + g, total)
+
+    @triton.jit
+    def triton_active_groups_kernel(counts_ptr, groups_ptr, n_active_ptr, G, BLOCK_G: tl.constexpr):
+        # one program: compact the groups with a nonzero count, in ascending order
+        seen = tl.zeros((), dtype=tl.int32)
+        n_total = tl.zeros((), dtype=tl.int32)
+        for start in range(0, G, BLOCK_G):
+            gs = start + tl.arange(0, BLOCK_G)
+            n_total += tl.sum(
+                tl.where(gs < G, (tl.load(counts_ptr + gs, mask=gs < G, other=0) > 0).to(tl.int32), 0), axis=0
+            )
+        seen_off = tl.zeros((), dtype=tl.int32)
+        for start in range(0, G, BLOCK_G):
+            gs = start + tl.arange(0, BLOCK_G)
+            valid = gs < G
+            on = tl.where(valid, (tl.load(counts_ptr + gs, mask=valid, other=0) > 0).to(tl.int32), 0)
+            off = tl.where(valid, 1 - on, 0)
+            pos_on = seen + tl.cumsum(on, axis=0) - on
+            pos_off = n_total + seen_off + tl.cumsum(off, axis=0) - off
+            tl.store(groups_ptr + tl.where(on == 1, pos_on, pos_off), gs.to(tl.int32), mask=valid)
+            seen += tl.sum(on, axis=0)
+            seen_off += tl.sum(off, axis=0)
+        tl.store(n_active_ptr, n_total)
+
+
+def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`torch_routing_layout` (same outputs, bit for bit)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
+    m, g = mask.shape
+    mask_u8 = mask.contiguous().to(torch.uint8)
+    order = torch.empty((g, m), dtype=torch.int32, device=mask.device)
+    counts = torch.empty(g, dtype=torch.int32, device=mask.device)
+    groups = torch.empty(g, dtype=torch.int32, device=mask.device)
+    n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
+    block_m = min(1024, max(16, triton.next_power_of_2(m)))
+    triton_routing_layout_kernel[(g,)](mask_u8, order, counts, m, g, mask_u8.stride(0), BLOCK_M=block_m)
+    triton_active_groups_kernel[(1,)](
+        counts, groups, n_active, g, BLOCK_G=min(1024, max(16, triton.next_power_of_2(g)))
+    )
+    return order, counts, groups, n_active
