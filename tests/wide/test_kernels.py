@@ -93,3 +93,33 @@ def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
         kernels.routing_layout(torch.ones(2, 2, dtype=torch.bool), backend="triton")
     # auto falls back to the reference
     assert kernels.routing_layout(torch.ones(2, 2, dtype=torch.bool), backend="auto")[1].tolist() == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "groups"), [(1, 64, 48, 4), (2, 96, 32, 3), (5, 128, 64, 2), (17, 64, 40, 4), (16, 256, 16, 8)]
+)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity):
+    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
+
+    gen = torch.Generator().manual_seed(m * 5 + k)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    mask = random_mask(m, groups, sparsity, seed=k + m)
+    buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
+    # block_k 16 < group width: each group spans several K blocks
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16)
+    ref = torch_masked_reduce_gemm(x, w, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    if sparsity == 1.0:
+        assert torch.count_nonzero(got) == 0  # no active group: nothing contributes
+    assert torch.isnan(buf[m:]).all()
+
+
+def test_reduce_dispatch_prefill_uses_the_dense_product():
+    x = torch.randn(40, 64, device=DEVICE)
+    w = torch.randn(32, 64, device=DEVICE)
+    mask = random_mask(40, 4, 0.5)
+    ref = kernels.torch_masked_reduce_gemm(x, w, mask)
+    for backend in ("auto", "torch", "triton"):
+        torch.testing.assert_close(kernels.masked_reduce_gemm(x, w, mask, backend=backend), ref, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,10 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
 * routing layout (sorted tokens per group, counts, active groups): ``torch_routing_layout``,
   ``triton_routing_layout``;
 * output-width masked GEMM, plain (q) or with a fused SwiGLU (gate, up):
-  ``torch_masked_out_gemm``, ``triton_masked_out_gemm``.
+  ``torch_masked_out_gemm``, ``triton_masked_out_gemm``;
+* reduction-width masked GEMM (o, down): ``torch_masked_reduce_gemm`` (the masked dense
+  product, also the prefill path), ``triton_masked_reduce_gemm`` (decode: a loop over the
+  active groups only).
 
 ``backend``: "torch", "triton" (an error naming the reason when it cannot run), or "auto" (Triton
 for CUDA tensors when it is installed, the reference otherwise).
@@ -22,6 +25,7 @@ import torch
 
 from compresskit.errors import KernelUnavailableError
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
+from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
 from compresskit_wide.kernels.reference import torch_group_masked_input
 
@@ -79,3 +83,18 @@ def masked_out_gemm(
     if _use_triton(backend, x, w):
         return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
     return torch_masked_out_gemm(x, w, mask, w_up)
+
+
+DECODE_MAX_M = 16  # the active-group loop is for decode batches; prefill uses the masked dense product
+
+
+def masked_reduce_gemm(
+    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, *, layout=None, backend: str = "auto"
+) -> torch.Tensor:
+    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
+    input groups only. "auto" takes the Triton loop for decode-sized M on CUDA, else the masked
+    dense product (exact, cuBLAS)."""
+    use = _use_triton(backend, x, w)
+    if use and (backend == "triton" or x.shape[0] <= DECODE_MAX_M):
+        return triton_masked_reduce_gemm(x, w, mask, layout=layout)
+    return torch_masked_reduce_gemm(x, w, mask)
