@@ -251,3 +251,37 @@ def measured_sparsity(projections: list[RoutedProjection], model_config) -> Spar
         slots.total += float(proj.stat_tokens) * proj.groups
     rep.tokens = int(tokens)
     return rep
+
+
+def router_state_dict(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """Every router's tensors (fp32, CPU), keyed ``<prefix><projection name>.router.<tensor>``."""
+    return {
+        f"{prefix}{name}.router.{k}": v.detach().float().cpu()
+        for name, proj in routed_projections(model)
+        if proj.router is not None
+        for k, v in proj.router.state_dict().items()
+    }
+
+
+def load_router_state_dict(model: nn.Module, state: dict[str, torch.Tensor], prefix: str, owner: str) -> None:
+    """Load what :func:`router_state_dict` saved. A missing, unexpected or misshapen key is an
+    :class:`~compresskit.errors.ArtifactError`, never a silently random router."""
+    from compresskit.errors import ArtifactError
+
+    expected = router_state_dict(model, prefix)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ArtifactError(
+            f"{owner}: router checkpoint does not match the model: {len(missing)} missing keys "
+            f"(e.g. {missing[:2]}), {len(unexpected)} unexpected keys (e.g. {unexpected[:2]}); "
+            "check the group sizes, router_rank and targets"
+        )
+    for key, value in expected.items():
+        if state[key].shape != value.shape:
+            raise ArtifactError(
+                f"{owner}: {key} has shape {tuple(state[key].shape)}, the model expects {tuple(value.shape)}"
+            )
+    for name, proj in routed_projections(model):
+        if proj.router is not None:
+            proj.router.load_state_dict({k: state[f"{prefix}{name}.router.{k}"] for k in proj.router.state_dict()})

@@ -26,7 +26,7 @@ from pydantic import Field
 from torch import nn
 
 from compresskit import PluginConfig, Pruner
-from compresskit.errors import ArtifactError, RecipeError
+from compresskit.errors import RecipeError
 from compresskit.interfaces import PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module
 from compresskit.routing import (
@@ -35,9 +35,11 @@ from compresskit.routing import (
     RouterTap,
     batch_skip_fractions,
     linear_tau,
+    load_router_state_dict,
     measured_sparsity,
     release_batch,
     routed_projections,
+    router_state_dict,
     routers,
     unwrap,
 )
@@ -152,24 +154,10 @@ class DynamicDepthPruner(Pruner):
         return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {
-            f"{PREFIX}{name}.router.{k}": v.detach().float().cpu()
-            for name, proj in routed_projections(model)
-            if proj.router is not None
-            for k, v in proj.router.state_dict().items()
-        }
+        return router_state_dict(model, PREFIX)
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        expected = self.state_dict(model)
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ArtifactError(
-                f"dynamic-depth: router checkpoint does not match the model: {len(missing)} missing keys "
-                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected keys (e.g. {unexpected[:2]})"
-            )
-        for name, proj in routed_projections(model):
-            if proj.router is not None:
-                proj.router.load_state_dict({k: state[f"{PREFIX}{name}.router.{k}"] for k in proj.router.state_dict()})
+        load_router_state_dict(model, state, PREFIX, "dynamic-depth")
 
     def reset_sparsity(self, model: nn.Module) -> None:
         for _, proj in routed_projections(model):

@@ -21,7 +21,7 @@ import re
 import torch
 from torch import nn
 
-from compresskit.errors import ArtifactError, RecipeError
+from compresskit.errors import RecipeError
 from compresskit.interfaces import Pruner, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module, select_modules
 from compresskit.routing import (
@@ -30,9 +30,11 @@ from compresskit.routing import (
     RouterTap,
     batch_skip_fractions,
     linear_tau,
+    load_router_state_dict,
     measured_sparsity,
     release_batch,
     routed_projections,
+    router_state_dict,
     unwrap,
 )
 from compresskit.sparsity import SparsityReport, layer_linear_macs
@@ -184,31 +186,10 @@ class WidePruner(Pruner):
 
     # -- tensors ------------------------------------------------------------------------------
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {
-            f"{PREFIX}{name}.router.{k}": v.detach().float().cpu()
-            for name, proj in routed_projections(model)
-            for k, v in proj.router.state_dict().items()
-        }
+        return router_state_dict(model, PREFIX)
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        expected = self.state_dict(model)
-        missing = sorted(set(expected) - set(state))
-        unexpected = sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ArtifactError(
-                f"wide: router checkpoint does not match the model: {len(missing)} missing keys "
-                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected keys (e.g. {unexpected[:2]}); "
-                "check the group sizes, router_rank and targets"
-            )
-        for name, proj in routed_projections(model):
-            sub = {k: state[f"{PREFIX}{name}.router.{k}"] for k in proj.router.state_dict()}
-            for k, v in sub.items():
-                if v.shape != proj.router.state_dict()[k].shape:
-                    raise ArtifactError(
-                        f"wide: {PREFIX}{name}.router.{k} has shape {tuple(v.shape)}, "
-                        f"the model expects {tuple(proj.router.state_dict()[k].shape)}"
-                    )
-            proj.router.load_state_dict(sub)
+        load_router_state_dict(model, state, PREFIX, "wide")
 
     # -- measurement --------------------------------------------------------------------------
     def reset_sparsity(self, model: nn.Module) -> None:
