@@ -2,6 +2,8 @@
 groups spanning several tiles, outputs poisoned first. On the CPU they run in Triton's
 interpreter (TRITON_INTERPRET=1, set by conftest); on a GPU, natively (bf16 too)."""
 
+import os
+
 import pytest
 import torch
 
@@ -188,3 +190,22 @@ def test_recipe_with_the_wide_triton_executor(tiny_model_dir, tmp_path):
     assert fast["metrics"] == ref["metrics"]
     assert fast["sparsity"]["macs"] == ref["sparsity"]["macs"]
     assert fast["recipe"]["executor"]["name"] == "wide-triton"
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(tmp_path):
+    """The H200 benchmark script runs end to end on tiny shapes and checks every case."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_wide_kernels.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["results"] and all(r["correct"] for r in data["results"])
+    assert (tmp_path / "bench.md").read_text().startswith("# WIDE kernels benchmark")

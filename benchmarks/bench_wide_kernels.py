@@ -1,0 +1,246 @@
+"""Benchmark of WIDE's Triton kernels against the strongest dense baselines, in one run.
+
+    python benchmarks/bench_wide_kernels.py --out DIR          # on the H200 (Llama-3.1-8B shapes)
+    python benchmarks/bench_wide_kernels.py --smoke --out DIR  # tiny shapes; on the CPU under TRITON_INTERPRET=1
+
+Each case first checks the kernel against its PyTorch reference, then times kernel and baselines
+side by side: ``triton.testing.do_bench`` medians (it flushes the L2 cache between runs) and, on a
+GPU, CUDA-graph replays. Masks at 50% sparsity, exactly-k per token and i.i.d. Speedups are against
+the fastest dense baseline; "bound" is 1 / (1 - s) (or 1 / union for decode batches, the fraction of
+groups some token needs) and "of bound" is speedup / bound. Results: a table on stdout and
+``bench.json`` / ``bench.md`` in --out, with GPU, driver, versions and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "wide"))
+
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
+from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm  # noqa: E402
+from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def timed(fn, graph: bool = False) -> float:
+    """Median milliseconds of ``fn``."""
+    if CUDA:
+        import triton.testing
+
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_mask(m: int, groups: int, sparsity: float, kind: str, gen: torch.Generator, device) -> torch.Tensor:
+    if kind == "exact":  # every token keeps exactly (1 - s) of the groups
+        keep = round(groups * (1 - sparsity))
+        scores = torch.rand(m, groups, generator=gen)
+        idx = scores.topk(keep, dim=1).indices
+        mask = torch.zeros(m, groups, dtype=torch.bool).scatter_(1, idx, True)
+    else:
+        mask = torch.rand(m, groups, generator=gen) >= sparsity
+    return mask.to(device)
+
+
+def bound(mask: torch.Tensor, decode: bool) -> float:
+    """Theoretical speedup: work scales with the active fraction (per token), or for decode with
+    the union of groups any token needs (the weight bytes read)."""
+    frac = mask.any(0).float().mean().item() if decode else mask.float().mean().item()
+    return float("inf") if frac == 0 else 1.0 / frac
+
+
+def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
+    x = torch.randn(m, d, device=device, dtype=dtype)
+    wg = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
+    wu = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
+    w_cat = torch.cat([wg, wu])  # cuBLAS baseline: gate and up as one GEMM of N = 2 * ffn
+    mask = make_mask(m, ffn // group, 0.5, mask_kind, gen, device)
+    got = triton_masked_out_gemm(x, wg, mask, wu)
+    ref = torch_masked_out_gemm(x, wg, mask, wu)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+    def ours():
+        layout = triton_routing_layout(mask)
+        return triton_masked_out_gemm(x, wg, mask, wu, layout=layout)
+
+    def dense_gemm():
+        return x @ w_cat.T
+
+    def dense_swiglu():
+        y = x @ w_cat.T
+        return F.silu(y[:, :ffn]) * y[:, ffn:]
+
+    def naive():  # gather the needed weight rows, compute, scatter
+        cols = mask.any(0).repeat_interleave(group).nonzero().squeeze(1)
+        h = F.silu(x @ wg[cols].T) * (x @ wu[cols].T)
+        out = torch.zeros(m, ffn, device=device, dtype=dtype)
+        out[:, cols] = h
+        return out * mask.repeat_interleave(group, dim=1)
+
+    add_row(
+        results,
+        "gate+up fused",
+        m,
+        mask_kind,
+        mask,
+        ours,
+        {"cuBLAS gate+up": dense_gemm, "cuBLAS + SiLU*mul": dense_swiglu, "naive gather": naive},
+        ok,
+        err,
+        m <= 16,
+    )
+
+
+def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
+    h = torch.randn(m, ffn, device=device, dtype=dtype)
+    wd = torch.randn(d, ffn, device=device, dtype=dtype) / ffn**0.5
+    mask = make_mask(m, ffn // group, 0.5, mask_kind, gen, device)
+    decode = m <= 16
+    got = triton_masked_reduce_gemm(h, wd, mask) if decode else torch_masked_reduce_gemm(h, wd, mask)
+    ref = torch_masked_reduce_gemm(h, wd, mask)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+    def ours():  # including the routing-layout prep
+        if decode:
+            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_routing_layout(mask))
+        return torch_masked_reduce_gemm(h, wd, mask)
+
+    def dense():
+        return h @ wd.T
+
+    add_row(results, "down (incl. prep)", m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
+
+
+def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    x = torch.randn(m, d, device=device, dtype=dtype)
+    wq = torch.randn(heads * head_dim, d, device=device, dtype=dtype) / d**0.5
+    mask = make_mask(m, heads // attn_group, 0.5, mask_kind, gen, device)
+    got = triton_masked_out_gemm(x, wq, mask)
+    ref = torch_masked_out_gemm(x, wq, mask)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+    def ours():
+        return triton_masked_out_gemm(x, wq, mask, layout=triton_routing_layout(mask))
+
+    def dense():
+        return x @ wq.T
+
+    add_row(results, "q (incl. prep)", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, m <= 16)
+
+
+def add_row(results, op, m, mask_kind, mask, ours, baselines, ok, err, decode):
+    t_ours = timed(ours)
+    t_base = {name: timed(fn) for name, fn in baselines.items()}
+    best_name = min(t_base, key=t_base.get)
+    row = {
+        "op": op,
+        "M": m,
+        "mask": mask_kind,
+        "correct": bool(ok),
+        "max_abs_err": err,
+        "ours_ms": t_ours,
+        "baselines_ms": t_base,
+        "best_baseline": best_name,
+        "speedup": t_base[best_name] / t_ours,
+        "bound": bound(mask, decode),
+    }
+    row["of_bound"] = row["speedup"] / row["bound"]
+    if CUDA:
+        row["graph_speedup"] = timed(baselines[best_name], graph=True) / timed(ours, graph=True)
+    results.append(row)
+    print(
+        f"{op:18s} M={m:5d} {mask_kind:5s} ok={ok!s:5s} ours {t_ours:8.4f} ms | best {best_name} "
+        f"{t_base[best_name]:8.4f} ms | speedup {row['speedup']:5.2f}x of bound {row['of_bound']:5.2f}"
+        + (f" | graph {row['graph_speedup']:5.2f}x" if CUDA else ""),
+        flush=True,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if not CUDA and not args.smoke:
+        print("no CUDA device: use --smoke (tiny shapes under TRITON_INTERPRET=1)")
+        return 2
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    if args.smoke:
+        d, ffn, group, heads, head_dim, attn_group = 64, 256, 32, 8, 8, 2
+        decode_m, prefill_m = [1, 3], [33]
+    else:  # Llama-3.1-8B
+        d, ffn, group, heads, head_dim, attn_group = 4096, 14336, 128, 32, 128, 4
+        decode_m, prefill_m = [1, 2, 4, 8, 16], [512, 1024, 2048, 4096]
+    gen = torch.Generator().manual_seed(0)
+    results: list[dict] = []
+    for m in decode_m + prefill_m:
+        for kind in ("exact", "iid"):
+            case_gate_up(m, d, ffn, group, kind, dtype, device, gen, results)
+            case_down(m, d, ffn, group, kind, dtype, device, gen, results)
+            case_q(m, d, heads, head_dim, attn_group, kind, dtype, device, gen, results)
+    import triton
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0) if CUDA else "none (CPU interpreter, timings meaningless)",
+        "driver": torch.cuda.driver_version() if CUDA and hasattr(torch.cuda, "driver_version") else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": str(dtype),
+        "command": " ".join(sys.argv),
+        "shapes": {
+            "hidden": d,
+            "ffn": ffn,
+            "ffn_group": group,
+            "heads": heads,
+            "head_dim": head_dim,
+            "attn_group": attn_group,
+        },
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    lines = [
+        f"# WIDE kernels benchmark\n\n{json.dumps(meta)}\n",
+        "| op | M | mask | correct | ours ms | best baseline | ms | speedup | bound | of bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        base_ms = r["baselines_ms"][r["best_baseline"]]
+        lines.append(
+            f"| {r['op']} | {r['M']} | {r['mask']} | {r['correct']} | {r['ours_ms']:.4f} | {r['best_baseline']} | "
+            f"{base_ms:.4f} | {r['speedup']:.2f}x | {r['bound']:.2f} | {r['of_bound']:.2f} |"
+        )
+    (out / "bench.md").write_text("\n".join(lines) + "\n")
+    bad = [r for r in results if not r["correct"]]
+    print(f"{len(results)} cases, {len(bad)} incorrect; written {out / 'bench.md'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
