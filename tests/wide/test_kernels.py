@@ -209,3 +209,43 @@ def test_benchmark_script_smoke(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["results"] and all(r["correct"] for r in data["results"])
     assert (tmp_path / "bench.md").read_text().startswith("# WIDE kernels benchmark")
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "d", "s", "groups"),
+    [(2, 6, 2, 16, 7, 2), (2, 6, 2, 16, 33, 3), (1, 8, 2, 32, 100, 4), (3, 4, 4, 16, 1, 4), (2, 8, 2, 16, 64, 2)],
+)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits):
+    from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
+
+    gen = torch.Generator().manual_seed(b * 100 + s)
+    q = torch.randn(b, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
+    v = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
+    lens = torch.randint(1, s + 1, (b,), generator=gen).to(DEVICE)  # ragged cache lengths
+    mask = random_mask(b, groups, sparsity, seed=s + groups)  # B > 1 with different masks
+    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
+    ref = torch_routed_attention_decode(q, k, v, lens, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    heads_off = ~mask.repeat_interleave(hq // groups, dim=-1)
+    assert torch.count_nonzero(got[heads_off]) == 0
+
+
+def test_attention_decode_reads_no_kv_for_inactive_groups():
+    """With every group off, K and V may be garbage (NaN): nothing reads them."""
+    from compresskit_wide.kernels.attention_decode import triton_routed_attention_decode
+
+    q = torch.randn(2, 6, 16, device=DEVICE)
+    k = torch.full((2, 2, 40, 16), float("nan"), device=DEVICE)
+    v = torch.full((2, 2, 40, 16), float("nan"), device=DEVICE)
+    mask = torch.zeros(2, 2, dtype=torch.bool, device=DEVICE)
+    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask)
+    assert torch.count_nonzero(out) == 0 and not torch.isnan(out).any()
+    # one group on in sequence 0: only its KV head is read; the other KV head may stay NaN
+    k[:, 0] = torch.randn(2, 40, 16, device=DEVICE)
+    v[:, 0] = torch.randn(2, 40, 16, device=DEVICE)
+    mask[0, 0] = True
+    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask)
+    assert not torch.isnan(out).any() and torch.count_nonzero(out[0, :3]) > 0 and torch.count_nonzero(out[:, 3:]) == 0

@@ -11,7 +11,9 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
   ``torch_masked_out_gemm``, ``triton_masked_out_gemm``;
 * reduction-width masked GEMM (o, down): ``torch_masked_reduce_gemm`` (the masked dense
   product, also the prefill path), ``triton_masked_reduce_gemm`` (decode: a loop over the
-  active groups only).
+  active groups only);
+* routed attention, decode: ``torch_routed_attention_decode``, ``triton_routed_attention_decode``
+  (split-KV flash decoding that reads no K/V for inactive head groups).
 
 ``backend``: "torch", "triton" (an error naming the reason when it cannot run), or "auto" (Triton
 for CUDA tensors when it is installed, the reference otherwise).
@@ -24,6 +26,7 @@ import os
 import torch
 
 from compresskit.errors import KernelUnavailableError
+from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
@@ -98,3 +101,11 @@ def masked_reduce_gemm(
     if use and (backend == "triton" or x.shape[0] <= DECODE_MAX_M):
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)
     return torch_masked_reduce_gemm(x, w, mask)
+
+
+def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -> torch.Tensor:
+    """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
+    ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
+    if _use_triton(backend, q, k, v):
+        return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+    return torch_routed_attention_decode(q, k, v, seq_lens, mask)

@@ -1,0 +1,167 @@
+"""Routed attention for decode: split-KV flash decoding that skips the KV reads of query-head
+groups no token needs.
+
+    q:        [B, Hq, D]         the new token's queries (after RoPE)
+    k, v:     [B, Hkv, S, D]     the KV cache (transformers' layout); positions >= seq_lens[b] ignored
+    seq_lens: [B]                valid cache length per sequence
+    mask:     [B, Hq / A]        True = the group of A query heads runs (A = attention group size)
+    out:      [B, Hq, D]         softmax(q k^T / sqrt(D)) v for active heads, exactly 0 for inactive
+
+Query head h reads KV head h // (Hq / Hkv). One program handles all the query heads of one KV head
+for one KV split: when none of them is active it returns before reading a byte of K or V. A
+second kernel merges the splits (log-sum-exp) and writes zeros for inactive heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def torch_routed_attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Reference (fp32 math, cast to ``q.dtype``)."""
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    kk = k.float().repeat_interleave(rep, dim=1)  # [B, Hq, S, D]
+    vv = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), kk) / math.sqrt(d)  # [B, Hq, S]
+    valid = torch.arange(s, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [B, S]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    out = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), vv)
+    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1)  # [B, Hq]
+    return torch.where(heads_on[..., None], out, torch.zeros((), dtype=out.dtype)).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def triton_attn_decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, lens_ptr, heads_on_ptr, m_ptr, l_ptr, acc_ptr,
+        HQ, HKV, S, D, SPLITS, SPLIT_LEN, scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+        REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        hs = tl.arange(0, BLOCK_H)
+        h_ok = hs < REP
+        heads = kvh * REP + hs  # the query heads of this KV head
+        on = tl.load(heads_on_ptr + b * HQ + heads, mask=h_ok, other=0) != 0
+        part = (b * HQ + heads) * SPLITS + sp  # workspace slot per (b, head, split)
+        ds = tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        if tl.sum(on.to(tl.int32), axis=0) == 0:  # no active head here: read no K, no V
+            tl.store(m_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=h_ok)
+            tl.store(l_ptr + part, tl.zeros((BLOCK_H,), tl.float32), mask=h_ok)
+            return
+        seq_len = tl.load(lens_ptr + b)
+        start = sp * SPLIT_LEN
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
+            mask=(on & h_ok)[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        for n0 in range(start, start + SPLIT_LEN, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            n_ok = (ns < seq_len) & (ns < start + SPLIT_LEN)
+            kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
+            kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(kt)) * scale  # [BLOCK_H, BLOCK_N]
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        tl.store(m_ptr + part, m_i, mask=h_ok)
+        tl.store(l_ptr + part, l_i, mask=h_ok)
+        tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def triton_attn_decode_merge_kernel(
+        m_ptr, l_ptr, acc_ptr, heads_on_ptr, out_ptr, HQ, D, SPLITS, stride_ob, stride_oh,
+        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        ds = tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        out_ptrs = out_ptr + b * stride_ob + h * stride_oh + ds
+        if tl.load(heads_on_ptr + b * HQ + h) == 0:  # inactive head: exactly zero
+            tl.store(out_ptrs, tl.zeros((BLOCK_D,), tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
+            return
+        sps = tl.arange(0, BLOCK_S)
+        s_ok = sps < SPLITS
+        base = (b * HQ + h) * SPLITS + sps
+        m = tl.load(m_ptr + base, mask=s_ok, other=float("-inf"))
+        lse_l = tl.load(l_ptr + base, mask=s_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(s_ok & (m > float("-inf")), tl.exp(m - m_max), 0.0)
+        acc = tl.load(
+            acc_ptr + base[:, None] * D + ds[None, :],
+            mask=(s_ok & (m > float("-inf")))[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        num = tl.sum(acc * w[:, None], axis=0)
+        den = tl.sum(lse_l * w, axis=0)
+        tl.store(out_ptrs, (num / den).to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def triton_routed_attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    splits: int = 4,
+    block_n: int = 16,
+) -> torch.Tensor:
+    """Triton version of :func:`torch_routed_attention_decode`."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if hq % hkv or hq % mask.shape[-1] or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
+        raise ValueError(
+            f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}"
+        )
+    rep = hq // hkv
+    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).to(torch.uint8).contiguous()  # [B, Hq]
+    q = q.contiguous()
+    split_len = triton.cdiv(max(s, 1), splits)
+    split_len = triton.cdiv(split_len, block_n) * block_n
+    m_ws = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    l_ws = torch.empty_like(m_ws)
+    acc_ws = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    block_h = max(16, triton.next_power_of_2(rep))
+    block_d = max(16, triton.next_power_of_2(d))
+    triton_attn_decode_split_kernel[(b, hkv, splits)](
+        q, k, v, seq_lens.to(torch.int32).contiguous(), heads_on, m_ws, l_ws, acc_ws,
+        hq, hkv, s, d, splits, split_len, 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+    )  # fmt: skip
+    triton_attn_decode_merge_kernel[(b, hq)](
+        m_ws, l_ws, acc_ws, heads_on, out, hq, d, splits, out.stride(0), out.stride(1),
+        BLOCK_S=max(16, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
