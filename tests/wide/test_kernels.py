@@ -249,3 +249,45 @@ def test_attention_decode_reads_no_kv_for_inactive_groups():
     mask[0, 0] = True
     out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask)
     assert not torch.isnan(out).any() and torch.count_nonzero(out[0, :3]) > 0 and torch.count_nonzero(out[:, 3:]) == 0
+
+
+@pytest.mark.parametrize(
+    ("b", "hq", "hkv", "d", "t", "past", "groups"),
+    [
+        (2, 6, 2, 16, 5, 0, 2),
+        (2, 6, 2, 16, 17, 7, 3),
+        (1, 8, 2, 32, 40, 0, 4),
+        (1, 4, 4, 16, 33, 0, 4),
+        (1, 6, 2, 16, 1, 9, 2),
+    ],
+)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_routed_attention_prefill_matches_reference(b, hq, hkv, d, t, past, groups, sparsity):
+    from compresskit_wide.kernels.attention_prefill import (
+        torch_routed_attention_prefill,
+        triton_routed_attention_prefill,
+    )
+
+    gen = torch.Generator().manual_seed(t * 10 + past)
+    q = torch.randn(b, hq, t, d, generator=gen).to(DEVICE)
+    k = torch.randn(b, hkv, past + t, d, generator=gen).to(DEVICE)
+    v = torch.randn(b, hkv, past + t, d, generator=gen).to(DEVICE)
+    mask = (torch.rand(b, t, groups, generator=gen) >= sparsity).to(DEVICE)
+    got = triton_routed_attention_prefill(q, k, v, mask)
+    ref = torch_routed_attention_prefill(q, k, v, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    heads_off = ~mask.repeat_interleave(hq // groups, dim=-1).permute(0, 2, 1)  # [B, Hq, T]
+    assert torch.count_nonzero(got[heads_off]) == 0
+
+
+def test_prefill_reference_equals_sdpa_when_all_on():
+    from compresskit_wide.kernels.attention_prefill import torch_routed_attention_prefill
+
+    q = torch.randn(2, 6, 9, 16)
+    k = torch.randn(2, 2, 9, 16)
+    v = torch.randn(2, 2, 9, 16)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True
+    )
+    got = torch_routed_attention_prefill(q, k, v, torch.ones(2, 9, 2, dtype=torch.bool))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,9 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
   product, also the prefill path), ``triton_masked_reduce_gemm`` (decode: a loop over the
   active groups only);
 * routed attention, decode: ``torch_routed_attention_decode``, ``triton_routed_attention_decode``
-  (split-KV flash decoding that reads no K/V for inactive head groups).
+  (split-KV flash decoding that reads no K/V for inactive head groups);
+* routed attention, prefill: ``torch_routed_attention_prefill``, ``triton_routed_attention_prefill``
+  (flash attention over each group's active queries, original positions, scattered back).
 
 ``backend``: "torch", "triton" (an error naming the reason when it cannot run), or "auto" (Triton
 for CUDA tensors when it is installed, the reference otherwise).
@@ -27,6 +29,7 @@ import torch
 
 from compresskit.errors import KernelUnavailableError
 from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
+from compresskit_wide.kernels.attention_prefill import torch_routed_attention_prefill, triton_routed_attention_prefill
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
@@ -109,3 +112,11 @@ def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -
     if _use_triton(backend, q, k, v):
         return triton_routed_attention_decode(q, k, v, seq_lens, mask)
     return torch_routed_attention_decode(q, k, v, seq_lens, mask)
+
+
+def routed_attention_prefill(q, k, v, mask, *, backend: str = "auto") -> torch.Tensor:
+    """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, Hq, T, D]``,
+    causal with the original positions; inactive (token, head) exactly 0."""
+    if _use_triton(backend, q, k, v):
+        return triton_routed_attention_prefill(q, k, v, mask)
+    return torch_routed_attention_prefill(q, k, v, mask)

@@ -1,0 +1,138 @@
+"""Routed attention for prefill: flash attention over each head group's active queries only.
+
+    q:    [B, Hq, T, D]      the new tokens' queries (after RoPE)
+    k, v: [B, Hkv, S, D]     keys and values of the cache plus the new tokens (S = past + T)
+    mask: [B, T, Hq / A]     True = token t runs group g (A query heads)
+    out:  [B, Hq, T, D]      causal attention (query t at position past + t) for active (t, head),
+                             exactly 0 for inactive
+
+Per sequence and head group the tokens are sorted active-first (the routing layout); program
+(b, h, tile) takes one tile of head h's sorted tokens, gathers their queries, runs causal flash
+attention with their original positions and scatters the result back. Tiles with no active token
+only write zeros and read neither Q, K nor V; the key loop stops at the last active token's position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def torch_routed_attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Reference (fp32 math, cast to ``q.dtype``)."""
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    past = s - t
+    kk = k.float().repeat_interleave(hq // hkv, dim=1)
+    vv = v.float().repeat_interleave(hq // hkv, dim=1)
+    scores = q.float() @ kk.transpose(-1, -2) / math.sqrt(d)  # [B, Hq, T, S]
+    causal = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vv  # [B, Hq, T, D]
+    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).permute(0, 2, 1)  # [B, Hq, T]
+    return torch.where(heads_on[..., None], out, torch.zeros((), dtype=out.dtype)).to(q.dtype)
+
+
+def prefill_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask: [B, T, G]`` -> ``order: [B, G, T]`` (active tokens first, in order), ``counts: [B, G]``."""
+    inactive = (~mask.bool()).permute(0, 2, 1).contiguous().to(torch.int8)  # [B, G, T]
+    order = torch.argsort(inactive, dim=-1, stable=True).to(torch.int32).contiguous()
+    return order, mask.bool().sum(dim=1, dtype=torch.int32).contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def triton_attn_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, counts_ptr,
+        HQ, T, S, D, G, scale,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh, stride_ot,
+        REP: tl.constexpr, A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        tm = tl.program_id(2)
+        g = h // A
+        kvh = h // REP
+        past = S - T
+        count = tl.load(counts_ptr + b * G + g)
+        slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_range = slots < T
+        rows = tl.load(order_ptr + (b * G + g) * T + slots, mask=in_range, other=0)  # token indices
+        active = slots < count
+        ds = tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        out_ptrs = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + ds[None, :]
+        store_mask = in_range[:, None] & d_ok[None, :]
+        if tm * BLOCK_M >= count:  # no active token in this tile
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty), mask=store_mask)
+            return
+        q = tl.load(
+            q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + ds[None, :],
+            mask=active[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        qpos = past + rows  # original positions
+        last = tl.max(tl.where(active, qpos, 0), axis=0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for n0 in range(0, last + 1, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            n_ok = ns < S
+            kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
+            kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(kt)) * scale  # [BLOCK_M, BLOCK_N]
+            allowed = (ns[None, :] <= qpos[:, None]) & n_ok[None, :] & active[:, None]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+            m_i = m_new
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        res = tl.where(active[:, None], res, 0.0)
+        tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+def triton_routed_attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_m: int = 16,
+    block_n: int = 16,
+) -> torch.Tensor:
+    """Triton version of :func:`torch_routed_attention_prefill`."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    groups = mask.shape[-1]
+    if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
+        raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
+    order, counts = layout if layout is not None else prefill_layout(mask)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    block_d = max(16, triton.next_power_of_2(d))
+    triton_attn_prefill_kernel[(b, hq, triton.cdiv(t, block_m))](
+        q, k, v, out, order, counts, hq, t, s, d, groups, 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        REP=hq // hkv, A=hq // groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
