@@ -28,6 +28,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "wide"))
 
+from compresskit_wide.kernels.attention_decode import (  # noqa: E402
+    torch_routed_attention_decode,
+    triton_routed_attention_decode,
+)
+from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
+    prefill_layout,
+    torch_routed_attention_prefill,
+    triton_routed_attention_prefill,
+)
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm  # noqa: E402
 from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
@@ -151,6 +160,70 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     add_row(results, "q (incl. prep)", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, m <= 16)
 
 
+def sdpa_variants(q, k, v, causal: bool) -> dict:
+    """The dense attention baselines PyTorch offers here, each with native GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"math SDPA": SDPBackend.MATH}
+    if CUDA:
+        backends = {
+            "cuDNN SDPA": SDPBackend.CUDNN_ATTENTION,
+            "flash SDPA": SDPBackend.FLASH_ATTENTION,
+            "efficient SDPA": SDPBackend.EFFICIENT_ATTENTION,
+        }
+    out = {}
+    for name, backend in backends.items():
+
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+        try:
+            fn()
+            out[name] = fn
+        except RuntimeError:  # that backend does not take these shapes or dtype here
+            continue
+    return out
+
+
+def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
+    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    mask = make_mask(batch, heads // attn_group, 0.5, mask_kind, gen, device)
+    got = triton_routed_attention_decode(q, k, v, lens, mask)
+    ref = torch_routed_attention_decode(q, k, v, lens, mask)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    splits = max(1, min(32, ctx // 256))
+
+    def ours():
+        return triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
+
+    q4 = q[:, :, None, :]  # [B, Hq, 1, D]
+    add_row(
+        results, f"attn decode ctx={ctx}", batch, mask_kind, mask, ours, sdpa_variants(q4, k, v, False), ok, err, False
+    )
+
+
+def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    q = torch.randn(1, heads, t, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=dtype)
+    v = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=dtype)
+    mask = make_mask(t, heads // attn_group, 0.5, mask_kind, gen, device)[None]  # [1, T, G]
+    got = triton_routed_attention_prefill(q, k, v, mask)
+    ref = torch_routed_attention_prefill(q, k, v, mask)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    block = 64 if CUDA else 16
+
+    def ours():  # including the layout
+        return triton_routed_attention_prefill(q, k, v, mask, layout=prefill_layout(mask), block_m=block, block_n=block)
+
+    add_row(results, "attn prefill causal", t, mask_kind, mask[0], ours, sdpa_variants(q, k, v, True), ok, err, False)
+
+
 def add_row(results, op, m, mask_kind, mask, ours, baselines, ok, err, decode):
     t_ours = timed(ours)
     t_base = {name: timed(fn) for name, fn in baselines.items()}
@@ -195,8 +268,18 @@ def main() -> int:
     else:  # Llama-3.1-8B
         d, ffn, group, heads, head_dim, attn_group = 4096, 14336, 128, 32, 128, 4
         decode_m, prefill_m = [1, 2, 4, 8, 16], [512, 1024, 2048, 4096]
+    kv_heads, contexts, batches = (2, [64], [1, 2]) if args.smoke else (8, [1024, 8192, 32768], [1, 4, 16])
     gen = torch.Generator().manual_seed(0)
     results: list[dict] = []
+    for ctx in contexts:
+        for batch in batches:
+            for kind in ("exact", "iid"):
+                case_attention_decode(
+                    batch, ctx, heads, kv_heads, head_dim, attn_group, kind, dtype, device, gen, results
+                )
+    for t in prefill_m:
+        for kind in ("exact", "iid"):
+            case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, kind, dtype, device, gen, results)
     for m in decode_m + prefill_m:
         for kind in ("exact", "iid"):
             case_gate_up(m, d, ffn, group, kind, dtype, device, gen, results)
