@@ -17,12 +17,13 @@ The transformers layer code is left alone: in a Llama-style decoder layer the in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit.interfaces import Pruner
 from compresskit.sparsity import SparsityReport
 from compresskit.tokens import mask_for
 
@@ -285,3 +286,72 @@ def load_router_state_dict(model: nn.Module, state: dict[str, torch.Tensor], pre
     for name, proj in routed_projections(model):
         if proj.router is not None:
             proj.router.load_state_dict({k: state[f"{prefix}{name}.router.{k}"] for k in proj.router.state_dict()})
+
+
+class RoutedPruner(Pruner):
+    """Base of pruners built on routed projections (WIDE, dynamic depth): the training hooks,
+    router tensors and sparsity measurement they share.
+
+    A subclass's ``_prepare`` wraps the model, then calls :meth:`_bind`; its config has
+    ``tau_start`` and ``tau_end``; it implements ``regularization`` from :meth:`batch_fractions`.
+    """
+
+    router_prefix: ClassVar[str] = "routed."
+
+    def _bind(self, model: nn.Module) -> None:
+        """Record the routed projections (after surgery) and the model's projection MACs."""
+        from compresskit.sparsity import layer_linear_macs
+
+        model.train(model.training)  # new wrappers take the model's current mode
+        self.__dict__["_projs"] = [p for _, p in routed_projections(model)]
+        self._model_config = model.config
+        self._total_macs = sum(layer_linear_macs(model.config).values()) * model.config.num_hidden_layers
+
+    @property
+    def projections(self) -> list[RoutedProjection]:
+        return self.__dict__.get("_projs", [])
+
+    def _finalize(self, model: nn.Module) -> nn.Module:
+        for proj in self.projections:
+            proj.deterministic = True
+        release_batch(self.projections)
+        for p in routers(model):
+            p.requires_grad_(False)
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """Remove every router and wrapper: the dense model, exactly."""
+        return unwrap(model)
+
+    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        return routers(model)
+
+    def on_train_step(self, step: int, total_steps: int) -> dict[str, float]:
+        tau = linear_tau(step, total_steps, self.config.tau_start, self.config.tau_end)
+        for proj in self.projections:
+            proj.tau = tau
+        return {"tau": tau}
+
+    def batch_fractions(self) -> dict[str, torch.Tensor]:
+        """Differentiable skip fractions of the last training batch (see :func:`batch_skip_fractions`);
+        the batch's tensors are released afterwards."""
+        rho = batch_skip_fractions(self.projections, self._total_macs)
+        release_batch(self.projections)
+        self._last_rho = {k: float(v.detach()) for k, v in rho.items()}
+        return rho
+
+    def train_metrics(self, model: nn.Module) -> dict[str, float]:
+        return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return router_state_dict(model, self.router_prefix)
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        load_router_state_dict(model, state, self.router_prefix, type(self).__name__)
+
+    def reset_sparsity(self, model: nn.Module) -> None:
+        for _, proj in routed_projections(model):
+            proj.reset_stats()
+
+    def sparsity(self, model: nn.Module) -> SparsityReport:
+        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)

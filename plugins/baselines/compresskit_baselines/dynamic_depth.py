@@ -25,25 +25,12 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compresskit import PluginConfig, Pruner
+from compresskit import PluginConfig
 from compresskit.errors import RecipeError
 from compresskit.interfaces import PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module
-from compresskit.routing import (
-    GroupRouter,
-    RoutedProjection,
-    RouterTap,
-    batch_skip_fractions,
-    linear_tau,
-    load_router_state_dict,
-    measured_sparsity,
-    release_batch,
-    routed_projections,
-    router_state_dict,
-    routers,
-    unwrap,
-)
-from compresskit.sparsity import SparsityReport, layer_linear_macs
+from compresskit.routing import GroupRouter, RoutedProjection, RoutedPruner, RouterTap, routed_projections
+from compresskit.sparsity import layer_linear_macs
 
 PREFIX = "dynamic_depth."
 
@@ -63,14 +50,16 @@ class DynamicDepthConfig(PluginConfig):
     tau_end: float = Field(0.5, gt=0.0)
 
 
-class DynamicDepthPruner(Pruner):
+class DynamicDepthPruner(RoutedPruner):
     Config = DynamicDepthConfig
+    router_prefix = PREFIX
     contract_config = {"router_rank": 4}
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
         cfg = model.config
         macs = layer_linear_macs(cfg)
         layers = decoder_layers(model)
+        self._params_before = count_parameters(model)
         bad = [i for i in self.config.ignore_layers if not 0 <= i < len(layers)]
         if bad:
             raise RecipeError(
@@ -110,61 +99,18 @@ class DynamicDepthPruner(Pruner):
                 )
             replace_module(layer.mlp, "down_proj", ffn)
             targeted.append(f"model.layers.{i}")
-        model.train(model.training)
-        self._model_config = cfg
-        self._total_macs = sum(macs.values()) * len(layers)
-        self._params_before = count_parameters(model)
-        self.__dict__["_projs"] = [p for _, p in routed_projections(model)]
+        self._bind(model)
         return targeted
 
-    def _finalize(self, model: nn.Module) -> nn.Module:
-        for _, proj in routed_projections(model):
-            proj.deterministic = True
-        release_batch([p for _, p in routed_projections(model)])
-        for p in routers(model):
-            p.requires_grad_(False)
-        return model
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return unwrap(model)
-
-    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        return routers(model)
-
-    def on_train_step(self, step: int, total_steps: int) -> dict[str, float]:
-        tau = linear_tau(step, total_steps, self.config.tau_start, self.config.tau_end)
-        for proj in self.__dict__.get("_projs", []):
-            proj.tau = tau
-        return {"tau": tau}
-
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
-        projs = self.__dict__.get("_projs", [])
-        rho = batch_skip_fractions(projs, self._total_macs)
-        release_batch(projs)
+        rho = self.batch_fractions()
         if not rho:
             return None
         if self.config.budget == "macs":
             realised = rho["macs"]
         else:
             realised = torch.stack([rho[k] for k in ("attention", "ffn") if k in rho]).mean()
-        self._last_rho = {k: float(v.detach()) for k, v in rho.items()}
         return self.config.sparsity_coef * (self.config.target_sparsity - realised).abs()
-
-    def train_metrics(self, model: nn.Module) -> dict[str, float]:
-        return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
-
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return router_state_dict(model, PREFIX)
-
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        load_router_state_dict(model, state, PREFIX, "dynamic-depth")
-
-    def reset_sparsity(self, model: nn.Module) -> None:
-        for _, proj in routed_projections(model):
-            proj.reset_stats()
-
-    def sparsity(self, model: nn.Module) -> SparsityReport:
-        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)
 
     def summary(self, model: nn.Module) -> PruneSummary:
         return PruneSummary(

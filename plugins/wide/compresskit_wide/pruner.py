@@ -1,4 +1,5 @@
-"""The ``wide`` pruner: lifecycle and bookkeeping. The tensor math is in router.py and layers.py.
+"""The ``wide`` pruner: surgery and budget. Routers, routed layers and the shared training and
+measurement hooks are in ``compresskit.routing``; kernels dispatch through ``kernels``.
 
 Sample YAML::
 
@@ -22,22 +23,9 @@ import torch
 from torch import nn
 
 from compresskit.errors import RecipeError
-from compresskit.interfaces import Pruner, PruneSummary, RunContext
+from compresskit.interfaces import PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module, select_modules
-from compresskit.routing import (
-    GroupRouter,
-    RoutedProjection,
-    RouterTap,
-    batch_skip_fractions,
-    linear_tau,
-    load_router_state_dict,
-    measured_sparsity,
-    release_batch,
-    routed_projections,
-    router_state_dict,
-    unwrap,
-)
-from compresskit.sparsity import SparsityReport, layer_linear_macs
+from compresskit.routing import GroupRouter, RoutedPruner, RouterTap, routed_projections
 from compresskit_wide.config import WidePrunerConfig
 from compresskit_wide.layers import wide_projection
 
@@ -68,8 +56,9 @@ def resolve_group_sizes(config: WidePrunerConfig, model_config) -> tuple[int, in
     return attn, config.ffn_group_size
 
 
-class WidePruner(Pruner):
+class WidePruner(RoutedPruner):
     Config = WidePrunerConfig
+    router_prefix = PREFIX
     contract_config = {"ffn_group_size": 16, "router_rank": 4}
 
     # -- surgery ------------------------------------------------------------------------------
@@ -79,9 +68,7 @@ class WidePruner(Pruner):
         if act != "silu":
             raise RecipeError(f"pruner: wide needs a SwiGLU FFN (hidden_act silu); this model has {act!r}")
         attn_g, ffn_g = resolve_group_sizes(self.config, cfg)
-        self._model_config = cfg
         self._params_before = count_parameters(model)
-        macs = layer_linear_macs(cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         d = cfg.hidden_size
         layers = decoder_layers(model)
@@ -121,52 +108,12 @@ class WidePruner(Pruner):
                 replace_module(layer.mlp, "down_proj", proj)
                 replace_module(layer, "post_attention_layernorm", RouterTap(layer.post_attention_layernorm, proj))
             targeted.append(name)
-        model.train(model.training)  # new wrappers take the model's current mode
         self._bind(model)
-        self._layer_macs = sum(macs.values())
-        self._num_layers = len(layers)
         self._attn_g, self._ffn_g = attn_g, ffn_g
         return targeted
 
-    def _finalize(self, model: nn.Module) -> nn.Module:
-        for _, proj in routed_projections(model):
-            proj.deterministic = True
-            proj.last_skip = proj.last_valid = None
-            for p in proj.router.parameters():
-                p.requires_grad_(False)
-        return model
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """Remove every router and wrapper: the dense model, exactly."""
-        return unwrap(model)
-
-    # -- training hooks -----------------------------------------------------------------------
-    def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
-        return [p for _, proj in routed_projections(model) for p in proj.router.parameters()]
-
-    def on_train_step(self, step: int, total_steps: int) -> dict[str, float]:
-        tau = linear_tau(step, total_steps, self.config.tau_start, self.config.tau_end)
-        for _, proj in self._projections:
-            proj.tau = tau
-        return {"tau": tau}
-
-    @property
-    def _projections(self) -> list[tuple[str, RoutedProjection]]:
-        return self.__dict__.get("_proj_cache") or []
-
-    def _bind(self, model: nn.Module) -> list[tuple[str, RoutedProjection]]:
-        self.__dict__["_proj_cache"] = routed_projections(model)
-        return self._projections
-
-    def realised(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Skip fractions of the last training batch (differentiable): per router type (mean over
-        layers of skipped-group fractions, real tokens only) and of the linear MACs."""
-        projs = [p for _, p in self._bind(model)]
-        return batch_skip_fractions(projs, self._layer_macs * self._num_layers)
-
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
-        rho = self.realised(model)
-        release_batch([p for _, p in self._projections])
+        rho = self.batch_fractions()
         if not rho:
             return None
         c = self.config
@@ -178,26 +125,7 @@ class WidePruner(Pruner):
         else:
             targets = {"attention": c.target_attention, "ffn": c.target_ffn}
             loss = torch.stack([(targets[k] - rho[k]).abs() for k in ("attention", "ffn") if k in rho]).mean()
-        self._last_rho = {k: float(v.detach()) for k, v in rho.items()}
         return c.sparsity_coef * loss
-
-    def train_metrics(self, model: nn.Module) -> dict[str, float]:
-        return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
-
-    # -- tensors ------------------------------------------------------------------------------
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return router_state_dict(model, PREFIX)
-
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        load_router_state_dict(model, state, PREFIX, "wide")
-
-    # -- measurement --------------------------------------------------------------------------
-    def reset_sparsity(self, model: nn.Module) -> None:
-        for _, proj in routed_projections(model):
-            proj.reset_stats()
-
-    def sparsity(self, model: nn.Module) -> SparsityReport:
-        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)
 
     def summary(self, model: nn.Module) -> PruneSummary:
         projs = routed_projections(model)
