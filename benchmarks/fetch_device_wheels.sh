@@ -2,7 +2,7 @@
 # Downloads into .whl/ the Python packages the device machine lacks (it reaches no registry), for
 # Python 3.12 x86-64: what the core test suite, the WIDE runs and the kernel benchmark need beyond
 # the device's own torch/transformers/triton stack. Run here (with registry access), then carry
-# ".whl" in the device call. Keep .whl/ out of git: echo /.whl/ >> .git/info/exclude
+# ".whl" in the device call (.gitignore keeps it out of git; carried paths may be ignored ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
