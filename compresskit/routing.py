@@ -186,6 +186,45 @@ class RouterTap(nn.Module):
         return self.base_layer(x, *args, **kwargs)
 
 
+# kind -> (sublayer, projection whose input is grouped, norm whose input the router reads)
+SITES = {
+    "attention": ("self_attn", "o_proj", "input_layernorm"),
+    "ffn": ("mlp", "down_proj", "post_attention_layernorm"),
+}
+
+
+def route_sublayer(
+    layer: nn.Module,
+    kind: Literal["attention", "ffn"],
+    router: GroupRouter | None,
+    *,
+    layer_idx: int,
+    macs_per_group: int,
+    leader: RoutedProjection | None = None,
+    masker: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> RoutedProjection:
+    """Route one sublayer of a Llama-style decoder layer in place: wrap its ``o_proj`` (attention)
+    or ``down_proj`` (FFN) in a :class:`RoutedProjection` and, given a router, put a
+    :class:`RouterTap` on the norm whose input that router reads. Returns the projection."""
+    from compresskit.modeling import replace_module
+
+    sublayer_name, proj_name, norm_name = SITES[kind]
+    sublayer = getattr(layer, sublayer_name)
+    proj = RoutedProjection(
+        getattr(sublayer, proj_name),
+        router,
+        kind=kind,
+        layer_idx=layer_idx,
+        macs_per_group=macs_per_group,
+        leader=leader,
+        masker=masker,
+    )
+    replace_module(sublayer, proj_name, proj)
+    if router is not None:
+        replace_module(layer, norm_name, RouterTap(getattr(layer, norm_name), proj))
+    return proj
+
+
 def routed_projections(model: nn.Module) -> list[tuple[str, RoutedProjection]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedProjection)]
 

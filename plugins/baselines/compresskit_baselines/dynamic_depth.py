@@ -28,8 +28,8 @@ from torch import nn
 from compresskit import PluginConfig
 from compresskit.errors import RecipeError
 from compresskit.interfaces import PruneSummary, RunContext
-from compresskit.modeling import count_parameters, decoder_layers, replace_module
-from compresskit.routing import GroupRouter, RoutedProjection, RoutedPruner, RouterTap, routed_projections
+from compresskit.modeling import count_parameters, decoder_layers
+from compresskit.routing import GroupRouter, RoutedPruner, route_sublayer, routed_projections
 from compresskit.sparsity import layer_linear_macs
 
 PREFIX = "dynamic_depth."
@@ -70,34 +70,17 @@ class DynamicDepthPruner(RoutedPruner):
         for i, layer in enumerate(layers):
             if i in self.config.ignore_layers:
                 continue
-            attn = RoutedProjection(
-                layer.self_attn.o_proj,
-                GroupRouter(d, 1, rank).to(ctx.device),
-                kind="attention",
-                layer_idx=i,
-                macs_per_group=macs["q"] + macs["o"],  # K and V still run for the cache
+            attn_macs = macs["q"] + macs["o"]  # K and V still run for the cache
+            ffn_macs = macs["gate"] + macs["up"] + macs["down"]
+            attn = route_sublayer(
+                layer, "attention", GroupRouter(d, 1, rank).to(ctx.device), layer_idx=i, macs_per_group=attn_macs
             )
-            replace_module(layer.self_attn, "o_proj", attn)
-            replace_module(layer, "input_layernorm", RouterTap(layer.input_layernorm, attn))
             if self.config.granularity == "sublayer":
-                ffn = RoutedProjection(
-                    layer.mlp.down_proj,
-                    GroupRouter(d, 1, rank).to(ctx.device),
-                    kind="ffn",
-                    layer_idx=i,
-                    macs_per_group=macs["gate"] + macs["up"] + macs["down"],
+                route_sublayer(
+                    layer, "ffn", GroupRouter(d, 1, rank).to(ctx.device), layer_idx=i, macs_per_group=ffn_macs
                 )
-                replace_module(layer, "post_attention_layernorm", RouterTap(layer.post_attention_layernorm, ffn))
-            else:
-                ffn = RoutedProjection(
-                    layer.mlp.down_proj,
-                    None,
-                    leader=attn,
-                    kind="ffn",
-                    layer_idx=i,
-                    macs_per_group=macs["gate"] + macs["up"] + macs["down"],
-                )
-            replace_module(layer.mlp, "down_proj", ffn)
+            else:  # one decision per layer: the FFN follows the attention router
+                route_sublayer(layer, "ffn", None, leader=attn, layer_idx=i, macs_per_group=ffn_macs)
             targeted.append(f"model.layers.{i}")
         self._bind(model)
         return targeted

@@ -13,23 +13,12 @@ from __future__ import annotations
 
 import functools
 
-from torch import nn
-
-from compresskit.routing import GroupRouter, RoutedProjection, RouterTap, routed_projections, unwrap
+from compresskit.routing import RoutedProjection, RouterTap, route_sublayer, routed_projections, unwrap
 from compresskit_wide.kernels import group_masked_input
 
-__all__ = ["RoutedProjection", "RouterTap", "routed_projections", "unwrap", "wide_projection"]
+__all__ = ["RoutedProjection", "RouterTap", "kernel_masker", "route_sublayer", "routed_projections", "unwrap"]
 
 
-def wide_projection(
-    base_layer: nn.Linear, router: GroupRouter, *, kind: str, layer_idx: int, macs_per_group: int, backend: str = "auto"
-) -> RoutedProjection:
-    """A routed o_proj/down_proj whose masking goes through WIDE's kernel dispatch."""
-    return RoutedProjection(
-        base_layer,
-        router,
-        kind=kind,
-        layer_idx=layer_idx,
-        macs_per_group=macs_per_group,
-        masker=functools.partial(group_masked_input, backend=backend),
-    )
+def kernel_masker(backend: str = "auto"):
+    """The ``masker`` WIDE's routed projections use: group masking through the kernel dispatch."""
+    return functools.partial(group_masked_input, backend=backend)

@@ -24,10 +24,10 @@ from torch import nn
 
 from compresskit.errors import RecipeError
 from compresskit.interfaces import PruneSummary, RunContext
-from compresskit.modeling import count_parameters, decoder_layers, replace_module, select_modules
-from compresskit.routing import GroupRouter, RoutedPruner, RouterTap, routed_projections
+from compresskit.modeling import count_parameters, decoder_layers, select_modules
+from compresskit.routing import GroupRouter, RoutedPruner, route_sublayer, routed_projections
 from compresskit_wide.config import WidePrunerConfig
-from compresskit_wide.layers import wide_projection
+from compresskit_wide.layers import kernel_masker
 
 PREFIX = "wide."
 _SUBLAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)$")
@@ -80,33 +80,13 @@ class WidePruner(RoutedPruner):
                     f"pruner.config.targets: {name!r} is not a decoder layer's self_attn or mlp; "
                     "wide routes whole sublayers (e.g. targets: [self_attn, mlp])"
                 )
-            idx, kind = int(match.group(1)), match.group(2)
-            layer = layers[idx]
-            dev = ctx.device
-            if kind == "self_attn":
-                groups = cfg.num_attention_heads // attn_g
-                router = GroupRouter(d, groups, self.config.router_rank).to(dev)
-                proj = wide_projection(
-                    layer.self_attn.o_proj,
-                    router,
-                    kind="attention",
-                    layer_idx=idx,
-                    macs_per_group=2 * attn_g * head_dim * d,  # q rows + o columns of the group's heads
-                )
-                replace_module(layer.self_attn, "o_proj", proj)
-                replace_module(layer, "input_layernorm", RouterTap(layer.input_layernorm, proj))
-            else:
-                groups = cfg.intermediate_size // ffn_g
-                router = GroupRouter(d, groups, self.config.router_rank).to(dev)
-                proj = wide_projection(
-                    layer.mlp.down_proj,
-                    router,
-                    kind="ffn",
-                    layer_idx=idx,
-                    macs_per_group=3 * ffn_g * d,  # gate and up rows, down columns
-                )
-                replace_module(layer.mlp, "down_proj", proj)
-                replace_module(layer, "post_attention_layernorm", RouterTap(layer.post_attention_layernorm, proj))
+            idx = int(match.group(1))
+            if match.group(2) == "self_attn":  # q rows + o columns of the group's heads
+                kind, groups, macs = "attention", cfg.num_attention_heads // attn_g, 2 * attn_g * head_dim * d
+            else:  # gate and up rows, down columns of the group's channels
+                kind, groups, macs = "ffn", cfg.intermediate_size // ffn_g, 3 * ffn_g * d
+            router = GroupRouter(d, groups, self.config.router_rank).to(ctx.device)
+            route_sublayer(layers[idx], kind, router, layer_idx=idx, macs_per_group=macs, masker=kernel_masker())
             targeted.append(name)
         self._bind(model)
         self._attn_g, self._ffn_g = attn_g, ffn_g
