@@ -21,6 +21,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from compresskit_wide.kernels.flash import online_softmax_step
 except ImportError:
     triton = None
 
@@ -81,15 +83,7 @@ if triton is not None:
             kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
             kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * scale  # [BLOCK_H, BLOCK_N]
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, n_ok[None, :], m_i, l_i, acc, scale)
         tl.store(m_ptr + part, m_i, mask=h_ok)
         tl.store(l_ptr + part, l_i, mask=h_ok)
         tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])

@@ -21,6 +21,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from compresskit_wide.kernels.flash import online_softmax_step
 except ImportError:
     triton = None
 
@@ -92,16 +94,8 @@ if triton is not None:
             kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
             kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * scale  # [BLOCK_M, BLOCK_N]
-            allowed = (ns[None, :] <= qpos[:, None]) & n_ok[None, :] & active[:, None]
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-            m_i = m_new
+            allowed = (ns[None, :] <= qpos[:, None]) & n_ok[None, :] & active[:, None]  # causal, real keys
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, allowed, m_i, l_i, acc, scale)
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         res = tl.where(active[:, None], res, 0.0)
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
