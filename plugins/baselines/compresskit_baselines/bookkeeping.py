@@ -11,6 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+from torch import nn
+
+from compresskit.errors import ArtifactError
+from compresskit.interfaces import Pruner
 from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, SparsityReport, layer_linear_macs
 
 DIMS = (
@@ -55,3 +60,22 @@ def static_report(config) -> SparsityReport | None:
             total = sum(full[p] for p in projs)
             layer[block].skipped = total if i in removed else total - sum(now[p] for p in projs)
     return rep
+
+
+class StaticPruner(Pruner):
+    """Base of the one-shot pruners that produce a plain, smaller transformers model: it is saved
+    whole (``save_pretrained``), the pruner owns no separate tensors, and the realised sparsity is
+    read from what ``record_pruning`` wrote into the model's config."""
+
+    requires_calibration = True
+    saves_full_model = True
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ArtifactError(f"{type(self).__name__} saves a full checkpoint and owns no separate tensors")
+
+    def sparsity(self, model: nn.Module) -> SparsityReport | None:
+        return static_report(model.config)

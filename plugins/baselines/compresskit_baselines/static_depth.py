@@ -18,14 +18,13 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from compresskit import PluginConfig, Pruner
+from compresskit import PluginConfig
 from compresskit.errors import RecipeError
 from compresskit.hooks import HookSet, first_tensor, output_tensor
 from compresskit.interfaces import Batch, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers
-from compresskit.sparsity import SparsityReport
 from compresskit.tokens import token_mask
-from compresskit_baselines.bookkeeping import original_dims, record_pruning, static_report
+from compresskit_baselines.bookkeeping import StaticPruner, original_dims, record_pruning
 from compresskit_baselines.scoring import block_influence
 
 
@@ -56,10 +55,8 @@ class StaticDepthConfig(PluginConfig):
         return self
 
 
-class StaticDepthPruner(Pruner):
+class StaticDepthPruner(StaticPruner):
     Config = StaticDepthConfig
-    requires_calibration = True
-    saves_full_model = True
     contract_config = {"target_sparsity": 0.5, "keep_first": 0, "keep_last": 0}
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
@@ -131,16 +128,6 @@ class StaticDepthPruner(Pruner):
         self._block_influence = [round(float(s), 6) for s in scores]
         record_pruning(cfg, "static-depth", self._original, removed_layers=removed)
         return model
-
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {}  # the whole (smaller) model is saved with save_pretrained
-
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise RecipeError("static-depth saves a full checkpoint and owns no separate tensors")
-
-    def sparsity(self, model: nn.Module) -> SparsityReport | None:
-        return static_report(model.config)
 
     def summary(self, model: nn.Module) -> PruneSummary:
         return PruneSummary(

@@ -25,13 +25,13 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compresskit import PluginConfig, Pruner
+from compresskit import PluginConfig
 from compresskit.errors import RecipeError
 from compresskit.hooks import HookSet, first_tensor
 from compresskit.interfaces import Batch, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module
-from compresskit.sparsity import SparsityReport, layer_linear_macs
-from compresskit_baselines.bookkeeping import original_dims, record_pruning, static_report
+from compresskit.sparsity import layer_linear_macs
+from compresskit_baselines.bookkeeping import StaticPruner, original_dims, record_pruning
 from compresskit_baselines.scoring import group_sum, wanda_cols, wanda_rows
 
 INPUTS = ("q_proj", "o_proj", "gate_proj", "down_proj")  # k, v share q's input; up shares gate's
@@ -107,10 +107,8 @@ def _rows_of(units: list[int], width: int, device) -> torch.Tensor:
     return torch.cat([torch.arange(u * width, (u + 1) * width, device=device) for u in units])
 
 
-class StaticWidthPruner(Pruner):
+class StaticWidthPruner(StaticPruner):
     Config = StaticWidthConfig
-    requires_calibration = True
-    saves_full_model = True
     contract_config = {"target_sparsity": 0.3, "ffn_group_size": 16}
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
@@ -220,16 +218,6 @@ class StaticWidthPruner(Pruner):
         record_pruning(cfg, "static-width", c, removed=self._removed)
         self._sq.clear()
         return model
-
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return {}  # the whole (smaller) model is saved with save_pretrained
-
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise RecipeError("static-width saves a full checkpoint and owns no separate tensors")
-
-    def sparsity(self, model: nn.Module) -> SparsityReport | None:
-        return static_report(model.config)
 
     def summary(self, model: nn.Module) -> PruneSummary:
         return PruneSummary(
