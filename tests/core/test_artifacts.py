@@ -18,6 +18,14 @@ def _pruned(tiny_model_dir, sparsity=0.4):
     return model, tok, pruner
 
 
+def _saved(tiny_model_dir, tmp_path, sparsity=0.4):
+    model, tok, pruner = _pruned(tiny_model_dir, sparsity)
+    out = artifacts.save(
+        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
+    )
+    return out, model
+
+
 def test_save_load_round_trip_identical_logits(tiny_model_dir, tmp_path):
     model, tok, pruner = _pruned(tiny_model_dir)
     ids = torch.randint(2, 300, (2, 12))
@@ -44,10 +52,7 @@ def test_missing_and_corrupt_artifacts(tiny_model_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ArtifactError, match="compresskit.json .*not found"):
         artifacts.load(tmp_path / "empty")
-    model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(
-        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
-    )
+    out, model = _saved(tiny_model_dir, tmp_path)
     (out / "pruner.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ArtifactError, match="pruner.safetensors: corrupt"):
         artifacts.load(out)
@@ -59,10 +64,7 @@ def test_missing_and_corrupt_artifacts(tiny_model_dir, tmp_path):
 def test_missing_key_is_an_error_not_a_silent_default(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(
-        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
-    )
+    out, model = _saved(tiny_model_dir, tmp_path)
     state = load_file(str(out / "pruner.safetensors"))
     state.pop(sorted(state)[0])
     save_file(state, str(out / "pruner.safetensors"))
@@ -71,10 +73,7 @@ def test_missing_key_is_an_error_not_a_silent_default(tiny_model_dir, tmp_path):
 
 
 def test_newer_artifact_keys_dropped_with_warning(tiny_model_dir, tmp_path):
-    model, tok, pruner = _pruned(tiny_model_dir)
-    out = artifacts.save(
-        tmp_path / "m", model, tok, base_model=str(tiny_model_dir), pruner_name="toy-magnitude", pruner=pruner
-    )
+    out, model = _saved(tiny_model_dir, tmp_path)
     manifest = json.loads((out / "compresskit.json").read_text())
     manifest["pruner"]["config"]["added_in_a_later_version"] = 1
     (out / "compresskit.json").write_text(json.dumps(manifest))

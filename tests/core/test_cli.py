@@ -25,6 +25,14 @@ def recipe_file(tmp_path, tiny_recipe):
     return path
 
 
+def apply_toy(capsys, model_dir, out_dir, *extra):
+    """``compresskit apply`` of the tiny third-party-plugin recipe on ``model_dir`` into ``out_dir``."""
+    recipe = str(TESTS / "recipes" / "tiny-toy.yaml")
+    return run(
+        capsys, "apply", recipe, "--set", f"model.name_or_path={model_dir}", "--set", f"output.dir={out_dir}", *extra
+    )
+
+
 def one_line_error(err):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -94,15 +102,7 @@ def test_plugins_list_and_check(capsys):
 
 def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_path):
     out_dir = tmp_path / "run"
-    code, out, err = run(
-        capsys,
-        "apply",
-        str(TESTS / "recipes" / "tiny-toy.yaml"),
-        "--set",
-        f"model.name_or_path={tiny_model_dir}",
-        "--set",
-        f"output.dir={out_dir}",
-    )
+    code, out, err = apply_toy(capsys, tiny_model_dir, out_dir)
     assert code == 0, err
     results = json.loads((out_dir / "results.json").read_text())
     assert results["pruner"] == "toy-magnitude"
@@ -156,17 +156,7 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     assert code == 0 and len(rows) == 3 and rows[1].startswith("dense,dense,0.000")  # the run's dense reference leads
 
     # a finished run of a different recipe is never silently replaced
-    code, _, err = run(
-        capsys,
-        "apply",
-        str(TESTS / "recipes" / "tiny-toy.yaml"),
-        "--set",
-        f"model.name_or_path={tiny_model_dir}",
-        "--set",
-        f"output.dir={out_dir}",
-        "--set",
-        "seed=7",
-    )
+    code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, "--set", "seed=7")
     assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
 
 
@@ -174,28 +164,17 @@ def test_interrupted_run_leaves_partial_and_resumes(capsys, tiny_model_dir, tmp_
     import compresskit.api as api
 
     out_dir = tmp_path / "run"
-    args = [
-        "apply",
-        str(TESTS / "recipes" / "tiny-toy.yaml"),
-        "--set",
-        f"model.name_or_path={tiny_model_dir}",
-        "--set",
-        f"output.dir={out_dir}",
-        "--set",
-        "evaluation.tasks=[piqa]",
-        "--set",
-        "evaluation.compare_dense=false",
-    ]
+    args = ["--set", "evaluation.tasks=[piqa]", "--set", "evaluation.compare_dense=false"]
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(api, "evaluate", boom)
-    code, _, err = run(capsys, *args)
+    code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, *args)
     assert code == 130 and "resume" in err
     assert not out_dir.exists() and (tmp_path / "run.partial" / "recipe.json").is_file()
     monkeypatch.undo()
-    code, _, err = run(capsys, *args)
+    code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, *args)
     assert code == 0, err
     assert "resuming" in err
     assert (out_dir / "results.json").is_file() and not (tmp_path / "run.partial").exists()
