@@ -61,3 +61,11 @@ class KernelUnavailableError(CompressKitError, RuntimeError):
 
 class OutputExistsError(CompressKitError, FileExistsError):
     """The output directory holds a finished run of a different recipe."""
+
+
+def check_divides(field: str, size: int, total: int, what: str) -> None:
+    """Raise ``RecipeError("<field>: <size> does not divide <what> <total>; valid: 1, 2, ...")``
+    unless ``size`` divides ``total`` (group sizes against head counts and FFN widths)."""
+    if size < 1 or total % size:
+        valid = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
+        raise RecipeError(f"{field}: {size} does not divide {what} {total}; valid: {valid}")

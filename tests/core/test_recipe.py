@@ -163,3 +163,11 @@ def test_comparison_spec(tmp_path):
     write(tmp_path / "typo.yaml", "compare: [a.yaml]\noutptu: {dir: out}\n")
     with pytest.raises(RecipeError, match="Did you mean: output"):
         load_comparison(tmp_path / "typo.yaml")
+
+
+def test_check_divides_names_field_numbers_and_choices():
+    from compresskit.errors import check_divides
+
+    check_divides("x.size", 3, 9, "heads")
+    with pytest.raises(RecipeError, match=r"^x.size: 4 does not divide heads 9; valid: 1, 3, 9$"):
+        check_divides("x.size", 4, 9, "heads")

@@ -26,7 +26,7 @@ from pydantic import Field
 from torch import nn
 
 from compresskit import PluginConfig
-from compresskit.errors import RecipeError
+from compresskit.errors import RecipeError, check_divides
 from compresskit.hooks import HookSet, first_tensor
 from compresskit.interfaces import Batch, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module
@@ -113,12 +113,9 @@ class StaticWidthPruner(StaticPruner):
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
         cfg = original_dims(model.config)
-        if cfg["intermediate_size"] % self.config.ffn_group_size:
-            divisors = [g for g in range(1, cfg["intermediate_size"] + 1) if cfg["intermediate_size"] % g == 0]
-            raise RecipeError(
-                f"pruner.config.ffn_group_size: {self.config.ffn_group_size} does not divide intermediate_size "
-                f"{cfg['intermediate_size']}; valid: {', '.join(map(str, divisors))}"
-            )
+        check_divides(
+            "pruner.config.ffn_group_size", self.config.ffn_group_size, cfg["intermediate_size"], "intermediate_size"
+        )
         self._cfg = cfg
         self._attn_units, self._ffn_groups, self._planned = choose_counts(cfg, self.config)
         self._params_before = count_parameters(model)

@@ -22,7 +22,7 @@ import re
 import torch
 from torch import nn
 
-from compresskit.errors import RecipeError
+from compresskit.errors import RecipeError, check_divides
 from compresskit.interfaces import PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, select_modules
 from compresskit.routing import GroupRouter, RoutedPruner, route_sublayer, routed_projections
@@ -33,26 +33,15 @@ PREFIX = "wide."
 _SUBLAYER = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)$")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def resolve_group_sizes(config: WidePrunerConfig, model_config) -> tuple[int, int]:
     """(attention group size, FFN group size) for this model, with clear errors."""
     n_q = model_config.num_attention_heads
     n_kv = getattr(model_config, "num_key_value_heads", None) or n_q
     attn = config.attn_group_size or n_q // n_kv
-    if n_q % attn:
-        raise RecipeError(
-            f"pruner.config.attn_group_size: {attn} does not divide num_attention_heads {n_q}; "
-            f"valid: {', '.join(map(str, _divisors(n_q)))}"
-        )
-    ffn = model_config.intermediate_size
-    if ffn % config.ffn_group_size:
-        raise RecipeError(
-            f"pruner.config.ffn_group_size: {config.ffn_group_size} does not divide intermediate_size {ffn}; "
-            f"valid: {', '.join(map(str, _divisors(ffn)))}"
-        )
+    check_divides("pruner.config.attn_group_size", attn, n_q, "num_attention_heads")
+    check_divides(
+        "pruner.config.ffn_group_size", config.ffn_group_size, model_config.intermediate_size, "intermediate_size"
+    )
     return attn, config.ffn_group_size
 
 
