@@ -23,7 +23,7 @@ import torch
 
 from compresskit import artifacts
 from compresskit.data import DataModule
-from compresskit.errors import OutputExistsError
+from compresskit.errors import CompressKitError, OutputExistsError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
@@ -111,7 +111,6 @@ def apply(
         overrides: ``["key.path=value", ...]`` or ``{"key.path": value}``; they win over the recipe.
         progress: where long steps report (the CLI passes a rich one).
     """
-    from compresskit.report import results_markdown
 
     progress = progress or Progress()
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else load_recipe(recipe, overrides)
@@ -135,6 +134,21 @@ def apply(
     staging.mkdir(parents=True, exist_ok=True)
     artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
 
+    try:
+        return _run_staged(resolved, staging, out, progress)
+    except CompressKitError:
+        if not (staging / "work").exists():  # nothing to resume: leave no partial output behind
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress) -> RunResult:
+    """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end."""
+    from compresskit.report import results_markdown
+
+    rec = resolved.recipe
+    recipe_hash = resolved.hash()
+    marker = staging / "recipe.json"
     seed_everything(rec.seed)
     model, tokenizer = load_model(
         rec.model.name_or_path,

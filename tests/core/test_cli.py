@@ -212,3 +212,16 @@ def test_compare_spec_runs_members_once_then_reuses(capsys, tiny_model_dir, tmp_
     assert [r.split(",")[0] for r in rows] == ["run", "dense", "toy-0.2", "toy-0.4"]
     code, out, err = run(capsys, "compare", str(tmp_path / "spec.yaml"))
     assert code == 0 and err.count("reusing") == 2  # results with the same recipe hash are not rerun
+
+
+def test_error_found_after_loading_leaves_no_partial_output(capsys, tiny_model_dir, tmp_path):
+    """Some input can only be checked against the loaded model (a group size that does not divide
+    the FFN width): still one line, exit 2, and nothing left behind."""
+    out_dir = tmp_path / "run"
+    code, _, err = apply_toy(
+        capsys, tiny_model_dir, out_dir, "--set", "pruner.name=wide", "--set", "pruner.config={ffn_group_size: 100}"
+    )
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # after the progress lines of the steps that ran
+    assert last.startswith("error: pruner.config.ffn_group_size: 100 does not divide intermediate_size 96; valid: ")
+    assert not out_dir.exists() and not (tmp_path / "run.partial").exists()
