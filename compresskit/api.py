@@ -163,6 +163,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         data = DataModule(tokenizer, test_fraction=rec.data.test_fraction, split_seed=rec.data.split_seed)
         split = data.split_info()
 
+    if resolved.pruner is not None:  # what only the model can tell, before any expensive step
+        resolved.pruner.cls(resolved.pruner.config).check(model.config)
     dense = None
     if resolved.pruner is not None and rec.evaluation.compare_dense:
         dense = dense_reference(resolved, model, tokenizer, data, progress)

@@ -166,6 +166,11 @@ class Pruner(abc.ABC):
         must raise :class:`compresskit.errors.ArtifactError`, never leave a silent default."""
 
     # -- optional ----------------------------------------------------------------------------
+    def check(self, model_config: Any) -> None:  # noqa: B027 - optional hook
+        """Raise a :class:`compresskit.errors.RecipeError` when this config cannot apply to a model
+        with this HF config (e.g. a group size that does not divide the FFN width). Called before
+        any expensive step; ``prepare`` must still be safe without it."""
+
     def calibrate(self, model: nn.Module, batches: Iterable[Batch]) -> None:  # noqa: B027 - optional hook
         """Observe calibration data (tracked hooks only). Default: nothing to calibrate."""
         self._require("prepared", action="calibrate")

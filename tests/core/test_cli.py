@@ -216,7 +216,7 @@ def test_compare_spec_runs_members_once_then_reuses(capsys, tiny_model_dir, tmp_
 
 def test_error_found_after_loading_leaves_no_partial_output(capsys, tiny_model_dir, tmp_path):
     """Some input can only be checked against the loaded model (a group size that does not divide
-    the FFN width): still one line, exit 2, and nothing left behind."""
+    the FFN width): still one line, exit 2, nothing left behind, and before the dense evaluation."""
     out_dir = tmp_path / "run"
     code, _, err = apply_toy(
         capsys, tiny_model_dir, out_dir, "--set", "pruner.name=wide", "--set", "pruner.config={ffn_group_size: 100}"
@@ -225,3 +225,4 @@ def test_error_found_after_loading_leaves_no_partial_output(capsys, tiny_model_d
     last = err.strip().splitlines()[-1]  # after the progress lines of the steps that ran
     assert last.startswith("error: pruner.config.ffn_group_size: 100 does not divide intermediate_size 96; valid: ")
     assert not out_dir.exists() and not (tmp_path / "run.partial").exists()
+    assert "dense reference" not in err  # checked before any expensive step

@@ -111,11 +111,16 @@ class StaticWidthPruner(StaticPruner):
     Config = StaticWidthConfig
     contract_config = {"target_sparsity": 0.3, "ffn_group_size": 16}
 
-    def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
-        cfg = original_dims(model.config)
+    def check(self, model_config) -> None:
+        cfg = original_dims(model_config)
         check_divides(
             "pruner.config.ffn_group_size", self.config.ffn_group_size, cfg["intermediate_size"], "intermediate_size"
         )
+        choose_counts(cfg, self.config)  # a target that rounds to nothing is an error
+
+    def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
+        self.check(model.config)
+        cfg = original_dims(model.config)
         self._cfg = cfg
         self._attn_units, self._ffn_groups, self._planned = choose_counts(cfg, self.config)
         self._params_before = count_parameters(model)

@@ -51,11 +51,15 @@ class WidePruner(RoutedPruner):
     contract_config = {"ffn_group_size": 16, "router_rank": 4}
 
     # -- surgery ------------------------------------------------------------------------------
-    def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
-        cfg = model.config
-        act = getattr(cfg, "hidden_act", "silu")
+    def check(self, model_config) -> None:
+        act = getattr(model_config, "hidden_act", "silu")
         if act != "silu":
             raise RecipeError(f"pruner: wide needs a SwiGLU FFN (hidden_act silu); this model has {act!r}")
+        resolve_group_sizes(self.config, model_config)
+
+    def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
+        cfg = model.config
+        self.check(cfg)
         attn_g, ffn_g = resolve_group_sizes(self.config, cfg)
         self._params_before = count_parameters(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
