@@ -242,7 +242,11 @@ def add_row(results, op, m, mask_kind, mask, ours, baselines, ok, err, decode):
     }
     row["of_bound"] = row["speedup"] / row["bound"]
     if CUDA:
-        row["graph_speedup"] = timed(baselines[best_name], graph=True) / timed(ours, graph=True)
+        try:  # every kernel is meant to be capturable: a failure here is a finding, not a crash
+            row["graph_speedup"] = timed(baselines[best_name], graph=True) / timed(ours, graph=True)
+        except Exception as exc:
+            row["graph_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            print(f"  CUDA graph capture failed: {row['graph_error']}", flush=True)
     results.append(row)
     print(
         f"{op:18s} M={m:5d} {mask_kind:5s} ok={ok!s:5s} ours {t_ours:8.4f} ms | best {best_name} "
@@ -271,26 +275,78 @@ def main() -> int:
     kv_heads, contexts, batches = (2, [64], [1, 2]) if args.smoke else (8, [1024, 8192, 32768], [1, 4, 16])
     gen = torch.Generator().manual_seed(0)
     results: list[dict] = []
+    cases = []  # (label, thunk): FFN and q first, the issue's headline targets
+    for m in decode_m + prefill_m:
+        for kind in ("exact", "iid"):
+            cases.append(
+                (
+                    f"gate+up M={m} {kind}",
+                    lambda m=m, k=kind: case_gate_up(m, d, ffn, group, k, dtype, device, gen, results),
+                )
+            )
+            cases.append(
+                (f"down M={m} {kind}", lambda m=m, k=kind: case_down(m, d, ffn, group, k, dtype, device, gen, results))
+            )
+            cases.append(
+                (
+                    f"q M={m} {kind}",
+                    lambda m=m, k=kind: case_q(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
+                )
+            )
     for ctx in contexts:
         for batch in batches:
             for kind in ("exact", "iid"):
-                case_attention_decode(
-                    batch, ctx, heads, kv_heads, head_dim, attn_group, kind, dtype, device, gen, results
+                cases.append(
+                    (
+                        f"attn decode ctx={ctx} B={batch} {kind}",
+                        lambda c=ctx, b=batch, k=kind: case_attention_decode(
+                            b, c, heads, kv_heads, head_dim, attn_group, k, dtype, device, gen, results
+                        ),
+                    )
                 )
     for t in prefill_m:
         for kind in ("exact", "iid"):
-            case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, kind, dtype, device, gen, results)
-    for m in decode_m + prefill_m:
-        for kind in ("exact", "iid"):
-            case_gate_up(m, d, ffn, group, kind, dtype, device, gen, results)
-            case_down(m, d, ffn, group, kind, dtype, device, gen, results)
-            case_q(m, d, heads, head_dim, attn_group, kind, dtype, device, gen, results)
+            cases.append(
+                (
+                    f"attn prefill T={t} {kind}",
+                    lambda t=t, k=kind: case_attention_prefill(
+                        t, heads, kv_heads, head_dim, attn_group, k, dtype, device, gen, results
+                    ),
+                )
+            )
+    info = meta(dtype, d, ffn, group, heads, head_dim, attn_group)
+    failures: list[dict] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for label, run_case in cases:
+        try:
+            run_case()
+        except Exception as exc:  # one failing case must not hide the others' numbers
+            failures.append({"case": label, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            print(f"FAILED {label}: {type(exc).__name__}: {str(exc)[:500]}", flush=True)
+        write_results(out, info, results, failures)
+    bad = [r for r in results if not r["correct"]]
+    print(f"{len(results)} cases, {len(bad)} incorrect, {len(failures)} failed; written {out / 'bench.md'}")
+    return 1 if bad or failures else 0
+
+
+def driver_version() -> str | None:
+    import subprocess
+
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        return subprocess.run(query, capture_output=True, text=True, check=True).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def meta(dtype, d, ffn, group, heads, head_dim, attn_group) -> dict:
     import triton
 
-    meta = {
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(0) if CUDA else "none (CPU interpreter, timings meaningless)",
-        "driver": torch.cuda.driver_version() if CUDA and hasattr(torch.cuda, "driver_version") else None,
+        "driver": driver_version(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
@@ -305,24 +361,25 @@ def main() -> int:
             "attn_group": attn_group,
         },
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+
+
+def write_results(out: Path, meta: dict, results: list[dict], failures: list[dict]) -> None:
+    """bench.json / bench.md, rewritten after every case so that a run cut short keeps its numbers."""
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results, "failures": failures}, indent=2))
     lines = [
         f"# WIDE kernels benchmark\n\n{json.dumps(meta)}\n",
-        "| op | M | mask | correct | ours ms | best baseline | ms | speedup | bound | of bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | M | mask | correct | ours ms | best baseline | ms | speedup | bound | of bound | graph speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         base_ms = r["baselines_ms"][r["best_baseline"]]
+        graph = f"{r['graph_speedup']:.2f}x" if "graph_speedup" in r else "-"
         lines.append(
             f"| {r['op']} | {r['M']} | {r['mask']} | {r['correct']} | {r['ours_ms']:.4f} | {r['best_baseline']} | "
-            f"{base_ms:.4f} | {r['speedup']:.2f}x | {r['bound']:.2f} | {r['of_bound']:.2f} |"
+            f"{base_ms:.4f} | {r['speedup']:.2f}x | {r['bound']:.2f} | {r['of_bound']:.2f} | {graph} |"
         )
+    lines += [f"\nFAILED {f['case']}: {f['error']}" for f in failures]
     (out / "bench.md").write_text("\n".join(lines) + "\n")
-    bad = [r for r in results if not r["correct"]]
-    print(f"{len(results)} cases, {len(bad)} incorrect; written {out / 'bench.md'}")
-    return 1 if bad else 0
 
 
 if __name__ == "__main__":

