@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "wide"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
 
 from compresskit_wide.kernels.attention_decode import (  # noqa: E402
     torch_routed_attention_decode,

@@ -92,6 +92,20 @@ def staged_dir(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def staged_files(target: Path) -> Iterator[Path]:
+    """Build files in a folder next to ``target``; when the block succeeds, move each into
+    ``target`` (one atomic rename per file), leaving every other file of ``target`` as it was."""
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, target / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def replace_dir(src: Path, target: Path) -> None:
     """Move ``src`` to ``target``, replacing an existing ``target`` with one rename each."""
     if target.exists():

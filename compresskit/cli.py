@@ -291,7 +291,7 @@ def cmd_compare(args, out: Console, err: Console) -> int:
         _plain(out, compare_markdown(runs))
     if args.output:
         target = Path(args.output)
-        with artifacts.staged_dir(target) as tmp:
+        with artifacts.staged_files(target) as tmp:  # the folder may hold the inputs: keep them
             artifacts.write_text(tmp / "compare.md", compare_markdown(runs))
             artifacts.write_text(tmp / "compare.csv", compare_csv(runs))
             artifacts.write_json(tmp / "compare.json", runs)

@@ -1,6 +1,7 @@
 """The CLI as a user meets it: exit codes, one-line errors, no partial outputs, end to end on a tiny model."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,23 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     code, out, err = run(capsys, "compare", str(out_dir), "--output", str(tmp_path / "cmp2"))
     rows = (tmp_path / "cmp2" / "compare.csv").read_text().splitlines()
     assert code == 0 and len(rows) == 3 and rows[1].startswith("dense,dense,0.000")  # the run's dense reference leads
+
+    # the table may be written into the folder that holds its inputs: they stay, and a rerun replaces only its own files
+    shutil.copy(out_dir / "results.json", tmp_path / "cmp2" / "run.results.json")
+    (tmp_path / "cmp2" / "notes.txt").write_text("mine")
+    code, _, err = run(
+        capsys, "compare", str(tmp_path / "cmp2" / "run.results.json"), "--output", str(tmp_path / "cmp2")
+    )
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "cmp2").iterdir()) == [
+        "compare.csv",
+        "compare.json",
+        "compare.md",
+        "compare.png",
+        "notes.txt",
+        "run.results.json",
+    ]
+    assert (tmp_path / "cmp2" / "compare.csv").read_text().splitlines() == rows
 
     # a finished run of a different recipe is never silently replaced
     code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, "--set", "seed=7")
