@@ -18,9 +18,11 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,8 +40,13 @@ from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
     triton_routed_attention_prefill,
 )
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
-from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm  # noqa: E402
-from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
+from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
+    dense_masked_reduce_gemm,
+    torch_masked_reduce_gemm,
+    triton_masked_reduce_gemm,
+)
+from compresskit_wide.kernels.layout import triton_decode_layout, triton_routing_layout  # noqa: E402
+from compresskit_wide.kernels.tuning import DECODE_MAX_M  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -88,9 +95,10 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     ref = torch_masked_out_gemm(x, wg, mask, wu)
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    decode = m <= DECODE_MAX_M
 
-    def ours():
-        layout = triton_routing_layout(mask)
+    def ours():  # decode reads the mask itself; prefill includes the routing-layout prep
+        layout = None if decode else triton_routing_layout(mask)
         return triton_masked_out_gemm(x, wg, mask, wu, layout=layout)
 
     def dense_gemm():
@@ -117,7 +125,7 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
         {"cuBLAS gate+up": dense_gemm, "cuBLAS + SiLU*mul": dense_swiglu, "naive gather": naive},
         ok,
         err,
-        m <= 16,
+        decode,
     )
 
 
@@ -125,21 +133,51 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     h = torch.randn(m, ffn, device=device, dtype=dtype)
     wd = torch.randn(d, ffn, device=device, dtype=dtype) / ffn**0.5
     mask = make_mask(m, ffn // group, 0.5, mask_kind, gen, device)
-    decode = m <= 16
-    got = triton_masked_reduce_gemm(h, wd, mask) if decode else torch_masked_reduce_gemm(h, wd, mask)
+    decode = m <= DECODE_MAX_M
+    got = triton_masked_reduce_gemm(h, wd, mask) if decode else dense_masked_reduce_gemm(h, wd, mask)
     ref = torch_masked_reduce_gemm(h, wd, mask)
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():  # including the routing-layout prep
+    def ours():  # decode: the active-group loop including its prep; prefill: the masked dense product
         if decode:
-            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_routing_layout(mask))
-        return torch_masked_reduce_gemm(h, wd, mask)
+            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask))
+        return dense_masked_reduce_gemm(h, wd, mask)
 
     def dense():
         return h @ wd.T
 
-    add_row(results, "down (incl. prep)", m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
+    op = "down (incl. prep)" if decode else "down (masked dense)"
+    add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
+
+
+def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
+    """The whole SwiGLU block as the wide-triton executor runs it: prep, gate+up with the fused
+    SwiGLU, down (decode: the active-group loop; prefill: dense on the zero-filled h)."""
+    x = torch.randn(m, d, device=device, dtype=dtype)
+    wg = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
+    wu = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
+    wd = torch.randn(d, ffn, device=device, dtype=dtype) / ffn**0.5
+    w_cat = torch.cat([wg, wu])
+    mask = make_mask(m, ffn // group, 0.5, mask_kind, gen, device)
+    decode = m <= DECODE_MAX_M
+
+    def ours():
+        if decode:
+            h = triton_masked_out_gemm(x, wg, mask, wu)
+            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask))
+        h = triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask))
+        return dense_masked_reduce_gemm(h, wd, mask, input_is_masked=True)
+
+    def dense():
+        y = x @ w_cat.T
+        return (F.silu(y[:, :ffn]) * y[:, ffn:]) @ wd.T
+
+    got = ours()
+    ref = torch_masked_reduce_gemm(torch_masked_out_gemm(x, wg, mask, wu), wd, mask)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    add_row(results, "FFN block", m, mask_kind, mask, ours, {"cuBLAS FFN": dense}, ok, err, decode)
 
 
 def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
@@ -151,13 +189,15 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():
-        return triton_masked_out_gemm(x, wq, mask, layout=triton_routing_layout(mask))
+    decode = m <= DECODE_MAX_M
+
+    def ours():  # decode reads the mask itself; prefill includes the routing-layout prep
+        return triton_masked_out_gemm(x, wq, mask, layout=None if decode else triton_routing_layout(mask))
 
     def dense():
         return x @ wq.T
 
-    add_row(results, "q (incl. prep)", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, m <= 16)
+    add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
 
 
 def sdpa_variants(q, k, v, causal: bool) -> dict:
@@ -260,7 +300,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--only", default="", help="run only the cases whose label matches this regex")
     args = parser.parse_args()
+    warnings.filterwarnings("ignore", message=".*(kernel not used|runtime disabled|same num_heads).*")
     if not CUDA and not args.smoke:
         print("no CUDA device: use --smoke (tiny shapes under TRITON_INTERPRET=1)")
         return 2
@@ -286,6 +328,12 @@ def main() -> int:
             )
             cases.append(
                 (f"down M={m} {kind}", lambda m=m, k=kind: case_down(m, d, ffn, group, k, dtype, device, gen, results))
+            )
+            cases.append(
+                (
+                    f"FFN block M={m} {kind}",
+                    lambda m=m, k=kind: case_ffn(m, d, ffn, group, k, dtype, device, gen, results),
+                )
             )
             cases.append(
                 (
@@ -319,6 +367,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for label, run_case in cases:
+        if args.only and not re.search(args.only, label):
+            continue
         try:
             run_case()
         except Exception as exc:  # one failing case must not hide the others' numbers

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Runs benchmarks/bench_wide_kernels.py on the device machine (H200) and leaves bench.json /
-# bench.md in $OUT. Through the device tool, from the repo root, carrying [".whl"] (the Python
-# packages the device lacks; see benchmarks/device_core_check.sh): bash benchmarks/device_bench_kernels.sh
-set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide
-export PYTHONPATH=/tmp/ck:/tmp/site PYTHONUNBUFFERED=1
+# The WIDE kernels on the device machine (H200): their GPU tests (tests/wide/test_kernels.py, native
+# Triton, fp32 and bf16, autotuned tiles), then benchmarks/bench_wide_kernels.py, leaving
+# kernel-tests.log, bench.json, bench.md and bench.log in $OUT. Through the device tool, from the
+# repo root, carrying [".whl"] (the Python packages the device lacks; see
+# benchmarks/fetch_device_wheels.sh):   bash benchmarks/device_bench_kernels.sh [--only REGEX]
+set -uo pipefail
+OUT=${OUT:-/tmp/bench}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide || exit 3
+export PYTHONPATH=/tmp/ck:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 benchmarks/bench_wide_kernels.py --out "${OUT:-/tmp/bench}" "$@"
+python3 -m pytest -q -p no:cacheprovider tests/wide/test_kernels.py 2>&1 | tee "$OUT/kernel-tests.log" | tail -n 15
+python3 benchmarks/bench_wide_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -40,8 +40,24 @@ def test_routing_layout_matches_reference_exactly(m, sparsity):
         assert torch.equal(active, torch.sort(active).values)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 40])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("g", [7, 112])
+def test_decode_layout_matches_reference_exactly(m, sparsity, g):
+    from compresskit_wide.kernels.layout import torch_decode_layout, triton_decode_layout
+
+    mask = random_mask(m, g, sparsity, seed=m * g)
+    got, ref = triton_decode_layout(mask), torch_decode_layout(mask)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    # the same as the full layout's last two entries
+    for a, b in zip(got, torch_routing_layout(mask)[2:], strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize(
-    ("m", "k", "n", "groups"), [(1, 40, 64, 2), (3, 64, 96, 3), (17, 48, 64, 4), (9, 72, 48, 1), (33, 32, 256, 2)]
+    ("m", "k", "n", "groups"),
+    [(1, 40, 64, 2), (3, 64, 96, 3), (16, 48, 64, 4), (17, 48, 64, 4), (9, 72, 48, 1), (33, 32, 256, 2)],
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])
@@ -64,13 +80,32 @@ def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
-def test_masked_out_gemm_bf16(fuse):
-    x = torch.randn(13, 256, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("m", [1, 13, 300])
+def test_masked_out_gemm_bf16_autotuned(fuse, m):
+    """The autotuned tiles (decode and prefill kernels) on a GPU, in bf16; tolerance: bf16 output
+    rounding of values of size ~sqrt(K)."""
+    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     w_up = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) if fuse else None
-    mask = random_mask(13, 4, 0.5)
-    got = triton_masked_out_gemm(x, w, mask, w_up)
+    mask = random_mask(m, 4, 0.5)
+    buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m])
     ref = torch_masked_out_gemm(x, w, mask, w_up)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
+    assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_masked_reduce_gemm_bf16_autotuned(m):
+    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
+
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    mask = random_mask(m, 8, 0.5)
+    got = triton_masked_reduce_gemm(x, w, mask)
+    ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -125,6 +160,15 @@ def test_reduce_dispatch_prefill_uses_the_dense_product():
     ref = kernels.torch_masked_reduce_gemm(x, w, mask)
     for backend in ("auto", "torch", "triton"):
         torch.testing.assert_close(kernels.masked_reduce_gemm(x, w, mask, backend=backend), ref, rtol=1e-4, atol=1e-4)
+    # the prefill path: masking then cuBLAS in the input dtype; with an input that is zero-filled
+    # already (as the fused SwiGLU kernel leaves it), the plain dense product is the same
+    torch.testing.assert_close(kernels.dense_masked_reduce_gemm(x, w, mask), ref, rtol=1e-4, atol=1e-4)
+    zero_filled = kernels.torch_group_masked_input(x, mask)
+    torch.testing.assert_close(
+        kernels.dense_masked_reduce_gemm(zero_filled, w, mask, input_is_masked=True), ref, rtol=1e-4, atol=1e-4
+    )
+    # ... whereas trusting an input that is not zero-filled would be wrong: the flag matters
+    assert not torch.allclose(kernels.dense_masked_reduce_gemm(x, w, mask, input_is_masked=True), ref)
 
 
 def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path):

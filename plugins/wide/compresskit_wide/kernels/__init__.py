@@ -6,12 +6,14 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
 * zero inactive input groups (o_proj, down_proj inputs): ``torch_group_masked_input``; no
   kernel yet (the masked dense product on the zero-filled input is exact);
 * routing layout (sorted tokens per group, counts, active groups): ``torch_routing_layout``,
-  ``triton_routing_layout``;
+  ``triton_routing_layout``; its decode part (active groups only, one launch):
+  ``torch_decode_layout``, ``triton_decode_layout``;
 * output-width masked GEMM, plain (q) or with a fused SwiGLU (gate, up):
   ``torch_masked_out_gemm``, ``triton_masked_out_gemm``;
 * reduction-width masked GEMM (o, down): ``torch_masked_reduce_gemm`` (the masked dense
-  product, also the prefill path), ``triton_masked_reduce_gemm`` (decode: a loop over the
-  active groups only);
+  product in fp32), ``dense_masked_reduce_gemm`` (the prefill path on a GPU: cuBLAS in the input
+  dtype, a plain dense product when the input is known to be zero-filled already),
+  ``triton_masked_reduce_gemm`` (decode: a loop over the active groups only);
 * routed attention, decode: ``torch_routed_attention_decode``, ``triton_routed_attention_decode``
   (split-KV flash decoding that reads no K/V for inactive head groups);
 * routed attention, prefill: ``torch_routed_attention_prefill``, ``triton_routed_attention_prefill``
@@ -31,9 +33,19 @@ from compresskit.errors import KernelUnavailableError
 from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 from compresskit_wide.kernels.attention_prefill import torch_routed_attention_prefill, triton_routed_attention_prefill
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
-from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
-from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
+from compresskit_wide.kernels.gemm_reduce import (
+    dense_masked_reduce_gemm,
+    torch_masked_reduce_gemm,
+    triton_masked_reduce_gemm,
+)
+from compresskit_wide.kernels.layout import (
+    torch_decode_layout,
+    torch_routing_layout,
+    triton_decode_layout,
+    triton_routing_layout,
+)
 from compresskit_wide.kernels.reference import torch_group_masked_input
+from compresskit_wide.kernels.tuning import DECODE_MAX_M
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -75,6 +87,13 @@ def routing_layout(mask: torch.Tensor, backend: str = "auto"):
     return torch_routing_layout(mask)
 
 
+def decode_layout(mask: torch.Tensor, backend: str = "auto"):
+    """``(active_groups [G], n_active [1])`` for ``mask: [M, G]``: what the decode kernels need."""
+    if _use_triton(backend, mask):
+        return triton_decode_layout(mask)
+    return torch_decode_layout(mask)
+
+
 def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -91,18 +110,26 @@ def masked_out_gemm(
     return torch_masked_out_gemm(x, w, mask, w_up)
 
 
-DECODE_MAX_M = 16  # the active-group loop is for decode batches; prefill uses the masked dense product
-
-
 def masked_reduce_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, *, layout=None, backend: str = "auto"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    layout=None,
+    input_is_masked: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
-    input groups only. "auto" takes the Triton loop for decode-sized M on CUDA, else the masked
-    dense product (exact, cuBLAS)."""
+    input groups only. "auto" on CUDA takes the Triton loop over the active groups for decode-sized
+    M (up to ``DECODE_MAX_M`` tokens) and the masked dense product through cuBLAS for prefill
+    (``input_is_masked``: ``x`` is already zero in the inactive groups, as the fused SwiGLU kernel
+    leaves it, so the product is the plain dense one); the reference elsewhere. "triton" always
+    takes the loop."""
     use = _use_triton(backend, x, w)
     if use and (backend == "triton" or x.shape[0] <= DECODE_MAX_M):
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)
+    if use:
+        return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     return torch_masked_reduce_gemm(x, w, mask)
 
 

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from compresskit_wide.kernels import tuning
+
 try:
     import triton
     import triton.language as tl
@@ -51,6 +53,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, lens_ptr, heads_on_ptr, m_ptr, l_ptr, acc_ptr,
         HQ, HKV, S, D, SPLITS, SPLIT_LEN, scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+        DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
@@ -83,7 +86,7 @@ if triton is not None:
             kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
             kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            m_i, l_i, acc = online_softmax_step(q, kt, vt, n_ok[None, :], m_i, l_i, acc, scale)
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, n_ok[None, :], m_i, l_i, acc, scale, DOT_PRECISION)
         tl.store(m_ptr + part, m_i, mask=h_ok)
         tl.store(l_ptr + part, l_i, mask=h_ok)
         tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
@@ -152,7 +155,7 @@ def triton_routed_attention_decode(
         q, k, v, seq_lens.to(torch.int32).contiguous(), heads_on, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, heads_on, out, hq, d, splits, out.stride(0), out.stride(1),

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from compresskit_wide.kernels import tuning
+
 try:
     import triton
     import triton.language as tl
@@ -58,6 +60,7 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, counts_ptr,
         HQ, T, S, D, G, scale,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh, stride_ot,
+        DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
@@ -95,7 +98,7 @@ if triton is not None:
             kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             allowed = (ns[None, :] <= qpos[:, None]) & n_ok[None, :] & active[:, None]  # causal, real keys
-            m_i, l_i, acc = online_softmax_step(q, kt, vt, allowed, m_i, l_i, acc, scale)
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, allowed, m_i, l_i, acc, scale, DOT_PRECISION)
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         res = tl.where(active[:, None], res, 0.0)
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -127,6 +130,7 @@ def triton_routed_attention_prefill(
         q, k, v, out, order, counts, hq, t, s, d, groups, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
+        DOT_PRECISION=tuning.dot_precision(q.dtype),
         REP=hq // hkv, A=hq // groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     return out

@@ -5,12 +5,15 @@
     mask: [M, N / G]    True = the token needs this group of G output channels
     out:  [M, N]        x @ w.T (or silu(x @ w.T) * (x @ w_up.T)) where active, exactly 0 elsewhere
 
-The Triton kernel works on the routing layout (``layout.py``): program (g, tile, n-block) takes
+Prefill: the kernel works on the routing layout (``layout.py``): program (g, tile, n-block) takes
 the tile's tokens in group g's sorted order. A tile whose first sorted token is inactive only
 writes zeros and never reads a weight (block-level skipping); in the one partial tile, loads of
 inactive rows are predicated off (intra-block skipping). Every output element is written, so the
-result needs no zero-filled buffer. Decode (small M) is the same kernel with one tile per group:
-weight blocks of groups no token needs are never read.
+result needs no zero-filled buffer.
+
+Decode (M <= 16): a GEMV-style kernel, program (g, n-block) with all tokens in one tile, reads
+the mask column of its group itself (no layout prep at all); the weight blocks of groups no
+token needs are never read.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from compresskit_wide.kernels import tuning
 from compresskit_wide.kernels.layout import torch_routing_layout
 
 try:
@@ -47,10 +51,12 @@ if triton is not None:
     @triton.jit
     def triton_masked_out_gemm_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
-        M, N, K, GW,
+        M, N, K, GW, M_BUCKET,
         stride_xm, stride_wn, stride_om,
-        FUSE_SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # prefill: M_BUCKET is only the autotuning key
         g = tl.program_id(0)  # group
         tm = tl.program_id(1)  # tile of the group's sorted tokens
         tn = tl.program_id(2)  # block of the group's GW output channels
@@ -77,16 +83,69 @@ if triton is not None:
             b = tl.load(
                 w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
             )
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
             if FUSE_SWIGLU:
                 bu = tl.load(
                     wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
                 )
-                acc_up = tl.dot(a, tl.trans(bu), acc_up)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
         if FUSE_SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc_up
         acc = tl.where(active[:, None], acc, 0.0)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    @triton.jit
+    def triton_masked_out_gemv_kernel(
+        x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
+        M, N, K, GW,
+        stride_xm, stride_wn, stride_om, stride_mm,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # decode (M <= BLOCK_M): every token in one tile, read straight from the mask (no layout).
+        # A block of a group no token needs writes its zeros and reads no weight.
+        g = tl.program_id(0)
+        tn = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0) & row_ok
+        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        store_mask = row_ok[:, None] & col_ok[None, :]
+        if tl.sum(on.to(tl.int32), axis=0) == 0:
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
+            return
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=on[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(
+                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            if FUSE_SWIGLU:
+                bu = tl.load(
+                    wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
+        if FUSE_SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = tl.where(on[:, None], acc, 0.0)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    _tuned_out_gemm = triton.autotune(
+        configs=tuning.configs(tuning.OUT_PREFILL),
+        key=["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
+        prune_configs_by={"early_config_prune": tuning.prune_block_n("GW")},
+    )(triton_masked_out_gemm_kernel)
+    _tuned_out_gemv = triton.autotune(
+        configs=tuning.configs(tuning.OUT_DECODE),
+        key=["M", "N", "K", "GW", "FUSE_SWIGLU"],
+        prune_configs_by={"early_config_prune": tuning.prune_block_n("GW")},
+    )(triton_masked_out_gemv_kernel)
 
 
 def triton_masked_out_gemm(
@@ -97,30 +156,50 @@ def triton_masked_out_gemm(
     *,
     layout: tuple[torch.Tensor, ...] | None = None,
     out: torch.Tensor | None = None,
-    block_m: int = 16,
-    block_n: int = 32,
-    block_k: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_masked_out_gemm`. ``layout`` is the routing layout of
-    ``mask`` (computed here when not given; share it between projections of one block)."""
+    """Triton version of :func:`torch_masked_out_gemm`.
+
+    Up to ``DECODE_MAX_M`` tokens: the decode kernel, which reads the mask directly (``layout`` is
+    not needed). More: the sorted-tile kernel on the routing layout of ``mask`` (computed here
+    when not given; share it between projections of one block). Tiles are autotuned on a GPU;
+    ``block_*`` fix them instead (tests use small ones)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]
-    if w.shape[1] != k or n % groups or (w_up is not None and w_up.shape != w.shape):
+    if w.shape[1] != k or n % groups or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
     gw = n // groups
-    order, counts = (layout if layout is not None else torch_routing_layout(mask))[:2]
-    if order.shape != (groups, m) or not order.is_contiguous():
-        raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
     x, w = x.contiguous(), w.contiguous()
     w_up = w_up.contiguous() if w_up is not None else w
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (groups, triton.cdiv(m, block_m), triton.cdiv(gw, block_n))
-    triton_masked_out_gemm_kernel[grid](
-        x, w, w_up, out, order, counts, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0),
-        FUSE_SWIGLU=w_up is not w, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
+    common = {"FUSE_SWIGLU": w_up is not w, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
+    fixed = block_n is not None or tuning.interpreted()
+    if m <= tuning.DECODE_MAX_M:
+        mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+        args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
+        if fixed:
+            bn, bk = block_n or 16, block_k or 32
+            grid = (groups, triton.cdiv(gw, bn))
+            triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
+        else:
+            grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+            _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
+        return out
+    order, counts = (layout if layout is not None and layout[0] is not None else torch_routing_layout(mask))[:2]
+    if order.shape != (groups, m) or not order.is_contiguous():
+        raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
+    args = (x, w, w_up, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
+    if fixed:
+        bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
+        grid = (groups, triton.cdiv(m, bm), triton.cdiv(gw, bn))
+        triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    else:
+        grid = lambda meta: (groups, triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+        _tuned_out_gemm[grid](*args, **common)
     return out

@@ -9,9 +9,14 @@ No host synchronisation: counts stay on the device.
     counts:        [G]    int32, active tokens per group
     active_groups: [G]    int32, groups with any active token (ascending), then the others
     n_active:      [1]    int32, how many groups are active
+
+Decode needs only the last two (``decode_layout``: one single-program kernel, a few microseconds);
+the decode output-width kernel reads the mask itself and needs nothing.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -32,6 +37,13 @@ def torch_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     active_groups = torch.argsort((~any_active).to(torch.int8), stable=True).to(torch.int32)
     n_active = any_active.sum(dtype=torch.int32).reshape(1)
     return order, counts, active_groups, n_active
+
+
+def torch_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: ``(active_groups, n_active)`` for ``mask: [M, G]`` (as in the full layout)."""
+    any_active = mask.bool().any(dim=0)
+    active_groups = torch.argsort((~any_active).to(torch.int8), stable=True).to(torch.int32)
+    return active_groups, any_active.sum(dtype=torch.int32).reshape(1)
 
 
 if triton is not None:
@@ -82,6 +94,51 @@ if triton is not None:
             seen += tl.sum(on, axis=0)
             seen_off += tl.sum(off, axis=0)
         tl.store(n_active_ptr, n_total)
+
+    @triton.jit
+    def triton_decode_layout_kernel(
+        mask_ptr, groups_ptr, n_active_ptr, M, G, stride_m, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr
+    ):
+        # one program: OR over the tokens, then compact the active groups (ascending), the rest after
+        gs = tl.arange(0, BLOCK_G)
+        valid = gs < G
+        on = tl.zeros((BLOCK_G,), dtype=tl.int32)
+        for start in range(0, M, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            block = tl.load(
+                mask_ptr + rows[:, None] * stride_m + gs[None, :], mask=(rows < M)[:, None] & valid[None, :], other=0
+            )
+            on = tl.maximum(on, tl.max((block != 0).to(tl.int32), axis=0))
+        off = tl.where(valid, 1 - on, 0)
+        n_on = tl.sum(on, axis=0)
+        pos = tl.where(on == 1, tl.cumsum(on, axis=0) - on, n_on + tl.cumsum(off, axis=0) - off)
+        tl.store(groups_ptr + pos, gs.to(tl.int32), mask=valid)
+        tl.store(n_active_ptr, n_on)
+
+
+def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`torch_decode_layout` (same outputs, bit for bit; one launch)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
+    m, g = mask.shape
+    mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+    groups = torch.empty(g, dtype=torch.int32, device=mask.device)
+    n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
+    block_g = max(16, triton.next_power_of_2(g))
+    block_m = max(1, min(16, 4096 // block_g))
+    triton_decode_layout_kernel[(1,)](
+        mask_u8, groups, n_active, m, g, mask_u8.stride(0), BLOCK_M=block_m, BLOCK_G=block_g
+    )
+    return groups, n_active
+
+
+def decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(active_groups, n_active)``: the Triton kernel for CUDA tensors, else the reference."""
+    if triton is not None and (mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return triton_decode_layout(mask)
+    return torch_decode_layout(mask)
 
 
 def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

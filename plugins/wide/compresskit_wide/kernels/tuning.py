@@ -1,0 +1,96 @@
+"""Launch settings shared by the kernels: dot precision, the decode/prefill split, and the tile
+configurations the autotuner chooses from on a GPU.
+
+Tile sizes are picked per shape by ``triton.autotune`` on the first call (keys: the problem
+sizes, M in power-of-two buckets for prefill so that a new prompt length does not retune). A CUDA
+graph must be captured after that first call. In Triton's CPU interpreter (the CI path) one small
+fixed configuration is used: the interpreter's speed does not depend on tiles.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+except ImportError:
+    triton = None
+
+DECODE_MAX_M = 16  # at most this many tokens: the decode kernels (one 16-row tile, no token sort)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get full-precision products (as ``torch.matmul`` does by default), not TF32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning key for M: its power-of-two bucket."""
+    return max(1, int(m - 1).bit_length())
+
+
+def configs(rows: list[tuple[dict, int, int]]) -> list:
+    """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list."""
+    return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
+
+
+# output-width GEMV for decode: BLOCK_M is 16 (tl.dot's minimum); the weight stream needs wide K
+# blocks and enough programs in flight
+OUT_DECODE = [
+    ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 4),
+    ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 4),
+    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 5),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 16, "BLOCK_K": 512}, 4, 3),
+    ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 3),
+    ({"BLOCK_N": 64, "BLOCK_K": 256}, 8, 3),
+    ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+]
+# output-width GEMM for prefill over the sorted tokens: tensor-core tiles
+OUT_PREFILL = [
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+]
+# reduction-width decode loop over the active groups
+REDUCE_DECODE = [
+    ({"BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 16, "BLOCK_K": 128}, 4, 6),
+    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 32, "BLOCK_K": 64}, 4, 6),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 8, 3),
+    ({"BLOCK_N": 16, "BLOCK_K": 64}, 2, 6),
+]
+
+
+def prune_block_k(group_width_arg: str):
+    """Autotuner hook: drop configurations whose K block is wider than a group (the reduction loop
+    steps through one group at a time) or wider than needed."""
+
+    def prune(configs_, named_args, **kwargs):
+        gw = named_args[group_width_arg]
+        kept = [c for c in configs_ if c.kwargs["BLOCK_K"] <= max(16, triton.next_power_of_2(gw))]
+        return kept or configs_[:1]
+
+    return prune
+
+
+def prune_block_n(group_width_arg: str):
+    """Autotuner hook: drop N blocks wider than a group (a block never spans two groups)."""
+
+    def prune(configs_, named_args, **kwargs):
+        gw = named_args[group_width_arg]
+        kept = [c for c in configs_ if c.kwargs["BLOCK_N"] <= max(16, triton.next_power_of_2(gw))]
+        return kept or configs_[:1]
+
+    return prune
