@@ -10,5 +10,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide || exit 3
 export PYTHONPATH=/tmp/ck:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -m pytest -q -p no:cacheprovider tests/wide/test_kernels.py 2>&1 | tee "$OUT/kernel-tests.log" | tail -n 15
+python3 -m pytest -q -p no:cacheprovider tests/wide/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/kernel-tests.log" | tail -n 15
 python3 benchmarks/bench_wide_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -136,7 +136,8 @@ def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
     ("m", "k", "n", "groups"), [(1, 64, 48, 4), (2, 96, 32, 3), (5, 128, 64, 2), (17, 64, 40, 4), (16, 256, 16, 8)]
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity):
+@pytest.mark.parametrize("split", [1, 3])
+def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split):
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
     gen = torch.Generator().manual_seed(m * 5 + k)
@@ -145,7 +146,8 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity):
     mask = random_mask(m, groups, sparsity, seed=k + m)
     buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
     # block_k 16 < group width: each group spans several K blocks
-    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16)
+    # split 3: three programs share each output block's active groups (some get none at all)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16, split=split)
     ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:

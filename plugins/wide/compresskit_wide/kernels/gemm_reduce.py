@@ -47,20 +47,26 @@ if triton is not None:
 
     @triton.jit
     def triton_masked_reduce_gemm_kernel(
-        x_ptr, w_ptr, mask_ptr, out_ptr, groups_ptr, n_active_ptr,
-        M, N, GW, G,
+        x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
+        M, N, GW, G, SPLIT,
         stride_xm, stride_wn, stride_mm, stride_om,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        # program (n-block, m-tile, split s) sums the s-th share of the active groups; with SPLIT > 1
+        # its fp32 partial goes to the workspace [SPLIT, M, N] and a second kernel adds them up
         tn = tl.program_id(0)
         tm = tl.program_id(1)
+        s = tl.program_id(2)
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         n_active = tl.load(n_active_ptr)
+        chunk = tl.cdiv(n_active, SPLIT)
+        first = s * chunk
+        last = tl.minimum(first + chunk, n_active)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(0, n_active):  # only the groups some token needs
+        for i in range(first, last):  # only the groups some token needs
             g = tl.load(groups_ptr + i)
             on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
             for k0 in range(0, GW, BLOCK_K):
@@ -75,17 +81,33 @@ if triton is not None:
                     w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
                 )
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        tl.store(
-            out_ptr + rows[:, None] * stride_om + cols[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & col_ok[None, :],
-        )
+        tile = row_ok[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile)
+        else:
+            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+
+    @triton.jit
+    def triton_split_sum_kernel(ws_ptr, out_ptr, M, N, SPLIT, stride_om, BLOCK: tl.constexpr):
+        # out[m, n] = sum over s of ws[s, m, n], in fp32, cast once
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, SPLIT):
+            acc += tl.load(ws_ptr + s * M * N + idx, mask=ok, other=0.0)
+        tl.store(out_ptr + (idx // N) * stride_om + idx % N, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     _tuned_reduce_gemm = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_DECODE),
-        key=["M", "N", "GW", "G"],
+        key=["M", "N", "GW", "G", "SPLIT"],
         prune_configs_by={"early_config_prune": tuning.prune_block_k("GW")},
     )(triton_masked_reduce_gemm_kernel)
+
+
+def split_count(groups: int, split: int | None = None) -> int:
+    """How many programs share one output block's active groups: enough to keep the weight stream
+    busy (about 4 groups each at 50% sparsity), at most 16. Fixed by the shapes (graph-safe)."""
+    return split if split is not None else min(16, max(1, groups // 8))
 
 
 def triton_masked_reduce_gemm(
@@ -98,10 +120,12 @@ def triton_masked_reduce_gemm(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
-    routing layout); computed here when not given."""
+    routing layout); computed here when not given. ``split``: programs per output block, each
+    summing a share of the active groups (default: ``split_count``)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -114,16 +138,21 @@ def triton_masked_reduce_gemm(
     mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    args = (x, w, mask_u8, out, active_groups, n_active, m, n, k // groups, groups)
+    splits = split_count(groups, split)
+    ws = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
+    args = (x, w, mask_u8, out, ws, active_groups, n_active, m, n, k // groups, groups, splits)
     strides = (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     precision = tuning.dot_precision(x.dtype)
     if block_n is not None or tuning.interpreted():
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
         triton_masked_reduce_gemm_kernel[grid](
             *args, *strides, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk
         )
     else:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16))  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16), splits)  # noqa: E731
         _tuned_reduce_gemm[grid](*args, *strides, DOT_PRECISION=precision, BLOCK_M=16)
+    if splits > 1:
+        block = 1024
+        triton_split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)
     return out
