@@ -152,8 +152,10 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
-    """The whole SwiGLU block as the wide-triton executor runs it: prep, gate+up with the fused
-    SwiGLU, down (decode: the active-group loop; prefill: dense on the zero-filled h)."""
+    """The whole SwiGLU block as the wide-triton executor runs it: the dispatch with
+    backend="auto" (gate+up with the fused SwiGLU; down by the measured policy, on the zero-filled h)."""
+    from compresskit_wide import kernels
+
     x = torch.randn(m, d, device=device, dtype=dtype)
     wg = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
     wu = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
@@ -161,13 +163,11 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     w_cat = torch.cat([wg, wu])
     mask = make_mask(m, ffn // group, 0.5, mask_kind, gen, device)
     decode = m <= DECODE_MAX_M
+    backend = "auto" if CUDA else "triton"
 
     def ours():
-        if decode:
-            h = triton_masked_out_gemm(x, wg, mask, wu)
-            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask))
-        h = triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask))
-        return dense_masked_reduce_gemm(h, wd, mask, input_is_masked=True)
+        h = kernels.masked_out_gemm(x, wg, mask, wu, backend=backend)
+        return kernels.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
 
     def dense():
         y = x @ w_cat.T
@@ -177,7 +177,7 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     ref = torch_masked_reduce_gemm(torch_masked_out_gemm(x, wg, mask, wu), wd, mask)
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    add_row(results, "FFN block", m, mask_kind, mask, ours, {"cuBLAS FFN": dense}, ok, err, decode)
+    add_row(results, "FFN block (auto)", m, mask_kind, mask, ours, {"cuBLAS FFN": dense}, ok, err, decode)
 
 
 def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):

@@ -337,3 +337,151 @@ def test_prefill_reference_equals_sdpa_when_all_on():
     )
     got = torch_routed_attention_prefill(q, k, v, torch.ones(2, 9, 2, dtype=torch.bool))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# --- dense fallbacks and the "auto" policy --------------------------------------------------------
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_dense_out_gemm_fallback_equals_reference(fuse, sparsity):
+    from compresskit_wide.kernels.dense import dense_masked_out_gemm
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 48, generator=gen).to(DEVICE)
+    w = torch.randn(96, 48, generator=gen).to(DEVICE)
+    w_up = torch.randn(96, 48, generator=gen).to(DEVICE) if fuse else None
+    mask = random_mask(9, 3, sparsity, seed=4)
+    got = dense_masked_out_gemm(x, w, mask, w_up)
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
+
+
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_dense_attention_fallbacks_equal_references(sparsity):
+    from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode
+    from compresskit_wide.kernels.attention_prefill import torch_routed_attention_prefill
+    from compresskit_wide.kernels.dense import dense_routed_attention_decode, dense_routed_attention_prefill
+
+    gen = torch.Generator().manual_seed(5)
+    b, hq, hkv, d, s = 3, 8, 2, 16, 37
+    q = torch.randn(b, hq, d, generator=gen).to(DEVICE)
+    k = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
+    v = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
+    lens = torch.tensor([37, 1, 20], dtype=torch.int32, device=DEVICE)  # ragged cache lengths
+    mask = random_mask(b, 4, sparsity, seed=6)
+    got = dense_routed_attention_decode(q, k, v, lens, mask)
+    torch.testing.assert_close(got, torch_routed_attention_decode(q, k, v, lens, mask), rtol=1e-4, atol=1e-4)
+    for t in (s, 5):  # no past (is_causal) and 32 positions of past (the shifted diagonal)
+        qp = torch.randn(b, hq, t, d, generator=gen).to(DEVICE)
+        pmask = random_mask(b * t, 4, sparsity, seed=t).reshape(b, t, 4)
+        got = dense_routed_attention_prefill(qp, k, v, pmask)
+        ref = torch_routed_attention_prefill(qp, k, v, pmask)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_use_kernel_policy_ranges():
+    from compresskit_wide.kernels.tuning import use_kernel
+
+    assert all(use_kernel("swiglu", m) for m in (1, 2, 16, 512, 4096))
+    assert [use_kernel("out", m) for m in (1, 2, 4, 16, 512, 2048, 4096)] == [1, 1, 0, 0, 0, 0, 1]
+    assert not any(use_kernel("reduce", m) for m in (1, 16, 4096))
+    assert use_kernel("attn_decode", 4, context=8192) and not use_kernel("attn_decode", 1, context=32768)
+    assert not use_kernel("attn_decode", 16, context=1024) and not use_kernel("attn_prefill", 4096)
+    with pytest.raises(ValueError, match="unknown operator 'gemm'; known: swiglu, out, reduce"):
+        use_kernel("gemm", 1)
+
+
+def test_auto_dispatch_follows_the_policy(monkeypatch):
+    """On a GPU, "auto" takes the kernel only where the policy says so, else the dense fallback;
+    "triton" always takes the kernel. (Checked here by recording which function runs.)"""
+    calls = []
+
+    def spy(name):
+        return lambda *a, **k: calls.append(name)
+
+    monkeypatch.setattr(kernels, "_use_triton", lambda backend, *t: backend != "torch")
+    for name in (
+        "triton_masked_out_gemm",
+        "dense_masked_out_gemm",
+        "triton_masked_reduce_gemm",
+        "dense_masked_reduce_gemm",
+        "triton_routed_attention_decode",
+        "dense_routed_attention_decode",
+        "triton_routed_attention_prefill",
+        "dense_routed_attention_prefill",
+    ):
+        monkeypatch.setattr(kernels, name, spy(name))
+    w = torch.zeros(8, 4)
+
+    def out(m, fuse, backend="auto"):
+        calls.clear()
+        kernels.masked_out_gemm(
+            torch.zeros(m, 4), w, torch.ones(m, 2, dtype=torch.bool), w if fuse else None, backend=backend
+        )
+        return calls[0]
+
+    assert out(1, True) == out(600, True) == "triton_masked_out_gemm"  # the fused SwiGLU: everywhere
+    assert out(1, False) == out(4096, False) == "triton_masked_out_gemm"
+    assert out(8, False) == out(1024, False) == "dense_masked_out_gemm"
+    assert out(8, False, backend="triton") == "triton_masked_out_gemm"
+    calls.clear()
+    kernels.masked_reduce_gemm(torch.zeros(1, 8), w.T.contiguous(), torch.ones(1, 2, dtype=torch.bool))
+    kernels.masked_reduce_gemm(
+        torch.zeros(1, 8), w.T.contiguous(), torch.ones(1, 2, dtype=torch.bool), backend="triton"
+    )
+    assert calls == ["dense_masked_reduce_gemm", "triton_masked_reduce_gemm"]
+    calls.clear()
+    q, kv = torch.zeros(4, 8, 16), torch.zeros(4, 2, 8192, 16)
+    kernels.routed_attention_decode(q, kv, kv, torch.full((4,), 8192), torch.ones(4, 2, dtype=torch.bool))
+    kernels.routed_attention_decode(q[:1], kv[:1], kv[:1], torch.full((1,), 8192), torch.ones(1, 2, dtype=torch.bool))
+    kernels.routed_attention_prefill(
+        torch.zeros(1, 8, 4, 16), kv[:1, :, :4], kv[:1, :, :4], torch.ones(1, 4, 2, dtype=torch.bool)
+    )
+    assert calls == [
+        "triton_routed_attention_decode",
+        "dense_routed_attention_decode",
+        "dense_routed_attention_prefill",
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
+    """Every operator runs inside a captured CUDA graph (no host synchronisation, fixed shapes):
+    replaying it on new inputs and masks gives the references' results."""
+    dt = torch.bfloat16
+    x = torch.randn(m, 256, device="cuda", dtype=dt)
+    wg, wu = (torch.randn(512, 256, device="cuda", dtype=dt) / 16 for _ in range(2))
+    wd = torch.randn(256, 512, device="cuda", dtype=dt) / 16
+    mask = random_mask(m, 4, 0.5, seed=1)
+    q = torch.randn(2, 8, 64, device="cuda", dtype=dt)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=dt) for _ in range(2))
+    lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    amask = random_mask(2, 4, 0.5, seed=2)
+
+    def step():
+        h = kernels.masked_out_gemm(x, wg, mask, wu, backend=backend)
+        y = kernels.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
+        return y, kernels.routed_attention_decode(q, k, v, lens, amask, backend=backend)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # autotuning and compilation happen before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, att = step()
+    for seed in (3, 4):  # new inputs and masks, same buffers
+        x.copy_(torch.randn_like(x))
+        mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
+        amask.copy_(random_mask(2, 4, 0.5, seed=seed))
+        lens.copy_(torch.tensor([seed * 50, 300], dtype=torch.int32))
+        graph.replay()
+        ref_y = kernels.torch_masked_reduce_gemm(torch_masked_out_gemm(x, wg, mask, wu), wd, mask)
+        ref_att = kernels.torch_routed_attention_decode(q, k, v, lens, amask)
+        torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)

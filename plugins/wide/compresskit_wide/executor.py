@@ -57,17 +57,11 @@ class KernelMLP(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [M, D]
         m2 = mask.reshape(-1, mask.shape[-1]).bool()  # [M, G]
-        # decode: the gate/up kernel reads the mask itself, down needs only the active groups;
-        # prefill: the sorted-token layout for gate/up, and down is dense on h, which the fused
-        # kernel left exactly zero in every inactive group
-        decode = m2.shape[0] <= kernels.DECODE_MAX_M
-        layout = (kernels.decode_layout if decode else kernels.routing_layout)(m2, backend=self.backend)
-        h = kernels.masked_out_gemm(
-            x2, mlp.gate_proj.weight, m2, mlp.up_proj.weight, layout=None if decode else layout, backend=self.backend
-        )
-        y = kernels.masked_reduce_gemm(
-            h, proj.base_layer.weight, m2, layout=layout, input_is_masked=True, backend=self.backend
-        )
+        # gate/up with the fused SwiGLU leaves h exactly zero in every inactive group, so down may
+        # take the plain dense product; each operator computes the routing layout it needs
+        # (decode: none for gate/up, the active groups for the down loop; prefill: the sorted tokens)
+        h = kernels.masked_out_gemm(x2, mlp.gate_proj.weight, m2, mlp.up_proj.weight, backend=self.backend)
+        y = kernels.masked_reduce_gemm(h, proj.base_layer.weight, m2, input_is_masked=True, backend=self.backend)
         return y.view(*shape[:-1], y.shape[-1])
 
 

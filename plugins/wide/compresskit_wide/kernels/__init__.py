@@ -19,8 +19,10 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
 * routed attention, prefill: ``torch_routed_attention_prefill``, ``triton_routed_attention_prefill``
   (flash attention over each group's active queries, original positions, scattered back).
 
-``backend``: "torch", "triton" (an error naming the reason when it cannot run), or "auto" (Triton
-for CUDA tensors when it is installed, the reference otherwise).
+``backend``: "torch" (the references), "triton" (the kernels; an error naming the reason when they
+cannot run), or "auto": on CUDA tensors, the Triton kernel where the H200 benchmark shows it
+beats the dense path (``tuning.use_kernel``) and the dense fallback elsewhere (``dense.py``:
+cuBLAS / SDPA in the input dtype, inactive outputs zeroed); the references on the CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ import torch
 from compresskit.errors import KernelUnavailableError
 from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 from compresskit_wide.kernels.attention_prefill import torch_routed_attention_prefill, triton_routed_attention_prefill
+from compresskit_wide.kernels.dense import (
+    dense_masked_out_gemm,
+    dense_routed_attention_decode,
+    dense_routed_attention_prefill,
+)
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
@@ -45,7 +52,7 @@ from compresskit_wide.kernels.layout import (
     triton_routing_layout,
 )
 from compresskit_wide.kernels.reference import torch_group_masked_input
-from compresskit_wide.kernels.tuning import DECODE_MAX_M
+from compresskit_wide.kernels.tuning import DECODE_MAX_M, use_kernel
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -106,7 +113,9 @@ def masked_out_gemm(
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
     ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere."""
     if _use_triton(backend, x, w):
-        return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+        if backend == "triton" or use_kernel("swiglu" if w_up is not None else "out", x.shape[0]):
+            return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+        return dense_masked_out_gemm(x, w, mask, w_up)
     return torch_masked_out_gemm(x, w, mask, w_up)
 
 
@@ -120,13 +129,13 @@ def masked_reduce_gemm(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
-    input groups only. "auto" on CUDA takes the Triton loop over the active groups for decode-sized
-    M (up to ``DECODE_MAX_M`` tokens) and the masked dense product through cuBLAS for prefill
-    (``input_is_masked``: ``x`` is already zero in the inactive groups, as the fused SwiGLU kernel
-    leaves it, so the product is the plain dense one); the reference elsewhere. "triton" always
-    takes the loop."""
+    input groups only. "triton" takes the loop over the active groups (decode-sized M); "auto" on
+    CUDA takes it where ``tuning.use_kernel("reduce", M)`` says it is faster, else the masked dense
+    product through cuBLAS (``input_is_masked``: ``x`` is already zero in the inactive groups, as
+    the fused SwiGLU kernel leaves it, so the product is the plain dense one); the reference on
+    the CPU."""
     use = _use_triton(backend, x, w)
-    if use and (backend == "triton" or x.shape[0] <= DECODE_MAX_M):
+    if use and (backend == "triton" or (x.shape[0] <= DECODE_MAX_M and use_kernel("reduce", x.shape[0]))):
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)
     if use:
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
@@ -137,7 +146,9 @@ def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -
     """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
     ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
     if _use_triton(backend, q, k, v):
-        return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+        if backend == "triton" or use_kernel("attn_decode", q.shape[0], context=k.shape[2]):
+            return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+        return dense_routed_attention_decode(q, k, v, seq_lens, mask)
     return torch_routed_attention_decode(q, k, v, seq_lens, mask)
 
 
@@ -145,5 +156,7 @@ def routed_attention_prefill(q, k, v, mask, *, backend: str = "auto") -> torch.T
     """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, Hq, T, D]``,
     causal with the original positions; inactive (token, head) exactly 0."""
     if _use_triton(backend, q, k, v):
-        return triton_routed_attention_prefill(q, k, v, mask)
+        if backend == "triton" or use_kernel("attn_prefill", q.shape[2]):
+            return triton_routed_attention_prefill(q, k, v, mask)
+        return dense_routed_attention_prefill(q, k, v, mask)
     return torch_routed_attention_prefill(q, k, v, mask)

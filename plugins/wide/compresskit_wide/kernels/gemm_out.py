@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.layout import torch_routing_layout
+from compresskit_wide.kernels.layout import routing_layout_here
 
 try:
     import triton
@@ -191,7 +191,7 @@ def triton_masked_out_gemm(
             grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
-    order, counts = (layout if layout is not None and layout[0] is not None else torch_routing_layout(mask))[:2]
+    order, counts = (layout if layout is not None and layout[0] is not None else routing_layout_here(mask))[:2]
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
     args = (x, w, w_up, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))

@@ -134,11 +134,18 @@ def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return groups, n_active
 
 
-def decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layout_here(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(active_groups, n_active)``: the Triton kernel for CUDA tensors, else the reference."""
     if triton is not None and (mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return triton_decode_layout(mask)
     return torch_decode_layout(mask)
+
+
+def routing_layout_here(mask: torch.Tensor):
+    """The full routing layout: the Triton kernel for CUDA tensors, else the reference."""
+    if triton is not None and (mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return triton_routing_layout(mask)
+    return torch_routing_layout(mask)
 
 
 def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

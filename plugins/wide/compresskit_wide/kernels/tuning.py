@@ -21,6 +21,31 @@ except ImportError:
 DECODE_MAX_M = 16  # at most this many tokens: the decode kernels (one 16-row tile, no token sort)
 
 
+def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
+    """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
+    decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
+    dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity,
+    CUDA-graph medians (docs/wide-kernels-h200.md, runs 2 and 3): the kernel is taken only where
+    it beat the dense path there. Other GPUs and shapes get the same ranges (not measured).
+
+    * ``"swiglu"`` (gate+up, fused): everywhere (0.95x-1.64x of cuBLAS + SiLU*mul, 1.8x at M=1)
+    * ``"out"`` (q): M <= 2 (1.06x-1.12x) and M >= 4096 (1.3x-1.4x); 0.6x-0.98x in between
+    * ``"reduce"`` (down, o): nowhere yet (the active-group loop reached 0.91x at M=1); the
+      fallback on an input that is already zero-filled is the plain dense product
+    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.1x-1.5x); 0.4x-0.7x below
+    * ``"attn_prefill"``: nowhere yet (0.45x-0.82x of cuDNN SDPA)
+    """
+    if op == "swiglu":
+        return True
+    if op == "out":
+        return m <= 2 or m >= 4096
+    if op == "attn_decode":
+        return m >= 4 and context >= 8192
+    if op in ("reduce", "attn_prefill"):
+        return False
+    raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill")
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get full-precision products (as ``torch.matmul`` does by default), not TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"

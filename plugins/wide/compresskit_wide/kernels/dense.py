@@ -1,0 +1,52 @@
+"""Dense fallbacks: the routed operators computed densely through the library paths (cuBLAS,
+SDPA) in the input dtype, then the inactive outputs zeroed. Exactly the references' semantics,
+at dense speed; ``backend="auto"`` takes them wherever the benchmark shows the Triton kernel
+would be slower (``tuning.use_kernel``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    keep = mask.bool().repeat_interleave(y.shape[-1] // mask.shape[-1], dim=-1)
+    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def dense_masked_out_gemm(
+    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ w.T`` (or ``silu(x @ w.T) * (x @ w_up.T)``), zero where the group is inactive."""
+    y = x @ w.T
+    if w_up is not None:
+        y = F.silu(y) * (x @ w_up.T)
+    return _zero_inactive_groups(y, mask)
+
+
+def dense_routed_attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """SDPA with native GQA over each sequence's valid cache (no host synchronisation), inactive
+    heads zeroed. Shapes as in ``attention_decode``."""
+    s = k.shape[2]
+    valid = torch.arange(s, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
+    heads = out[:, :, 0, :]  # [B, Hq, D]
+    keep = mask.bool().repeat_interleave(q.shape[1] // mask.shape[-1], dim=-1)  # [B, Hq]
+    return torch.where(keep[..., None], heads, torch.zeros((), dtype=heads.dtype, device=heads.device))
+
+
+def dense_routed_attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Causal SDPA with native GQA (query t at position past + t), inactive (token, head) zeroed.
+    Shapes as in ``attention_prefill``."""
+    t, s = q.shape[2], k.shape[2]
+    if s == t:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:  # the causal diagonal shifted by the past length (SDPA's is_causal aligns top-left)
+        allowed = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    keep = mask.bool().repeat_interleave(q.shape[1] // mask.shape[-1], dim=-1).permute(0, 2, 1)  # [B, Hq, T]
+    return torch.where(keep[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
