@@ -173,13 +173,14 @@ def test_reduce_dispatch_prefill_uses_the_dense_product():
     assert not torch.allclose(kernels.dense_masked_reduce_gemm(x, w, mask, input_is_masked=True), ref)
 
 
-def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path):
+def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path, monkeypatch):
     import copy
+    import json
 
     from compresskit import plugins
     from compresskit.interfaces import RunContext
     from compresskit.modeling import load_model
-    from compresskit_wide.executor import KernelMLP
+    from compresskit_wide.executor import KernelMLP, KernelQ
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
     cls = plugins.load("pruner", "wide")
@@ -191,14 +192,34 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     executor.check(fast)
     fast = executor.convert(fast)
     assert sum(isinstance(m, KernelMLP) for m in fast.modules()) == 2
+    assert sum(isinstance(m, KernelQ) for m in fast.modules()) == 2
+    assert fast.config._attn_implementation == "wide_routed"
     ids = torch.randint(2, 300, (3, 11), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    calls = []
+    real = kernels.triton_routed_attention_prefill
+    monkeypatch.setattr(kernels, "triton_routed_attention_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2  # the routed prefill attention ran in both layers
+    # a padded batch needs an attention mask: the routed function hands it to SDPA, same result
+    pad = torch.ones_like(ids)
+    pad[1, :4] = 0
+    with torch.no_grad():
+        got, ref = fast(ids, attention_mask=pad).logits, model(ids, attention_mask=pad).logits
+    torch.testing.assert_close(got[pad.bool()], ref[pad.bool()], rtol=1e-4, atol=1e-4)
+    # the saved configuration names no attention implementation of ours
+    assert "wide_routed" not in json.dumps(fast.config.to_dict())
     # cached decoding through the kernels (M = 1 per step) gives the same tokens
+    decode_calls = []
+    real_decode = kernels.triton_routed_attention_decode
+    monkeypatch.setattr(
+        kernels, "triton_routed_attention_decode", lambda *a, **k: decode_calls.append(1) or real_decode(*a, **k)
+    )
     with torch.no_grad():
         a = fast.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, pad_token_id=1)
         b = model.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, pad_token_id=1)
     assert torch.equal(a, b)
+    assert len(decode_calls) == 2 * 3  # the routed decode attention ran in both layers for each cached step
 
 
 def test_wide_triton_executor_refuses_unmerged_lora_and_dense_models(tiny_model_dir):
@@ -485,3 +506,18 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
         ref_att = kernels.torch_routed_attention_decode(q, k, v, lens, amask)
         torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_autotune_configs_never_span_two_groups():
+    """The autotuner's candidates are pruned to blocks no wider than a group (checked here without
+    a GPU: the pruning hook alone)."""
+    from compresskit_wide.kernels import tuning
+
+    out = tuning.configs(tuning.OUT_DECODE)
+    kept = tuning.prune_wider_than_group("BLOCK_N")(out, {"GW": 32})
+    assert kept and all(c.kwargs["BLOCK_N"] <= 32 for c in kept) and len(kept) < len(out)
+    assert tuning.prune_wider_than_group("BLOCK_N")(out, {"GW": 512}) == out
+    red = tuning.configs(tuning.REDUCE_DECODE)
+    assert all(c.kwargs["BLOCK_K"] <= 64 for c in tuning.prune_wider_than_group("BLOCK_K")(red, {"GW": 40}))
+    # a group narrower than any candidate still leaves one configuration to run
+    assert len(tuning.prune_wider_than_group("BLOCK_K")(red, {"GW": 8})) >= 1

@@ -1,14 +1,20 @@
-"""``wide-triton``: run WIDE's routed FFNs through the Triton kernels.
+"""``wide-triton``: run WIDE's routed layers through the kernel dispatch.
 
 Sample YAML::
 
-    executor: {name: wide-triton, config: {backend: auto}}
+    executor: {name: wide-triton, config: {backend: auto, attention: true}}
 
-``convert`` swaps every routed MLP for :class:`KernelMLP`, which computes, per token, only the
-FFN channel groups its router kept: the routing layout once per FFN, then gate and up as one
-output-width GEMM with the SwiGLU fused in its epilogue, then down as a reduction-width GEMM
-over the active groups. Attention still runs the reference path (its kernels are to come).
-The result equals the reference (``torch`` executor) up to floating-point rounding.
+``convert`` swaps every routed MLP for :class:`KernelMLP` (gate and up as one output-width GEMM
+with the SwiGLU fused in its epilogue, computing only the channel groups each token's router
+kept; down on the zero-filled result). With ``attention: true`` every routed attention also runs
+through the dispatch: :class:`KernelQ` computes only the query heads of the kept head groups, and
+the model's attention implementation becomes ``"wide_routed"`` (registered with transformers'
+``AttentionInterface``), which runs the routed decode / prefill attention for those heads and
+writes zeros for the others; whatever it does not cover (a padding or static-cache mask, dropout,
+a sliding window, another scale) goes to transformers' SDPA function unchanged. Under
+``backend: auto`` each operator takes the Triton kernel only where the H200 benchmark measured it
+faster (``kernels.tuning.use_kernel``). The result equals the reference (``torch`` executor) up to
+floating-point rounding.
 """
 
 from __future__ import annotations
@@ -29,8 +35,81 @@ from compresskit_wide import kernels
 class TritonExecutorConfig(PluginConfig):
     backend: Literal["auto", "triton", "torch"] = Field(
         "auto",
-        description="auto: Triton for CUDA tensors, the reference otherwise; triton: always (errors if it cannot).",
+        description="auto: on CUDA tensors, each Triton kernel where it was measured faster, dense fallbacks "
+        "elsewhere; the references on the CPU. triton: always the kernels (errors if they cannot run). "
+        "torch: the references.",
     )
+    attention: bool = Field(
+        True, description="also route the attention (q projection and the attention itself) through the kernels"
+    )
+
+
+ATTENTION_IMPLEMENTATION = "wide_routed"
+
+
+def routed_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function contract (``query: [B, Hq, T, D]``, ``key, value: [B, Hkv,
+    S, D]`` after the cache update; returns ``[B, T, Hq, D]`` and no weights) for a routed
+    attention: the head-group decision of the layer's routed ``o_proj`` selects the heads that run.
+    Cases the routed kernels do not cover go to transformers' SDPA function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    proj = getattr(module, "o_proj", None)
+    mask = getattr(proj, "_mask", None)
+    backend = getattr(module, "_wide_backend", None)
+    b, _, t, d = query.shape
+    covered = (
+        backend is not None
+        and mask is not None
+        and tuple(mask.shape[:2]) == (b, t)
+        and attention_mask is None  # plain causal: no padding, no static-cache mask
+        and not dropout
+        and (scaling is None or abs(scaling * d**0.5 - 1.0) < 1e-6)
+        and kwargs.get("sliding_window") is None
+        and kwargs.get("softcap") is None
+        and getattr(module, "is_causal", True)
+    )
+    if not covered:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    heads_on = mask.bool()
+    if t == 1:  # decode: every sequence sees the whole cache (no padding mask was needed)
+        lens = torch.full((b,), key.shape[2], dtype=torch.int32, device=query.device)
+        out = kernels.routed_attention_decode(query[:, :, 0], key, value, lens, heads_on[:, 0], backend=backend)
+        return out[:, None].contiguous(), None
+    out = kernels.routed_attention_prefill(query, key, value, heads_on, backend=backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Make ``"wide_routed"`` a transformers attention implementation (with SDPA's masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, routed_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
+
+
+class KernelQ(nn.Module):
+    """The q projection of a routed attention: only the query heads of the head groups the
+    layer's router kept (the others are zero, and the routed attention never reads them)."""
+
+    def __init__(self, base_layer: nn.Linear, o_proj: RoutedProjection, backend: str) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.__dict__["o_proj"] = o_proj  # a reference: it lives beside q_proj in the attention
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.o_proj._mask
+        if mask is None or mask.shape[:2] != x.shape[:2]:  # no decision in flight: the dense q (exact)
+            return self.base_layer(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = kernels.masked_out_gemm(
+            x2, self.base_layer.weight, mask.reshape(-1, mask.shape[-1]).bool(), backend=self.backend
+        )
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class KernelMLP(nn.Module):
@@ -75,6 +154,8 @@ class TritonExecutor(Executor):
                 raise KernelUnavailableError(f"executor wide-triton: {reason}")
         routed = 0
         for i, layer in enumerate(decoder_layers(model)):
+            o_proj = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+            routed += self.config.attention and isinstance(o_proj, RoutedProjection)
             mlp = layer.mlp
             if not isinstance(getattr(mlp, "down_proj", None), RoutedProjection):
                 continue
@@ -92,10 +173,24 @@ class TritonExecutor(Executor):
                     "merge LoRA first or use executor torch"
                 )
         if not routed:
-            raise KernelUnavailableError("executor wide-triton: the model has no WIDE-routed FFN (pruner: wide)")
+            raise KernelUnavailableError(
+                "executor wide-triton: the model has no WIDE-routed FFN or attention (pruner: wide)"
+            )
 
     def convert(self, model: nn.Module) -> nn.Module:
+        routed_attention = False
         for layer in decoder_layers(model):
             if isinstance(getattr(layer.mlp, "down_proj", None), RoutedProjection):
                 replace_module(layer, "mlp", KernelMLP(layer.mlp, self.config.backend))
+            attn = getattr(layer, "self_attn", None)
+            o_proj = getattr(attn, "o_proj", None)
+            if self.config.attention and isinstance(o_proj, RoutedProjection) and o_proj.leader is None:
+                q = getattr(attn, "q_proj", None)
+                if type(q) is nn.Linear and q.bias is None:  # else q stays dense (exact either way)
+                    replace_module(attn, "q_proj", KernelQ(q, o_proj, self.config.backend))
+                attn._wide_backend = self.config.backend
+                routed_attention = True
+        if routed_attention:
+            register_attention()
+            model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
         return model

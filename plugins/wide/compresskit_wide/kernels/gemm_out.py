@@ -139,12 +139,12 @@ if triton is not None:
     _tuned_out_gemm = triton.autotune(
         configs=tuning.configs(tuning.OUT_PREFILL),
         key=["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
-        prune_configs_by={"early_config_prune": tuning.prune_block_n("GW")},
+        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
     )(triton_masked_out_gemm_kernel)
     _tuned_out_gemv = triton.autotune(
         configs=tuning.configs(tuning.OUT_DECODE),
         key=["M", "N", "K", "GW", "FUSE_SWIGLU"],
-        prune_configs_by={"early_config_prune": tuning.prune_block_n("GW")},
+        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
     )(triton_masked_out_gemv_kernel)
 
 

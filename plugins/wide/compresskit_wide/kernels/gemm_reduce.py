@@ -100,7 +100,7 @@ if triton is not None:
     _tuned_reduce_gemm = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_DECODE),
         key=["M", "N", "GW", "G", "SPLIT"],
-        prune_configs_by={"early_config_prune": tuning.prune_block_k("GW")},
+        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_K")},
     )(triton_masked_reduce_gemm_kernel)
 
 

@@ -98,24 +98,13 @@ REDUCE_DECODE = [
 ]
 
 
-def prune_block_k(group_width_arg: str):
-    """Autotuner hook: drop configurations whose K block is wider than a group (the reduction loop
-    steps through one group at a time) or wider than needed."""
+def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
+    """Autotuner hook: drop configurations whose ``block`` (``BLOCK_N`` of an output-width kernel,
+    where a block never spans two groups, or ``BLOCK_K`` of the reduction loop, which steps
+    through one group at a time) is wider than a group."""
 
     def prune(configs_, named_args, **kwargs):
-        gw = named_args[group_width_arg]
-        kept = [c for c in configs_ if c.kwargs["BLOCK_K"] <= max(16, triton.next_power_of_2(gw))]
-        return kept or configs_[:1]
-
-    return prune
-
-
-def prune_block_n(group_width_arg: str):
-    """Autotuner hook: drop N blocks wider than a group (a block never spans two groups)."""
-
-    def prune(configs_, named_args, **kwargs):
-        gw = named_args[group_width_arg]
-        kept = [c for c in configs_ if c.kwargs["BLOCK_N"] <= max(16, triton.next_power_of_2(gw))]
-        return kept or configs_[:1]
+        width = max(16, triton.next_power_of_2(named_args[group_width_arg]))
+        return [c for c in configs_ if c.kwargs[block] <= width] or configs_[:1]
 
     return prune
