@@ -149,6 +149,17 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
     op = "down (incl. prep)" if decode else "down (masked dense)"
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
+    if decode:  # the unrolled variant of the loop, side by side
+        got = triton_masked_reduce_gemm(h, wd, mask, variant="unrolled")
+        err = (got.float() - ref.float()).abs().max().item()
+        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+        def unrolled():
+            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask), variant="unrolled")
+
+        add_row(
+            results, "down unrolled (incl. prep)", m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True
+        )
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):

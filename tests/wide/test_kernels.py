@@ -104,9 +104,12 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 32
     mask = random_mask(m, 8, 0.5)
-    got = triton_masked_reduce_gemm(x, w, mask)
     ref = torch_masked_reduce_gemm(x, w, mask)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    for variant in ("loop", "unrolled"):
+        got = triton_masked_reduce_gemm(x, w, mask, variant=variant)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled"):
+        triton_masked_reduce_gemm(x, w, mask, variant="fast")
 
 
 def test_dispatch():
@@ -133,11 +136,12 @@ def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "n", "groups"), [(1, 64, 48, 4), (2, 96, 32, 3), (5, 128, 64, 2), (17, 64, 40, 4), (16, 256, 16, 8)]
+    ("m", "k", "n", "groups"),
+    [(1, 64, 48, 4), (2, 96, 32, 3), (5, 128, 64, 2), (17, 64, 40, 4), (16, 256, 16, 8), (3, 72, 32, 3)],
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize("split", [1, 3])
-def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split):
+@pytest.mark.parametrize(("split", "variant"), [(1, "loop"), (3, "loop"), (1, "unrolled"), (3, "unrolled")])
+def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, variant):
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
     gen = torch.Generator().manual_seed(m * 5 + k)
@@ -145,9 +149,12 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split):
     w = torch.randn(n, k, generator=gen).to(DEVICE)
     mask = random_mask(m, groups, sparsity, seed=k + m)
     buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
-    # block_k 16 < group width: each group spans several K blocks
+    # block_k 16 < group width: each group spans several K blocks of the loop; the unrolled variant
+    # takes a group in one tile
     # split 3: three programs share each output block's active groups (some get none at all)
-    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16, split=split)
+    got = triton_masked_reduce_gemm(
+        x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16, split=split, variant=variant
+    )
     ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:

@@ -97,6 +97,60 @@ if triton is not None:
             acc += tl.load(ws_ptr + s * M * N + idx, mask=ok, other=0.0)
         tl.store(out_ptr + (idx // N) * stride_om + idx % N, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def triton_masked_reduce_gemm_unrolled_kernel(
+        x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
+        M, N, GW, G, SPLIT,
+        stride_xm, stride_wn, stride_mm, stride_om,
+        DOT_PRECISION: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # The same sum as the loop kernel, with no load depending on a load of the step before:
+        # the program's share of the active-group list is read at once (one vector load), then an
+        # unrolled sequence of whole-group tiles (BLOCK_K >= GW), each predicated on being in the
+        # share, so that all of them can be in flight together.
+        tn = tl.program_id(0)
+        tm = tl.program_id(1)
+        s = tl.program_id(2)
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        n_active = tl.load(n_active_ptr)
+        chunk = tl.cdiv(n_active, SPLIT)
+        first = s * chunk
+        count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
+        js = tl.arange(0, CHUNK)
+        gids = tl.load(groups_ptr + first + js, mask=js < count, other=0)
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = kk < GW
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(CHUNK):
+            live = j < count
+            g = tl.sum(tl.where(js == j, gids, 0), axis=0)
+            on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok & live, other=0) != 0
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + (g * GW + kk)[None, :],
+                mask=(on & row_ok)[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols[:, None] * stride_wn + (g * GW + kk)[None, :],
+                mask=(col_ok[:, None] & k_ok[None, :]) & live,
+                other=0.0,
+            )
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        tile = row_ok[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile)
+        else:
+            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+
+    _tuned_reduce_unrolled = triton.autotune(
+        configs=tuning.configs(tuning.REDUCE_UNROLLED),
+        key=["M", "N", "GW", "G", "SPLIT"],
+    )(triton_masked_reduce_gemm_unrolled_kernel)
+
     _tuned_reduce_gemm = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_DECODE),
         key=["M", "N", "GW", "G", "SPLIT"],
@@ -121,11 +175,16 @@ def triton_masked_reduce_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     split: int | None = None,
+    variant: str = "loop",
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
     routing layout); computed here when not given. ``split``: programs per output block, each
-    summing a share of the active groups (default: ``split_count``)."""
+    summing a share of the active groups (default: ``split_count``). ``variant``: "loop" (a
+    runtime loop over the share, measured on the H200) or "unrolled" (the share's group ids read
+    at once, whole-group tiles unrolled; not yet measured on a GPU)."""
+    if variant not in ("loop", "unrolled"):
+        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled")
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -143,15 +202,24 @@ def triton_masked_reduce_gemm(
     args = (x, w, mask_u8, out, ws, active_groups, n_active, m, n, k // groups, groups, splits)
     strides = (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     precision = tuning.dot_precision(x.dtype)
-    if block_n is not None or tuning.interpreted():
-        bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), splits)
-        triton_masked_reduce_gemm_kernel[grid](
-            *args, *strides, DOT_PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk
-        )
+    if variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_unrolled_kernel, _tuned_reduce_unrolled
+        meta = {
+            "CHUNK": triton.next_power_of_2(triton.cdiv(groups, splits)),
+            "BLOCK_K": max(16, triton.next_power_of_2(k // groups)),
+        }
+        fixed = {"BLOCK_N": block_n or 16}
     else:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, 16), splits)  # noqa: E731
-        _tuned_reduce_gemm[grid](*args, *strides, DOT_PRECISION=precision, BLOCK_M=16)
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_kernel, _tuned_reduce_gemm
+        meta = {}
+        fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
+    if block_n is not None or tuning.interpreted():
+        bm = block_m or 16
+        grid = (triton.cdiv(n, fixed["BLOCK_N"]), triton.cdiv(m, bm), splits)
+        fixed_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, **fixed, BLOCK_M=bm)
+    else:
+        grid = lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, 16), splits)  # noqa: E731
+        tuned_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, BLOCK_M=16)
     if splits > 1:
         block = 1024
         triton_split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)

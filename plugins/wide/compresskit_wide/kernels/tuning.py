@@ -97,6 +97,14 @@ REDUCE_DECODE = [
     ({"BLOCK_N": 16, "BLOCK_K": 64}, 2, 6),
 ]
 
+# the unrolled variant of that loop (whole-group K tiles; no software pipeline to feed)
+REDUCE_UNROLLED = [
+    ({"BLOCK_N": 16}, 4, 1),
+    ({"BLOCK_N": 32}, 4, 1),
+    ({"BLOCK_N": 16}, 8, 1),
+    ({"BLOCK_N": 64}, 8, 1),
+]
+
 
 def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
     """Autotuner hook: drop configurations whose ``block`` (``BLOCK_N`` of an output-width kernel,
