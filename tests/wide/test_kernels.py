@@ -229,6 +229,32 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     assert len(decode_calls) == 2 * 3  # the routed decode attention ran in both layers for each cached step
 
 
+def test_wide_triton_executor_auto_keeps_sdpa_where_the_routed_attention_is_not_faster(tiny_model_dir, monkeypatch):
+    """Under "auto" the routed attention runs only where the policy says so (on CUDA, decode with a
+    batch >= 4 and a long context); elsewhere transformers' SDPA runs and o_proj zeroes the skipped
+    heads, as in the reference path: the same logits, no routed attention call."""
+    import copy
+
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.modeling import load_model
+
+    model, _ = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
+    model = pruner.finalize(model)
+    executor_cls = plugins.load("executor", "wide-triton")
+    fast = executor_cls(executor_cls.Config(backend="auto")).convert(copy.deepcopy(model))
+    calls = []
+    for name in ("routed_attention_decode", "routed_attention_prefill"):
+        monkeypatch.setattr(kernels, name, lambda *a, **k: calls.append(1))
+    ids = torch.randint(2, 300, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    assert calls == []
+
+
 def test_wide_triton_executor_refuses_unmerged_lora_and_dense_models(tiny_model_dir):
     from compresskit import plugins
     from compresskit.interfaces import RunContext

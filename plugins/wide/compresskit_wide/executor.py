@@ -51,7 +51,9 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
     """transformers' attention-function contract (``query: [B, Hq, T, D]``, ``key, value: [B, Hkv,
     S, D]`` after the cache update; returns ``[B, T, Hq, D]`` and no weights) for a routed
     attention: the head-group decision of the layer's routed ``o_proj`` selects the heads that run.
-    Cases the routed kernels do not cover go to transformers' SDPA function."""
+    Cases the routed kernels do not cover, and under ``backend="auto"`` those where the dense path
+    was measured faster, go to transformers' SDPA function (the routed ``o_proj`` then zeroes the
+    skipped heads, as in the reference path)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     proj = getattr(module, "o_proj", None)
@@ -69,7 +71,10 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
         and kwargs.get("softcap") is None
         and getattr(module, "is_causal", True)
     )
-    if not covered:
+    if covered and backend == "auto":  # the routed kernel only where it was measured faster
+        op, rows = ("attn_decode", b) if t == 1 else ("attn_prefill", t)
+        covered = query.is_cuda and kernels.use_kernel(op, rows, context=key.shape[2])
+    if not covered:  # o_proj zeroes the heads its router skipped either way
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
