@@ -42,6 +42,7 @@ from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
+    group_major,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
@@ -149,17 +150,19 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
     op = "down (incl. prep)" if decode else "down (masked dense)"
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
-    if decode:  # the unrolled variant of the loop, side by side
-        got = triton_masked_reduce_gemm(h, wd, mask, variant="unrolled")
+    if not decode:
+        return
+    wd_groups = group_major(wd, ffn // group)  # the variants side by side: unrolled, on either weight layout
+    for op, wg in (("down unrolled (incl. prep)", None), ("down unrolled group-major", wd_groups)):
+        got = triton_masked_reduce_gemm(h, wd, mask, variant="unrolled", w_group_major=wg)
         err = (got.float() - ref.float()).abs().max().item()
         ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-        def unrolled():
-            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask), variant="unrolled")
+        def unrolled(wg=wg):
+            layout = triton_decode_layout(mask)
+            return triton_masked_reduce_gemm(h, wd, mask, layout=layout, variant="unrolled", w_group_major=wg)
 
-        add_row(
-            results, "down unrolled (incl. prep)", m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True
-        )
+        add_row(results, op, m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True)
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):

@@ -110,6 +110,13 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled"):
         triton_masked_reduce_gemm(x, w, mask, variant="fast")
+    from compresskit_wide.kernels.gemm_reduce import group_major
+
+    wg = group_major(w, 8)
+    got = triton_masked_reduce_gemm(x, w, mask, variant="unrolled", w_group_major=wg)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="w_group_major must be a contiguous"):
+        triton_masked_reduce_gemm(x, w, mask, variant="unrolled", w_group_major=wg.transpose(1, 2))
 
 
 def test_dispatch():
@@ -157,6 +164,13 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, 
     )
     ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    if variant == "unrolled":  # the same from the group-major copy of the weight
+        from compresskit_wide.kernels.gemm_reduce import group_major
+
+        wg = group_major(w, groups)
+        assert torch.equal(wg[1 % groups], w[:, (1 % groups) * (k // groups) : (1 % groups + 1) * (k // groups)])
+        again = triton_masked_reduce_gemm(x, w, mask, block_n=16, split=split, variant=variant, w_group_major=wg)
+        torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0  # no active group: nothing contributes
     assert torch.isnan(buf[m:]).all()

@@ -101,14 +101,16 @@ if triton is not None:
     def triton_masked_reduce_gemm_unrolled_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
         M, N, GW, G, SPLIT,
-        stride_xm, stride_wn, stride_mm, stride_om,
+        stride_xm, stride_wn, stride_mm, stride_om, stride_wg,
         DOT_PRECISION: tl.constexpr, CHUNK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # The same sum as the loop kernel, with no load depending on a load of the step before:
         # the program's share of the active-group list is read at once (one vector load), then an
         # unrolled sequence of whole-group tiles (BLOCK_K >= GW), each predicated on being in the
-        # share, so that all of them can be in flight together.
+        # share, so that all of them can be in flight together. Group g's weight columns start at
+        # w_ptr + g * stride_wg: GW for the nn.Linear layout [N, K], N * GW for the group-major
+        # layout [G, N, GW] (``group_major``), where a tile is one contiguous block.
         tn = tl.program_id(0)
         tm = tl.program_id(1)
         s = tl.program_id(2)
@@ -135,7 +137,7 @@ if triton is not None:
                 other=0.0,
             )
             b = tl.load(
-                w_ptr + cols[:, None] * stride_wn + (g * GW + kk)[None, :],
+                w_ptr + g * stride_wg + cols[:, None] * stride_wn + kk[None, :],
                 mask=(col_ok[:, None] & k_ok[None, :]) & live,
                 other=0.0,
             )
@@ -158,6 +160,13 @@ if triton is not None:
     )(triton_masked_reduce_gemm_kernel)
 
 
+def group_major(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """``w: [N, K]`` (nn.Linear) -> ``[G, N, K / G]``, contiguous: each input group's columns as one
+    block, so that a [rows, group] tile is a single contiguous read."""
+    n, k = w.shape
+    return w.view(n, groups, k // groups).permute(1, 0, 2).contiguous()
+
+
 def split_count(groups: int, split: int | None = None) -> int:
     """How many programs share one output block's active groups: enough to keep the weight stream
     busy (about 4 groups each at 50% sparsity), at most 16. Fixed by the shapes (graph-safe)."""
@@ -176,15 +185,19 @@ def triton_masked_reduce_gemm(
     block_k: int | None = None,
     split: int | None = None,
     variant: str = "loop",
+    w_group_major: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
     routing layout); computed here when not given. ``split``: programs per output block, each
     summing a share of the active groups (default: ``split_count``). ``variant``: "loop" (a
     runtime loop over the share, measured on the H200) or "unrolled" (the share's group ids read
-    at once, whole-group tiles unrolled; not yet measured on a GPU)."""
+    at once, whole-group tiles unrolled; not yet measured on a GPU). ``w_group_major``: ``w`` in
+    the layout ``group_major(w, G)`` (kept beside ``w``), read by the unrolled variant instead."""
     if variant not in ("loop", "unrolled"):
         raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled")
+    if w_group_major is not None and variant != "unrolled":
+        raise ValueError("w_group_major is read by the unrolled variant only")
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -199,11 +212,18 @@ def triton_masked_reduce_gemm(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     splits = split_count(groups, split)
     ws = torch.empty((splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device)
-    args = (x, w, mask_u8, out, ws, active_groups, n_active, m, n, k // groups, groups, splits)
-    strides = (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
+    gw = k // groups
+    weights, stride_wn, stride_wg = w, w.stride(0), gw  # nn.Linear layout: group g at column g * GW
+    if w_group_major is not None:
+        if tuple(w_group_major.shape) != (groups, n, gw) or not w_group_major.is_contiguous():
+            raise ValueError(f"w_group_major must be a contiguous [G, N, GW] = [{groups}, {n}, {gw}] tensor")
+        weights, stride_wn, stride_wg = w_group_major, gw, n * gw
+    args = (x, weights, mask_u8, out, ws, active_groups, n_active, m, n, gw, groups, splits)
+    strides = (x.stride(0), stride_wn, mask_u8.stride(0), out.stride(0))
     precision = tuning.dot_precision(x.dtype)
     if variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_unrolled_kernel, _tuned_reduce_unrolled
+        strides = (*strides, stride_wg)
         meta = {
             "CHUNK": triton.next_power_of_2(triton.cdiv(groups, splits)),
             "BLOCK_K": max(16, triton.next_power_of_2(k // groups)),
