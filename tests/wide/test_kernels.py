@@ -588,3 +588,29 @@ def test_autotune_configs_never_span_two_groups():
     assert all(c.kwargs["BLOCK_K"] <= 64 for c in tuning.prune_wider_than_group("BLOCK_K")(red, {"GW": 40}))
     # a group narrower than any candidate still leaves one configuration to run
     assert len(tuning.prune_wider_than_group("BLOCK_K")(red, {"GW": 8})) >= 1
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_masked_out_gemv_split_k_matches_reference(m, sparsity):
+    """The plain decode product with its K range shared by 3 programs (fp32 partials, then one
+    summing kernel): the reference's values, exact zeros for inactive groups, nothing written
+    beyond the output."""
+    gen = torch.Generator().manual_seed(m + 11)
+    x = torch.randn(m, 200, generator=gen).to(DEVICE)  # K not a multiple of the share or the block
+    w = torch.randn(96, 200, generator=gen).to(DEVICE)
+    mask = random_mask(m, 3, sparsity, seed=m)
+    buf = torch.full((m + 2, 96), float("nan"), device=DEVICE)
+    got = triton_masked_out_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3)
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+    with pytest.raises(ValueError, match="split_k is for the plain"):
+        triton_masked_out_gemm(x, w, mask, w, split_k=2)
+    # one tensor as both gate and up is still the fused SwiGLU (it was once taken for "no up")
+    torch.testing.assert_close(
+        triton_masked_out_gemm(x, w, mask, w, block_n=16, block_k=32),
+        torch_masked_out_gemm(x, w, mask, w),
+        rtol=1e-4,
+        atol=1e-4,
+    )

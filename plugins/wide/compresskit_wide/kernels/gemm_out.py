@@ -27,6 +27,8 @@ from compresskit_wide.kernels.layout import routing_layout_here
 try:
     import triton
     import triton.language as tl
+
+    from compresskit_wide.kernels.gemm_reduce import triton_split_sum_kernel
 except ImportError:
     triton = None
 
@@ -136,6 +138,45 @@ if triton is not None:
         acc = tl.where(on[:, None], acc, 0.0)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
+    @triton.jit
+    def triton_masked_out_gemv_splitk_kernel(
+        x_ptr, w_ptr, ws_ptr, mask_ptr,
+        M, N, K, GW, SPLIT_K, K_CHUNK,
+        stride_xm, stride_wn, stride_mm,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # decode, plain (q): program (g, n-block, s) sums the s-th K_CHUNK of the product into the
+        # fp32 workspace [SPLIT_K, M, N] (zeros for a group no token needs; no weight read then);
+        # ``triton_split_sum_kernel`` adds the shares and casts. More programs for a small GEMV.
+        g = tl.program_id(0)
+        tn = tl.program_id(1)
+        s = tl.program_id(2)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0) & row_ok
+        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if tl.sum(on.to(tl.int32), axis=0) > 0:
+            k_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
+            for k0 in range(s * K_CHUNK, k_end, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < k_end
+                a = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=on[:, None] & k_ok[None, :], other=0.0
+                )
+                b = tl.load(
+                    w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    _tuned_out_gemv_splitk = triton.autotune(
+        configs=tuning.configs(tuning.OUT_DECODE_SPLITK),
+        key=["M", "N", "K", "GW", "SPLIT_K"],
+        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
+    )(triton_masked_out_gemv_splitk_kernel)
+
     _tuned_out_gemm = triton.autotune(
         configs=tuning.configs(tuning.OUT_PREFILL),
         key=["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
@@ -159,13 +200,16 @@ def triton_masked_out_gemm(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
     Up to ``DECODE_MAX_M`` tokens: the decode kernel, which reads the mask directly (``layout`` is
     not needed). More: the sorted-tile kernel on the routing layout of ``mask`` (computed here
     when not given; share it between projections of one block). Tiles are autotuned on a GPU;
-    ``block_*`` fix them instead (tests use small ones)."""
+    ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode, plain q only):
+    that many programs share each output block's K range (fp32 partials, one summing kernel; not
+    yet measured on a GPU)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -175,11 +219,16 @@ def triton_masked_out_gemm(
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
     gw = n // groups
     x, w = x.contiguous(), w.contiguous()
-    w_up = w_up.contiguous() if w_up is not None else w
+    fuse = w_up is not None  # (not "w_up is not w": the same tensor may serve as gate and up)
+    w_up = w_up.contiguous() if fuse else w
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    common = {"FUSE_SWIGLU": w_up is not w, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
+    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
     fixed = block_n is not None or tuning.interpreted()
+    if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
+        raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
+    if split_k > 1:
+        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k)
     if m <= tuning.DECODE_MAX_M:
         mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
@@ -202,4 +251,23 @@ def triton_masked_out_gemm(
     else:
         grid = lambda meta: (groups, triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
         _tuned_out_gemm[grid](*args, **common)
+    return out
+
+
+def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k):
+    m, k = x.shape
+    n = w.shape[0]
+    mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    chunk = triton.cdiv(triton.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
+    args = (x, w, ws, mask_u8, m, n, k, gw, split_k, chunk, x.stride(0), w.stride(0), mask_u8.stride(0))
+    precision = tuning.dot_precision(x.dtype)
+    if block_n is not None or tuning.interpreted():
+        bn, bk = block_n or 16, min(block_k or 32, chunk)
+        grid = (groups, triton.cdiv(gw, bn), split_k)
+        triton_masked_out_gemv_splitk_kernel[grid](*args, DOT_PRECISION=precision, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
+    else:
+        grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
+        _tuned_out_gemv_splitk[grid](*args, DOT_PRECISION=precision, BLOCK_M=16)
+    triton_split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
     return out

@@ -77,6 +77,13 @@ OUT_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
 ]
+# the plain (q) decode GEMV with K split over several programs: shorter K loops
+OUT_DECODE_SPLITK = [
+    ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 3),
+    ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
+    ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 2),
+]
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles
 OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
