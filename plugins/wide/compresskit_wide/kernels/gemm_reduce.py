@@ -128,9 +128,11 @@ if triton is not None:
         k_ok = kk < GW
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in tl.static_range(CHUNK):
-            live = j < count
+            # "in the share" as vectors: a scalar in a load mask breaks Triton 3.9's interpreter
+            live_m = (tl.zeros((BLOCK_M,), dtype=tl.int32) + j) < count
+            live_n = (tl.zeros((BLOCK_N,), dtype=tl.int32) + j) < count
             g = tl.sum(tl.where(js == j, gids, 0), axis=0)
-            on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok & live, other=0) != 0
+            on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok & live_m, other=0) != 0
             a = tl.load(
                 x_ptr + rows[:, None] * stride_xm + (g * GW + kk)[None, :],
                 mask=(on & row_ok)[:, None] & k_ok[None, :],
@@ -138,7 +140,7 @@ if triton is not None:
             )
             b = tl.load(
                 w_ptr + g * stride_wg + cols[:, None] * stride_wn + kk[None, :],
-                mask=(col_ok[:, None] & k_ok[None, :]) & live,
+                mask=(col_ok & live_n)[:, None] & k_ok[None, :],
                 other=0.0,
             )
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
