@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.gemm_reduce import triton_split_sum_kernel
+    from compresskit_wide.kernels.gemm_reduce import store_share, triton_split_sum_kernel
 except ImportError:
     triton = None
 
@@ -49,6 +49,46 @@ def torch_masked_out_gemm(
 
 
 if triton is not None:
+
+    @triton.jit
+    def output_tile(
+        x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, k_start, k_end, stride_xm, stride_wn,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """``x[rows, k_start:k_end] @ w[cols, k_start:k_end].T`` in fp32 (with ``FUSE_SWIGLU``, gate and
+        up against the same loaded ``x`` tile, then ``silu(gate) * up``). Rows not ``row_on`` are
+        never read: their products come out zero (SiLU of zero times zero), the caller masks them."""
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_on[:, None] & k_ok[None, :], other=0.0
+            )
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            if FUSE_SWIGLU:
+                bu = tl.load(wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
+        if FUSE_SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        return acc
+
+    @triton.jit
+    def decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (g, n-block) of a decode kernel: every token in one tile, read straight from the
+        mask. Returns ``(rows, row_ok, on, cols, col_ok)``."""
+        g = tl.program_id(0)
+        tn = tl.program_id(1)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0) & row_ok
+        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
+        return rows, row_ok, on, cols, col_ok
 
     @triton.jit
     def triton_masked_out_gemm_kernel(
@@ -74,25 +114,10 @@ if triton is not None:
         if tm * BLOCK_M >= count:  # block-level skip: no active token in this tile
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
             return
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0
-            )
-            b = tl.load(
-                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-            if FUSE_SWIGLU:
-                bu = tl.load(
-                    wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
-        if FUSE_SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = output_tile(
+            x_ptr, w_ptr, wu_ptr, rows, active, cols, col_ok, 0, K, stride_xm, stride_wn,
+            FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         acc = tl.where(active[:, None], acc, 0.0)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -104,37 +129,17 @@ if triton is not None:
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # decode (M <= BLOCK_M): every token in one tile, read straight from the mask (no layout).
-        # A block of a group no token needs writes its zeros and reads no weight.
-        g = tl.program_id(0)
-        tn = tl.program_id(1)
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0) & row_ok
-        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
+        # decode (M <= BLOCK_M): a block of a group no token needs writes its zeros, reads no weight
+        rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         store_mask = row_ok[:, None] & col_ok[None, :]
         if tl.sum(on.to(tl.int32), axis=0) == 0:
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
             return
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=on[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(
-                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-            if FUSE_SWIGLU:
-                bu = tl.load(
-                    wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
-        if FUSE_SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = output_tile(
+            x_ptr, w_ptr, wu_ptr, rows, on, cols, col_ok, 0, K, stride_xm, stride_wn,
+            FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         acc = tl.where(on[:, None], acc, 0.0)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
@@ -148,28 +153,16 @@ if triton is not None:
         # decode, plain (q): program (g, n-block, s) sums the s-th K_CHUNK of the product into the
         # fp32 workspace [SPLIT_K, M, N] (zeros for a group no token needs; no weight read then);
         # ``triton_split_sum_kernel`` adds the shares and casts. More programs for a small GEMV.
-        g = tl.program_id(0)
-        tn = tl.program_id(1)
+        rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
         s = tl.program_id(2)
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0) & row_ok
-        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if tl.sum(on.to(tl.int32), axis=0) > 0:
-            k_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
-            for k0 in range(s * K_CHUNK, k_end, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < k_end
-                a = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=on[:, None] & k_ok[None, :], other=0.0
-                )
-                b = tl.load(
-                    w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+        k_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
+        if tl.sum(on.to(tl.int32), axis=0) == 0:
+            k_end = s * K_CHUNK  # an empty K range: the share is zero, no weight is read
+        acc = output_tile(
+            x_ptr, w_ptr, w_ptr, rows, on, cols, col_ok, s * K_CHUNK, k_end, stride_xm, stride_wn,
+            False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
     _tuned_out_gemv_splitk = triton.autotune(
         configs=tuning.configs(tuning.OUT_DECODE_SPLITK),

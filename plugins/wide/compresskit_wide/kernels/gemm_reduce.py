@@ -46,6 +46,32 @@ def dense_masked_reduce_gemm(
 if triton is not None:
 
     @triton.jit
+    def reduce_share(n_active_ptr, M, N, SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Program (n-block, m-tile, split s) of a reduction kernel: its rows and columns and its share
+        of the active-group list, ``[first, first + count)``. Returns
+        ``(rows, row_ok, cols, col_ok, s, first, count)``."""
+        tn = tl.program_id(0)
+        tm = tl.program_id(1)
+        s = tl.program_id(2)
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_active = tl.load(n_active_ptr)
+        chunk = tl.cdiv(n_active, SPLIT)
+        first = s * chunk
+        count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
+        return rows, rows < M, cols, cols < N, s, first, count
+
+    @triton.jit
+    def store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT):
+        """The share's fp32 sum: straight to ``out`` (cast) when it is the only one, else to the
+        workspace ``[SPLIT, M, N]`` that ``triton_split_sum_kernel`` adds up."""
+        tile = row_ok[:, None] & col_ok[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile)
+        else:
+            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+
+    @triton.jit
     def triton_masked_reduce_gemm_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
         M, N, GW, G, SPLIT,
@@ -54,19 +80,9 @@ if triton is not None:
     ):  # fmt: skip
         # program (n-block, m-tile, split s) sums the s-th share of the active groups; with SPLIT > 1
         # its fp32 partial goes to the workspace [SPLIT, M, N] and a second kernel adds them up
-        tn = tl.program_id(0)
-        tm = tl.program_id(1)
-        s = tl.program_id(2)
-        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        n_active = tl.load(n_active_ptr)
-        chunk = tl.cdiv(n_active, SPLIT)
-        first = s * chunk
-        last = tl.minimum(first + chunk, n_active)
+        rows, row_ok, cols, col_ok, s, first, count = reduce_share(n_active_ptr, M, N, SPLIT, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(first, last):  # only the groups some token needs
+        for i in range(first, first + count):  # only the groups some token needs
             g = tl.load(groups_ptr + i)
             on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
             for k0 in range(0, GW, BLOCK_K):
@@ -81,11 +97,7 @@ if triton is not None:
                     w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
                 )
                 acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        tile = row_ok[:, None] & col_ok[None, :]
-        if SPLIT == 1:
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile)
-        else:
-            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+        store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
     @triton.jit
     def triton_split_sum_kernel(ws_ptr, out_ptr, M, N, SPLIT, stride_om, BLOCK: tl.constexpr):
@@ -111,17 +123,7 @@ if triton is not None:
         # share, so that all of them can be in flight together. Group g's weight columns start at
         # w_ptr + g * stride_wg: GW for the nn.Linear layout [N, K], N * GW for the group-major
         # layout [G, N, GW] (``group_major``), where a tile is one contiguous block.
-        tn = tl.program_id(0)
-        tm = tl.program_id(1)
-        s = tl.program_id(2)
-        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        n_active = tl.load(n_active_ptr)
-        chunk = tl.cdiv(n_active, SPLIT)
-        first = s * chunk
-        count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
+        rows, row_ok, cols, col_ok, s, first, count = reduce_share(n_active_ptr, M, N, SPLIT, BLOCK_M, BLOCK_N)
         js = tl.arange(0, CHUNK)
         gids = tl.load(groups_ptr + first + js, mask=js < count, other=0)
         kk = tl.arange(0, BLOCK_K)
@@ -144,11 +146,7 @@ if triton is not None:
                 other=0.0,
             )
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        tile = row_ok[:, None] & col_ok[None, :]
-        if SPLIT == 1:
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile)
-        else:
-            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+        store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
     _tuned_reduce_unrolled = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_UNROLLED),
