@@ -128,10 +128,11 @@ def triton_routed_attention_decode(
     seq_lens: torch.Tensor,
     mask: torch.Tensor,
     *,
-    splits: int = 4,
+    splits: int | None = None,
     block_n: int = 16,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_decode`."""
+    """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits per
+    (sequence, KV head); default ``tuning.attention_decode_splits(S)``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -141,6 +142,7 @@ def triton_routed_attention_decode(
             f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}"
         )
     rep = hq // hkv
+    splits = splits or tuning.attention_decode_splits(s)
     heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).to(torch.uint8).contiguous()  # [B, Hq]
     q = q.contiguous()
     split_len = triton.cdiv(max(s, 1), splits)

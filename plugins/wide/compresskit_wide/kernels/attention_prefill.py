@@ -111,10 +111,11 @@ def triton_routed_attention_prefill(
     mask: torch.Tensor,
     *,
     layout: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_m: int = 16,
-    block_n: int = 16,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_prefill`."""
+    """Triton version of :func:`torch_routed_attention_prefill`. Tiles default to
+    ``tuning.attention_prefill_block()``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, t, d = q.shape
@@ -123,6 +124,8 @@ def triton_routed_attention_prefill(
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
     order, counts = layout if layout is not None else prefill_layout(mask)
+    block_m = block_m or tuning.attention_prefill_block()
+    block_n = block_n or tuning.attention_prefill_block()
     q = q.contiguous()
     out = torch.empty_like(q)
     block_d = max(16, triton.next_power_of_2(d))

@@ -46,6 +46,18 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill")
 
 
+def attention_decode_splits(context: int) -> int:
+    """KV splits of the routed decode attention: one per 256 cached positions, 1 to 32 (the
+    setting the H200 runs measured)."""
+    return max(1, min(32, context // 256))
+
+
+def attention_prefill_block() -> int:
+    """Query and key tile of the routed prefill attention: 64 on a GPU (as measured), 16 in the
+    CPU interpreter (any tile is correct there, small ones are faster)."""
+    return 16 if interpreted() else 64
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs get full-precision products (as ``torch.matmul`` does by default), not TF32."""
     return "ieee" if dtype == torch.float32 else "tf32"
