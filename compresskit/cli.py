@@ -110,20 +110,23 @@ def cmd_apply(args, out: Console, err: Console) -> int:
 
 def cmd_validate(args, out: Console, err: Console) -> int:
     from compresskit.modeling import resolve_model_source
-    from compresskit.recipe import load_recipe
+    from compresskit.recipe import is_comparison, load_comparison, load_recipe
 
-    resolved = load_recipe(args.recipe, list(args.set or []))
-    rec = resolved.recipe
-    resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-    if args.print:
-        out.print_json(json.dumps(resolved.to_dict()))
-    stages = ", ".join(s.name for s in resolved.training) or "none"
-    pruner = resolved.pruner.name if resolved.pruner else "none (dense)"
-    out.print(
-        f"ok: {args.recipe}: model {rec.model.name_or_path}, pruner {pruner}, training [{stages}], "
-        f"executor {resolved.executor.name}, output {rec.output.dir} (recipe hash {resolved.hash()})",
-        markup=False,
-    )
+    # a comparison spec: every member, each as a recipe of its own
+    paths = load_comparison(args.recipe)[0] if is_comparison(args.recipe) else [args.recipe]
+    for path in paths:
+        resolved = load_recipe(path, list(args.set or []))
+        rec = resolved.recipe
+        resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+        if args.print:
+            out.print_json(json.dumps(resolved.to_dict()))
+        stages = ", ".join(s.name for s in resolved.training) or "none"
+        pruner = resolved.pruner.name if resolved.pruner else "none (dense)"
+        out.print(
+            f"ok: {path}: model {rec.model.name_or_path}, pruner {pruner}, training [{stages}], "
+            f"executor {resolved.executor.name}, output {rec.output.dir} (recipe hash {resolved.hash()})",
+            markup=False,
+        )
     return EXIT_OK
 
 

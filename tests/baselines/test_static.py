@@ -162,3 +162,40 @@ def test_static_width_target_too_small_is_a_clear_error():
         StaticWidthPruner(StaticWidthConfig(target_sparsity=0.01, ffn_group_size=48)).prepare(
             model, RunContext(model_config=model.config)
         )
+
+
+def test_static_width_with_lora_recovery_saves_a_stock_model(tmp_path, tiny_model_dir):
+    """Static width, then the LoRA recovery stage merged into the weights, through ``apply``: the
+    saved model is still a plain (smaller) Llama that stock transformers loads, and its weights are
+    the recovered ones (they differ from the one-shot run's, same shapes)."""
+    import yaml
+
+    from compresskit.api import apply
+    from compresskit.recipe import load_recipe
+
+    def run_recipe(name, training):
+        recipe = {
+            "name": name,
+            "seed": 0,
+            "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+            "data": {"calibration": {"n_samples": 4, "seq_len": 32, "batch_size": 2}},
+            "pruner": {"name": "static-width", "config": {"target_sparsity": 0.4, "ffn_group_size": 16}},
+            "training": training,
+            "evaluation": {"tasks": ["piqa"], "limit": 4, "batch_size": 4, "max_length": 512, "compare_dense": False},
+            "output": {"dir": str(tmp_path / name)},
+        }
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+        apply(load_recipe(tmp_path / f"{name}.yaml"))
+        return AutoModelForCausalLM.from_pretrained(tmp_path / name / "model").eval()  # no compresskit code
+
+    lora = {"steps": 3, "batch_size": 2, "seq_len": 32, "lr": 1e-2, "r": 4, "merge": True}
+    recovered = run_recipe("lora", [{"name": "lora", "config": lora}])
+    one_shot = run_recipe("one-shot", [{"name": "none"}])
+    assert not any("lora" in name for name, _ in recovered.named_parameters())
+    assert recovered.config.intermediate_size == one_shot.config.intermediate_size < 96  # still the pruned width
+    a, b = recovered.state_dict(), one_shot.state_dict()
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    changed = [k for k in a if not torch.equal(a[k], b[k])]
+    assert any(k.endswith("down_proj.weight") for k in changed)  # the adapters were folded in
+    with torch.no_grad():
+        assert torch.isfinite(recovered(ids()).logits).all()

@@ -209,6 +209,16 @@ def test_internal_error_exit_1(capsys, recipe_file, monkeypatch):
     assert code == 1 and "internal error: ZeroDivisionError: boom (rerun with --debug" in err
 
 
+def test_validate_takes_a_comparison_spec(capsys):
+    """``validate`` on a comparison spec checks every member (it used to read the spec as one
+    recipe and complain that ``compare`` is an unknown key)."""
+    code, out, err = run(capsys, "validate", str(TESTS.parent / "recipes" / "compare-smollm2.yaml"))
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 8 and all(ln.startswith("ok: ") for ln in lines)
+    assert "pruner wide" in out and "pruner static-depth" in out
+
+
 def test_compare_spec_runs_members_once_then_reuses(capsys, tiny_model_dir, tmp_path):
     import yaml
 
