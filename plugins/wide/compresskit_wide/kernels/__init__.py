@@ -27,8 +27,6 @@ cuBLAS / SDPA in the input dtype, inactive outputs zeroed); the references on th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from compresskit.errors import KernelUnavailableError
@@ -52,7 +50,7 @@ from compresskit_wide.kernels.layout import (
     triton_routing_layout,
 )
 from compresskit_wide.kernels.reference import torch_group_masked_input
-from compresskit_wide.kernels.tuning import DECODE_MAX_M, use_kernel
+from compresskit_wide.kernels.tuning import DECODE_MAX_M, interpreted, use_kernel
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -63,7 +61,7 @@ def triton_available() -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not interpreted():
         return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
     return None
 

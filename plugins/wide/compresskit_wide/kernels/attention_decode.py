@@ -19,6 +19,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.reference import zero_inactive_groups
 
 try:
     import triton
@@ -42,8 +43,7 @@ def torch_routed_attention_decode(
     valid = torch.arange(s, device=q.device)[None, :] < seq_lens[:, None].to(q.device)  # [B, S]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     out = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), vv)
-    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1)  # [B, Hq]
-    return torch.where(heads_on[..., None], out, torch.zeros((), dtype=out.dtype)).to(q.dtype)
+    return zero_inactive_groups(out.reshape(b, hq * d), mask).view(b, hq, d).to(q.dtype)
 
 
 if triton is not None:

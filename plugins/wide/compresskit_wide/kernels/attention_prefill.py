@@ -19,6 +19,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.reference import zero_inactive_groups
 
 try:
     import triton
@@ -42,8 +43,14 @@ def torch_routed_attention_prefill(
     causal = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vv  # [B, Hq, T, D]
-    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).permute(0, 2, 1)  # [B, Hq, T]
-    return torch.where(heads_on[..., None], out, torch.zeros((), dtype=out.dtype)).to(q.dtype)
+    return zero_inactive_heads(out, mask).to(q.dtype)
+
+
+def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``out: [B, Hq, T, D]``, ``mask: [B, T, Hq / A]`` -> ``out`` exactly 0 for inactive (token, head)."""
+    b, hq, t, d = out.shape
+    rows = zero_inactive_groups(out.transpose(1, 2).reshape(b, t, hq * d), mask)  # [B, T, Hq * D]
+    return rows.view(b, t, hq, d).transpose(1, 2)
 
 
 def prefill_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    keep = mask.bool().repeat_interleave(y.shape[-1] // mask.shape[-1], dim=-1)
-    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+from compresskit_wide.kernels.attention_prefill import zero_inactive_heads
+from compresskit_wide.kernels.reference import zero_inactive_groups
 
 
 def dense_masked_out_gemm(
@@ -21,7 +19,7 @@ def dense_masked_out_gemm(
     y = x @ w.T
     if w_up is not None:
         y = F.silu(y) * (x @ w_up.T)
-    return _zero_inactive_groups(y, mask)
+    return zero_inactive_groups(y, mask)
 
 
 def dense_routed_attention_decode(
@@ -32,9 +30,8 @@ def dense_routed_attention_decode(
     s = k.shape[2]
     valid = torch.arange(s, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
-    heads = out[:, :, 0, :]  # [B, Hq, D]
-    keep = mask.bool().repeat_interleave(q.shape[1] // mask.shape[-1], dim=-1)  # [B, Hq]
-    return torch.where(keep[..., None], heads, torch.zeros((), dtype=heads.dtype, device=heads.device))
+    b, hq, d = q.shape
+    return zero_inactive_groups(out.reshape(b, hq * d), mask).view(b, hq, d)
 
 
 def dense_routed_attention_prefill(
@@ -48,5 +45,4 @@ def dense_routed_attention_prefill(
     else:  # the causal diagonal shifted by the past length (SDPA's is_causal aligns top-left)
         allowed = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
-    keep = mask.bool().repeat_interleave(q.shape[1] // mask.shape[-1], dim=-1).permute(0, 2, 1)  # [B, Hq, T]
-    return torch.where(keep[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return zero_inactive_heads(out, mask)

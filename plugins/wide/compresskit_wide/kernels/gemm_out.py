@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.layout import routing_layout_here
+from compresskit_wide.kernels.layout import mask_bytes, triton_routing_layout
+from compresskit_wide.kernels.reference import zero_inactive_groups
 
 try:
     import triton
@@ -44,8 +45,7 @@ def torch_masked_out_gemm(
     y = x.float() @ w.float().T  # [M, N]
     if w_up is not None:
         y = F.silu(y) * (x.float() @ w_up.float().T)
-    keep = mask.bool().repeat_interleave(n // groups, dim=-1)  # [M, N]
-    return torch.where(keep, y, torch.zeros((), dtype=y.dtype)).to(x.dtype)
+    return zero_inactive_groups(y, mask).to(x.dtype)
 
 
 if triton is not None:
@@ -223,7 +223,7 @@ def triton_masked_out_gemm(
     if split_k > 1:
         return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k)
     if m <= tuning.DECODE_MAX_M:
-        mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+        mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
         if fixed:
             bn, bk = block_n or 16, block_k or 32
@@ -233,7 +233,7 @@ def triton_masked_out_gemm(
             grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
-    order, counts = (layout if layout is not None and layout[0] is not None else routing_layout_here(mask))[:2]
+    order, counts = (layout if layout is not None and layout[0] is not None else triton_routing_layout(mask))[:2]
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
     args = (x, w, w_up, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
@@ -250,7 +250,7 @@ def triton_masked_out_gemm(
 def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k):
     m, k = x.shape
     n = w.shape[0]
-    mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+    mask_u8 = mask_bytes(mask)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     chunk = triton.cdiv(triton.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
     args = (x, w, ws, mask_u8, m, n, k, gw, split_k, chunk, x.stride(0), w.stride(0), mask_u8.stride(0))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.layout import decode_layout_here
+from compresskit_wide.kernels.layout import mask_bytes, triton_decode_layout
 from compresskit_wide.kernels.reference import torch_group_masked_input
 
 try:
@@ -205,9 +205,9 @@ def triton_masked_reduce_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or k % groups or mask.shape[0] != m:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    active_groups, n_active = (layout if layout is not None else decode_layout_here(mask))[-2:]
+    active_groups, n_active = (layout if layout is not None else triton_decode_layout(mask))[-2:]
     x, w = x.contiguous(), w.contiguous()
-    mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+    mask_u8 = mask_bytes(mask)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     splits = split_count(groups, split)

@@ -16,8 +16,6 @@ the decode output-width kernel reads the mask itself and needs nothing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:
@@ -37,6 +35,13 @@ def torch_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     active_groups = torch.argsort((~any_active).to(torch.int8), stable=True).to(torch.int32)
     n_active = any_active.sum(dtype=torch.int32).reshape(1)
     return order, counts, active_groups, n_active
+
+
+def mask_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as the kernels read it: one byte per entry, contiguous (a bool mask is viewed,
+    not copied)."""
+    mask = mask.contiguous()
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
 def torch_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +128,7 @@ def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if mask.dim() != 2:
         raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
     m, g = mask.shape
-    mask_u8 = mask.contiguous().view(torch.uint8) if mask.dtype == torch.bool else mask.contiguous()
+    mask_u8 = mask_bytes(mask)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
     block_g = max(16, triton.next_power_of_2(g))
@@ -134,20 +139,6 @@ def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return groups, n_active
 
 
-def decode_layout_here(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(active_groups, n_active)``: the Triton kernel for CUDA tensors, else the reference."""
-    if triton is not None and (mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return triton_decode_layout(mask)
-    return torch_decode_layout(mask)
-
-
-def routing_layout_here(mask: torch.Tensor):
-    """The full routing layout: the Triton kernel for CUDA tensors, else the reference."""
-    if triton is not None and (mask.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return triton_routing_layout(mask)
-    return torch_routing_layout(mask)
-
-
 def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_routing_layout` (same outputs, bit for bit)."""
     if triton is None:
@@ -155,7 +146,7 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     if mask.dim() != 2:
         raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
     m, g = mask.shape
-    mask_u8 = mask.contiguous().to(torch.uint8)
+    mask_u8 = mask_bytes(mask)
     order = torch.empty((g, m), dtype=torch.int32, device=mask.device)
     counts = torch.empty(g, dtype=torch.int32, device=mask.device)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)

@@ -6,6 +6,16 @@ fast kernel here must reproduce them.
 
 from __future__ import annotations
 
+import torch
+
 from compresskit.routing import mask_input_groups as torch_group_masked_input
 
-__all__ = ["torch_group_masked_input"]
+__all__ = ["torch_group_masked_input", "zero_inactive_groups"]
+
+
+def zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``y: [..., N]``, ``mask: [..., G]`` -> ``y`` with each inactive group of N/G outputs exactly 0.
+    A select, not a product (unlike ``torch_group_masked_input`` on inputs): whatever the dense
+    computation produced there, inf or NaN included, the routed operator's output is 0."""
+    keep = mask.bool().repeat_interleave(y.shape[-1] // mask.shape[-1], dim=-1)
+    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
