@@ -19,7 +19,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.reference import zero_inactive_groups
+from compresskit_wide.kernels.reference import zero_inactive_heads
 
 try:
     import triton
@@ -44,13 +44,6 @@ def torch_routed_attention_prefill(
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vv  # [B, Hq, T, D]
     return zero_inactive_heads(out, mask).to(q.dtype)
-
-
-def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``out: [B, Hq, T, D]``, ``mask: [B, T, Hq / A]`` -> ``out`` exactly 0 for inactive (token, head)."""
-    b, hq, t, d = out.shape
-    rows = zero_inactive_groups(out.transpose(1, 2).reshape(b, t, hq * d), mask)  # [B, T, Hq * D]
-    return rows.view(b, t, hq, d).transpose(1, 2)
 
 
 def prefill_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

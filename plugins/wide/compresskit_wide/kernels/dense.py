@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compresskit_wide.kernels.attention_prefill import zero_inactive_heads
-from compresskit_wide.kernels.reference import zero_inactive_groups
+from compresskit_wide.kernels.reference import zero_inactive_groups, zero_inactive_heads
 
 
 def dense_masked_out_gemm(

@@ -10,7 +10,7 @@ import torch
 
 from compresskit.routing import mask_input_groups as torch_group_masked_input
 
-__all__ = ["torch_group_masked_input", "zero_inactive_groups"]
+__all__ = ["torch_group_masked_input", "zero_inactive_groups", "zero_inactive_heads"]
 
 
 def zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -19,3 +19,10 @@ def zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     computation produced there, inf or NaN included, the routed operator's output is 0."""
     keep = mask.bool().repeat_interleave(y.shape[-1] // mask.shape[-1], dim=-1)
     return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``out: [B, Hq, T, D]``, ``mask: [B, T, Hq / A]`` -> ``out`` exactly 0 for inactive (token, head)."""
+    b, hq, t, d = out.shape
+    rows = zero_inactive_groups(out.transpose(1, 2).reshape(b, t, hq * d), mask)  # [B, T, Hq * D]
+    return rows.view(b, t, hq, d).transpose(1, 2)
