@@ -575,6 +575,21 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
         torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_flushed_graph_bench_times_the_gpu_work():
+    """The decode autotuners' timing: positive, ordered quantiles in do_bench's format, and more
+    for more work (8 products against 1: far apart, whatever the GPU)."""
+    from compresskit_wide.kernels import tuning
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    one = tuning.flushed_graph_bench(lambda: a @ a)
+    q50, q20, q80 = tuning.flushed_graph_bench(lambda: a @ a, quantiles=(0.5, 0.2, 0.8))
+    eight = tuning.flushed_graph_bench(lambda: [a @ a for _ in range(8)])
+    assert 0 < q20 <= q50 <= q80 and one > 0
+    assert eight > 3 * one
+
+
 def test_autotune_configs_never_span_two_groups():
     """The autotuner's candidates are pruned to blocks no wider than a group (checked here without
     a GPU: the pruning hook alone)."""

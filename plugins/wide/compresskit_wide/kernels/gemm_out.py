@@ -166,6 +166,7 @@ if triton is not None:
 
     _tuned_out_gemv_splitk = triton.autotune(
         configs=tuning.configs(tuning.OUT_DECODE_SPLITK),
+        do_bench=tuning.flushed_graph_bench,
         key=["M", "N", "K", "GW", "SPLIT_K"],
         prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
     )(triton_masked_out_gemv_splitk_kernel)
@@ -177,6 +178,7 @@ if triton is not None:
     )(triton_masked_out_gemm_kernel)
     _tuned_out_gemv = triton.autotune(
         configs=tuning.configs(tuning.OUT_DECODE),
+        do_bench=tuning.flushed_graph_bench,
         key=["M", "N", "K", "GW", "FUSE_SWIGLU"],
         prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
     )(triton_masked_out_gemv_kernel)

@@ -74,18 +74,21 @@ if triton is not None:
     @triton.jit
     def triton_masked_reduce_gemm_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
-        M, N, GW, G, SPLIT,
+        M, N, GW: tl.constexpr, G, SPLIT,
         stride_xm, stride_wn, stride_mm, stride_om,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # program (n-block, m-tile, split s) sums the s-th share of the active groups; with SPLIT > 1
-        # its fp32 partial goes to the workspace [SPLIT, M, N] and a second kernel adds them up
+        # its fp32 partial goes to the workspace [SPLIT, M, N] and a second kernel adds them up.
+        # GW is a compile-time constant so that the steps through one group unroll: the loop over
+        # the active groups is then the innermost one, the one Triton software-pipelines (a runtime
+        # inner loop left the outer loop's loads waiting on each other, one group at a time).
         rows, row_ok, cols, col_ok, s, first, count = reduce_share(n_active_ptr, M, N, SPLIT, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(first, first + count):  # only the groups some token needs
             g = tl.load(groups_ptr + i)
             on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
-            for k0 in range(0, GW, BLOCK_K):
+            for k0 in tl.static_range(0, GW, BLOCK_K):
                 ks = g * GW + k0 + tl.arange(0, BLOCK_K)
                 k_ok = (k0 + tl.arange(0, BLOCK_K)) < GW
                 a = tl.load(
@@ -150,11 +153,13 @@ if triton is not None:
 
     _tuned_reduce_unrolled = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_UNROLLED),
+        do_bench=tuning.flushed_graph_bench,
         key=["M", "N", "GW", "G", "SPLIT"],
     )(triton_masked_reduce_gemm_unrolled_kernel)
 
     _tuned_reduce_gemm = triton.autotune(
         configs=tuning.configs(tuning.REDUCE_DECODE),
+        do_bench=tuning.flushed_graph_bench,
         key=["M", "N", "GW", "G", "SPLIT"],
         prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_K")},
     )(triton_masked_reduce_gemm_kernel)

@@ -2,8 +2,10 @@
 configurations the autotuner chooses from on a GPU.
 
 Tile sizes are picked per shape by ``triton.autotune`` on the first call (keys: the problem
-sizes, M in power-of-two buckets for prefill so that a new prompt length does not retune). A CUDA
-graph must be captured after that first call. In Triton's CPU interpreter (the CI path) one small
+sizes, M in power-of-two buckets for prefill so that a new prompt length does not retune); the
+decode kernels are timed by ``flushed_graph_bench`` (GPU time with the L2 flushed: Triton's default
+timing measures the host's launch cost at those sizes). A CUDA graph must be captured after that
+first call, never during it. In Triton's CPU interpreter (the CI path) one small
 fixed configuration is used: the interpreter's speed does not depend on tiles.
 """
 
@@ -70,6 +72,49 @@ def interpreted() -> bool:
 def m_bucket(m: int) -> int:
     """The autotuning key for M: its power-of-two bucket."""
     return max(1, int(m - 1).bit_length())
+
+
+_FLUSH: dict = {}
+
+
+def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
+    """The autotuner's timing for the decode kernels (``do_bench=`` of ``triton.autotune``): what a
+    call costs the GPU with the L2 flushed first, free of the host's launch cost. Triton's default
+    (``do_bench``: an event pair around each launch) measures the host at decode sizes, where a
+    launch costs about as much as the 10-40 us kernel, so its choice among tiles is noise. Here one
+    CUDA graph replays ``reps`` x [flush the L2, fn] and another the flushes alone; a call costs the
+    difference / ``reps`` (median over ``rounds``). Returns what ``do_bench`` would: the median, or a
+    list with one value per quantile (the quantiles of the rounds)."""
+    if "buf" not in _FLUSH:  # 256 MiB, above any current GPU's L2
+        _FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    buf = _FLUSH["buf"]
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+
+    def capture(body):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                buf.zero_()
+                body()
+        return graph
+
+    with_fn, flush_only = capture(fn), capture(lambda: None)
+    costs = []
+    for _ in range(rounds):
+        times = []
+        for graph in (with_fn, flush_only):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        costs.append(max(times[0] - times[1], 1e-6) / reps)
+    costs.sort()
+    if quantiles is None:
+        return costs[len(costs) // 2]
+    return [costs[min(len(costs) - 1, int(q * len(costs)))] for q in quantiles]
 
 
 def configs(rows: list[tuple[dict, int, int]]) -> list:
