@@ -168,6 +168,17 @@ def layer_check(converted, recorded) -> tuple[bool, float]:
     return worst <= (2e-2 if CUDA else 1e-4), worst
 
 
+def rewind(cache, pos: torch.Tensor, length: int) -> None:
+    """Back to the prompt's end: our position and the static layers' own write counters (in
+    transformers 5.x a static layer appends at its ``cumulative_length``, not at the
+    ``cache_position`` it is given)."""
+    pos.fill_(length)
+    for layer in getattr(cache, "layers", []):
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
+
+
 def graph_decode_ms(model, ids, args) -> float:
     """Per-token time of greedy decoding as a serving engine runs it: a static KV cache and one
     captured CUDA graph per step (no host work per token but the replay), after the prompt's
@@ -203,7 +214,7 @@ def graph_decode_ms(model, ids, args) -> float:
             step()
         times = []
         for _ in range(args.repeats):
-            pos.fill_(args.prompt)
+            rewind(cache, pos, args.prompt)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(args.new_tokens):

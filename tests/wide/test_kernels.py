@@ -472,12 +472,24 @@ def test_use_kernel_policy_ranges():
     from compresskit_wide.kernels.tuning import use_kernel
 
     assert all(use_kernel("swiglu", m) for m in (1, 2, 16, 512, 4096))
-    assert [use_kernel("out", m) for m in (1, 2, 4, 16, 512, 2048, 4096)] == [1, 1, 0, 0, 0, 0, 1]
-    assert not any(use_kernel("reduce", m) for m in (1, 16, 4096))
+    assert [use_kernel("out", m) for m in (1, 2, 4, 16, 17, 512, 2048, 4096)] == [1, 1, 1, 1, 0, 0, 0, 1]
+    assert [use_kernel("reduce", m) for m in (1, 2, 16, 4096)] == [1, 0, 0, 0]
     assert use_kernel("attn_decode", 4, context=8192) and not use_kernel("attn_decode", 1, context=32768)
     assert not use_kernel("attn_decode", 16, context=1024) and not use_kernel("attn_prefill", 4096)
     with pytest.raises(ValueError, match="unknown operator 'gemm'; known: swiglu, out, reduce"):
         use_kernel("gemm", 1)
+
+
+def test_decode_split_k_default(monkeypatch):
+    """The plain decode product shares K over 4 programs on a GPU; the fused SwiGLU, prefill
+    sizes and the interpreter use one."""
+    from compresskit_wide.kernels import tuning
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert [tuning.out_decode_split_k(m, False) for m in (1, 16, 17)] == [4, 4, 1]
+    assert tuning.out_decode_split_k(1, True) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuning.out_decode_split_k(1, False) == 1
 
 
 def test_auto_dispatch_follows_the_policy(monkeypatch):
@@ -510,15 +522,15 @@ def test_auto_dispatch_follows_the_policy(monkeypatch):
         return calls[0]
 
     assert out(1, True) == out(600, True) == "triton_masked_out_gemm"  # the fused SwiGLU: everywhere
-    assert out(1, False) == out(4096, False) == "triton_masked_out_gemm"
-    assert out(8, False) == out(1024, False) == "dense_masked_out_gemm"
-    assert out(8, False, backend="triton") == "triton_masked_out_gemm"
+    assert out(1, False) == out(16, False) == out(4096, False) == "triton_masked_out_gemm"
+    assert out(17, False) == out(1024, False) == "dense_masked_out_gemm"
+    assert out(1024, False, backend="triton") == "triton_masked_out_gemm"
     calls.clear()
-    kernels.masked_reduce_gemm(torch.zeros(1, 8), w.T.contiguous(), torch.ones(1, 2, dtype=torch.bool))
-    kernels.masked_reduce_gemm(
-        torch.zeros(1, 8), w.T.contiguous(), torch.ones(1, 2, dtype=torch.bool), backend="triton"
-    )
-    assert calls == ["dense_masked_reduce_gemm", "triton_masked_reduce_gemm"]
+    for m, backend in ((1, "auto"), (2, "auto"), (2, "triton")):
+        kernels.masked_reduce_gemm(
+            torch.zeros(m, 8), w.T.contiguous(), torch.ones(m, 2, dtype=torch.bool), backend=backend
+        )
+    assert calls == ["triton_masked_reduce_gemm", "dense_masked_reduce_gemm", "triton_masked_reduce_gemm"]
     calls.clear()
     q, kv = torch.zeros(4, 8, 16), torch.zeros(4, 2, 8192, 16)
     kernels.routed_attention_decode(q, kv, kv, torch.full((4,), 8192), torch.ones(4, 2, dtype=torch.bool))

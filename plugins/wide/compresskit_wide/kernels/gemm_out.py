@@ -195,7 +195,7 @@ def triton_masked_out_gemm(
     block_m: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
-    split_k: int = 1,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -203,8 +203,8 @@ def triton_masked_out_gemm(
     not needed). More: the sorted-tile kernel on the routing layout of ``mask`` (computed here
     when not given; share it between projections of one block). Tiles are autotuned on a GPU;
     ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode, plain q only):
-    that many programs share each output block's K range (fp32 partials, one summing kernel; not
-    yet measured on a GPU)."""
+    that many programs share each output block's K range (fp32 partials, one summing kernel);
+    default ``tuning.out_decode_split_k`` (4 for the plain decode product on a GPU, as measured)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -220,6 +220,8 @@ def triton_masked_out_gemm(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
     fixed = block_n is not None or tuning.interpreted()
+    if split_k is None:
+        split_k = tuning.out_decode_split_k(m, fuse)
     if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
         raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if split_k > 1:

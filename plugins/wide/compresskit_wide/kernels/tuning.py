@@ -26,26 +26,40 @@ DECODE_MAX_M = 16  # at most this many tokens: the decode kernels (one 16-row ti
 def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
-    dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity,
-    CUDA-graph medians (docs/wide-kernels-h200.md, runs 2 and 3): the kernel is taken only where
-    it beat the dense path there. Other GPUs and shapes get the same ranges (not measured).
+    dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
+    (docs/wide-kernels-h200.md, run 5: GPU time with the L2 flushed, and CUDA-graph medians): the
+    kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
+    ranges (not measured).
 
-    * ``"swiglu"`` (gate+up, fused): everywhere (0.95x-1.64x of cuBLAS + SiLU*mul, 1.8x at M=1)
-    * ``"out"`` (q): M <= 2 (1.06x-1.12x) and M >= 4096 (1.3x-1.4x); 0.6x-0.98x in between
-    * ``"reduce"`` (down, o): nowhere yet (the active-group loop reached 0.91x at M=1); the
-      fallback on an input that is already zero-filled is the plain dense product
-    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.1x-1.5x); 0.4x-0.7x below
-    * ``"attn_prefill"``: nowhere yet (0.45x-0.82x of cuDNN SDPA)
+    * ``"swiglu"`` (gate+up, fused): everywhere (1.6x-1.8x at M=1, about 1.0x where the union of
+      a decode batch's masks is dense, 1.0x-1.3x at prefill sizes; the FFN block it feeds is
+      1.02x-1.46x of cuBLAS at every M measured)
+    * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
+      M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
+    * ``"reduce"`` (down, o): M = 1 (the active-group loop: 1.35x-1.42x); 0.8x-1.06x from M = 2,
+      where the fallback on an input that is already zero-filled is the plain dense product
+    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.1x-1.4x); 0.4x-0.9x below
+    * ``"attn_prefill"``: nowhere yet (its GPU time is 1.27x-1.47x of cuDNN's at T >= 2048, but
+      replayed in a CUDA graph it measured 0.62x-0.80x, a difference not yet explained)
     """
     if op == "swiglu":
         return True
     if op == "out":
-        return m <= 2 or m >= 4096
+        return m <= DECODE_MAX_M or m >= 4096
+    if op == "reduce":
+        return m == 1
     if op == "attn_decode":
         return m >= 4 and context >= 8192
-    if op in ("reduce", "attn_prefill"):
+    if op == "attn_prefill":
         return False
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill")
+
+
+def out_decode_split_k(m: int, fused: bool) -> int:
+    """Programs sharing each output block's K range in the decode product: 4 for the plain one (q;
+    measured faster than 1 at M = 1..16 on the H200, run 5), 1 for the fused SwiGLU (gate+up: twice
+    the columns, enough programs already) and in the CPU interpreter (any split is correct there)."""
+    return 1 if fused or m > DECODE_MAX_M or interpreted() else 4
 
 
 def attention_decode_splits(context: int) -> int:
