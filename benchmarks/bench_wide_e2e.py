@@ -3,10 +3,11 @@
     python benchmarks/bench_wide_e2e.py --out DIR                        # on the H200: Llama-3.1-8B shapes
     python benchmarks/bench_wide_e2e.py --smoke --out DIR                # tiny shapes, CPU (TRITON_INTERPRET=1)
 
-One model with random weights (Llama-3.1-8B's shapes, ``--layers`` of them) is timed four ways, in this
+One model with random weights (Llama-3.1-8B's shapes, ``--layers`` of them) is timed five ways, in this
 order, on the same prompt: dense; WIDE's routers attached (``torch`` executor: masked dense, the
 reference path); the ``wide-triton`` executor with ``backend="auto"`` (a kernel only where it was
-measured faster); and with ``backend="triton"`` (the kernels everywhere). The routers are untrained
+measured faster); with ``backend="triton"`` (the kernels everywhere); and ``auto`` with
+``track_stats: false`` (serving: the realised sparsity is not counted). The routers are untrained
 (random, zero bias), which skips about half of the groups per token independently: a speed test, not a
 quality one; the realised sparsity is reported beside each WIDE row.
 
@@ -31,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -202,7 +204,7 @@ def graph_decode_ms(model, ids, args) -> float:
         if not CUDA:
             for _ in range(args.new_tokens):
                 step()
-            return float("nan")
+            return float("nan"), None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (autotuning, allocator) outside the capture
@@ -222,7 +224,33 @@ def graph_decode_ms(model, ids, args) -> float:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / args.new_tokens)
-    return statistics.median(times)
+        profile = decode_profile(graph, cache, pos, args)
+    return statistics.median(times), profile
+
+
+def decode_profile(graph, cache, pos, args, steps: int = 8) -> dict:
+    """Where a graph-replayed decode step's GPU time goes (torch.profiler): kernels per token,
+    their summed time per token, and the 12 costliest kernels by time per token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rewind(cache, pos, args.prompt)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            name = re.sub(r"\(.*", "", e.name)[:70]
+            entry = per_name.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.elapsed_us()
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {
+        "kernels_per_token": round(sum(n for n, _ in per_name.values()) / steps, 1),
+        "kernel_ms_per_token": round(sum(t for _, t in per_name.values()) / steps / 1e3, 3),
+        "top_kernels_us_per_token": {k: [round(n / steps, 1), round(t / steps, 1)] for k, (n, t) in top},
+    }
 
 
 def time_model(name, model, ids, args, reference_logits, results, recorded=None):
@@ -232,7 +260,8 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         p.reset_stats()
     with torch.no_grad():
         logits = model(ids).logits
-        sparsity = realised(model) if routed_projections(model) else None
+        counting = routed_projections(model) and all(p.track_stats for _, p in routed_projections(model))
+        sparsity = realised(model) if counting else None  # not counted without stats
         ok, layer_err = (True, None) if recorded is None else layer_check(model, recorded)
         err = None if reference_logits is None else (logits.float() - reference_logits.float()).abs().max().item()
         prefill = median_seconds(lambda: model(ids, use_cache=False), args.repeats)
@@ -249,9 +278,9 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         total = median_seconds(gen, args.repeats)
     per_token = max(total - prefill, 0.0) / max(args.new_tokens - 1, 1)
     try:
-        graph_ms, graph_error = graph_decode_ms(model, ids, args), None
+        (graph_ms, decode_prof), graph_error = graph_decode_ms(model, ids, args), None
     except Exception as exc:  # a step that cannot be captured is a finding, reported in the row
-        graph_ms, graph_error = float("nan"), f"{type(exc).__name__}: {exc}"[:500]
+        graph_ms, decode_prof, graph_error = float("nan"), None, f"{type(exc).__name__}: {exc}"[:500]
         print(f"  CUDA-graph decode failed: {graph_error}", flush=True)
     row = {
         "model": name,
@@ -262,6 +291,7 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         "decode_ms_per_token": per_token * 1e3,
         "graph_decode_ms_per_token": graph_ms,
         "graph_error": graph_error,
+        "graph_decode_profile": decode_prof,
         "sparsity": sparsity,
     }
     results.append(row)
@@ -313,11 +343,12 @@ def main() -> int:
     reference = time_model("WIDE, torch (masked dense)", model, ids, args, None, results)
     recorded = record_layers(model, ids)
     executor = plugins.load("executor", "wide-triton")
-    for backend in ("auto", "triton"):
-        fast = executor(executor.Config(backend=backend))
+    for backend, stats in (("auto", True), ("triton", True), ("auto", False)):
+        fast = executor(executor.Config(backend=backend, track_stats=stats))
         fast.check(model)
         converted = fast.convert(copy.deepcopy(model))
-        time_model(f"WIDE, wide-triton {backend}", converted, ids, args, reference, results, recorded)
+        name = f"WIDE, wide-triton {backend}" + ("" if stats else ", no stats")
+        time_model(name, converted, ids, args, reference, results, recorded)
         del converted
     import transformers
     import triton

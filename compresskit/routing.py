@@ -127,6 +127,7 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
+        self.track_stats = True  # count the realised sparsity (a few small kernels per pass; off for serving)
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
@@ -150,7 +151,7 @@ class RoutedProjection(nn.Module):
             self._decision = (execute, valid)
         if self.training:
             self.last_skip, self.last_valid = 1.0 - execute, valid
-        else:
+        elif self.track_stats:
             with torch.no_grad():
                 self.stat_skipped += ((1.0 - execute.double()) * valid.double().unsqueeze(-1)).sum()
                 self.stat_tokens += valid.double().sum()

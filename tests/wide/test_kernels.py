@@ -269,6 +269,31 @@ def test_wide_triton_executor_auto_keeps_sdpa_where_the_routed_attention_is_not_
     assert calls == []
 
 
+def test_wide_triton_executor_without_stats_gives_the_same_logits_and_counts_nothing(tiny_model_dir):
+    """``track_stats: false`` (serving) changes no output; the realised sparsity is then not
+    counted, while the default keeps counting it."""
+    import copy
+
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.modeling import load_model
+    from compresskit.routing import routed_projections
+
+    model, _ = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
+    model = pruner.finalize(model)
+    executor_cls = plugins.load("executor", "wide-triton")
+    counted = executor_cls(executor_cls.Config(backend="torch")).convert(copy.deepcopy(model))
+    silent = executor_cls(executor_cls.Config(backend="torch", track_stats=False)).convert(copy.deepcopy(model))
+    ids = torch.randint(2, 300, (1, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(silent(ids).logits, counted(ids).logits, rtol=0, atol=0)
+    assert all(p.stat_tokens.item() == 7 for _, p in routed_projections(counted) if p.router is not None)
+    assert all(p.stat_tokens.item() == 0 and p.stat_skipped.item() == 0 for _, p in routed_projections(silent))
+
+
 def test_wide_triton_executor_refuses_unmerged_lora_and_dense_models(tiny_model_dir):
     from compresskit import plugins
     from compresskit.interfaces import RunContext

@@ -42,6 +42,11 @@ class TritonExecutorConfig(PluginConfig):
     attention: bool = Field(
         True, description="also route the attention (q projection and the attention itself) through the kernels"
     )
+    track_stats: bool = Field(
+        True,
+        description="count the realised sparsity in every pass (what the evaluator reports); false for serving: "
+        "it saves about ten small kernels per routed sublayer and token, and the sparsity is then not counted",
+    )
 
 
 ATTENTION_IMPLEMENTATION = "wide_routed"
@@ -184,6 +189,9 @@ class TritonExecutor(Executor):
 
     def convert(self, model: nn.Module) -> nn.Module:
         routed_attention = False
+        for module in model.modules():
+            if isinstance(module, RoutedProjection):
+                module.track_stats = self.config.track_stats
         for layer in decoder_layers(model):
             if isinstance(getattr(layer.mlp, "down_proj", None), RoutedProjection):
                 replace_module(layer, "mlp", KernelMLP(layer.mlp, self.config.backend))
