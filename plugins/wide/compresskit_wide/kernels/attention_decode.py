@@ -129,10 +129,11 @@ def triton_routed_attention_decode(
     mask: torch.Tensor,
     *,
     splits: int | None = None,
-    block_n: int = 16,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits per
-    (sequence, KV head); default ``tuning.attention_decode_splits(S)``."""
+    (sequence, KV head); default ``tuning.attention_decode_splits(S)``. ``block_n``: KV positions
+    per step; default ``tuning.attention_decode_block()``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -143,6 +144,7 @@ def triton_routed_attention_decode(
         )
     rep = hq // hkv
     splits = splits or tuning.attention_decode_splits(s)
+    block_n = block_n or tuning.attention_decode_block()
     heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).to(torch.uint8).contiguous()  # [B, Hq]
     q = q.contiguous()
     split_len = triton.cdiv(max(s, 1), splits)
