@@ -27,7 +27,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
     dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
-    (docs/wide-kernels-h200.md, run 5: GPU time with the L2 flushed, and CUDA-graph medians): the
+    (docs/wide-kernels-h200.md, runs 6-10: GPU time with the L2 flushed, and CUDA-graph medians): the
     kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
     ranges (not measured).
 
@@ -38,7 +38,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
     * ``"reduce"`` (down, o): M = 1 (the active-group loop: 1.35x-1.42x); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
-    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.1x-1.4x); 0.4x-0.9x below
+    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.26x-1.76x), any batch from 32768
+      positions (1.27x-1.76x; run 10, with 64 KV positions per step); batch 1 at 8192: 0.75x in a
+      CUDA graph, and below 8192 positions 0.4x-0.9x (run 6)
     * ``"attn_prefill"``: nowhere yet (its GPU time is 1.27x-1.47x of cuDNN's at T >= 2048, but
       replayed in a CUDA graph it measured 0.62x-0.80x, a difference not yet explained)
     """
@@ -49,7 +51,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     if op == "reduce":
         return m == 1
     if op == "attn_decode":
-        return m >= 4 and context >= 8192
+        return context >= 32768 or (m >= 4 and context >= 8192)
     if op == "attn_prefill":
         return False
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill")
@@ -57,7 +59,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
 
 def out_decode_split_k(m: int, fused: bool) -> int:
     """Programs sharing each output block's K range in the decode product: 4 for the plain one (q;
-    measured faster than 1 at M = 1..16 on the H200, run 5), 1 for the fused SwiGLU (gate+up: twice
+    measured faster than 1 at M = 1..16 on the H200, runs 6-7), 1 for the fused SwiGLU (gate+up: twice
     the columns, enough programs already) and in the CPU interpreter (any split is correct there)."""
     return 1 if fused or m > DECODE_MAX_M or interpreted() else 4
 
