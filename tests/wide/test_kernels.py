@@ -194,20 +194,27 @@ def test_reduce_dispatch_prefill_uses_the_dense_product():
     assert not torch.allclose(kernels.dense_masked_reduce_gemm(x, w, mask, input_is_masked=True), ref)
 
 
-def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path, monkeypatch):
-    import copy
-    import json
-
+def finalized_wide_model(tiny_model_dir):
+    """The tiny model with WIDE's (untrained) routers attached and finalized, and its tokenizer."""
     from compresskit import plugins
     from compresskit.interfaces import RunContext
     from compresskit.modeling import load_model
-    from compresskit_wide.executor import KernelMLP, KernelQ
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
     cls = plugins.load("pruner", "wide")
     pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
     pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
-    model = pruner.finalize(model)
+    return pruner.finalize(model), tok
+
+
+def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path, monkeypatch):
+    import copy
+    import json
+
+    from compresskit import plugins
+    from compresskit_wide.executor import KernelMLP, KernelQ
+
+    model, tok = finalized_wide_model(tiny_model_dir)
     fast = copy.deepcopy(model)
     executor = plugins.load("executor", "wide-triton")(plugins.load("executor", "wide-triton").Config(backend="triton"))
     executor.check(fast)
@@ -250,14 +257,8 @@ def test_wide_triton_executor_auto_keeps_sdpa_where_the_routed_attention_is_not_
     import copy
 
     from compresskit import plugins
-    from compresskit.interfaces import RunContext
-    from compresskit.modeling import load_model
 
-    model, _ = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
-    pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
-    model = pruner.finalize(model)
+    model, _ = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")
     fast = executor_cls(executor_cls.Config(backend="auto")).convert(copy.deepcopy(model))
     calls = []
@@ -275,15 +276,9 @@ def test_wide_triton_executor_without_stats_gives_the_same_logits_and_counts_not
     import copy
 
     from compresskit import plugins
-    from compresskit.interfaces import RunContext
-    from compresskit.modeling import load_model
     from compresskit.routing import routed_projections
 
-    model, _ = load_model(str(tiny_model_dir), dtype="float32", device=DEVICE)
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
-    pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
-    model = pruner.finalize(model)
+    model, _ = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")
     counted = executor_cls(executor_cls.Config(backend="torch")).convert(copy.deepcopy(model))
     silent = executor_cls(executor_cls.Config(backend="torch", track_stats=False)).convert(copy.deepcopy(model))
