@@ -184,11 +184,12 @@ def rewind(cache, pos: torch.Tensor, length: int) -> None:
             counter.fill_(length)
 
 
-def graph_decode_ms(model, ids, args) -> float:
+def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
     """Per-token time of greedy decoding as a serving engine runs it: a static KV cache and one
     captured CUDA graph per step (no host work per token but the replay), after the prompt's
     prefill. The graph advances its own position and feeds back its argmax. Median of
-    ``--repeats`` runs of ``--new-tokens`` replays. On the CPU (smoke) the same steps run eagerly."""
+    ``--repeats`` runs of ``--new-tokens`` replays, and the step's kernel profile (``decode_profile``).
+    On the CPU (smoke) the same steps run eagerly: (nan, None)."""
     from transformers import StaticCache
 
     device = ids.device

@@ -393,5 +393,10 @@ class RoutedPruner(Pruner):
         for _, proj in routed_projections(model):
             proj.reset_stats()
 
-    def sparsity(self, model: nn.Module) -> SparsityReport:
-        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)
+    def sparsity(self, model: nn.Module) -> SparsityReport | None:
+        """The realised sparsity counted since the last reset; None when counting is off (an
+        executor converted the model with ``track_stats: false``): not measured, rather than 0."""
+        projections = [p for _, p in routed_projections(model)]
+        if not all(p.track_stats for p in projections):
+            return None
+        return measured_sparsity(projections, self._model_config)

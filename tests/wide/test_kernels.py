@@ -195,7 +195,8 @@ def test_reduce_dispatch_prefill_uses_the_dense_product():
 
 
 def finalized_wide_model(tiny_model_dir):
-    """The tiny model with WIDE's (untrained) routers attached and finalized, and its tokenizer."""
+    """The tiny model with WIDE's (untrained) routers attached and finalized, its tokenizer and the
+    pruner."""
     from compresskit import plugins
     from compresskit.interfaces import RunContext
     from compresskit.modeling import load_model
@@ -204,7 +205,7 @@ def finalized_wide_model(tiny_model_dir):
     cls = plugins.load("pruner", "wide")
     pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
     pruner.prepare(model, RunContext(model_config=model.config, device=torch.device(DEVICE)))
-    return pruner.finalize(model), tok
+    return pruner.finalize(model), tok, pruner
 
 
 def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_path, monkeypatch):
@@ -214,7 +215,7 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     from compresskit import plugins
     from compresskit_wide.executor import KernelMLP, KernelQ
 
-    model, tok = finalized_wide_model(tiny_model_dir)
+    model, tok, _ = finalized_wide_model(tiny_model_dir)
     fast = copy.deepcopy(model)
     executor = plugins.load("executor", "wide-triton")(plugins.load("executor", "wide-triton").Config(backend="triton"))
     executor.check(fast)
@@ -258,7 +259,7 @@ def test_wide_triton_executor_auto_keeps_sdpa_where_the_routed_attention_is_not_
 
     from compresskit import plugins
 
-    model, _ = finalized_wide_model(tiny_model_dir)
+    model, _, _ = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")
     fast = executor_cls(executor_cls.Config(backend="auto")).convert(copy.deepcopy(model))
     calls = []
@@ -278,7 +279,7 @@ def test_wide_triton_executor_without_stats_gives_the_same_logits_and_counts_not
     from compresskit import plugins
     from compresskit.routing import routed_projections
 
-    model, _ = finalized_wide_model(tiny_model_dir)
+    model, _, pruner = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")
     counted = executor_cls(executor_cls.Config(backend="torch")).convert(copy.deepcopy(model))
     silent = executor_cls(executor_cls.Config(backend="torch", track_stats=False)).convert(copy.deepcopy(model))
@@ -287,6 +288,8 @@ def test_wide_triton_executor_without_stats_gives_the_same_logits_and_counts_not
         torch.testing.assert_close(silent(ids).logits, counted(ids).logits, rtol=0, atol=0)
     assert all(p.stat_tokens.item() == 7 for _, p in routed_projections(counted) if p.router is not None)
     assert all(p.stat_tokens.item() == 0 and p.stat_skipped.item() == 0 for _, p in routed_projections(silent))
+    assert pruner.sparsity(silent) is None  # not measured, rather than a realised sparsity of 0
+    assert pruner.sparsity(counted).tokens == 7
 
 
 def test_wide_triton_executor_refuses_unmerged_lora_and_dense_models(tiny_model_dir):
