@@ -269,6 +269,30 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         add_row(results, f"q split-K {split}", m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 
+def case_router(m, d, groups, rank, dtype, device, gen, results):
+    """The routing decision of one sublayer: the one-launch kernel against the reference (the
+    router module's two products and the comparison: what every executor ran before it)."""
+    from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
+
+    x = torch.randn(m, d, device=device, dtype=dtype)
+    w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
+    w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
+    got, ref = triton_router_decide(x, *w), torch_router_decide(x, *w)
+    flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
+    add_row(
+        results,
+        f"router G={groups}",
+        m,
+        "-",
+        torch.ones_like(ref, dtype=torch.bool),  # no work is skipped here: the bound is 1 (fewer launches)
+        lambda: triton_router_decide(x, *w),
+        {"torch router + decide": lambda: torch_router_decide(x, *w)},
+        flips <= 1e-3,
+        flips,
+        False,
+    )
+
+
 def sdpa_variants(q, k, v, causal: bool) -> dict:
     """The dense attention baselines PyTorch offers here, each with native GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -447,6 +471,14 @@ def main() -> int:
                 (
                     f"q M={m} {kind}",
                     lambda m=m, k=kind: case_q(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
+                )
+            )
+    for m in decode_m + prefill_m:
+        for groups in (ffn // group, heads // attn_group):
+            cases.append(
+                (
+                    f"router M={m} G={groups}",
+                    lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
                 )
             )
     for ctx in contexts:

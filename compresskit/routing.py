@@ -128,6 +128,9 @@ class RoutedProjection(nn.Module):
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
         self.track_stats = True  # count the realised sparsity (a few small kernels per pass; off for serving)
+        # an executor's one-call inference decision, x_raw [B, T, D] -> execute [B, T, G] (the router's
+        # deterministic decision, computed by a kernel); None: the router module, then ``decide``
+        self.fast_decide: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
@@ -141,17 +144,23 @@ class RoutedProjection(nn.Module):
 
     def route(self, x_raw: torch.Tensor) -> None:
         """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
-        logits = self.router(x_raw)  # [B, T, G, 2]
-        execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
-        self._take(execute, mask_for(x_raw))
+        sample = self.training and not self.deterministic
+        if self.fast_decide is not None and not self.training:
+            execute = self.fast_decide(x_raw)  # [B, T, G]
+        else:
+            logits = self.router(x_raw)  # [B, T, G, 2]
+            execute = decide(logits, sample=sample, tau=self.tau)
+        # the valid-token mask feeds training, the counters and the followers only
+        needed = self.training or self.track_stats or self.has_followers
+        self._take(execute, mask_for(x_raw) if needed else None)
 
-    def _take(self, execute: torch.Tensor, valid: torch.Tensor) -> None:
+    def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         self._mask = execute
         if self.has_followers:  # handed on, then released by the follower
             self._decision = (execute, valid)
         if self.training:
             self.last_skip, self.last_valid = 1.0 - execute, valid
-        elif self.track_stats:
+        elif self.track_stats and valid is not None:
             with torch.no_grad():
                 self.stat_skipped += ((1.0 - execute.double()) * valid.double().unsqueeze(-1)).sum()
                 self.stat_tokens += valid.double().sum()

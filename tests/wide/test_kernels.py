@@ -596,10 +596,14 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
     lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
     amask = random_mask(2, 4, 0.5, seed=2)
 
+    router = [torch.randn(8, 256, device="cuda") / 16, torch.zeros(8, device="cuda")]
+    router += [torch.randn(8, 8, device="cuda") / 3, torch.zeros(8, device="cuda")]  # 4 groups
+
     def step():
         h = kernels.masked_out_gemm(x, wg, mask, wu, backend=backend)
         y = kernels.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
-        return y, kernels.routed_attention_decode(q, k, v, lens, amask, backend=backend)
+        decision = kernels.router_decide(x, *router, backend=backend)
+        return y, kernels.routed_attention_decode(q, k, v, lens, amask, backend=backend), decision
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -608,7 +612,7 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, att = step()
+        y, att, decision = step()
     for seed in (3, 4):  # new inputs and masks, same buffers
         x.copy_(torch.randn_like(x))
         mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
@@ -619,6 +623,7 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
         ref_att = kernels.torch_routed_attention_decode(q, k, v, lens, amask)
         torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
+        assert torch.equal(decision, kernels.torch_router_decide(x, *router))
 
 
 @pytest.mark.gpu
@@ -675,3 +680,59 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity):
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 40])
+@pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
+@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
+def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias):
+    """The one-launch decision equals ``decide(GroupRouter(x))`` on odd shapes: D not a multiple
+    of the K step, a rank below tl.dot's 16 and above it, more groups than one program's block;
+    biases that make every group execute (+50), none (-50), or about half (0)."""
+    from compresskit.routing import GroupRouter, decide
+    from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
+
+    torch.manual_seed(m + d + groups)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
+    with torch.no_grad():
+        router.up.bias.view(groups, 2)[:, 0] = bias  # the execute logits
+    x = torch.randn(2, m, d, device=DEVICE)
+    ref = decide(router(x), sample=False, tau=1.0).reshape(2 * m, groups)
+    args = (x.reshape(2 * m, d), router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    assert torch.equal(torch_router_decide(*args), ref)
+    got = triton_router_decide(*args)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    if bias:
+        assert torch.all(got == (1.0 if bias > 0 else 0.0))
+
+
+def test_router_decide_validates_its_tensors():
+    from compresskit_wide.kernels.router import triton_router_decide
+
+    x, wd, bd = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4)
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(5))
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide(x, wd.half(), bd, torch.zeros(6, 4), torch.zeros(6))
+
+
+def test_executor_routes_through_the_one_launch_decision_only_off_the_reference_backend(tiny_model_dir):
+    """``wide-triton`` gives each deciding projection the one-launch decision (not with backend
+    "torch"); under "auto" it is the reference until measured; with counting off no valid-token
+    mask is built for a projection without followers."""
+    import copy
+
+    from compresskit import plugins
+    from compresskit.routing import routed_projections
+    from compresskit_wide.executor import KernelRouter
+    from compresskit_wide.kernels import tuning
+
+    model, _, _ = finalized_wide_model(tiny_model_dir)
+    executor_cls = plugins.load("executor", "wide-triton")
+    for backend, expect in (("torch", False), ("auto", True), ("triton", True)):
+        fast = executor_cls(executor_cls.Config(backend=backend)).convert(copy.deepcopy(model))
+        deciders = [p for _, p in routed_projections(fast) if p.router is not None]
+        assert deciders and all(isinstance(p.fast_decide, KernelRouter) == expect for p in deciders)
+        # the router's weights are saved once, under the projection, not again under fast_decide
+        assert not any(".fast_decide." in k for k in fast.state_dict())
+    assert not tuning.use_kernel("router", 1) and not tuning.use_kernel("router", 4096)

@@ -101,6 +101,26 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)
 
 
+class KernelRouter(nn.Module):
+    """A routed projection's inference decision through ``kernels.router_decide``: its router's
+    bottleneck, logits and comparison in one launch under "triton" (the reference's five or six
+    under "torch", and under "auto" until the kernel is measured faster). Holds a reference to
+    the router (its weights stay where they are saved from)."""
+
+    def __init__(self, router: nn.Module, backend: str) -> None:
+        super().__init__()
+        self.__dict__["router"] = router  # a reference, not a submodule
+        self.backend = backend
+
+    def forward(self, x_raw: torch.Tensor) -> torch.Tensor:
+        r = self.router
+        x2 = x_raw.reshape(-1, x_raw.shape[-1])
+        execute = kernels.router_decide(
+            x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend
+        )  # [M, G]
+        return execute.view(*x_raw.shape[:-1], execute.shape[-1])
+
+
 class KernelQ(nn.Module):
     """The q projection of a routed attention: only the query heads of the head groups the
     layer's router kept (the others are zero, and the routed attention never reads them)."""
@@ -189,9 +209,11 @@ class TritonExecutor(Executor):
 
     def convert(self, model: nn.Module) -> nn.Module:
         routed_attention = False
-        for module in model.modules():
+        for module in list(model.modules()):  # (a list: fast_decide adds modules)
             if isinstance(module, RoutedProjection):
                 module.track_stats = self.config.track_stats
+                if module.router is not None and self.config.backend != "torch":
+                    module.fast_decide = KernelRouter(module.router, self.config.backend)
         for layer in decoder_layers(model):
             if isinstance(getattr(layer.mlp, "down_proj", None), RoutedProjection):
                 replace_module(layer, "mlp", KernelMLP(layer.mlp, self.config.backend))

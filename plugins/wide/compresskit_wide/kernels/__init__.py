@@ -17,7 +17,9 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
 * routed attention, decode: ``torch_routed_attention_decode``, ``triton_routed_attention_decode``
   (split-KV flash decoding that reads no K/V for inactive head groups);
 * routed attention, prefill: ``torch_routed_attention_prefill``, ``triton_routed_attention_prefill``
-  (flash attention over each group's active queries, original positions, scattered back).
+  (flash attention over each group's active queries, original positions, scattered back);
+* the inference-time routing decision (router bottleneck, logits, comparison in one launch):
+  ``torch_router_decide``, ``triton_router_decide``.
 
 ``backend``: "torch" (the references), "triton" (the kernels; an error naming the reason when they
 cannot run), or "auto": on CUDA tensors, the Triton kernel where the H200 benchmark shows it
@@ -50,6 +52,7 @@ from compresskit_wide.kernels.layout import (
     triton_routing_layout,
 )
 from compresskit_wide.kernels.reference import torch_group_masked_input
+from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 from compresskit_wide.kernels.tuning import DECODE_MAX_M, interpreted, use_kernel
 
 BACKENDS = ("auto", "torch", "triton")
@@ -83,6 +86,21 @@ def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto
     """Zero the inactive groups of ``x``'s last axis: ``x: [B, T, K]``, ``mask: [B, T, K/G]``."""
     _use_triton("torch" if backend == "auto" else backend, x)  # validates the name
     return torch_group_masked_input(x, mask)
+
+
+def router_decide(
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1): a ``GroupRouter``'s deterministic
+    decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
+    if _use_triton(backend, x) and (backend == "triton" or use_kernel("router", x.shape[0])):
+        return triton_router_decide(x, w_down, b_down, w_up, b_up)
+    return torch_router_decide(x, w_down, b_down, w_up, b_up)
 
 
 def routing_layout(mask: torch.Tensor, backend: str = "auto"):
