@@ -19,6 +19,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.layout import mask_bytes
 from compresskit_wide.kernels.reference import zero_inactive_groups
 
 try:
@@ -50,10 +51,10 @@ if triton is not None:
 
     @triton.jit
     def triton_attn_decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, lens_ptr, heads_on_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
         HQ, HKV, S, D, SPLITS, SPLIT_LEN, scale,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
-        DOT_PRECISION: tl.constexpr,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_mb,
+        HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
@@ -62,7 +63,7 @@ if triton is not None:
         hs = tl.arange(0, BLOCK_H)
         h_ok = hs < REP
         heads = kvh * REP + hs  # the query heads of this KV head
-        on = tl.load(heads_on_ptr + b * HQ + heads, mask=h_ok, other=0) != 0
+        on = tl.load(mask_ptr + b * stride_mb + heads // HEADS_PER_GROUP, mask=h_ok, other=0) != 0  # the group mask
         part = (b * HQ + heads) * SPLITS + sp  # workspace slot per (b, head, split)
         ds = tl.arange(0, BLOCK_D)
         d_ok = ds < D
@@ -93,7 +94,7 @@ if triton is not None:
 
     @triton.jit
     def triton_attn_decode_merge_kernel(
-        m_ptr, l_ptr, acc_ptr, heads_on_ptr, out_ptr, HQ, D, SPLITS, stride_ob, stride_oh,
+        m_ptr, l_ptr, acc_ptr, mask_ptr, out_ptr, HQ, D, SPLITS, stride_ob, stride_oh, stride_mb, HEADS_PER_GROUP,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
@@ -101,7 +102,7 @@ if triton is not None:
         ds = tl.arange(0, BLOCK_D)
         d_ok = ds < D
         out_ptrs = out_ptr + b * stride_ob + h * stride_oh + ds
-        if tl.load(heads_on_ptr + b * HQ + h) == 0:  # inactive head: exactly zero
+        if tl.load(mask_ptr + b * stride_mb + h // HEADS_PER_GROUP) == 0:  # inactive head: exactly zero
             tl.store(out_ptrs, tl.zeros((BLOCK_D,), tl.float32).to(out_ptr.dtype.element_ty), mask=d_ok)
             return
         sps = tl.arange(0, BLOCK_S)
@@ -145,7 +146,7 @@ def triton_routed_attention_decode(
     rep = hq // hkv
     splits = splits or tuning.attention_decode_splits(s)
     block_n = block_n or tuning.attention_decode_block()
-    heads_on = mask.bool().repeat_interleave(hq // mask.shape[-1], dim=-1).to(torch.uint8).contiguous()  # [B, Hq]
+    mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
     split_len = triton.cdiv(max(s, 1), splits)
     split_len = triton.cdiv(split_len, block_n) * block_n
@@ -156,13 +157,14 @@ def triton_routed_attention_decode(
     block_h = max(16, triton.next_power_of_2(rep))
     block_d = max(16, triton.next_power_of_2(d))
     triton_attn_decode_split_kernel[(b, hkv, splits)](
-        q, k, v, seq_lens.to(torch.int32).contiguous(), heads_on, m_ws, l_ws, acc_ws,
+        q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, 1.0 / math.sqrt(d),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
         DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
-        m_ws, l_ws, acc_ws, heads_on, out, hq, d, splits, out.stride(0), out.stride(1),
+        m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
+        mask_u8.stride(0), hq // mask.shape[-1],
         BLOCK_S=max(16, triton.next_power_of_2(splits)), BLOCK_D=block_d,
     )  # fmt: skip
     return out
