@@ -198,6 +198,16 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
     if not decode:
         return
+    for split in (1, 4):  # fewer programs per output block than the default: a smaller (or no) split sum
+        got = triton_masked_reduce_gemm(h, wd, mask, split=split)
+        err = (got.float() - ref.float()).abs().max().item()
+        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+        def fewer(split=split):
+            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask), split=split)
+
+        label = f"down split={split} (incl. prep)"
+        add_row(results, label, m, mask_kind, mask, fewer, {"cuBLAS down": dense}, ok, err, True)
     wd_groups = group_major(wd, ffn // group)  # the variants side by side: unrolled, on either weight layout
     for op, wg in (("down unrolled (incl. prep)", None), ("down unrolled group-major", wd_groups)):
         got = triton_masked_reduce_gemm(h, wd, mask, variant="unrolled", w_group_major=wg)
