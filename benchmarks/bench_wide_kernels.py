@@ -51,7 +51,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     triton_masked_reduce_gemm,
 )
 from compresskit_wide.kernels.layout import triton_decode_layout, triton_routing_layout  # noqa: E402
-from compresskit_wide.kernels.tuning import DECODE_MAX_M  # noqa: E402
+from compresskit_wide.kernels.tuning import DECODE_MAX_M, l2_flush_buffer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -72,9 +72,6 @@ def timed(fn, graph: bool = False) -> float:
     return statistics.median(times)
 
 
-_FLUSH = {}
-
-
 def gpu_time(fn, iters: int = 30) -> tuple[float, dict]:
     """Host-independent GPU time of ``fn`` with the L2 flushed before each call: the sum of the
     durations of the CUDA kernels it launches (CUPTI through torch.profiler; launch gaps and host
@@ -82,9 +79,7 @@ def gpu_time(fn, iters: int = 30) -> tuple[float, dict]:
     call}), the second being the profile that says where a call's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    if "buf" not in _FLUSH:  # 256 MiB, above the H200's 50 MiB L2; its kernel is recognised by name
-        _FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    buf = _FLUSH["buf"]
+    buf = l2_flush_buffer()  # flushed by a bitwise-not, the kernel recognised below
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

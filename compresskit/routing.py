@@ -144,12 +144,11 @@ class RoutedProjection(nn.Module):
 
     def route(self, x_raw: torch.Tensor) -> None:
         """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
-        sample = self.training and not self.deterministic
         if self.fast_decide is not None and not self.training:
             execute = self.fast_decide(x_raw)  # [B, T, G]
         else:
             logits = self.router(x_raw)  # [B, T, G, 2]
-            execute = decide(logits, sample=sample, tau=self.tau)
+            execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the valid-token mask feeds training, the counters and the followers only
         needed = self.training or self.track_stats or self.has_followers
         self._take(execute, mask_for(x_raw) if needed else None)

@@ -78,6 +78,26 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def write_output_block(
+        x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, row_on, any_on, cols, col_ok, K,
+        stride_xm, stride_wn, stride_om,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Write one output block: zeros without reading a weight when no row is on (``any_on``
+        false: the skip), else the product (``output_tile``) with the rows not on zeroed."""
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        store_mask = row_ok[:, None] & col_ok[None, :]
+        if any_on:
+            acc = output_tile(
+                x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, 0, K, stride_xm, stride_wn,
+                FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            tl.store(out_ptrs, tl.where(row_on[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
+
+    @triton.jit
     def decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Program (g, n-block) of a decode kernel: every token in one tile, read straight from the
         mask. Returns ``(rows, row_ok, on, cols, col_ok)``."""
@@ -109,17 +129,11 @@ if triton is not None:
         active = slots < count
         cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        store_mask = in_range[:, None] & col_ok[None, :]
-        if tm * BLOCK_M >= count:  # block-level skip: no active token in this tile
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
-            return
-        acc = output_tile(
-            x_ptr, w_ptr, wu_ptr, rows, active, cols, col_ok, 0, K, stride_xm, stride_wn,
-            FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        # a tile whose first sorted token is inactive has none active: it writes zeros (block skip)
+        write_output_block(
+            x_ptr, w_ptr, wu_ptr, out_ptr, rows, in_range, active, tm * BLOCK_M < count, cols, col_ok, K,
+            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        acc = tl.where(active[:, None], acc, 0.0)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def triton_masked_out_gemv_kernel(
@@ -131,17 +145,10 @@ if triton is not None:
     ):  # fmt: skip
         # decode (M <= BLOCK_M): a block of a group no token needs writes its zeros, reads no weight
         rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        store_mask = row_ok[:, None] & col_ok[None, :]
-        if tl.sum(on.to(tl.int32), axis=0) == 0:
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
-            return
-        acc = output_tile(
-            x_ptr, w_ptr, wu_ptr, rows, on, cols, col_ok, 0, K, stride_xm, stride_wn,
-            FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+        write_output_block(
+            x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, on, tl.sum(on.to(tl.int32), axis=0) > 0, cols, col_ok, K,
+            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        acc = tl.where(on[:, None], acc, 0.0)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def triton_masked_out_gemv_splitk_kernel(
@@ -164,24 +171,27 @@ if triton is not None:
         )  # fmt: skip
         store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
-    _tuned_out_gemv_splitk = triton.autotune(
-        configs=tuning.configs(tuning.OUT_DECODE_SPLITK),
-        do_bench=tuning.flushed_graph_bench,
-        key=["M", "N", "K", "GW", "SPLIT_K"],
-        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
-    )(triton_masked_out_gemv_splitk_kernel)
-
-    _tuned_out_gemm = triton.autotune(
-        configs=tuning.configs(tuning.OUT_PREFILL),
-        key=["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
-        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
-    )(triton_masked_out_gemm_kernel)
-    _tuned_out_gemv = triton.autotune(
-        configs=tuning.configs(tuning.OUT_DECODE),
-        do_bench=tuning.flushed_graph_bench,
-        key=["M", "N", "K", "GW", "FUSE_SWIGLU"],
-        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_N")},
-    )(triton_masked_out_gemv_kernel)
+    _tuned_out_gemv_splitk = tuning.autotuned(
+        triton_masked_out_gemv_splitk_kernel,
+        tuning.OUT_DECODE_SPLITK,
+        ["M", "N", "K", "GW", "SPLIT_K"],
+        decode=True,
+        prune="BLOCK_N",
+    )
+    _tuned_out_gemm = tuning.autotuned(
+        triton_masked_out_gemm_kernel,
+        tuning.OUT_PREFILL,
+        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
+        decode=False,
+        prune="BLOCK_N",
+    )
+    _tuned_out_gemv = tuning.autotuned(
+        triton_masked_out_gemv_kernel,
+        tuning.OUT_DECODE,
+        ["M", "N", "K", "GW", "FUSE_SWIGLU"],
+        decode=True,
+        prune="BLOCK_N",
+    )
 
 
 def triton_masked_out_gemm(

@@ -151,18 +151,16 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
-    _tuned_reduce_unrolled = triton.autotune(
-        configs=tuning.configs(tuning.REDUCE_UNROLLED),
-        do_bench=tuning.flushed_graph_bench,
-        key=["M", "N", "GW", "G", "SPLIT"],
-    )(triton_masked_reduce_gemm_unrolled_kernel)
-
-    _tuned_reduce_gemm = triton.autotune(
-        configs=tuning.configs(tuning.REDUCE_DECODE),
-        do_bench=tuning.flushed_graph_bench,
-        key=["M", "N", "GW", "G", "SPLIT"],
-        prune_configs_by={"early_config_prune": tuning.prune_wider_than_group("BLOCK_K")},
-    )(triton_masked_reduce_gemm_kernel)
+    _tuned_reduce_unrolled = tuning.autotuned(
+        triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
+    )
+    _tuned_reduce_gemm = tuning.autotuned(
+        triton_masked_reduce_gemm_kernel,
+        tuning.REDUCE_DECODE,
+        ["M", "N", "GW", "G", "SPLIT"],
+        decode=True,
+        prune="BLOCK_K",
+    )
 
 
 def group_major(w: torch.Tensor, groups: int) -> torch.Tensor:

@@ -121,14 +121,18 @@ if triton is not None:
         tl.store(n_active_ptr, n_on)
 
 
-def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`torch_decode_layout` (same outputs, bit for bit; one launch)."""
+def _kernel_mask(mask: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """``(M, G, the mask as bytes)`` for a layout kernel; the errors both layouts give."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     if mask.dim() != 2:
         raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
-    m, g = mask.shape
-    mask_u8 = mask_bytes(mask)
+    return *mask.shape, mask_bytes(mask)
+
+
+def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`torch_decode_layout` (same outputs, bit for bit; one launch)."""
+    m, g, mask_u8 = _kernel_mask(mask)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
     block_g = max(16, triton.next_power_of_2(g))
@@ -141,12 +145,7 @@ def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_routing_layout` (same outputs, bit for bit)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    if mask.dim() != 2:
-        raise ValueError(f"mask must be [M, G], got {tuple(mask.shape)}")
-    m, g = mask.shape
-    mask_u8 = mask_bytes(mask)
+    m, g, mask_u8 = _kernel_mask(mask)
     order = torch.empty((g, m), dtype=torch.int32, device=mask.device)
     counts = torch.empty(g, dtype=torch.int32, device=mask.device)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)

@@ -101,6 +101,14 @@ def m_bucket(m: int) -> int:
 _FLUSH: dict = {}
 
 
+def l2_flush_buffer() -> torch.Tensor:
+    """256 MiB on the current GPU (above any current GPU's L2), allocated once: writing it evicts
+    the L2 before a timed call (here and in ``benchmarks/bench_wide_kernels.py``)."""
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return _FLUSH["buf"]
+
+
 def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
     """The autotuner's timing for the decode kernels (``do_bench=`` of ``triton.autotune``): what a
     call costs the GPU with the L2 flushed first, free of the host's launch cost. Triton's default
@@ -109,9 +117,7 @@ def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
     CUDA graph replays ``reps`` x [flush the L2, fn] and another the flushes alone; a call costs the
     difference / ``reps`` (median over ``rounds``). Returns what ``do_bench`` would: the median, or a
     list with one value per quantile (the quantiles of the rounds)."""
-    if "buf" not in _FLUSH:  # 256 MiB, above any current GPU's L2
-        _FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    buf = _FLUSH["buf"]
+    buf = l2_flush_buffer()
     fn()  # compile outside the capture
     torch.cuda.synchronize()
 
@@ -144,6 +150,18 @@ def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
 def configs(rows: list[tuple[dict, int, int]]) -> list:
     """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list."""
     return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
+
+
+def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune: str | None = None):
+    """``kernel`` autotuned over the tile table ``rows`` per ``key``; ``decode`` kernels are timed by
+    ``flushed_graph_bench`` (the default timing measures the host at their sizes); ``prune``: the
+    block that must not be wider than a group (``prune_wider_than_group``)."""
+    return triton.autotune(
+        configs=configs(rows),
+        key=key,
+        do_bench=flushed_graph_bench if decode else None,
+        prune_configs_by={"early_config_prune": prune_wider_than_group(prune)} if prune else None,
+    )(kernel)
 
 
 # output-width GEMV for decode: BLOCK_M is 16 (tl.dot's minimum); the weight stream needs wide K
