@@ -53,7 +53,7 @@ from compresskit_wide.kernels.layout import (
 )
 from compresskit_wide.kernels.reference import torch_group_masked_input
 from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
-from compresskit_wide.kernels.tuning import DECODE_MAX_M, interpreted, use_kernel
+from compresskit_wide.kernels.tuning import interpreted, use_kernel
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -82,6 +82,15 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     return reason is None and all(t.is_cuda for t in tensors)  # auto
 
 
+def _choose(backend: str, op: str, rows: int, *tensors: torch.Tensor, context: int = 0) -> str:
+    """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
+    measured faster, ``use_kernel``), "dense" (the dense fallback under "auto" on CUDA) or "torch"
+    (the reference)."""
+    if not _use_triton(backend, *tensors):
+        return "torch"
+    return "triton" if backend == "triton" or use_kernel(op, rows, context=context) else "dense"
+
+
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Zero the inactive groups of ``x``'s last axis: ``x: [B, T, K]``, ``mask: [B, T, K/G]``."""
     _use_triton("torch" if backend == "auto" else backend, x)  # validates the name
@@ -98,9 +107,9 @@ def router_decide(
 ) -> torch.Tensor:
     """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1): a ``GroupRouter``'s deterministic
     decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
-    if _use_triton(backend, x) and (backend == "triton" or use_kernel("router", x.shape[0])):
+    if _choose(backend, "router", x.shape[0], x) == "triton":
         return triton_router_decide(x, w_down, b_down, w_up, b_up)
-    return torch_router_decide(x, w_down, b_down, w_up, b_up)
+    return torch_router_decide(x, w_down, b_down, w_up, b_up)  # the reference is the dense path too
 
 
 def routing_layout(mask: torch.Tensor, backend: str = "auto"):
@@ -128,9 +137,10 @@ def masked_out_gemm(
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
     ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere."""
-    if _use_triton(backend, x, w):
-        if backend == "triton" or use_kernel("swiglu" if w_up is not None else "out", x.shape[0]):
-            return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+    path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
+    if path == "triton":
+        return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+    if path == "dense":
         return dense_masked_out_gemm(x, w, mask, w_up)
     return torch_masked_out_gemm(x, w, mask, w_up)
 
@@ -150,10 +160,10 @@ def masked_reduce_gemm(
     product through cuBLAS (``input_is_masked``: ``x`` is already zero in the inactive groups, as
     the fused SwiGLU kernel leaves it, so the product is the plain dense one); the reference on
     the CPU."""
-    use = _use_triton(backend, x, w)
-    if use and (backend == "triton" or (x.shape[0] <= DECODE_MAX_M and use_kernel("reduce", x.shape[0]))):
+    path = _choose(backend, "reduce", x.shape[0], x, w)
+    if path == "triton":
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)
-    if use:
+    if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     return torch_masked_reduce_gemm(x, w, mask)
 
@@ -161,9 +171,10 @@ def masked_reduce_gemm(
 def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -> torch.Tensor:
     """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
     ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
-    if _use_triton(backend, q, k, v):
-        if backend == "triton" or use_kernel("attn_decode", q.shape[0], context=k.shape[2]):
-            return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+    path = _choose(backend, "attn_decode", q.shape[0], q, k, v, context=k.shape[2])
+    if path == "triton":
+        return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+    if path == "dense":
         return dense_routed_attention_decode(q, k, v, seq_lens, mask)
     return torch_routed_attention_decode(q, k, v, seq_lens, mask)
 
@@ -171,8 +182,9 @@ def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -
 def routed_attention_prefill(q, k, v, mask, *, backend: str = "auto") -> torch.Tensor:
     """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, Hq, T, D]``,
     causal with the original positions; inactive (token, head) exactly 0."""
-    if _use_triton(backend, q, k, v):
-        if backend == "triton" or use_kernel("attn_prefill", q.shape[2]):
-            return triton_routed_attention_prefill(q, k, v, mask)
+    path = _choose(backend, "attn_prefill", q.shape[2], q, k, v)
+    if path == "triton":
+        return triton_routed_attention_prefill(q, k, v, mask)
+    if path == "dense":
         return dense_routed_attention_prefill(q, k, v, mask)
     return torch_routed_attention_prefill(q, k, v, mask)
