@@ -233,27 +233,43 @@ def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
 
 
 def decode_profile(graph, cache, pos, args, steps: int = 8) -> dict:
-    """Where a graph-replayed decode step's GPU time goes (torch.profiler): kernels per token,
-    their summed time per token, and the 12 costliest kernels by time per token."""
+    """Where a graph-replayed decode step's GPU time goes: ``kernel_profile`` of ``steps`` replays."""
+    rewind(cache, pos, args.prompt)
+    return kernel_profile(graph.replay, steps)
+
+
+def kernel_profile(run, steps: int) -> dict:
+    """``steps`` calls of ``run`` under torch.profiler: kernels per call, their summed GPU time per
+    call against the wall time per call (far apart: the host is the bottleneck), the host-blocking
+    runtime calls per call (synchronisations, device-to-host copies), and the 12 costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    rewind(cache, pos, args.prompt)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
+            run()
+        sync()
+        wall = time.perf_counter() - start
     per_name: dict[str, list] = {}
+    blocking = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
             name = re.sub(r"\(.*", "", e.name)[:70]
             entry = per_name.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += e.time_range.elapsed_us()
+        elif e.device_type == torch.autograd.DeviceType.CPU and re.search(
+            r"(Stream|Device|Event)Synchronize|MemcpyDtoH|cudaMemcpy\b|aten::item|aten::_local_scalar_dense", e.name
+        ):
+            blocking += 1
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]
     return {
-        "kernels_per_token": round(sum(n for n, _ in per_name.values()) / steps, 1),
-        "kernel_ms_per_token": round(sum(t for _, t in per_name.values()) / steps / 1e3, 3),
-        "top_kernels_us_per_token": {k: [round(n / steps, 1), round(t / steps, 1)] for k, (n, t) in top},
+        "kernels_per_call": round(sum(n for n, _ in per_name.values()) / steps, 1),
+        "kernel_ms_per_call": round(sum(t for _, t in per_name.values()) / steps / 1e3, 3),
+        "wall_ms_per_call": round(wall / steps * 1e3, 3),
+        "host_blocking_calls_per_call": round(blocking / steps, 1),
+        "top_kernels_us_per_call": {k: [round(n / steps, 1), round(t / steps, 1)] for k, (n, t) in top},
     }
 
 
@@ -269,6 +285,7 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         ok, layer_err = (True, None) if recorded is None else layer_check(model, recorded)
         err = None if reference_logits is None else (logits.float() - reference_logits.float()).abs().max().item()
         prefill = median_seconds(lambda: model(ids, use_cache=False), args.repeats)
+        prefill_prof = kernel_profile(lambda: model(ids, use_cache=False), 2)
 
         def gen():
             model.generate(
@@ -296,6 +313,7 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         "graph_decode_ms_per_token": graph_ms,
         "graph_error": graph_error,
         "graph_decode_profile": decode_prof,
+        "prefill_profile": prefill_prof,  # per prompt (decode: per token)
         "sparsity": sparsity,
     }
     results.append(row)
@@ -307,6 +325,13 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         + (f" | realised MACs skipped {sparsity['macs']:.3f}" if sparsity else ""),
         flush=True,
     )
+    if CUDA:
+        print(
+            f"{'':32s} prefill profile: {prefill_prof['kernels_per_call']:.0f} kernels, GPU "
+            f"{prefill_prof['kernel_ms_per_call']:.2f} ms of {prefill_prof['wall_ms_per_call']:.2f} ms wall, "
+            f"{prefill_prof['host_blocking_calls_per_call']:.0f} host-blocking calls",
+            flush=True,
+        )
     return logits
 
 

@@ -376,6 +376,9 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert all(r["layer_max_rel_err_vs_masked_dense"] < 1e-4 for r in rows[2:])
     assert all(0.3 < r["sparsity"]["macs"] < 0.7 for r in rows[1:4])  # untrained routers: about half
     assert rows[4]["sparsity"] is None  # not counted
+    # the prefill profile: wall time per prompt always; kernels only on a GPU
+    assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
+    assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
 
 
 @pytest.mark.parametrize(
@@ -685,10 +688,12 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity):
 @pytest.mark.parametrize("m", [1, 3, 17, 40])
 @pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
 @pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
-def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias):
-    """The one-launch decision equals ``decide(GroupRouter(x))`` on odd shapes: D not a multiple
-    of the K step, a rank below tl.dot's 16 and above it, more groups than one program's block;
-    biases that make every group execute (+50), none (-50), or about half (0)."""
+@pytest.mark.parametrize("split", [None, 1, 3])
+def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, split):
+    """The fused decision equals ``decide(GroupRouter(x))`` on odd shapes: D not a multiple of the
+    K step, a rank below tl.dot's 16 and above it, more groups than one program's block; biases
+    that make every group execute (+50), none (-50), or about half (0); in one launch (split 1),
+    with D in three shares, and with the default split (many shares at these sizes)."""
     from compresskit.routing import GroupRouter, decide
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
@@ -700,7 +705,7 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias):
     ref = decide(router(x), sample=False, tau=1.0).reshape(2 * m, groups)
     args = (x.reshape(2 * m, d), router.down.weight, router.down.bias, router.up.weight, router.up.bias)
     assert torch.equal(torch_router_decide(*args), ref)
-    got = triton_router_decide(*args)
+    got = triton_router_decide(*args, split=split)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
     if bias:
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
@@ -714,12 +719,14 @@ def test_router_decide_validates_its_tensors():
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(5))
     with pytest.raises(ValueError, match="router tensors do not fit"):
         triton_router_decide(x, wd.half(), bd, torch.zeros(6, 4), torch.zeros(6))
+    with pytest.raises(ValueError, match="split must be >= 1, got 0"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), split=0)
 
 
-def test_executor_routes_through_the_one_launch_decision_only_off_the_reference_backend(tiny_model_dir):
-    """``wide-triton`` gives each deciding projection the one-launch decision (not with backend
-    "torch"); under "auto" it is the reference until measured; with counting off no valid-token
-    mask is built for a projection without followers."""
+def test_executor_routes_through_the_fused_decision_only_off_the_reference_backend(tiny_model_dir):
+    """``wide-triton`` gives each deciding projection the fused decision (not with backend
+    "torch"; under "auto" the kernel at decode sizes only); the router's weights are not saved
+    twice."""
     import copy
 
     from compresskit import plugins
@@ -735,4 +742,4 @@ def test_executor_routes_through_the_one_launch_decision_only_off_the_reference_
         assert deciders and all(isinstance(p.fast_decide, KernelRouter) == expect for p in deciders)
         # the router's weights are saved once, under the projection, not again under fast_decide
         assert not any(".fast_decide." in k for k in fast.state_dict())
-    assert not tuning.use_kernel("router", 1) and not tuning.use_kernel("router", 4096)
+    assert tuning.use_kernel("router", 1) and not tuning.use_kernel("router", 4096)

@@ -18,7 +18,7 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
   (split-KV flash decoding that reads no K/V for inactive head groups);
 * routed attention, prefill: ``torch_routed_attention_prefill``, ``triton_routed_attention_prefill``
   (flash attention over each group's active queries, original positions, scattered back);
-* the inference-time routing decision (router bottleneck, logits, comparison in one launch):
+* the inference-time routing decision (router bottleneck, logits, comparison; one or two launches):
   ``torch_router_decide``, ``triton_router_decide``.
 
 ``backend``: "torch" (the references), "triton" (the kernels; an error naming the reason when they

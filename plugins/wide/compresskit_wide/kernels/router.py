@@ -1,4 +1,4 @@
-"""The inference-time routing decision in one launch.
+"""The inference-time routing decision in one or two launches.
 
     x:      [M, D]      the raw residual of M tokens (any float dtype)
     w_down: [R, D]      b_down: [R]         the router's bottleneck (fp32)
@@ -8,9 +8,12 @@
 The reference is ``GroupRouter`` followed by the deterministic ``decide`` (fp32 throughout); at
 batch 1 it is five or six small launches (a cast, two products, a comparison, a cast) per routed
 sublayer and token, which the end-to-end profile on the H200 showed eating most of the kernels'
-decode gain (docs/wide-kernels-h200.md). The kernel computes the same fp32 products in one
-program per block of tokens; decisions equal the reference's except where a group's two logits
-tie to within fp32 rounding (a different summation order), as between any two GEMM libraries.
+decode gain (docs/wide-kernels-h200.md). The kernels compute the same fp32 products: for many
+tokens one program per block of tokens does all of it; for few (decode) the bottleneck product is
+spread over shares of D (one program each, partial sums in a workspace) and a second launch sums
+the shares in a fixed order and decides. Decisions equal the reference's except where a group's
+two logits tie to within fp32 rounding (a different summation order), as between any two GEMM
+libraries.
 """
 
 from __future__ import annotations
@@ -38,31 +41,29 @@ def torch_router_decide(
 if triton is not None:
 
     @triton.jit
-    def triton_router_decide_kernel(
-        x_ptr, wd_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr,
-        M, D, R, G,
-        stride_xm, stride_om,
-        DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    def _router_z(
+        x_ptr, wd_ptr, rows, row_ok, rs, r_ok, k_begin, k_end, D, stride_xm,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, group block): z = x @ w_down.T + b_down over D in BLOCK_K steps,
-        # then both logits of its groups from z, compared; every product in fp32
-        tm = tl.program_id(0)
-        tg = tl.program_id(1)
-        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        rs = tl.arange(0, BLOCK_R)
-        r_ok = rs < R
+        # x[rows, k_begin:k_end] @ w_down[:, k_begin:k_end].T in fp32, BLOCK_K columns a step
         z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < D
+            k_ok = (ks < k_end) & (ks < D)
             x_mask = row_ok[:, None] & k_ok[None, :]
             a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
             w = tl.load(wd_ptr + rs[:, None] * D + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             z = tl.dot(a.to(tl.float32), tl.trans(w), z, input_precision=DOT_PRECISION)
+        return z
+
+    @triton.jit
+    def _router_decide_store(
+        z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # both logits of this program's groups from the bottleneck z (bias added here), compared
         z += tl.load(bd_ptr + rs, mask=r_ok, other=0.0)[None, :]
-        gs = tg * BLOCK_G + tl.arange(0, BLOCK_G)
+        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = gs < G
         w_mask = g_ok[:, None] & r_ok[None, :]
         w_exec = tl.load(wu_ptr + (2 * gs)[:, None] * R + rs[None, :], mask=w_mask, other=0.0)
@@ -74,11 +75,85 @@ if triton is not None:
         execute = tl.where(l_skip <= l_exec, 1.0, 0.0)
         tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
 
+    @triton.jit
+    def triton_router_decide_kernel(
+        x_ptr, wd_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr,
+        M, D, R, G,
+        stride_xm, stride_om,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, group block), many tokens: the whole bottleneck, then the decision
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        z = _router_z(
+            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
+        )  # fmt: skip
+        _router_decide_store(
+            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, DOT_PRECISION, BLOCK_G
+        )  # fmt: skip
+
+    @triton.jit
+    def triton_router_partial_kernel(
+        x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, share s of D), few tokens: its partial bottleneck into ws[s]
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        s = tl.program_id(1)
+        z = _router_z(
+            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
+            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
+        )  # fmt: skip
+        tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=row_ok[:, None] & r_ok[None, :])
+
+    @triton.jit
+    def triton_router_finish_kernel(
+        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, SPLIT, stride_om,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, group block): the partial bottlenecks summed in share order, the decision
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        z_mask = row_ok[:, None] & r_ok[None, :]
+        for s in range(SPLIT):
+            z += tl.load(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0)
+        _router_decide_store(
+            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, DOT_PRECISION, BLOCK_G
+        )  # fmt: skip
+
+
+def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
+    """Shares of D the bottleneck product is split into: at decode sizes one token block is one
+    program, which alone streams the whole fp32 ``w_down`` (measured 155 us at M = 1 on the H200,
+    run 11, against 13 us for the reference's launches), so D is spread over up to 128 programs and
+    a second launch sums the shares; with 64 token blocks or more, one launch (no split)."""
+    m_blocks = triton.cdiv(m, block_m)
+    if m_blocks >= 64:
+        return 1
+    return max(1, min(triton.cdiv(d, block_k), 128 // m_blocks))
+
 
 def triton_router_decide(
-    x: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    split: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_router_decide`: one launch (per 128 groups) for any M."""
+    """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
+    the bottleneck split over ``split`` shares of D (default: ``router_split``) and a second launch
+    that sums them in a fixed order and decides."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -94,6 +169,8 @@ def triton_router_decide(
     ):
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, *fp32))
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
+    if split is not None and split < 1:
+        raise ValueError(f"split must be >= 1, got {split}")
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.float32, device=x.device)
@@ -101,9 +178,24 @@ def triton_router_decide(
     block_g = min(128, max(16, triton.next_power_of_2(groups)))
     block_r = max(16, triton.next_power_of_2(r))
     block_k = 32 if tuning.interpreted() else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(groups, block_g))
-    triton_router_decide_kernel[grid](
-        x, w_down, b_down, w_up, b_up, out, m, d, r, groups, x.stride(0), out.stride(0),
-        DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
+    splits = router_split(m, d, block_m, block_k) if split is None else split
+    chunk = triton.cdiv(triton.cdiv(d, splits), block_k) * block_k  # whole K steps per share
+    splits = triton.cdiv(d, chunk)  # no empty share
+    m_blocks = triton.cdiv(m, block_m)
+    grid = (m_blocks, triton.cdiv(groups, block_g))
+    if splits == 1:
+        triton_router_decide_kernel[grid](
+            x, w_down, b_down, w_up, b_up, out, m, d, r, groups, x.stride(0), out.stride(0),
+            DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
+        )  # fmt: skip
+        return out
+    ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    triton_router_partial_kernel[(m_blocks, splits)](
+        x, w_down, ws, m, d, r, chunk, x.stride(0),
+        DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+    )  # fmt: skip
+    triton_router_finish_kernel[grid](
+        ws, b_down, w_up, b_up, out, m, r, groups, splits, out.stride(0),
+        DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
     return out

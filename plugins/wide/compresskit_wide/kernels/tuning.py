@@ -41,10 +41,12 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.26x-1.76x), any batch from 32768
       positions (1.27x-1.76x; run 10, with 64 KV positions per step); batch 1 at 8192: 0.75x in a
       CUDA graph, and below 8192 positions 0.4x-0.9x (run 6)
-    * ``"router"`` (the routing decision in one launch): nowhere yet (written after the last GPU
-      run; the reference's five or six launches per sublayer stay until it is measured)
-    * ``"attn_prefill"``: nowhere yet (its GPU time is 1.27x-1.47x of cuDNN's at T >= 2048, but
-      replayed in a CUDA graph it measured 0.62x-0.80x, a difference not yet explained)
+    * ``"router"`` (the fused routing decision): decode (M <= 16), where the reference is five
+      or six launches of a few microseconds each; the first version, one program per token block,
+      measured 0.08x-0.3x there (run 11: one program streamed all of D); the split version is
+      taken at decode and measured in run 12 (see the doc)
+    * ``"attn_prefill"``: nowhere yet (0.73x of cuDNN's GPU time at T = 4096, run 8: the Triton
+      flash kernel reaches about 217 TFLOP/s against cuDNN's 535)
     """
     if op == "swiglu":
         return True
@@ -54,7 +56,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
         return m == 1
     if op == "attn_decode":
         return context >= 32768 or (m >= 4 and context >= 8192)
-    if op in ("attn_prefill", "router"):
+    if op == "router":
+        return m <= DECODE_MAX_M
+    if op == "attn_prefill":
         return False
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill, router")
 
