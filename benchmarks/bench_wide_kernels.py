@@ -274,23 +274,25 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         add_row(results, f"q split-K {split}", m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 
-def case_router(m, d, groups, rank, dtype, device, gen, results):
-    """The routing decision of one sublayer: the one-launch kernel against the reference (the
-    router module's two products and the comparison: what every executor ran before it)."""
+def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):
+    """The routing decision of one sublayer: the fused kernels against the reference (the router
+    module's two products and the comparison: what every executor ran before it); ``split`` and
+    ``block_g`` other than their defaults for the sweep rows."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
     w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    got, ref = triton_router_decide(x, *w), torch_router_decide(x, *w)
+    tiles = {"split": split, "block_g": block_g}
+    got, ref = triton_router_decide(x, *w, **tiles), torch_router_decide(x, *w)
     flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
     add_row(
         results,
-        f"router G={groups}",
+        f"router G={groups}" + "".join(f" {k}={v}" for k, v in tiles.items() if v is not None),
         m,
         "-",
         torch.ones_like(ref, dtype=torch.bool),  # no work is skipped here: the bound is 1 (fewer launches)
-        lambda: triton_router_decide(x, *w),
+        lambda: triton_router_decide(x, *w, **tiles),
         {"torch router + decide": lambda: torch_router_decide(x, *w)},
         flips <= 1e-3,
         flips,
@@ -486,6 +488,17 @@ def main() -> int:
                     lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
                 )
             )
+    for m in (1, 16):  # the sweep of the decode launch shape: shares of D, groups a program
+        for split in (8, 16, 32):
+            for block_g in (16, 32, 128):
+                cases.append(
+                    (
+                        f"router sweep M={m} G={ffn // group} split={split} block_g={block_g}",
+                        lambda m=m, s=split, b=block_g: case_router(
+                            m, d, ffn // group, 32, dtype, device, gen, results, split=s, block_g=b
+                        ),
+                    )
+                )
     for ctx in contexts:
         for batch in batches:
             for kind in ("exact", "iid"):

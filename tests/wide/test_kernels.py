@@ -688,12 +688,13 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity):
 @pytest.mark.parametrize("m", [1, 3, 17, 40])
 @pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
 @pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
-@pytest.mark.parametrize("split", [None, 1, 3])
-def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, split):
+@pytest.mark.parametrize(("split", "block_g"), [(None, None), (1, None), (3, 16), (3, 128)])
+def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g):
     """The fused decision equals ``decide(GroupRouter(x))`` on odd shapes: D not a multiple of the
     K step, a rank below tl.dot's 16 and above it, more groups than one program's block; biases
     that make every group execute (+50), none (-50), or about half (0); in one launch (split 1),
-    with D in three shares, and with the default split (many shares at these sizes)."""
+    with D in three shares, and with the default split (many shares at these sizes); with groups
+    spread over several programs (16 a program) and all in one (128)."""
     from compresskit.routing import GroupRouter, decide
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
@@ -705,7 +706,7 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
     ref = decide(router(x), sample=False, tau=1.0).reshape(2 * m, groups)
     args = (x.reshape(2 * m, d), router.down.weight, router.down.bias, router.up.weight, router.up.bias)
     assert torch.equal(torch_router_decide(*args), ref)
-    got = triton_router_decide(*args, split=split)
+    got = triton_router_decide(*args, split=split, block_g=block_g)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
     if bias:
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
@@ -721,6 +722,8 @@ def test_router_decide_validates_its_tensors():
         triton_router_decide(x, wd.half(), bd, torch.zeros(6, 4), torch.zeros(6))
     with pytest.raises(ValueError, match="split must be >= 1, got 0"):
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), split=0)
+    with pytest.raises(ValueError, match="block_g must be a power of two >= 16, got 24"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)
 
 
 def test_executor_routes_through_the_fused_decision_only_off_the_reference_backend(tiny_model_dir):

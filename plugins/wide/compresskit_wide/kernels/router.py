@@ -114,17 +114,18 @@ if triton is not None:
 
     @triton.jit
     def triton_router_finish_kernel(
-        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, SPLIT, stride_om,
+        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, group block): the partial bottlenecks summed in share order, the decision
+        # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
+        # the loads are independent and issued together), the decision
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         rs = tl.arange(0, BLOCK_R)
         r_ok = rs < R
         z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         z_mask = row_ok[:, None] & r_ok[None, :]
-        for s in range(SPLIT):
+        for s in tl.static_range(SPLIT):
             z += tl.load(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0)
         _router_decide_store(
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, DOT_PRECISION, BLOCK_G
@@ -150,10 +151,12 @@ def triton_router_decide(
     b_up: torch.Tensor,
     *,
     split: int | None = None,
+    block_g: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
     the bottleneck split over ``split`` shares of D (default: ``router_split``) and a second launch
-    that sums them in a fixed order and decides."""
+    that sums them in a fixed order and decides, ``block_g`` groups a program (a power of two,
+    at least 16; default 32)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -171,11 +174,13 @@ def triton_router_decide(
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
+    if block_g is not None and (block_g < 16 or block_g & (block_g - 1)):
+        raise ValueError(f"block_g must be a power of two >= 16, got {block_g}")
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     block_m = 16 if m <= tuning.DECODE_MAX_M or tuning.interpreted() else 32
-    block_g = min(128, max(16, triton.next_power_of_2(groups)))
+    block_g = block_g or min(32, max(16, triton.next_power_of_2(groups)))
     block_r = max(16, triton.next_power_of_2(r))
     block_k = 32 if tuning.interpreted() else 128
     splits = router_split(m, d, block_m, block_k) if split is None else split
@@ -195,7 +200,7 @@ def triton_router_decide(
         DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
     )  # fmt: skip
     triton_router_finish_kernel[grid](
-        ws, b_down, w_up, b_up, out, m, r, groups, splits, out.stride(0),
+        ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
         DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
     return out
