@@ -241,7 +241,8 @@ def decode_profile(graph, cache, pos, args, steps: int = 8) -> dict:
 def kernel_profile(run, steps: int) -> dict:
     """``steps`` calls of ``run`` under torch.profiler: kernels per call, their summed GPU time per
     call against the wall time per call (far apart: the host is the bottleneck), the host-blocking
-    runtime calls per call (synchronisations, device-to-host copies), and the 12 costliest kernels."""
+    runtime calls per call (synchronisations, device-to-host copies), the 12 costliest kernels and
+    the 12 host operators with the most time of their own (where a host-bound call's time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
@@ -264,12 +265,16 @@ def kernel_profile(run, steps: int) -> dict:
         ):
             blocking += 1
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:12]
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
     return {
         "kernels_per_call": round(sum(n for n, _ in per_name.values()) / steps, 1),
         "kernel_ms_per_call": round(sum(t for _, t in per_name.values()) / steps / 1e3, 3),
         "wall_ms_per_call": round(wall / steps * 1e3, 3),
         "host_blocking_calls_per_call": round(blocking / steps, 1),
         "top_kernels_us_per_call": {k: [round(n / steps, 1), round(t / steps, 1)] for k, (n, t) in top},
+        "top_host_ops_self_us_per_call": {
+            a.key[:70]: [round(a.count / steps, 1), round(a.self_cpu_time_total / steps, 1)] for a in host
+        },
     }
 
 

@@ -378,6 +378,7 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert rows[4]["sparsity"] is None  # not counted
     # the prefill profile: wall time per prompt always; kernels only on a GPU
     assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
+    assert all(r["prefill_profile"]["top_host_ops_self_us_per_call"] for r in rows)
     assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
 
 
@@ -728,7 +729,7 @@ def test_router_decide_validates_its_tensors():
 
 def test_executor_routes_through_the_fused_decision_only_off_the_reference_backend(tiny_model_dir):
     """``wide-triton`` gives each deciding projection the fused decision (not with backend
-    "torch"; under "auto" the kernel at decode sizes only); the router's weights are not saved
+    "torch"; under "auto" the kernel up to 1024 tokens); the router's weights are not saved
     twice."""
     import copy
 
@@ -745,4 +746,5 @@ def test_executor_routes_through_the_fused_decision_only_off_the_reference_backe
         assert deciders and all(isinstance(p.fast_decide, KernelRouter) == expect for p in deciders)
         # the router's weights are saved once, under the projection, not again under fast_decide
         assert not any(".fast_decide." in k for k in fast.state_dict())
-    assert tuning.use_kernel("router", 1) and not tuning.use_kernel("router", 4096)
+    assert tuning.use_kernel("router", 1) and tuning.use_kernel("router", 1024)
+    assert not tuning.use_kernel("router", 2048)

@@ -104,7 +104,7 @@ def register_attention() -> None:
 class KernelRouter(nn.Module):
     """A routed projection's inference decision through ``kernels.router_decide``: its router's
     bottleneck, logits and comparison fused (one or two launches) under "triton" and under "auto"
-    at decode sizes (``tuning.use_kernel``); the reference's five or six launches otherwise. Holds
+    up to 1024 tokens (``tuning.use_kernel``); the reference's five or six launches otherwise. Holds
     a reference to the router (its weights stay where they are saved from)."""
 
     def __init__(self, router: nn.Module, backend: str) -> None:

@@ -27,7 +27,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
     dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
-    (docs/wide-kernels-h200.md, runs 6-10: GPU time with the L2 flushed, and CUDA-graph medians): the
+    (docs/wide-kernels-h200.md, runs 6-13: GPU time with the L2 flushed, and CUDA-graph medians): the
     kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
     ranges (not measured).
 
@@ -36,15 +36,15 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       1.02x-1.46x of cuBLAS at every M measured)
     * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
       M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
-    * ``"reduce"`` (down, o): M = 1 (the active-group loop: 1.35x-1.42x); 0.8x-1.06x from M = 2,
+    * ``"reduce"`` (down, o): M = 1 (the active-group loop, 4 programs an output block: 1.45x-1.49x,
+      run 12); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.26x-1.76x), any batch from 32768
       positions (1.27x-1.76x; run 10, with 64 KV positions per step); batch 1 at 8192: 0.75x in a
       CUDA graph, and below 8192 positions 0.4x-0.9x (run 6)
-    * ``"router"`` (the fused routing decision): decode (M <= 16), where the reference is five
-      or six launches of a few microseconds each; the first version, one program per token block,
-      measured 0.08x-0.3x there (run 11: one program streamed all of D); the split version is
-      taken at decode and measured in run 12 (see the doc)
+    * ``"router"`` (the fused routing decision): M <= 1024 (run 13: 1.2x-4.9x of the reference's
+      five or six launches in GPU time, 1.1x-3.0x in a graph); from 2048 tokens, one program per
+      token block streams all of D: 0.6x-0.96x (run 12)
     * ``"attn_prefill"``: nowhere yet (0.73x of cuDNN's GPU time at T = 4096, run 8: the Triton
       flash kernel reaches about 217 TFLOP/s against cuDNN's 535)
     """
@@ -57,7 +57,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     if op == "attn_decode":
         return context >= 32768 or (m >= 4 and context >= 8192)
     if op == "router":
-        return m <= DECODE_MAX_M
+        return m <= 1024
     if op == "attn_prefill":
         return False
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill, router")
