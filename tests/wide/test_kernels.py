@@ -373,7 +373,9 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
         "WIDE, wide-triton auto, no stats",
     ]
     assert all(r["correct"] and r["graph_error"] is None for r in rows)
-    assert all(r["layer_max_rel_err_vs_masked_dense"] < 1e-4 for r in rows[2:])
+    # the converted layers against the masked dense reference: fp32 on the CPU, bf16 on a GPU (the
+    # script's own tolerances; a wiring error moves a layer by far more)
+    assert all(r["layer_max_rel_err_vs_masked_dense"] < (1e-4 if DEVICE == "cpu" else 2e-2) for r in rows[2:])
     assert all(0.3 < r["sparsity"]["macs"] < 0.7 for r in rows[1:4])  # untrained routers: about half
     assert rows[4]["sparsity"] is None  # not counted
     # the prefill profile: wall time per prompt always; kernels only on a GPU
