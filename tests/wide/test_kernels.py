@@ -432,6 +432,7 @@ def test_attention_decode_reads_no_kv_for_inactive_groups():
         (1, 8, 2, 32, 40, 0, 4),
         (1, 4, 4, 16, 33, 0, 4),
         (1, 6, 2, 16, 1, 9, 2),
+        (1, 4, 2, 16, 20, 50, 2),  # a long past: several key blocks before any query, unmasked
     ],
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
@@ -446,11 +447,13 @@ def test_routed_attention_prefill_matches_reference(b, hq, hkv, d, t, past, grou
     k = torch.randn(b, hkv, past + t, d, generator=gen).to(DEVICE)
     v = torch.randn(b, hkv, past + t, d, generator=gen).to(DEVICE)
     mask = (torch.rand(b, t, groups, generator=gen) >= sparsity).to(DEVICE)
-    got = triton_routed_attention_prefill(q, k, v, mask)
     ref = torch_routed_attention_prefill(q, k, v, mask)
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     heads_off = ~mask.repeat_interleave(hq // groups, dim=-1).permute(0, 2, 1)  # [B, Hq, T]
-    assert torch.count_nonzero(got[heads_off]) == 0
+    # default tiles (autotuned on a GPU), and fixed ones: key blocks of 16 and 32 behind 16 queries
+    for tiles in ({}, {"block_m": 16, "block_n": 16}, {"block_m": 16, "block_n": 32}):
+        got = triton_routed_attention_prefill(q, k, v, mask, **tiles)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert torch.count_nonzero(got[heads_off]) == 0
 
 
 def test_prefill_reference_equals_sdpa_when_all_on():

@@ -9,7 +9,10 @@
 Per sequence and head group the tokens are sorted active-first (the routing layout); program
 (b, h, tile) takes one tile of head h's sorted tokens, gathers their queries, runs causal flash
 attention with their original positions and scatters the result back. Tiles with no active token
-only write zeros and read neither Q, K nor V; the key loop stops at the last active token's position.
+only write zeros and read neither Q, K nor V; the key loop stops at the last active token's position,
+and the key blocks at or before the tile's first active position (every active query sees all of
+them) run without the causal mask. Tiles are autotuned on a GPU (``tuning.ATTN_PREFILL``, keyed on
+the power-of-two bucket of T).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ if triton is not None:
     @triton.jit
     def triton_attn_prefill_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, counts_ptr,
-        HQ, T, S, D, G, scale,
+        HQ, T, S, D, G, T_BUCKET, scale,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh, stride_ot,
         DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -88,20 +91,32 @@ if triton is not None:
         )
         qpos = past + rows  # original positions
         last = tl.max(tl.where(active, qpos, 0), axis=0)
+        first = tl.min(tl.where(active, qpos, S), axis=0)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n0 in range(0, last + 1, BLOCK_N):
+        kv_base = b * stride_kb + kvh * stride_kh + ds[None, :]
+        full_end = ((first + 1) // BLOCK_N) * BLOCK_N  # keys [0, full_end): seen by every active query
+        for n0 in range(0, full_end, BLOCK_N):  # no causal mask (inactive rows: zeroed at the end)
+            ns = n0 + tl.arange(0, BLOCK_N)
+            kt = tl.load(k_ptr + kv_base + ns[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
+            vt = tl.load(v_ptr + kv_base + ns[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, True, m_i, l_i, acc, scale, DOT_PRECISION)
+        for n0 in range(full_end, last + 1, BLOCK_N):  # the diagonal blocks: causal mask
             ns = n0 + tl.arange(0, BLOCK_N)
             n_ok = ns < S
-            kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
-            kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            kt = tl.load(k_ptr + kv_base + ns[:, None] * stride_ks, mask=kv_mask, other=0.0)
+            vt = tl.load(v_ptr + kv_base + ns[:, None] * stride_ks, mask=kv_mask, other=0.0)
             allowed = (ns[None, :] <= qpos[:, None]) & n_ok[None, :] & active[:, None]  # causal, real keys
             m_i, l_i, acc = online_softmax_step(q, kt, vt, allowed, m_i, l_i, acc, scale, DOT_PRECISION)
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         res = tl.where(active[:, None], res, 0.0)
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    _tuned_attn_prefill = tuning.autotuned(
+        triton_attn_prefill_kernel, tuning.ATTN_PREFILL, ["T_BUCKET", "D", "REP", "A"], decode=False
+    )
 
 
 def triton_routed_attention_prefill(
@@ -114,8 +129,8 @@ def triton_routed_attention_prefill(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_prefill`. Tiles default to
-    ``tuning.attention_prefill_block()``."""
+    """Triton version of :func:`torch_routed_attention_prefill`. Tiles: ``block_m`` x ``block_n``
+    where given (the other ``tuning.attention_prefill_block()``), else autotuned on a GPU."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, t, d = q.shape
@@ -124,16 +139,21 @@ def triton_routed_attention_prefill(
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
     order, counts = layout if layout is not None else prefill_layout(mask)
-    block_m = block_m or tuning.attention_prefill_block()
-    block_n = block_n or tuning.attention_prefill_block()
     q = q.contiguous()
     out = torch.empty_like(q)
-    block_d = max(16, triton.next_power_of_2(d))
-    triton_attn_prefill_kernel[(b, hq, triton.cdiv(t, block_m))](
-        q, k, v, out, order, counts, hq, t, s, d, groups, 1.0 / math.sqrt(d),
+    args = (
+        q, k, v, out, order, counts, hq, t, s, d, groups, tuning.m_bucket(t), 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        DOT_PRECISION=tuning.dot_precision(q.dtype),
-        REP=hq // hkv, A=hq // groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
+    common = dict(
+        DOT_PRECISION=tuning.dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )  # fmt: skip
+    if block_m is not None or block_n is not None or tuning.interpreted():
+        bm, bn = block_m or tuning.attention_prefill_block(), block_n or tuning.attention_prefill_block()
+        triton_attn_prefill_kernel[(b, hq, triton.cdiv(t, bm))](*args, **common, BLOCK_M=bm, BLOCK_N=bn)
+    else:
+        grid = lambda meta: (b, hq, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
+        _tuned_attn_prefill[grid](*args, **common)
     return out
