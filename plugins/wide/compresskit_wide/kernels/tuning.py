@@ -39,14 +39,15 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     * ``"reduce"`` (down, o): M = 1 (the active-group loop, 4 programs an output block: 1.45x-1.49x,
       run 12); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
-    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.26x-1.76x), any batch from 32768
-      positions (1.27x-1.76x; run 10, with 64 KV positions per step); batch 1 at 8192: 0.75x in a
-      CUDA graph, and below 8192 positions 0.4x-0.9x (run 6)
+    * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.44x-1.64x in a graph), any batch from
+      32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
+      batch 1 at 8192: 1.38x GPU time but 1.02x in a graph (batch 2-3 not measured), and below 8192
+      positions 0.4x-0.9x (run 6)
     * ``"router"`` (the fused routing decision): M <= 1024 (run 13: 1.2x-4.9x of the reference's
       five or six launches in GPU time, 1.1x-3.0x in a graph); from 2048 tokens, one program per
       token block streams all of D: 0.6x-0.96x (run 12)
-    * ``"attn_prefill"``: nowhere yet (0.73x of cuDNN's GPU time at T = 4096, run 8: the Triton
-      flash kernel reaches about 217 TFLOP/s against cuDNN's 535)
+    * ``"attn_prefill"``: nowhere yet (0.96x of cuDNN's GPU time and 1.02x in a graph at T = 4096,
+      0.52x-0.78x at 1024-2048; run 15)
     """
     if op == "swiglu":
         return True
