@@ -40,6 +40,26 @@ def test_routing_layout_matches_reference_exactly(m, sparsity):
         assert torch.equal(active, torch.sort(active).values)
 
 
+@pytest.mark.parametrize(("b", "t", "g"), [(1, 1, 8), (2, 17, 3), (3, 40, 8), (2, 1100, 5)])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+def test_batched_layout_matches_reference_exactly(b, t, g, sparsity):
+    """The prefill attention's layout (per sequence and head group) from the routing layout's
+    kernel: bit for bit the reference's, for sequences with different masks, T over one block
+    (1100 > 1024), a non-contiguous mask."""
+    from compresskit_wide.kernels.layout import torch_batched_layout, triton_batched_layout
+
+    mask = torch.stack([random_mask(t, g, sparsity, seed=t + i) for i in range(b)])  # [B, T, G]
+    if b == 3:
+        mask = mask.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    got, ref = triton_batched_layout(mask), torch_batched_layout(mask)
+    for x, y in zip(got, ref, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.cpu(), y.cpu())
+    for i in range(b):  # each sequence is its own routing layout
+        assert torch.equal(got[0][i].cpu(), torch_routing_layout(mask[i])[0].cpu())
+    with pytest.raises(ValueError, match=r"mask must be \[B, T, G\], got \(4, 2\)"):
+        triton_batched_layout(torch.ones(4, 2, dtype=torch.bool, device=DEVICE))
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 16, 17, 40])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("g", [7, 112])

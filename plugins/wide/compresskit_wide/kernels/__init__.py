@@ -7,7 +7,8 @@ autograd path for training) and, where written, a Triton kernel (``triton_*``):
   kernel yet (the masked dense product on the zero-filled input is exact);
 * routing layout (sorted tokens per group, counts, active groups): ``torch_routing_layout``,
   ``triton_routing_layout``; its decode part (active groups only, one launch):
-  ``torch_decode_layout``, ``triton_decode_layout``;
+  ``torch_decode_layout``, ``triton_decode_layout``; per sequence of a batch (the prefill
+  attention's, by head group): ``layout.torch_batched_layout``, ``layout.triton_batched_layout``;
 * output-width masked GEMM, plain (q) or with a fused SwiGLU (gate, up):
   ``torch_masked_out_gemm``, ``triton_masked_out_gemm``;
 * reduction-width masked GEMM (o, down): ``torch_masked_reduce_gemm`` (the masked dense

@@ -22,6 +22,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.layout import torch_batched_layout, triton_batched_layout
 from compresskit_wide.kernels.reference import zero_inactive_heads
 
 try:
@@ -50,10 +51,11 @@ def torch_routed_attention_prefill(
 
 
 def prefill_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mask: [B, T, G]`` -> ``order: [B, G, T]`` (active tokens first, in order), ``counts: [B, G]``."""
-    inactive = (~mask.bool()).permute(0, 2, 1).contiguous().to(torch.int8)  # [B, G, T]
-    order = torch.argsort(inactive, dim=-1, stable=True).to(torch.int32).contiguous()
-    return order, mask.bool().sum(dim=1, dtype=torch.int32).contiguous()
+    """``mask: [B, T, G]`` -> ``order: [B, G, T]`` (active tokens first, in order), ``counts: [B, G]``:
+    one Triton launch on a GPU (``triton_batched_layout``), the reference elsewhere."""
+    if triton is not None and mask.is_cuda:
+        return triton_batched_layout(mask)
+    return torch_batched_layout(mask)
 
 
 if triton is not None:

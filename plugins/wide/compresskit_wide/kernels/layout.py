@@ -54,9 +54,15 @@ def torch_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 if triton is not None:
 
     @triton.jit
-    def triton_routing_layout_kernel(mask_ptr, order_ptr, counts_ptr, M, G, stride_m, BLOCK_M: tl.constexpr):
-        # one program per group g: two passes over the tokens
+    def triton_routing_layout_kernel(
+        mask_ptr, order_ptr, counts_ptr, M, G, stride_b, stride_m, BLOCK_M: tl.constexpr
+    ):  # fmt: skip
+        # one program per group g (and sequence b of a batched mask): two passes over the tokens
         g = tl.program_id(0)
+        b = tl.program_id(1)
+        mask_ptr += b * stride_b
+        order_ptr += b * G * M
+        counts_ptr += b * G
         total = tl.zeros((), dtype=tl.int32)
         for start in range(0, M, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
@@ -151,8 +157,36 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
     block_m = min(1024, max(16, triton.next_power_of_2(m)))
-    triton_routing_layout_kernel[(g,)](mask_u8, order, counts, m, g, mask_u8.stride(0), BLOCK_M=block_m)
+    triton_routing_layout_kernel[(g, 1)](mask_u8, order, counts, m, g, 0, mask_u8.stride(0), BLOCK_M=block_m)
     triton_active_groups_kernel[(1,)](
         counts, groups, n_active, g, BLOCK_G=min(1024, max(16, triton.next_power_of_2(g)))
     )
     return order, counts, groups, n_active
+
+
+def torch_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: for ``mask: [B, T, G]`` each sequence's ``order`` and ``counts`` as in the
+    routing layout: ``order: [B, G, T]`` (per sequence and group: active tokens, then inactive, each
+    ascending), ``counts: [B, G]`` (what the routed prefill attention runs on)."""
+    inactive = (~mask.bool()).permute(0, 2, 1).contiguous().to(torch.int8)  # [B, G, T]
+    order = torch.argsort(inactive, dim=-1, stable=True).to(torch.int32).contiguous()
+    return order, mask.bool().sum(dim=1, dtype=torch.int32).contiguous()
+
+
+def triton_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`torch_batched_layout` (same outputs, bit for bit): the routing
+    layout's kernel, one program per (group, sequence), in one launch where the reference's sort
+    and sum take seven small kernels."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if mask.dim() != 3:
+        raise ValueError(f"mask must be [B, T, G], got {tuple(mask.shape)}")
+    b, t, g = mask.shape
+    mask_u8 = mask_bytes(mask)
+    order = torch.empty((b, g, t), dtype=torch.int32, device=mask.device)
+    counts = torch.empty((b, g), dtype=torch.int32, device=mask.device)
+    block_m = min(1024, max(16, triton.next_power_of_2(t)))
+    triton_routing_layout_kernel[(g, b)](
+        mask_u8, order, counts, t, g, mask_u8.stride(0), mask_u8.stride(1), BLOCK_M=block_m
+    )
+    return order, counts
