@@ -11,7 +11,8 @@ measured faster); with ``backend="triton"`` (the kernels everywhere); and ``auto
 (random, zero bias), which skips about half of the groups per token independently: a speed test, not a
 quality one; the realised sparsity is reported beside each WIDE row.
 
-Timings: prefill = one forward of ``--batch x --prompt`` tokens (median of ``--repeats``); eager
+Timings: prefill = one forward of ``--batch x --prompt`` tokens (median of ``--repeats``); CUDA-graph
+prefill = the same forward replayed from a captured graph (what it costs the GPU, without the host); eager
 decode = ``generate`` of ``--new-tokens`` greedy tokens after that prompt (transformers' dynamic cache,
 eager: at batch 1 this is bound by the host's launch cost, for dense as for WIDE), its time minus one
 prefill, per new token; CUDA-graph decode = the same tokens with a static cache, each step one
@@ -98,10 +99,11 @@ def realised(model) -> dict:
     return {"attention": round(rep.attention, 4), "ffn": round(rep.ffn, 4), "macs": round(rep.macs, 4)}
 
 
-def speedups(dense: dict, row: dict) -> tuple[float, float, float]:
-    """(prefill, eager decode, graph decode) speedup of ``row`` over the dense row."""
+def speedups(dense: dict, row: dict) -> tuple[float, float, float, float]:
+    """(prefill, graph prefill, eager decode, graph decode) speedup of ``row`` over the dense row."""
     return (
         dense["prefill_ms"] / max(row["prefill_ms"], 1e-9),
+        dense["graph_prefill_ms"] / max(row["graph_prefill_ms"], 1e-9),
         dense["decode_ms_per_token"] / max(row["decode_ms_per_token"], 1e-9),
         dense["graph_decode_ms_per_token"] / max(row["graph_decode_ms_per_token"], 1e-9),
     )
@@ -184,6 +186,47 @@ def rewind(cache, pos: torch.Tensor, length: int) -> None:
             counter.fill_(length)
 
 
+def capture(step):
+    """``step`` captured in a CUDA graph after three warm-up calls on a side stream (autotuning,
+    compilation and the allocator happen outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def graph_prefill_ms(model, ids, args) -> float:
+    """The prompt's forward replayed from one captured CUDA graph (no host work but the replay): what
+    prefill costs the GPU, as an engine that captures prefill per prompt-length bucket runs it; the
+    eager prefill is bound by the host for WIDE (its profile). Median of ``max(--repeats, 5)``
+    replays. On the CPU (smoke) one eager forward runs: nan."""
+    with torch.no_grad():
+
+        def step():
+            model(ids, use_cache=False)
+
+        if not CUDA:
+            step()
+            return float("nan")
+        graph = capture(step)
+        times = []
+        for _ in range(max(args.repeats, 5)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        del graph
+        return statistics.median(times)
+
+
 def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
     """Per-token time of greedy decoding as a serving engine runs it: a static KV cache and one
     captured CUDA graph per step (no host work per token but the replay), after the prompt's
@@ -209,15 +252,7 @@ def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
             for _ in range(args.new_tokens):
                 step()
             return float("nan"), None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (autotuning, allocator) outside the capture
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture(step)
         times = []
         for _ in range(args.repeats):
             rewind(cache, pos, args.prompt)
@@ -304,6 +339,11 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         total = median_seconds(gen, args.repeats)
     per_token = max(total - prefill, 0.0) / max(args.new_tokens - 1, 1)
     try:
+        graph_prefill, graph_prefill_error = graph_prefill_ms(model, ids, args), None
+    except Exception as exc:  # as below: a prefill that cannot be captured is a finding
+        graph_prefill, graph_prefill_error = float("nan"), f"{type(exc).__name__}: {exc}"[:500]
+        print(f"  CUDA-graph prefill failed: {graph_prefill_error}", flush=True)
+    try:
         (graph_ms, decode_prof), graph_error = graph_decode_ms(model, ids, args), None
     except Exception as exc:  # a step that cannot be captured is a finding, reported in the row
         graph_ms, decode_prof, graph_error = float("nan"), None, f"{type(exc).__name__}: {exc}"[:500]
@@ -314,6 +354,8 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         "layer_max_rel_err_vs_masked_dense": layer_err,
         "logits_max_abs_err_vs_masked_dense_free_running": err,
         "prefill_ms": prefill * 1e3,
+        "graph_prefill_ms": graph_prefill,
+        "graph_prefill_error": graph_prefill_error,
         "decode_ms_per_token": per_token * 1e3,
         "graph_decode_ms_per_token": graph_ms,
         "graph_error": graph_error,
@@ -322,9 +364,10 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         "sparsity": sparsity,
     }
     results.append(row)
-    x_prefill, x_decode, x_graph = speedups(results[0], row)
+    x_prefill, x_graph_prefill, x_decode, x_graph = speedups(results[0], row)
     print(
         f"{name:32s} ok={ok!s:5s} prefill {row['prefill_ms']:9.2f} ms ({x_prefill:4.2f}x) "
+        f"| graph prefill {graph_prefill:8.2f} ms ({x_graph_prefill:4.2f}x) "
         f"| decode {row['decode_ms_per_token']:8.2f} ms/token ({x_decode:4.2f}x)"
         f" | graph decode {graph_ms:7.3f} ms/token ({x_graph:4.2f}x)"
         + (f" | realised MACs skipped {sparsity['macs']:.3f}" if sparsity else ""),
@@ -410,16 +453,18 @@ def main() -> int:
     dense = results[0]
     lines = [
         f"# WIDE end to end\n\n{json.dumps(meta)}\n",
-        "| model | correct (layer rel. err) | prefill ms | x dense | eager decode ms/token | x dense "
+        "| model | correct (layer rel. err) | prefill ms | x dense | CUDA-graph prefill ms | x dense "
+        "| eager decode ms/token | x dense "
         "| CUDA-graph decode ms/token | x dense | MACs skipped |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        x_prefill, x_decode, x_graph = speedups(dense, r)
+        x_prefill, x_graph_prefill, x_decode, x_graph = speedups(dense, r)
         err = r["layer_max_rel_err_vs_masked_dense"]
         lines.append(
             f"| {r['model']} | {r['correct']}{f' ({err:.1e})' if err is not None else ''} | {r['prefill_ms']:.2f} "
-            f"| {x_prefill:.2f} | {r['decode_ms_per_token']:.2f} | {x_decode:.2f} "
+            f"| {x_prefill:.2f} | {r['graph_prefill_ms']:.2f} | {x_graph_prefill:.2f} "
+            f"| {r['decode_ms_per_token']:.2f} | {x_decode:.2f} "
             f"| {r['graph_decode_ms_per_token']:.3f} | {x_graph:.2f} "
             f"| {r['sparsity']['macs'] if r['sparsity'] else '-'} |"
         )

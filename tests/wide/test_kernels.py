@@ -373,7 +373,8 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     """The end-to-end script runs on tiny shapes: dense, WIDE masked dense, wide-triton auto and
     triton (and auto without sparsity counting), each converted model checked layer by layer
     against the masked dense reference, realised sparsity reported where counted, and the
-    static-cache decode steps (eager on the CPU, a CUDA graph on a GPU) run without error."""
+    static-cache decode steps and the prefill (eager on the CPU, CUDA graphs on a GPU) run without
+    error."""
     import json
     import subprocess
     import sys
@@ -392,7 +393,7 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
         "WIDE, wide-triton triton",
         "WIDE, wide-triton auto, no stats",
     ]
-    assert all(r["correct"] and r["graph_error"] is None for r in rows)
+    assert all(r["correct"] and r["graph_error"] is None and r["graph_prefill_error"] is None for r in rows)
     # the converted layers against the masked dense reference: fp32 on the CPU, bf16 on a GPU (the
     # script's own tolerances; a wiring error moves a layer by far more)
     assert all(r["layer_max_rel_err_vs_masked_dense"] < (1e-4 if DEVICE == "cpu" else 2e-2) for r in rows[2:])
