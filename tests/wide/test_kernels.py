@@ -369,6 +369,22 @@ def test_benchmark_script_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_host_overhead_script_runs():
+    """benchmarks/bench_wide_host.py: the four rows, dense first, WIDE's routed modules running
+    more operators per layer than dense."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "bench_wide_host.py"
+    cmd = [sys.executable, str(script), "--layers", "2", "--prompt", "5", "--repeats", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    extra = [float(x) for x in re.findall(r"\(\s*([+-][0-9.]+) a layer vs dense\)", proc.stdout)]
+    assert len(extra) == 4 and extra[0] == 0.0 and all(x > 0 for x in extra[1:]), proc.stdout
+
+
 def test_end_to_end_benchmark_script_smoke(tmp_path):
     """The end-to-end script runs on tiny shapes: dense, WIDE masked dense, wide-triton auto and
     triton (and auto without sparsity counting), each converted model checked layer by layer
