@@ -214,6 +214,12 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
             return triton_masked_reduce_gemm(h, wd, mask, layout=layout, variant="unrolled", w_group_major=wg)
 
         add_row(results, op, m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True)
+    # the loop with its layout and split sum folded in: one launch
+    got = triton_masked_reduce_gemm(h, wd, mask, variant="fused")
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    fused = lambda: triton_masked_reduce_gemm(h, wd, mask, variant="fused")  # noqa: E731
+    add_row(results, "down fused (one launch)", m, mask_kind, mask, fused, {"cuBLAS down": dense}, ok, err, True)
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):

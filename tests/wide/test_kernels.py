@@ -125,10 +125,10 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
     w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 32
     mask = random_mask(m, 8, 0.5)
     ref = torch_masked_reduce_gemm(x, w, mask)
-    for variant in ("loop", "unrolled"):
+    for variant in ("loop", "unrolled", "fused"):
         got = triton_masked_reduce_gemm(x, w, mask, variant=variant)
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled"):
+    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused"):
         triton_masked_reduce_gemm(x, w, mask, variant="fast")
     from compresskit_wide.kernels.gemm_reduce import group_major
 
@@ -167,7 +167,10 @@ def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
     [(1, 64, 48, 4), (2, 96, 32, 3), (5, 128, 64, 2), (17, 64, 40, 4), (16, 256, 16, 8), (3, 72, 32, 3)],
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize(("split", "variant"), [(1, "loop"), (3, "loop"), (1, "unrolled"), (3, "unrolled")])
+@pytest.mark.parametrize(
+    ("split", "variant"),
+    [(1, "loop"), (3, "loop"), (1, "unrolled"), (3, "unrolled"), (1, "fused"), (3, "fused")],
+)
 def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, variant):
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
@@ -190,6 +193,12 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, 
         wg = group_major(w, groups)
         assert torch.equal(wg[1 % groups], w[:, (1 % groups) * (k // groups) : (1 % groups + 1) * (k // groups)])
         again = triton_masked_reduce_gemm(x, w, mask, block_n=16, split=split, variant=variant, w_group_major=wg)
+        torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
+    if variant == "fused":  # its tickets are back at zero for the next call, which agrees
+        from compresskit_wide.kernels.gemm_reduce import _tickets
+
+        assert torch.count_nonzero(_tickets(x.device, 1)) == 0
+        again = triton_masked_reduce_gemm(x, w, mask, block_m=16, block_n=16, block_k=16, split=split, variant=variant)
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0  # no active group: nothing contributes
@@ -632,6 +641,8 @@ def test_auto_dispatch_follows_the_policy(monkeypatch):
 def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
     """Every operator runs inside a captured CUDA graph (no host synchronisation, fixed shapes):
     replaying it on new inputs and masks gives the references' results."""
+    from compresskit_wide.kernels.gemm_reduce import triton_masked_reduce_gemm
+
     dt = torch.bfloat16
     x = torch.randn(m, 256, device="cuda", dtype=dt)
     wg, wu = (torch.randn(512, 256, device="cuda", dtype=dt) / 16 for _ in range(2))
@@ -649,7 +660,8 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
         h = kernels.masked_out_gemm(x, wg, mask, wu, backend=backend)
         y = kernels.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
         decision = kernels.router_decide(x, *router, backend=backend)
-        return y, kernels.routed_attention_decode(q, k, v, lens, amask, backend=backend), decision
+        fused = triton_masked_reduce_gemm(h, wd, mask, split=3, variant="fused")  # tickets reset each replay
+        return y, kernels.routed_attention_decode(q, k, v, lens, amask, backend=backend), decision, fused
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -658,7 +670,7 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, att, decision = step()
+        y, att, decision, fused = step()
     for seed in (3, 4):  # new inputs and masks, same buffers
         x.copy_(torch.randn_like(x))
         mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
@@ -670,6 +682,7 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
         torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
         torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
         assert torch.equal(decision, kernels.torch_router_decide(x, *router))
+        torch.testing.assert_close(fused.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.gpu

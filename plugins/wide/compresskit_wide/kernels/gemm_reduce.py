@@ -151,8 +151,82 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
+    @triton.jit
+    def triton_masked_reduce_gemm_fused_kernel(
+        x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, list_ptr, ticket_ptr,
+        M, N, GW: tl.constexpr, G, SPLIT,
+        stride_xm, stride_wn, stride_mm, stride_om,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # The loop kernel with its two helpers folded in. (1) No layout launch: each program reads its
+        # token tile's mask rows, ORs them and writes the compacted list of the groups they need to its
+        # own slice of a scratch buffer (read back after a CTA barrier). (2) No summing launch: each
+        # share stores its fp32 partial, then takes a ticket for its output block; the share that
+        # draws the last ticket adds all partials in share order (deterministic), writes the output
+        # and resets the ticket to 0 for the next call (the tickets start zeroed, see ``_tickets``).
+        tn = tl.program_id(0)
+        tm = tl.program_id(1)
+        s = tl.program_id(2)
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        gs = tl.arange(0, BLOCK_G)
+        g_ok = gs < G
+        flag_ptrs = mask_ptr + rows[:, None] * stride_mm + gs[None, :]
+        flags = tl.load(flag_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
+        on = tl.max((flags != 0).to(tl.int32), axis=0)  # [BLOCK_G]: some token of the tile needs group g
+        n_active = tl.sum(on, axis=0)
+        my_list = list_ptr + ((s * tl.num_programs(1) + tm) * tl.num_programs(0) + tn) * BLOCK_G
+        tl.store(my_list + tl.cumsum(on, axis=0) - on, gs, mask=on != 0)
+        tl.debug_barrier()  # the list is written by all the program's threads, read by each
+        chunk = tl.cdiv(n_active, SPLIT)
+        first = s * chunk
+        count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in range(first, first + count):
+            g = tl.load(my_list + i)
+            live = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
+            for k0 in tl.static_range(0, GW, BLOCK_K):
+                ks = g * GW + k0 + tl.arange(0, BLOCK_K)
+                k_ok = (k0 + tl.arange(0, BLOCK_K)) < GW
+                a = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=(live & row_ok)[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        tile = row_ok[:, None] & col_ok[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile)
+        else:
+            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+            tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
+            ticket = tl.atomic_add(ticket_ptr + tm * tl.num_programs(0) + tn, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:  # the last share of this block: the others' partials are visible
+                tl.debug_barrier()
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for j in range(0, SPLIT):
+                    total += tl.load(
+                        ws_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=tile, other=0.0, cache_modifier=".cg"
+                    )
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile)
+                tl.atomic_xchg(ticket_ptr + tm * tl.num_programs(0) + tn, 0)
+
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
+    )
+    _tuned_reduce_fused = tuning.autotuned(
+        triton_masked_reduce_gemm_fused_kernel,
+        tuning.REDUCE_DECODE,
+        ["M", "N", "GW", "G", "SPLIT"],
+        decode=True,
+        prune="BLOCK_K",
     )
     _tuned_reduce_gemm = tuning.autotuned(
         triton_masked_reduce_gemm_kernel,
@@ -178,6 +252,28 @@ def split_count(groups: int, split: int | None = None) -> int:
     return split if split is not None else min(4, max(1, groups // 8))
 
 
+_TICKETS: dict = {}
+
+
+def _tickets(device: torch.device, count: int) -> torch.Tensor:
+    """The fused variant's tickets: ``count`` (or more) zeroed int32 counters on ``device``, one per
+    output block, kept between calls (each call leaves them at zero again). Allocated or grown on a
+    call outside a CUDA-graph capture (the first call, which autotunes, is one). Shared by every
+    call on the device: two fused reductions running at the same time on different streams would
+    share them too, so the variant is for one stream at a time."""
+    key = (device.type, device.index)
+    tickets = _TICKETS.get(key)
+    if tickets is None or tickets.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "the fused reduction allocates its tickets on its first call with these shapes: "
+                "call it once before capturing a CUDA graph"
+            )
+        tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _TICKETS[key] = tickets
+    return tickets
+
+
 def triton_masked_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -196,11 +292,13 @@ def triton_masked_reduce_gemm(
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
     routing layout); computed here when not given. ``split``: programs per output block, each
     summing a share of the active groups (default: ``split_count``). ``variant``: "loop" (a
-    runtime loop over the share, measured on the H200) or "unrolled" (the share's group ids read
-    at once, whole-group tiles unrolled; not yet measured on a GPU). ``w_group_major``: ``w`` in
-    the layout ``group_major(w, G)`` (kept beside ``w``), read by the unrolled variant instead."""
-    if variant not in ("loop", "unrolled"):
-        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled")
+    runtime loop over the share, the default), "unrolled" (the share's group ids read at once,
+    whole-group tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the
+    split sum folded in: one launch, ``layout`` unused; see ``_tickets`` for its one-stream
+    limit). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept beside ``w``), read
+    by the unrolled variant instead."""
+    if variant not in ("loop", "unrolled", "fused"):
+        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused")
     if w_group_major is not None and variant != "unrolled":
         raise ValueError("w_group_major is read by the unrolled variant only")
     if triton is None:
@@ -210,7 +308,10 @@ def triton_masked_reduce_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or k % groups or mask.shape[0] != m:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    active_groups, n_active = (layout if layout is not None else triton_decode_layout(mask))[-2:]
+    if variant == "fused":
+        active_groups = n_active = None  # each program finds its tile's groups itself
+    else:
+        active_groups, n_active = (layout if layout is not None else triton_decode_layout(mask))[-2:]
     x, w = x.contiguous(), w.contiguous()
     mask_u8 = mask_bytes(mask)
     if out is None:
@@ -226,7 +327,16 @@ def triton_masked_reduce_gemm(
     args = (x, weights, mask_u8, out, ws, active_groups, n_active, m, n, gw, groups, splits)
     strides = (x.stride(0), stride_wn, mask_u8.stride(0), out.stride(0))
     precision = tuning.dot_precision(x.dtype)
-    if variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
+    if variant == "fused":  # its own group list (a scratch slice per program) and tickets
+        # output blocks: at most one per 16 columns (the narrowest tile) and token tile
+        blocks = triton.cdiv(n, min(block_n or 16, 16)) * triton.cdiv(m, block_m or 16)
+        block_g = max(16, triton.next_power_of_2(groups))
+        group_lists = torch.empty(blocks * splits * block_g, dtype=torch.int32, device=x.device)
+        args = (x, weights, mask_u8, out, ws, group_lists, _tickets(x.device, blocks), m, n, gw, groups, splits)
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused
+        meta = {"BLOCK_G": block_g}
+        fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
+    elif variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_unrolled_kernel, _tuned_reduce_unrolled
         strides = (*strides, stride_wg)
         meta = {
@@ -245,7 +355,7 @@ def triton_masked_reduce_gemm(
     else:
         grid = lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, 16), splits)  # noqa: E731
         tuned_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, BLOCK_M=16)
-    if splits > 1:
+    if splits > 1 and variant != "fused":
         block = 1024
         triton_split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)
     return out
