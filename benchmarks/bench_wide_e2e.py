@@ -43,6 +43,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
 
+from compresskit_wide.kernels.tuning import replay_ms  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 
 
@@ -215,14 +217,7 @@ def graph_prefill_ms(model, ids, args) -> float:
             step()
             return float("nan")
         graph = capture(step)
-        times = []
-        for _ in range(max(args.repeats, 5)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = [replay_ms(graph) for _ in range(max(args.repeats, 5))]
         del graph
         return statistics.median(times)
 
@@ -256,13 +251,7 @@ def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
         times = []
         for _ in range(args.repeats):
             rewind(cache, pos, args.prompt)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(args.new_tokens):
-                graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / args.new_tokens)
+            times.append(replay_ms(graph, args.new_tokens) / args.new_tokens)
         profile = decode_profile(graph, cache, pos, args)
     return statistics.median(times), profile
 

@@ -1,9 +1,9 @@
 """The host's share of a WIDE prefill, measured on the CPU: a model of tiny width (so the arithmetic
-is negligible) with many layers, its prompt's forward timed dense, with WIDE's routers (the
-``torch`` executor's reference path), and through the ``wide-triton`` executor (its ``torch``
-backend: the same modules and dispatch as on a GPU, the references doing the arithmetic), with
-counting on and off; and the PyTorch operators each runs per layer (each is a kernel launch or at
-least a dispatch on a GPU).
+is negligible; ``compresskit.testing.tiny_llama``) with many layers, its prompt's forward timed
+dense, with WIDE's routers (the ``torch`` executor's reference path), and through the
+``wide-triton`` executor (its ``torch`` backend: the same modules and dispatch as on a GPU, the
+references doing the arithmetic), with counting on and off; and the PyTorch operators each runs
+per layer (each is a kernel launch or at least a dispatch on a GPU).
 
     python benchmarks/bench_wide_host.py [--layers 32] [--prompt 16] [--repeats 20]
 
@@ -47,27 +47,15 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     from compresskit import plugins
     from compresskit.interfaces import RunContext
+    from compresskit.testing import tiny_llama
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=args.layers,
-        max_position_embeddings=args.prompt + 8,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    ids = torch.randint(3, 512, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    model = tiny_llama(num_hidden_layers=args.layers)
+    ids = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
     rows = [("dense", model)]
     wide = plugins.load("pruner", "wide")
-    pruner = wide(wide.Config(target_sparsity=0.5))
+    pruner = wide(wide.Config(target_sparsity=0.5, ffn_group_size=16, router_rank=8))
     routed = copy.deepcopy(model)  # prepare attaches the routers in place
     pruner.prepare(routed, RunContext(model_config=model.config, device=torch.device("cpu"), dtype=torch.float32))
     routed = pruner.finalize(routed)

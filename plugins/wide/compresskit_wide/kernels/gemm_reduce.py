@@ -72,6 +72,25 @@ if triton is not None:
             tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
 
     @triton.jit
+    def add_group(
+        acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
+        GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """``acc`` plus input group ``g``'s product for the tile: the rows of the tokens that need g
+        (the others load zeros) against g's weight columns, BLOCK_K of them a step (unrolled)."""
+        on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
+        for k0 in tl.static_range(0, GW, BLOCK_K):
+            ks = g * GW + k0 + tl.arange(0, BLOCK_K)
+            k_ok = (k0 + tl.arange(0, BLOCK_K)) < GW
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(on & row_ok)[:, None] & k_ok[None, :], other=0.0
+            )
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        return acc
+
+    @triton.jit
     def triton_masked_reduce_gemm_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
         M, N, GW: tl.constexpr, G, SPLIT,
@@ -87,19 +106,10 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(first, first + count):  # only the groups some token needs
             g = tl.load(groups_ptr + i)
-            on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
-            for k0 in tl.static_range(0, GW, BLOCK_K):
-                ks = g * GW + k0 + tl.arange(0, BLOCK_K)
-                k_ok = (k0 + tl.arange(0, BLOCK_K)) < GW
-                a = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(on & row_ok)[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            acc = add_group(
+                acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
+                GW, DOT_PRECISION, BLOCK_K,
+            )  # fmt: skip
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
     @triton.jit
@@ -186,20 +196,10 @@ if triton is not None:
         count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(first, first + count):
-            g = tl.load(my_list + i)
-            live = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
-            for k0 in tl.static_range(0, GW, BLOCK_K):
-                ks = g * GW + k0 + tl.arange(0, BLOCK_K)
-                k_ok = (k0 + tl.arange(0, BLOCK_K)) < GW
-                a = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                    mask=(live & row_ok)[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                b = tl.load(
-                    w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-                )
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            acc = add_group(
+                acc, x_ptr, w_ptr, mask_ptr, tl.load(my_list + i), rows, row_ok, cols, col_ok,
+                stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_K,
+            )  # fmt: skip
         tile = row_ok[:, None] & col_ok[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         if SPLIT == 1:
@@ -221,19 +221,9 @@ if triton is not None:
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
     )
-    _tuned_reduce_fused = tuning.autotuned(
-        triton_masked_reduce_gemm_fused_kernel,
-        tuning.REDUCE_DECODE,
-        ["M", "N", "GW", "G", "SPLIT"],
-        decode=True,
-        prune="BLOCK_K",
-    )
-    _tuned_reduce_gemm = tuning.autotuned(
-        triton_masked_reduce_gemm_kernel,
-        tuning.REDUCE_DECODE,
-        ["M", "N", "GW", "G", "SPLIT"],
-        decode=True,
-        prune="BLOCK_K",
+    _tuned_reduce_gemm, _tuned_reduce_fused = (
+        tuning.autotuned(kernel, tuning.REDUCE_DECODE, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
+        for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
 
 

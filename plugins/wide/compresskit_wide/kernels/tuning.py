@@ -138,19 +138,22 @@ def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
     with_fn, flush_only = capture(fn), capture(lambda: None)
     costs = []
     for _ in range(rounds):
-        times = []
-        for graph in (with_fn, flush_only):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        costs.append(max(times[0] - times[1], 1e-6) / reps)
+        costs.append(max(replay_ms(with_fn) - replay_ms(flush_only), 1e-6) / reps)
     costs.sort()
     if quantiles is None:
         return costs[len(costs) // 2]
     return [costs[min(len(costs) - 1, int(q * len(costs)))] for q in quantiles]
+
+
+def replay_ms(graph, times: int = 1) -> float:
+    """Milliseconds of ``times`` back-to-back replays of a captured CUDA graph (an event pair)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(times):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def configs(rows: list[tuple[dict, int, int]]) -> list:
