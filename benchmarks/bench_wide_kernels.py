@@ -269,15 +269,19 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         return x @ wq.T
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
-    for split in (1, 8) if decode else ():  # the default (4 programs share K) against 1 and 8
-        got = triton_masked_out_gemm(x, wq, mask, split_k=split)
+    # the default (4 programs share K, then a summing kernel) against 1 and 8, and 4 with the sum
+    # folded into the kernel (no second launch)
+    variants = [(1, False), (8, False), (4, True)] if decode else []
+    for split, fold in variants:
+        got = triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
         err = (got.float() - ref.float()).abs().max().item()
         ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-        def split_ours(split=split):
-            return triton_masked_out_gemm(x, wq, mask, split_k=split)
+        def split_ours(split=split, fold=fold):
+            return triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
 
-        add_row(results, f"q split-K {split}", m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
+        label = f"q split-K {split}" + (" folded sum" if fold else "")
+        add_row(results, label, m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 
 def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):

@@ -717,17 +717,22 @@ def test_autotune_configs_never_span_two_groups():
 
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-def test_masked_out_gemv_split_k_matches_reference(m, sparsity):
+@pytest.mark.parametrize("fold_sum", [False, True])
+def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum):
     """The plain decode product with its K range shared by 3 programs (fp32 partials, then one
-    summing kernel): the reference's values, exact zeros for inactive groups, nothing written
-    beyond the output."""
+    summing kernel, or the last share of each block adding them up): the reference's values,
+    exact zeros for inactive groups, nothing written beyond the output."""
     gen = torch.Generator().manual_seed(m + 11)
     x = torch.randn(m, 200, generator=gen).to(DEVICE)  # K not a multiple of the share or the block
     w = torch.randn(96, 200, generator=gen).to(DEVICE)
     mask = random_mask(m, 3, sparsity, seed=m)
     buf = torch.full((m + 2, 96), float("nan"), device=DEVICE)
-    got = triton_masked_out_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3)
+    got = triton_masked_out_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum)
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    if fold_sum:  # the tickets are back at zero for the next call
+        from compresskit_wide.kernels.gemm_reduce import _tickets
+
+        assert torch.count_nonzero(_tickets(x.device, 1)) == 0
     assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
     with pytest.raises(ValueError, match="split_k is for the plain"):

@@ -29,7 +29,12 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.gemm_reduce import store_share, triton_split_sum_kernel
+    from compresskit_wide.kernels.gemm_reduce import (
+        _tickets,
+        store_share,
+        store_share_ticketed,
+        triton_split_sum_kernel,
+    )
 except ImportError:
     triton = None
 
@@ -152,14 +157,16 @@ if triton is not None:
 
     @triton.jit
     def triton_masked_out_gemv_splitk_kernel(
-        x_ptr, w_ptr, ws_ptr, mask_ptr,
+        x_ptr, w_ptr, ws_ptr, mask_ptr, out_ptr, ticket_ptr,
         M, N, K, GW, SPLIT_K, K_CHUNK,
-        stride_xm, stride_wn, stride_mm,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        stride_xm, stride_wn, stride_mm, stride_om,
+        FOLD_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # decode, plain (q): program (g, n-block, s) sums the s-th K_CHUNK of the product into the
         # fp32 workspace [SPLIT_K, M, N] (zeros for a group no token needs; no weight read then);
-        # ``triton_split_sum_kernel`` adds the shares and casts. More programs for a small GEMV.
+        # ``triton_split_sum_kernel`` adds the shares and casts, or with FOLD_SUM the last share of
+        # each output block does (``store_share_ticketed``). More programs for a small GEMV.
         rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
         s = tl.program_id(2)
         k_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
@@ -169,12 +176,18 @@ if triton is not None:
             x_ptr, w_ptr, w_ptr, rows, on, cols, col_ok, s * K_CHUNK, k_end, stride_xm, stride_wn,
             False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
+        if FOLD_SUM:
+            block = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            store_share_ticketed(
+                acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT_K
+            )  # fmt: skip
+        else:
+            store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
     _tuned_out_gemv_splitk = tuning.autotuned(
         triton_masked_out_gemv_splitk_kernel,
         tuning.OUT_DECODE_SPLITK,
-        ["M", "N", "K", "GW", "SPLIT_K"],
+        ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
         decode=True,
         prune="BLOCK_N",
     )
@@ -206,6 +219,7 @@ def triton_masked_out_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     split_k: int | None = None,
+    fold_sum: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -213,8 +227,10 @@ def triton_masked_out_gemm(
     not needed). More: the sorted-tile kernel on the routing layout of ``mask`` (computed here
     when not given; share it between projections of one block). Tiles are autotuned on a GPU;
     ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode, plain q only):
-    that many programs share each output block's K range (fp32 partials, one summing kernel);
-    default ``tuning.out_decode_split_k`` (4 for the plain decode product on a GPU, as measured)."""
+    that many programs share each output block's K range (fp32 partials, one summing kernel, or
+    with ``fold_sum`` none: the last share of each block adds them up, ``store_share_ticketed``;
+    not yet the default); default ``tuning.out_decode_split_k`` (4 for the plain decode product
+    on a GPU, as measured)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -235,7 +251,7 @@ def triton_masked_out_gemm(
     if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
         raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if split_k > 1:
-        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k)
+        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum)
     if m <= tuning.DECODE_MAX_M:
         mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
@@ -261,20 +277,24 @@ def triton_masked_out_gemm(
     return out
 
 
-def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k):
+def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum):
     m, k = x.shape
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     chunk = triton.cdiv(triton.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
-    args = (x, w, ws, mask_u8, m, n, k, gw, split_k, chunk, x.stride(0), w.stride(0), mask_u8.stride(0))
-    precision = tuning.dot_precision(x.dtype)
+    # output blocks (tickets when the sum is folded in): at most one per 16 columns of a group
+    tickets = _tickets(x.device, groups * triton.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
+    args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
+    args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
+    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": 16}
     if block_n is not None or tuning.interpreted():
         bn, bk = block_n or 16, min(block_k or 32, chunk)
         grid = (groups, triton.cdiv(gw, bn), split_k)
-        triton_masked_out_gemv_splitk_kernel[grid](*args, DOT_PRECISION=precision, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
+        triton_masked_out_gemv_splitk_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk)
     else:
         grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
-        _tuned_out_gemv_splitk[grid](*args, DOT_PRECISION=precision, BLOCK_M=16)
-    triton_split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
+        _tuned_out_gemv_splitk[grid](*args, **common)
+    if not fold_sum:
+        triton_split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
     return out

@@ -72,6 +72,32 @@ if triton is not None:
             tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
 
     @triton.jit
+    def store_share_ticketed(
+        acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT
+    ):  # fmt: skip
+        """``store_share`` with the sum folded in: with SPLIT > 1 the share stores its fp32 partial
+        to the workspace ``[SPLIT, M, N]`` and takes a ticket for its output ``block``; the share that
+        draws the last one adds all partials in share order (deterministic), writes ``out`` and resets
+        the ticket to 0 for the next call (tickets start zeroed: ``_tickets``). No summing launch."""
+        tile = row_ok[:, None] & col_ok[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        if SPLIT == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile)
+        else:
+            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
+            tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
+            ticket = tl.atomic_add(ticket_ptr + block, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLIT - 1:  # the last share of this block: the others' partials are visible
+                tl.debug_barrier()
+                total = tl.zeros(acc.shape, dtype=tl.float32)
+                for j in range(0, SPLIT):
+                    total += tl.load(
+                        ws_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=tile, other=0.0, cache_modifier=".cg"
+                    )
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile)
+                tl.atomic_xchg(ticket_ptr + block, 0)
+
+    @triton.jit
     def add_group(
         acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
         GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -171,10 +197,8 @@ if triton is not None:
     ):  # fmt: skip
         # The loop kernel with its two helpers folded in. (1) No layout launch: each program reads its
         # token tile's mask rows, ORs them and writes the compacted list of the groups they need to its
-        # own slice of a scratch buffer (read back after a CTA barrier). (2) No summing launch: each
-        # share stores its fp32 partial, then takes a ticket for its output block; the share that
-        # draws the last ticket adds all partials in share order (deterministic), writes the output
-        # and resets the ticket to 0 for the next call (the tickets start zeroed, see ``_tickets``).
+        # own slice of a scratch buffer (read back after a CTA barrier). (2) No summing launch: the
+        # shares of an output block add up through tickets (``store_share_ticketed``).
         tn = tl.program_id(0)
         tm = tl.program_id(1)
         s = tl.program_id(2)
@@ -200,23 +224,10 @@ if triton is not None:
                 acc, x_ptr, w_ptr, mask_ptr, tl.load(my_list + i), rows, row_ok, cols, col_ok,
                 stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_K,
             )  # fmt: skip
-        tile = row_ok[:, None] & col_ok[None, :]
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        if SPLIT == 1:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tile)
-        else:
-            tl.store(ws_ptr + (s * M + rows[:, None]) * N + cols[None, :], acc, mask=tile)
-            tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
-            ticket = tl.atomic_add(ticket_ptr + tm * tl.num_programs(0) + tn, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:  # the last share of this block: the others' partials are visible
-                tl.debug_barrier()
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for j in range(0, SPLIT):
-                    total += tl.load(
-                        ws_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=tile, other=0.0, cache_modifier=".cg"
-                    )
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile)
-                tl.atomic_xchg(ticket_ptr + tm * tl.num_programs(0) + tn, 0)
+        store_share_ticketed(
+            acc, out_ptr, ws_ptr, ticket_ptr, tm * tl.num_programs(0) + tn, rows, row_ok, cols, col_ok, s, M, N,
+            stride_om, SPLIT,
+        )  # fmt: skip
 
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
