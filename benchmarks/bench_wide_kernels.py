@@ -39,7 +39,6 @@ from compresskit_wide.kernels.attention_decode import (  # noqa: E402
     triton_routed_attention_decode,
 )
 from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
-    prefill_layout,
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
@@ -50,7 +49,11 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
-from compresskit_wide.kernels.layout import triton_decode_layout, triton_routing_layout  # noqa: E402
+from compresskit_wide.kernels.layout import (  # noqa: E402
+    triton_batched_layout,
+    triton_decode_layout,
+    triton_routing_layout,
+)
 from compresskit_wide.kernels.tuning import DECODE_MAX_M, l2_flush_buffer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -402,7 +405,7 @@ def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, 
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
     def ours():  # including the layout
-        return triton_routed_attention_prefill(q, k, v, mask, layout=prefill_layout(mask))  # shipped defaults
+        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_batched_layout(mask))  # shipped defaults
 
     add_row(results, "attn prefill causal", t, mask_kind, mask[0], ours, sdpa_variants(q, k, v, True), ok, err, False)
 

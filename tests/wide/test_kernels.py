@@ -195,9 +195,9 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, 
         again = triton_masked_reduce_gemm(x, w, mask, block_n=16, split=split, variant=variant, w_group_major=wg)
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
     if variant == "fused":  # its tickets are back at zero for the next call, which agrees
-        from compresskit_wide.kernels.gemm_reduce import _tickets
+        from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 
-        assert torch.count_nonzero(_tickets(x.device, 1)) == 0
+        assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
         again = triton_masked_reduce_gemm(x, w, mask, block_m=16, block_n=16, block_k=16, split=split, variant=variant)
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:
@@ -730,9 +730,9 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum):
     got = triton_masked_out_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum)
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
     if fold_sum:  # the tickets are back at zero for the next call
-        from compresskit_wide.kernels.gemm_reduce import _tickets
+        from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 
-        assert torch.count_nonzero(_tickets(x.device, 1)) == 0
+        assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
     assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
     with pytest.raises(ValueError, match="split_k is for the plain"):

@@ -22,7 +22,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.layout import torch_batched_layout, triton_batched_layout
+from compresskit_wide.kernels.layout import triton_batched_layout
 from compresskit_wide.kernels.reference import zero_inactive_heads
 
 try:
@@ -48,14 +48,6 @@ def torch_routed_attention_prefill(
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vv  # [B, Hq, T, D]
     return zero_inactive_heads(out, mask).to(q.dtype)
-
-
-def prefill_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mask: [B, T, G]`` -> ``order: [B, G, T]`` (active tokens first, in order), ``counts: [B, G]``:
-    one Triton launch on a GPU (``triton_batched_layout``), the reference elsewhere."""
-    if triton is not None and mask.is_cuda:
-        return triton_batched_layout(mask)
-    return torch_batched_layout(mask)
 
 
 if triton is not None:
@@ -140,7 +132,7 @@ def triton_routed_attention_prefill(
     groups = mask.shape[-1]
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
-    order, counts = layout if layout is not None else prefill_layout(mask)
+    order, counts = layout if layout is not None else triton_batched_layout(mask)
     q = q.contiguous()
     out = torch.empty_like(q)
     args = (

@@ -30,10 +30,10 @@ try:
     import triton.language as tl
 
     from compresskit_wide.kernels.gemm_reduce import (
-        _tickets,
         store_share,
         store_share_ticketed,
         triton_split_sum_kernel,
+        zeroed_tickets,
     )
 except ImportError:
     triton = None
@@ -184,26 +184,18 @@ if triton is not None:
         else:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
-    _tuned_out_gemv_splitk = tuning.autotuned(
-        triton_masked_out_gemv_splitk_kernel,
-        tuning.OUT_DECODE_SPLITK,
-        ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
-        decode=True,
-        prune="BLOCK_N",
-    )
-    _tuned_out_gemm = tuning.autotuned(
-        triton_masked_out_gemm_kernel,
-        tuning.OUT_PREFILL,
-        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
-        decode=False,
-        prune="BLOCK_N",
-    )
-    _tuned_out_gemv = tuning.autotuned(
-        triton_masked_out_gemv_kernel,
-        tuning.OUT_DECODE,
-        ["M", "N", "K", "GW", "FUSE_SWIGLU"],
-        decode=True,
-        prune="BLOCK_N",
+    _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv = (
+        tuning.autotuned(kernel, table, key, decode=decode, prune="BLOCK_N")
+        for kernel, table, key, decode in (
+            (
+                triton_masked_out_gemv_splitk_kernel,
+                tuning.OUT_DECODE_SPLITK,
+                ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
+                True,
+            ),
+            (triton_masked_out_gemm_kernel, tuning.OUT_PREFILL, ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"], False),
+            (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
+        )
     )
 
 
@@ -284,7 +276,7 @@ def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fo
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     chunk = triton.cdiv(triton.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
     # output blocks (tickets when the sum is folded in): at most one per 16 columns of a group
-    tickets = _tickets(x.device, groups * triton.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
+    tickets = zeroed_tickets(x.device, groups * triton.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
     args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
     args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": 16}

@@ -78,7 +78,7 @@ if triton is not None:
         """``store_share`` with the sum folded in: with SPLIT > 1 the share stores its fp32 partial
         to the workspace ``[SPLIT, M, N]`` and takes a ticket for its output ``block``; the share that
         draws the last one adds all partials in share order (deterministic), writes ``out`` and resets
-        the ticket to 0 for the next call (tickets start zeroed: ``_tickets``). No summing launch."""
+        the ticket to 0 for the next call (tickets start zeroed: ``zeroed_tickets``). No summing launch."""
         tile = row_ok[:, None] & col_ok[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         if SPLIT == 1:
@@ -253,17 +253,17 @@ def split_count(groups: int, split: int | None = None) -> int:
     return split if split is not None else min(4, max(1, groups // 8))
 
 
-_TICKETS: dict = {}
+_ZEROED_TICKETS: dict = {}
 
 
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
+def zeroed_tickets(device: torch.device, count: int) -> torch.Tensor:
     """The fused variant's tickets: ``count`` (or more) zeroed int32 counters on ``device``, one per
     output block, kept between calls (each call leaves them at zero again). Allocated or grown on a
     call outside a CUDA-graph capture (the first call, which autotunes, is one). Shared by every
     call on the device: two fused reductions running at the same time on different streams would
     share them too, so the variant is for one stream at a time."""
     key = (device.type, device.index)
-    tickets = _TICKETS.get(key)
+    tickets = _ZEROED_TICKETS.get(key)
     if tickets is None or tickets.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
@@ -271,7 +271,7 @@ def _tickets(device: torch.device, count: int) -> torch.Tensor:
                 "call it once before capturing a CUDA graph"
             )
         tickets = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _TICKETS[key] = tickets
+        _ZEROED_TICKETS[key] = tickets
     return tickets
 
 
@@ -295,7 +295,7 @@ def triton_masked_reduce_gemm(
     summing a share of the active groups (default: ``split_count``). ``variant``: "loop" (a
     runtime loop over the share, the default), "unrolled" (the share's group ids read at once,
     whole-group tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the
-    split sum folded in: one launch, ``layout`` unused; see ``_tickets`` for its one-stream
+    split sum folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream
     limit). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept beside ``w``), read
     by the unrolled variant instead."""
     if variant not in ("loop", "unrolled", "fused"):
@@ -333,7 +333,7 @@ def triton_masked_reduce_gemm(
         blocks = triton.cdiv(n, min(block_n or 16, 16)) * triton.cdiv(m, block_m or 16)
         block_g = max(16, triton.next_power_of_2(groups))
         group_lists = torch.empty(blocks * splits * block_g, dtype=torch.int32, device=x.device)
-        args = (x, weights, mask_u8, out, ws, group_lists, _tickets(x.device, blocks), m, n, gw, groups, splits)
+        args = (x, weights, mask_u8, out, ws, group_lists, zeroed_tickets(x.device, blocks), m, n, gw, groups, splits)
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused
         meta = {"BLOCK_G": block_g}
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
