@@ -184,9 +184,9 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():  # decode: the active-group loop including its prep; prefill: the masked dense product
+    def ours():  # decode: the default (fused: one launch, its own group list); prefill: the masked dense product
         if decode:
-            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask))
+            return triton_masked_reduce_gemm(h, wd, mask)
         return dense_masked_reduce_gemm(h, wd, mask)
 
     def dense():
@@ -196,15 +196,16 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
     if not decode:
         return
-    for split in (2, 8, 14):  # other counts of programs per output block than the default (4)
-        got = triton_masked_reduce_gemm(h, wd, mask, split=split)
+    for split in (2, 4, 8):  # the loop variant (layout, loop, summing launch) at several splits
+        got = triton_masked_reduce_gemm(h, wd, mask, split=split, variant="loop")
         err = (got.float() - ref.float()).abs().max().item()
         ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
         def fewer(split=split):
-            return triton_masked_reduce_gemm(h, wd, mask, layout=triton_decode_layout(mask), split=split)
+            layout = triton_decode_layout(mask)
+            return triton_masked_reduce_gemm(h, wd, mask, layout=layout, split=split, variant="loop")
 
-        label = f"down split={split} (incl. prep)"
+        label = f"down loop split={split} (incl. prep)"
         add_row(results, label, m, mask_kind, mask, fewer, {"cuBLAS down": dense}, ok, err, True)
     wd_groups = group_major(wd, ffn // group)  # the variants side by side: unrolled, on either weight layout
     for op, wg in (("down unrolled (incl. prep)", None), ("down unrolled group-major", wd_groups)):
@@ -217,12 +218,6 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
             return triton_masked_reduce_gemm(h, wd, mask, layout=layout, variant="unrolled", w_group_major=wg)
 
         add_row(results, op, m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True)
-    # the loop with its layout and split sum folded in: one launch
-    got = triton_masked_reduce_gemm(h, wd, mask, variant="fused")
-    err = (got.float() - ref.float()).abs().max().item()
-    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    fused = lambda: triton_masked_reduce_gemm(h, wd, mask, variant="fused")  # noqa: E731
-    add_row(results, "down fused (one launch)", m, mask_kind, mask, fused, {"cuBLAS down": dense}, ok, err, True)
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
@@ -272,9 +267,9 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         return x @ wq.T
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
-    # the default (4 programs share K, then a summing kernel) against 1 and 8, and 4 with the sum
-    # folded into the kernel (no second launch)
-    variants = [(1, False), (8, False), (4, True)] if decode else []
+    # the default (4 programs share K, the sum folded into the kernel) against 1, 8, and 4 with a
+    # summing launch
+    variants = [(1, False), (8, False), (4, False)] if decode else []
     for split, fold in variants:
         got = triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
         err = (got.float() - ref.float()).abs().max().item()
@@ -283,7 +278,7 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         def split_ours(split=split, fold=fold):
             return triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
 
-        label = f"q split-K {split}" + (" folded sum" if fold else "")
+        label = f"q split-K {split}" + (" summing launch" if split > 1 else "")
         add_row(results, label, m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 

@@ -19,6 +19,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.flash import softmax_scale
 from compresskit_wide.kernels.layout import mask_bytes
 from compresskit_wide.kernels.reference import zero_inactive_groups
 
@@ -111,7 +112,7 @@ if triton is not None:
         m = tl.load(m_ptr + base, mask=s_ok, other=float("-inf"))
         lse_l = tl.load(l_ptr + base, mask=s_ok, other=0.0)
         m_max = tl.max(m, axis=0)
-        w = tl.where(s_ok & (m > float("-inf")), tl.exp(m - m_max), 0.0)
+        w = tl.where(s_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)
         acc = tl.load(
             acc_ptr + base[:, None] * D + ds[None, :],
             mask=(s_ok & (m > float("-inf")))[:, None] & d_ok[None, :],
@@ -158,7 +159,7 @@ def triton_routed_attention_decode(
     block_d = max(16, triton.next_power_of_2(d))
     triton_attn_decode_split_kernel[(b, hkv, splits)](
         q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
-        hq, hkv, s, d, splits, split_len, 1.0 / math.sqrt(d),
+        hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
         DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip

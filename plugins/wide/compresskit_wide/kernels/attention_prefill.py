@@ -11,7 +11,9 @@ Per sequence and head group the tokens are sorted active-first (the routing layo
 attention with their original positions and scatters the result back. Tiles with no active token
 only write zeros and read neither Q, K nor V; the key loop stops at the last active token's position,
 and the key blocks at or before the tile's first active position (every active query sees all of
-them) run without the causal mask. Tiles are autotuned on a GPU (``tuning.ATTN_PREFILL``, keyed on
+them) run without the causal mask (nor its guards). The programs of a head take its busy tiles
+longest first (the last one first: the causal work grows with position), which keeps the GPU full
+to the end; the softmax is in base 2 (``flash.softmax_scale``). Tiles are autotuned on a GPU (``tuning.ATTN_PREFILL``, keyed on
 the power-of-two bucket of T).
 """
 
@@ -22,6 +24,7 @@ import math
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.flash import softmax_scale
 from compresskit_wide.kernels.layout import triton_batched_layout
 from compresskit_wide.kernels.reference import zero_inactive_heads
 
@@ -29,7 +32,7 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.flash import online_softmax_step
+    from compresskit_wide.kernels.flash import online_softmax_step, online_softmax_step_all
 except ImportError:
     triton = None
 
@@ -62,11 +65,15 @@ if triton is not None:
     ):  # fmt: skip
         b = tl.program_id(0)
         h = tl.program_id(1)
-        tm = tl.program_id(2)
         g = h // A
         kvh = h // REP
         past = S - T
         count = tl.load(counts_ptr + b * G + g)
+        # longest first: the tiles with active tokens in reverse (a later tile reaches later
+        # positions, so it has more keys), then the empty ones, which only write zeros
+        n_busy = tl.cdiv(count, BLOCK_M)
+        tm = tl.program_id(2)
+        tm = tl.where(tm < n_busy, n_busy - 1 - tm, tm)
         slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         in_range = slots < T
         rows = tl.load(order_ptr + (b * G + g) * T + slots, mask=in_range, other=0)  # token indices
@@ -95,7 +102,7 @@ if triton is not None:
             ns = n0 + tl.arange(0, BLOCK_N)
             kt = tl.load(k_ptr + kv_base + ns[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_base + ns[:, None] * stride_ks, mask=d_ok[None, :], other=0.0)
-            m_i, l_i, acc = online_softmax_step(q, kt, vt, True, m_i, l_i, acc, scale, DOT_PRECISION)
+            m_i, l_i, acc = online_softmax_step_all(q, kt, vt, m_i, l_i, acc, scale, DOT_PRECISION)
         for n0 in range(full_end, last + 1, BLOCK_N):  # the diagonal blocks: causal mask
             ns = n0 + tl.arange(0, BLOCK_N)
             n_ok = ns < S
@@ -136,7 +143,7 @@ def triton_routed_attention_prefill(
     q = q.contiguous()
     out = torch.empty_like(q)
     args = (
-        q, k, v, out, order, counts, hq, t, s, d, groups, tuning.m_bucket(t), 1.0 / math.sqrt(d),
+        q, k, v, out, order, counts, hq, t, s, d, groups, tuning.m_bucket(t), softmax_scale(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
     )  # fmt: skip

@@ -286,18 +286,20 @@ def triton_masked_reduce_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     split: int | None = None,
-    variant: str = "loop",
+    variant: str | None = None,
     w_group_major: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
     routing layout); computed here when not given. ``split``: programs per output block, each
     summing a share of the active groups (default: ``split_count``). ``variant``: "loop" (a
-    runtime loop over the share, the default), "unrolled" (the share's group ids read at once,
-    whole-group tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the
-    split sum folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream
-    limit). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept beside ``w``), read
+    runtime loop over the share), "unrolled" (the share's group ids read at once, whole-group
+    tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the split sum
+    folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
+    default ``tuning.reduce_variant`` (fused for decode sizes, as measured). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept beside ``w``), read
     by the unrolled variant instead."""
+    if variant is None:
+        variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
     if variant not in ("loop", "unrolled", "fused"):
         raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused")
     if w_group_major is not None and variant != "unrolled":

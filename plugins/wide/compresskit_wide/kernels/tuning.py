@@ -71,6 +71,24 @@ def out_decode_split_k(m: int, fused: bool) -> int:
     return 1 if fused or m > DECODE_MAX_M or interpreted() else 4
 
 
+def reduce_variant(m: int) -> str:
+    """The reduction kernel's default variant (``triton_masked_reduce_gemm``): "fused" (one launch:
+    its own group list, the shares summed through tickets) for decode sizes, "loop" (the layout
+    launch, the loop, the summing launch) beyond. At M = 1 on the H200 (run 16, down, split 4) the
+    fused one measured 1.48x-1.68x of cuBLAS in GPU time and 1.60x-2.01x in a CUDA graph, the loop
+    1.51x-1.68x and 1.50x-1.87x; at M = 4 both 0.97x-1.01x."""
+    return "fused" if m <= DECODE_MAX_M else "loop"
+
+
+def out_decode_fold_sum() -> bool:
+    """Whether the split decode product (q) sums its shares in the kernel (the last share of each
+    output block, through tickets) rather than in a second launch: yes. On the H200 (run 16, split
+    4) at M = 1 it measured 1.32x-1.42x of cuBLAS in GPU time and 1.37x-1.38x in a CUDA graph
+    against the second launch's 1.30x-1.40x and 1.20x-1.23x; at M = 4 0.99x-1.19x / 1.16x-1.27x
+    against 1.02x-1.21x / 1.16x-1.19x."""
+    return True
+
+
 def attention_decode_splits(context: int) -> int:
     """KV splits of the routed decode attention: one per 256 cached positions, 1 to 64 (the H200
     sweep, run 9: 64 beat 32 at 32k positions, batch 1 and 4)."""
@@ -229,6 +247,8 @@ ATTN_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128}, 8, 2),
     ({"BLOCK_M": 64, "BLOCK_N": 128}, 4, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 4),
 ]
 
 
