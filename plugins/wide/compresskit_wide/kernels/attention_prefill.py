@@ -13,8 +13,8 @@ only write zeros and read neither Q, K nor V; the key loop stops at the last act
 and the key blocks at or before the tile's first active position (every active query sees all of
 them) run without the causal mask (nor its guards). The programs of a head take its busy tiles
 longest first (the last one first: the causal work grows with position), which keeps the GPU full
-to the end; the softmax is in base 2 (``flash.softmax_scale``). Tiles are autotuned on a GPU (``tuning.ATTN_PREFILL``, keyed on
-the power-of-two bucket of T).
+to the end; the softmax is in base 2 (``flash.softmax_scale``). Tiles are autotuned on a GPU
+(``tuning.ATTN_PREFILL``, keyed on the power-of-two bucket of T).
 """
 
 from __future__ import annotations

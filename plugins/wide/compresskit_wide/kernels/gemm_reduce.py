@@ -296,8 +296,9 @@ def triton_masked_reduce_gemm(
     runtime loop over the share), "unrolled" (the share's group ids read at once, whole-group
     tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the split sum
     folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
-    default ``tuning.reduce_variant`` (fused for decode sizes, as measured). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept beside ``w``), read
-    by the unrolled variant instead."""
+    default ``tuning.reduce_variant`` (fused for decode sizes, as measured; "unrolled" where
+    ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
+    beside ``w``), read by the unrolled variant instead."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
     if variant not in ("loop", "unrolled", "fused"):
