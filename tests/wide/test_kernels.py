@@ -564,7 +564,8 @@ def test_use_kernel_policy_ranges():
     assert [use_kernel("reduce", m) for m in (1, 2, 16, 4096)] == [1, 0, 0, 0]
     assert use_kernel("attn_decode", 4, context=8192) and use_kernel("attn_decode", 1, context=32768)
     assert not use_kernel("attn_decode", 1, context=8192) and not use_kernel("attn_decode", 2, context=16384)
-    assert not use_kernel("attn_decode", 16, context=1024) and not use_kernel("attn_prefill", 4096)
+    assert not use_kernel("attn_decode", 16, context=1024)
+    assert [use_kernel("attn_prefill", t) for t in (1, 512, 1023, 1024, 4096)] == [0, 0, 0, 1, 1]
     with pytest.raises(ValueError, match="unknown operator 'gemm'; known: swiglu, out, reduce"):
         use_kernel("gemm", 1)
 

@@ -27,7 +27,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
     dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
-    (docs/wide-kernels-h200.md, runs 6-13: GPU time with the L2 flushed, and CUDA-graph medians): the
+    (docs/wide-kernels-h200.md, runs 6-17: GPU time with the L2 flushed, and CUDA-graph medians): the
     kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
     ranges (not measured).
 
@@ -36,8 +36,8 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       1.02x-1.46x of cuBLAS at every M measured)
     * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
       M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
-    * ``"reduce"`` (down, o): M = 1 (the active-group loop, 4 programs an output block: 1.45x-1.49x,
-      run 12); 0.8x-1.06x from M = 2,
+    * ``"reduce"`` (down, o): M = 1 (the fused active-group loop, 4 programs an output block:
+      1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.44x-1.64x in a graph), any batch from
       32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
@@ -46,8 +46,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     * ``"router"`` (the fused routing decision): M <= 1024 (run 13: 1.2x-4.9x of the reference's
       five or six launches in GPU time, 1.1x-3.0x in a graph); from 2048 tokens, one program per
       token block streams all of D: 0.6x-0.96x (run 12)
-    * ``"attn_prefill"``: nowhere yet (0.96x of cuDNN's GPU time and 1.02x in a graph at T = 4096,
-      0.52x-0.78x at 1024-2048; run 15)
+    * ``"attn_prefill"``: from 1024 new tokens (run 17, the busy tiles longest first: 1.23x-1.25x of
+      cuDNN's GPU time at 1024, 1.38x-1.42x at 2048, 1.40x-1.41x at 4096, 1.24x-1.49x in a graph);
+      0.82x-0.87x at 512
     """
     if op == "swiglu":
         return True
@@ -60,7 +61,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     if op == "router":
         return m <= 1024
     if op == "attn_prefill":
-        return False
+        return m >= 1024
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill, router")
 
 
