@@ -774,6 +774,13 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
 
 
+def test_router_precision_by_token_count():
+    """fp32 products on the CUDA cores at decode sizes, three TF32 passes on the tensor cores beyond."""
+    from compresskit_wide.kernels.router import router_precision
+
+    assert [router_precision(m) for m in (1, 16, 17, 1024)] == ["ieee", "ieee", "tf32x3", "tf32x3"]
+
+
 def test_router_decide_validates_its_tensors():
     from compresskit_wide.kernels.router import triton_router_decide
 

@@ -11,9 +11,11 @@ sublayer and token, which the end-to-end profile on the H200 showed eating most 
 decode gain (docs/wide-kernels-h200.md). The kernels compute the same fp32 products: for many
 tokens one program per block of tokens does all of it; for few (decode) the bottleneck product is
 spread over shares of D (one program each, partial sums in a workspace) and a second launch sums
-the shares in a fixed order and decides. Decisions equal the reference's except where a group's
-two logits tie to within fp32 rounding (a different summation order), as between any two GEMM
-libraries.
+the shares in a fixed order and decides. Beyond decode sizes the products run on the tensor cores
+in three TF32 passes (``tf32x3``: fp32-level accuracy; the bf16 input is exact in TF32), where the
+plain fp32 ``tl.dot`` runs on the CUDA cores (44 us a call at M = 1024 on the H200, run 18, 8% of
+a WIDE prefill's GPU time). Decisions equal the reference's except where a group's two logits tie
+to within fp32 rounding (a different summation order), as between any two GEMM libraries.
 """
 
 from __future__ import annotations
@@ -142,6 +144,13 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     return max(1, min(triton.cdiv(d, block_k), 128 // m_blocks))
 
 
+def router_precision(m: int) -> str:
+    """``tl.dot``'s input precision for the router's fp32 products: "ieee" (CUDA cores) for decode
+    sizes, where the products are too small for the tensor cores to matter (as measured, runs
+    11-13), "tf32x3" (tensor cores, fp32-level accuracy) for more tokens."""
+    return "ieee" if m <= tuning.DECODE_MAX_M else "tf32x3"
+
+
 def triton_router_decide(
     x: torch.Tensor,
     w_down: torch.Tensor,
@@ -190,19 +199,20 @@ def triton_router_decide(
     block_g = block_g or min(32 if splits > 1 else 128, max(16, triton.next_power_of_2(groups)))
     m_blocks = triton.cdiv(m, block_m)
     grid = (m_blocks, triton.cdiv(groups, block_g))
+    precision = router_precision(m)
     if splits == 1:
         triton_router_decide_kernel[grid](
             x, w_down, b_down, w_up, b_up, out, m, d, r, groups, x.stride(0), out.stride(0),
-            DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
+            DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
         )  # fmt: skip
         return out
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
-        DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
     )  # fmt: skip
     triton_router_finish_kernel[grid](
         ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
-        DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
     return out
