@@ -27,7 +27,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions), on a GPU; otherwise the
     dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
-    (docs/wide-kernels-h200.md, runs 6-17: GPU time with the L2 flushed, and CUDA-graph medians): the
+    (docs/wide-kernels-h200.md, runs 6-19: GPU time with the L2 flushed, and CUDA-graph medians): the
     kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
     ranges (not measured).
 
@@ -43,9 +43,11 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
       batch 1 at 8192: 1.38x GPU time but 1.02x in a graph (batch 2-3 not measured), and below 8192
       positions 0.4x-0.9x (run 6)
-    * ``"router"`` (the fused routing decision): M <= 1024 (run 13: 1.2x-4.9x of the reference's
-      five or six launches in GPU time, 1.1x-3.0x in a graph); from 2048 tokens, one program per
-      token block streams all of D: 0.6x-0.96x (run 12)
+    * ``"router"`` (the fused routing decision): everywhere (run 19, with the products beyond decode
+      sizes on the tensor cores in three TF32 passes: 1.21x-2.94x of the reference's five or six
+      launches in GPU time, 1.16x-2.75x in a graph, at M = 1, 16, 512, 1024, 2048, 4096 for the FFN's
+      112 groups; the attention router's 8 groups were last measured in run 13, 1.2x-4.9x up to 1024
+      tokens, and share the bottleneck product that dominates)
     * ``"attn_prefill"``: from 1024 new tokens (run 17, the busy tiles longest first: 1.23x-1.25x of
       cuDNN's GPU time at 1024, 1.38x-1.42x at 2048, 1.40x-1.41x at 4096, 1.24x-1.49x in a graph);
       0.82x-0.87x at 512
@@ -59,7 +61,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     if op == "attn_decode":
         return context >= 32768 or (m >= 4 and context >= 8192)
     if op == "router":
-        return m <= 1024
+        return True
     if op == "attn_prefill":
         return m >= 1024
     raise ValueError(f"unknown operator {op!r}; known: swiglu, out, reduce, attn_decode, attn_prefill, router")
