@@ -797,7 +797,7 @@ def test_router_decide_validates_its_tensors():
 
 def test_executor_routes_through_the_fused_decision_only_off_the_reference_backend(tiny_model_dir):
     """``wide-triton`` gives each deciding projection the fused decision (not with backend
-    "torch"; under "auto" the kernel up to 1024 tokens); the router's weights are not saved
+    "torch"; under "auto" the kernel at every token count on a GPU); the router's weights are not saved
     twice."""
     import copy
 

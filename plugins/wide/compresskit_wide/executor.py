@@ -103,8 +103,8 @@ def register_attention() -> None:
 
 class KernelRouter(nn.Module):
     """A routed projection's inference decision through ``kernels.router_decide``: its router's
-    bottleneck, logits and comparison fused (one or two launches) under "triton" and under "auto"
-    up to 1024 tokens (``tuning.use_kernel``); the reference's five or six launches otherwise. Holds
+    bottleneck, logits and comparison fused (one or two launches) under "triton" and "auto" on a GPU
+    (``tuning.use_kernel``); the reference's five or six launches otherwise. Holds
     a reference to the router (its weights stay where they are saved from)."""
 
     def __init__(self, router: nn.Module, backend: str) -> None:

@@ -168,9 +168,8 @@ def torch_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """Reference: for ``mask: [B, T, G]`` each sequence's ``order`` and ``counts`` as in the
     routing layout: ``order: [B, G, T]`` (per sequence and group: active tokens, then inactive, each
     ascending), ``counts: [B, G]`` (what the routed prefill attention runs on)."""
-    inactive = (~mask.bool()).permute(0, 2, 1).contiguous().to(torch.int8)  # [B, G, T]
-    order = torch.argsort(inactive, dim=-1, stable=True).to(torch.int32).contiguous()
-    return order, mask.bool().sum(dim=1, dtype=torch.int32).contiguous()
+    per_sequence = [torch_routing_layout(m)[:2] for m in mask]
+    return torch.stack([o for o, _ in per_sequence]), torch.stack([c for _, c in per_sequence])
 
 
 def triton_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

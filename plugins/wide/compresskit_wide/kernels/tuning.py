@@ -83,15 +83,6 @@ def reduce_variant(m: int) -> str:
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
-def out_decode_fold_sum() -> bool:
-    """Whether the split decode product (q) sums its shares in the kernel (the last share of each
-    output block, through tickets) rather than in a second launch: yes. On the H200 (run 16, split
-    4) at M = 1 it measured 1.32x-1.42x of cuBLAS in GPU time and 1.37x-1.38x in a CUDA graph
-    against the second launch's 1.30x-1.40x and 1.20x-1.23x; at M = 4 0.99x-1.19x / 1.16x-1.27x
-    against 1.02x-1.21x / 1.16x-1.19x."""
-    return True
-
-
 def attention_decode_splits(context: int) -> int:
     """KV splits of the routed decode attention: one per 256 cached positions, 1 to 64 (the H200
     sweep, run 9: 64 beat 32 at 32k positions, batch 1 and 4)."""
