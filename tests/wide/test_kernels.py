@@ -98,6 +98,27 @@ def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse):
     assert torch.isnan(buf[m:]).all()
 
 
+@pytest.mark.parametrize("tile_order", ["group", "interleaved"])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_masked_out_gemm_tile_orders_agree(tile_order, fuse):
+    """Both launch orders of the prefill kernel (a group's tiles together, the default; the group
+    fastest) write every element, the same values, on a group spanning several tiles."""
+    m, k, n, groups = 45, 32, 96, 3
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    w_up = torch.randn(n, k, generator=gen).to(DEVICE) if fuse else None
+    mask = random_mask(m, groups, 0.5, seed=11)
+    buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
+    got = triton_masked_out_gemm(
+        x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16, tile_order=tile_order
+    )
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
+    with pytest.raises(ValueError, match="tile_order"):
+        triton_masked_out_gemm(x, w, mask, w_up, tile_order="random")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("m", [1, 13, 300])
@@ -779,6 +800,16 @@ def test_router_precision_by_token_count():
     from compresskit_wide.kernels.router import router_precision
 
     assert [router_precision(m) for m in (1, 16, 17, 1024)] == ["ieee", "ieee", "tf32x3", "tf32x3"]
+
+
+def test_router_split_keeps_the_gpu_busy():
+    """Shares of D by token count (D = 4096, 128-wide K steps): up to 128 programs at decode and
+    small prefill sizes, about 256 from 64 token blocks of 32 (one launch there left most SMs idle,
+    run 19), one launch once the token blocks alone fill that."""
+    from compresskit_wide.kernels.router import router_split
+
+    assert router_split(1, 4096, 16, 128) == 32  # at most one share per K step
+    assert [router_split(m, 4096, 32, 128) for m in (1024, 2048, 4096, 8192)] == [4, 4, 2, 1]
 
 
 def test_router_decide_validates_its_tensors():

@@ -120,13 +120,22 @@ if triton is not None:
         x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
         M, N, K, GW, M_BUCKET,
         stride_xm, stride_wn, stride_om,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_TILES_TOGETHER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # prefill: M_BUCKET is only the autotuning key
-        g = tl.program_id(0)  # group
-        tm = tl.program_id(1)  # tile of the group's sorted tokens
-        tn = tl.program_id(2)  # block of the group's GW output channels
+        # prefill: M_BUCKET is only the autotuning key. With GROUP_TILES_TOGETHER (the default), program
+        # (i, g): the tiles of one group are launched together (i = tm * tiles_n + tn, tn fastest), so
+        # the programs running at once share a few groups' weight rows in L2. Else program (g, i): the
+        # group fastest, every wave reads all groups' weights (the order of runs 1-19).
+        tiles_n = tl.cdiv(GW, BLOCK_N)
+        if GROUP_TILES_TOGETHER:
+            g = tl.program_id(1)
+            i = tl.program_id(0)
+        else:
+            g = tl.program_id(0)
+            i = tl.program_id(1)
+        tm = i // tiles_n  # tile of the group's sorted tokens
+        tn = i % tiles_n  # block of the group's GW output channels
         count = tl.load(counts_ptr + g)
         slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         in_range = slots < M
@@ -193,7 +202,12 @@ if triton is not None:
                 ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
                 True,
             ),
-            (triton_masked_out_gemm_kernel, tuning.OUT_PREFILL, ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"], False),
+            (
+                triton_masked_out_gemm_kernel,
+                tuning.OUT_PREFILL,
+                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
+                False,
+            ),
             (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
         )
     )
@@ -212,6 +226,7 @@ def triton_masked_out_gemm(
     block_k: int | None = None,
     split_k: int | None = None,
     fold_sum: bool = True,
+    tile_order: str = "group",
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -224,7 +239,12 @@ def triton_masked_out_gemm(
     ``fold_sum`` (the default) the last share of each output block adds the partials
     (``store_share_ticketed``; see ``zeroed_tickets`` for its one-stream limit), else a second
     launch does: on the H200 (runs 16-17, split 4, M = 1) folded measured 1.32x-1.62x of cuBLAS in
-    GPU time and 1.16x-1.38x in a CUDA graph, the second launch 1.30x-1.50x and 1.20x-1.27x."""
+    GPU time and 1.16x-1.38x in a CUDA graph, the second launch 1.30x-1.50x and 1.20x-1.27x.
+
+    ``tile_order`` (prefill): ``"group"`` (the default) launches each group's token tiles together,
+    so the programs running at once read a few groups' weight rows and share them in L2;
+    ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
+    wave of programs then streams all of the weights from HBM."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -257,17 +277,27 @@ def triton_masked_out_gemm(
             grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
+    if tile_order not in ("group", "interleaved"):
+        raise ValueError(f"tile_order must be 'group' or 'interleaved', got {tile_order!r}")
+    together = tile_order == "group"
     order, counts = (layout if layout is not None and layout[0] is not None else triton_routing_layout(mask))[:2]
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
     args = (x, w, w_up, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
     if fixed:
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        grid = (groups, triton.cdiv(m, bm), triton.cdiv(gw, bn))
-        triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
+        grid = (tiles, groups) if together else (groups, tiles)
+        triton_masked_out_gemm_kernel[grid](
+            *args, **common, GROUP_TILES_TOGETHER=together, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk
+        )
     else:
-        grid = lambda meta: (groups, triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
-        _tuned_out_gemm[grid](*args, **common)
+
+        def grid(meta):
+            tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(gw, meta["BLOCK_N"])
+            return (tiles, groups) if together else (groups, tiles)
+
+        _tuned_out_gemm[grid](*args, **common, GROUP_TILES_TOGETHER=together)
     return out
 
 

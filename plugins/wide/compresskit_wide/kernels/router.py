@@ -137,11 +137,12 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     program, which alone streams the whole fp32 ``w_down`` (measured 155 us at M = 1 on the H200,
     run 11, against 13 us for the reference's launches), so D is spread over up to 128 programs and
     a second launch sums the shares (run 13: 1.2x-4.9x of the reference's GPU time at M = 1..1024);
-    with 64 token blocks or more, one launch (no split; 0.6x-0.96x at M = 2048 and 4096, run 12)."""
+    with 64 token blocks or more, shares enough for about 256 programs (2 shares at M = 4096, 4 at
+    2048; one launch there measured 98 us at both sizes on the tensor cores, run 19: 64-128 programs,
+    each streaming its rows' whole D), one launch from 256 token blocks."""
     m_blocks = triton.cdiv(m, block_m)
-    if m_blocks >= 64:
-        return 1
-    return max(1, min(triton.cdiv(d, block_k), 128 // m_blocks))
+    programs = 128 if m_blocks < 64 else 256
+    return max(1, min(triton.cdiv(d, block_k), programs // m_blocks))
 
 
 def router_precision(m: int) -> str:
