@@ -204,8 +204,11 @@ OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 2),
 ]
-# output-width GEMM for prefill over the sorted tokens: tensor-core tiles
+# output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256 rows: fewer operand
+# bytes from L2 per product, for the fused SwiGLU's two 128-wide accumulators across 16 warps)
 OUT_PREFILL = [
+    ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64}, 16, 3),
+    ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
