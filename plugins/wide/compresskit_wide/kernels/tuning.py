@@ -168,17 +168,40 @@ def replay_ms(graph, times: int = 1) -> float:
     return start.elapsed_time(end)
 
 
-def configs(rows: list[tuple[dict, int, int]]) -> list:
+def configs(rows: list[tuple[dict, int, int]], pre_hook=None) -> list:
     """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list."""
-    return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
+    return [triton.Config(meta, num_warps=w, num_stages=s, pre_hook=pre_hook) for meta, w, s in rows]
 
 
-def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune: str | None = None):
+def set_descriptor_blocks(blocks: dict[str, tuple[str, ...]]):
+    """Autotuner pre-hook: the TMA descriptors among the arguments ``blocks`` names get the block
+    shape of the configuration being run (``{"w_ptr": ("BLOCK_N", "BLOCK_K")}``: a descriptor
+    passed as ``w_ptr`` reads ``[BLOCK_N, BLOCK_K]`` blocks); other arguments are left alone."""
+
+    def hook(nargs):
+        for name, dims in blocks.items():
+            arg = nargs.get(name)
+            if hasattr(arg, "block_shape"):
+                arg.block_shape = [nargs[d] for d in dims]
+
+    return hook
+
+
+def autotuned(
+    kernel,
+    rows: list[tuple[dict, int, int]],
+    key: list[str],
+    *,
+    decode: bool,
+    prune: str | None = None,
+    descriptors: dict[str, tuple[str, ...]] | None = None,
+):
     """``kernel`` autotuned over the tile table ``rows`` per ``key``; ``decode`` kernels are timed by
     ``flushed_graph_bench`` (the default timing measures the host at their sizes); ``prune``: the
-    block that must not be wider than a group (``prune_wider_than_group``)."""
+    block that must not be wider than a group (``prune_wider_than_group``); ``descriptors``: TMA
+    descriptor arguments whose block shape follows the tiles (``set_descriptor_blocks``)."""
     return triton.autotune(
-        configs=configs(rows),
+        configs=configs(rows, set_descriptor_blocks(descriptors) if descriptors else None),
         key=key,
         do_bench=flushed_graph_bench if decode else None,
         prune_configs_by={"early_config_prune": prune_wider_than_group(prune)} if prune else None,
@@ -204,11 +227,9 @@ OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 2),
 ]
-# output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256 rows: fewer operand
-# bytes from L2 per product, for the fused SwiGLU's two 128-wide accumulators across 16 warps)
+# output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
+# warps, were never chosen at T = 512..4096 on the H200, run 21)
 OUT_PREFILL = [
-    ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64}, 16, 3),
-    ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
