@@ -32,8 +32,10 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     ranges (not measured).
 
     * ``"swiglu"`` (gate+up, fused): everywhere (1.6x-1.8x at M=1, about 1.0x where the union of
-      a decode batch's masks is dense, 1.0x-1.3x at prefill sizes; the FFN block it feeds is
-      1.02x-1.46x of cuBLAS at every M measured)
+      a decode batch's masks is dense; at prefill sizes, since its programs take a group's tiles
+      together, runs 20-22: 1.01x of cuBLAS gate+up's GPU time at T = 512, 1.25x-1.31x at
+      1024-2048, 1.20x-1.45x at 4096; the FFN block it feeds is 1.02x-1.51x of cuBLAS at every M
+      measured)
     * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
       M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
     * ``"reduce"`` (down, o): M = 1 (the fused active-group loop, 4 programs an output block:
@@ -46,8 +48,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     * ``"router"`` (the fused routing decision): everywhere (run 19, with the products beyond decode
       sizes on the tensor cores in three TF32 passes: 1.21x-2.94x of the reference's five or six
       launches in GPU time, 1.16x-2.75x in a graph, at M = 1, 16, 512, 1024, 2048, 4096 for the FFN's
-      112 groups; the attention router's 8 groups were last measured in run 13, 1.2x-4.9x up to 1024
-      tokens, and share the bottleneck product that dominates)
+      112 groups; run 20, D split from 2,048 tokens too: 2.47x at 2048, 2.10x at 4096; the attention
+      router's 8 groups were last measured in run 13, 1.2x-4.9x up to 1024 tokens, and share the
+      bottleneck product that dominates)
     * ``"attn_prefill"``: from 1024 new tokens (run 17, the busy tiles longest first: 1.23x-1.25x of
       cuDNN's GPU time at 1024, 1.38x-1.42x at 2048, 1.40x-1.41x at 4096, 1.24x-1.49x in a graph);
       0.82x-0.87x at 512
