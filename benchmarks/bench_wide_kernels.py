@@ -42,11 +42,7 @@ from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
-from compresskit_wide.kernels.gemm_out import (  # noqa: E402
-    interleave_gate_up,
-    torch_masked_out_gemm,
-    triton_masked_out_gemm,
-)
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
     group_major,
@@ -179,14 +175,8 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     if decode:
         return
     note_prefill_tiles(results[-1])
-    # beside the default: the launch order of runs 1-19 (the group fastest), TMA weight loads, and
-    # gate and up interleaved row by row (converted once, like a model's weights at load time)
-    variants = (
-        ("interleaved order", {"tile_order": "interleaved"}),
-        ("TMA weights", {"w_tma": True}),
-        ("gate/up row pairs", {"gate_up_pairs": interleave_gate_up(wg, wu)}),
-    )
-    for label, options in variants:
+    # beside the default: the launch order of runs 1-19 (the group fastest), and TMA weight loads
+    for label, options in (("interleaved order", {"tile_order": "interleaved"}), ("TMA weights", {"w_tma": True})):
 
         def variant(options=options):
             return triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask), **options)

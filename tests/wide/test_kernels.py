@@ -125,53 +125,6 @@ def test_masked_out_gemm_tile_orders_agree(tile_order, fuse, w_tma):
             triton_masked_out_gemm(x[:, :35], w[:, :35], mask, w_tma=True)
 
 
-@pytest.mark.parametrize("tile_order", ["group", "interleaved"])
-@pytest.mark.parametrize(("n", "block_n"), [(96, 16), (144, 32)])
-def test_masked_out_gemm_gate_up_pairs(tile_order, n, block_n):
-    """The fused SwiGLU from gate and up interleaved row by row (one product of twice the columns a
-    step) equals the reference, every element written; groups of 32 in two blocks of 16, and of 48
-    in a full and a partial block of 32 (the rest of the pair rows masked off)."""
-    from compresskit_wide.kernels.gemm_out import interleave_gate_up
-
-    m, k, groups = 45, 40, 3
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(m, k, generator=gen).to(DEVICE)
-    w, w_up = (torch.randn(n, k, generator=gen).to(DEVICE) for _ in range(2))
-    mask = random_mask(m, groups, 0.5, seed=13)
-    pairs = interleave_gate_up(w, w_up)
-    assert torch.equal(pairs[0::2], w) and torch.equal(pairs[1::2], w_up)
-    buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
-    got = triton_masked_out_gemm(
-        x, w, mask, w_up, out=buf[:m], block_m=16, block_n=block_n, block_k=16, tile_order=tile_order,
-        gate_up_pairs=pairs,
-    )  # fmt: skip
-    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-    assert torch.isnan(buf[m:]).all()
-    with pytest.raises(ValueError, match="gate_up_pairs must be"):
-        triton_masked_out_gemm(x, w, mask, w_up, gate_up_pairs=pairs[:-2])
-    with pytest.raises(ValueError, match="gate_up_pairs must be"):
-        triton_masked_out_gemm(x, w, mask, gate_up_pairs=pairs)  # no up: not the fused SwiGLU
-    with pytest.raises(ValueError, match="gate and up weights differ in shape"):
-        interleave_gate_up(w, w_up[:-1])
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
-@pytest.mark.parametrize("m", [300, 1000])
-def test_masked_out_gemm_gate_up_pairs_bf16_autotuned(m):
-    """The interleaved gate/up variant with the autotuned tiles, in bf16, on a GPU."""
-    from compresskit_wide.kernels.gemm_out import interleave_gate_up
-
-    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
-    w, w_up = (torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mask = random_mask(m, 4, 0.5)
-    buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], gate_up_pairs=interleave_gate_up(w, w_up))
-    ref = torch_masked_out_gemm(x, w, mask, w_up)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1)
-    assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
-    assert torch.isnan(buf[m:]).all()
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize(("m", "w_tma"), [(1, False), (13, False), (300, False), (300, True)])

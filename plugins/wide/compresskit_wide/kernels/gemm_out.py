@@ -107,53 +107,21 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def output_tile_pairs(
-        x_ptr, wgu_ptr, rows, row_on, col0, GW_LEFT, K, stride_xm, stride_wn,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The fused SwiGLU tile from gate and up weights interleaved row by row (``wgu_ptr``: row 2c
-        is gate's row c, 2c + 1 up's): one product of 2 x BLOCK_N columns a K step instead of two of
-        BLOCK_N (the token tile is read from shared memory once per step, not twice), split into gate
-        and up in the epilogue. ``GW_LEFT``: the group's columns from ``col0`` on."""
-        j = tl.arange(0, 2 * BLOCK_N)
-        w_rows = 2 * col0 + j
-        w_ok = j // 2 < GW_LEFT
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_on[:, None] & k_ok[None, :], other=0.0
-            )
-            b = tl.load(
-                wgu_ptr + w_rows[:, None] * stride_wn + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        return gate * tl.sigmoid(gate) * up
-
-    @triton.jit
     def write_output_block(
         x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, row_on, any_on, cols, col_ok, K,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        W_TMA: tl.constexpr = False, col0=0, PAIRS: tl.constexpr = False, GW_LEFT=0,
+        W_TMA: tl.constexpr = False, col0=0,
     ):  # fmt: skip
         """Write one output block: zeros without reading a weight when no row is on (``any_on``
         false: the skip), else the product (``output_tile``, or ``output_tile_tma`` with ``W_TMA``:
         then ``w_ptr`` / ``wu_ptr`` are descriptors and ``col0`` the block's first column) with the
-        rows not on zeroed; with ``PAIRS``, ``w_ptr`` holds gate and up interleaved
-        (``output_tile_pairs``)."""
+        rows not on zeroed."""
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         store_mask = row_ok[:, None] & col_ok[None, :]
         if any_on:
-            if PAIRS:
-                acc = output_tile_pairs(
-                    x_ptr, w_ptr, rows, row_on, col0, GW_LEFT, K, stride_xm, stride_wn,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-            elif W_TMA:
+            if W_TMA:
                 acc = output_tile_tma(
                     x_ptr, w_ptr, wu_ptr, rows, row_on, col0, K, stride_xm,
                     FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -186,7 +154,7 @@ if triton is not None:
         M, N, K, GW, M_BUCKET,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_TILES_TOGETHER: tl.constexpr,
-        W_TMA: tl.constexpr, PAIRS: tl.constexpr,
+        W_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # prefill: M_BUCKET is only the autotuning key. With GROUP_TILES_TOGETHER (the default), program
@@ -213,7 +181,7 @@ if triton is not None:
         write_output_block(
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, in_range, active, tm * BLOCK_M < count, cols, col_ok, K,
             stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            W_TMA, g * GW + tn * BLOCK_N, PAIRS, GW - tn * BLOCK_N,
+            W_TMA, g * GW + tn * BLOCK_N,
         )  # fmt: skip
 
     @triton.jit
@@ -279,7 +247,7 @@ if triton is not None:
             (
                 triton_masked_out_gemm_kernel,
                 tuning.OUT_PREFILL,
-                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER", "W_TMA", "PAIRS"],
+                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER", "W_TMA"],
                 False,
             ),
             (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
@@ -302,7 +270,6 @@ def triton_masked_out_gemm(
     fold_sum: bool = True,
     tile_order: str = "group",
     w_tma: bool = False,
-    gate_up_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -322,9 +289,7 @@ def triton_masked_out_gemm(
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
     wave of programs then streams all of the weights from HBM. ``w_tma`` (prefill): the weight
     blocks are read by the bulk tensor copy (TMA descriptors) instead of pointer loads; needs rows
-    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights.
-    ``gate_up_pairs`` (prefill, fused SwiGLU): ``interleave_gate_up(w, w_up)``, read instead of ``w``
-    and ``w_up`` (one product of twice the columns a K step)."""
+    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -365,21 +330,13 @@ def triton_masked_out_gemm(
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
     bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
     w_args = (w, w_up)
-    pairs = gate_up_pairs is not None
-    if pairs:
-        if not fuse or w_tma or gate_up_pairs.shape != (2 * n, k):
-            raise ValueError(
-                f"gate_up_pairs must be interleave_gate_up(w, w_up) [{2 * n}, {k}] for the fused SwiGLU "
-                f"(without w_tma), got {tuple(gate_up_pairs.shape)}"
-            )
-        w_args = (gate_up_pairs.contiguous(),) * 2
     if w_tma:
         if (k * w.element_size()) % 16 or any(t.data_ptr() % 16 for t in w_args):
             raise ValueError(f"w_tma needs 16-byte aligned weight rows, got K={k} of {w.dtype}")
         # the block shape is the tile's (autotuned: set by tuning.set_descriptor_blocks)
         w_args = tuple(TensorDescriptor.from_tensor(t, [bn, bk]) for t in w_args)
     args = (x, *w_args, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
-    common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma, PAIRS=pairs)
+    common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma)
     if fixed:
         tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
         grid = (tiles, groups) if together else (groups, tiles)
@@ -392,13 +349,6 @@ def triton_masked_out_gemm(
 
         _tuned_out_gemm[grid](*args, **common)
     return out
-
-
-def interleave_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """``[2N, K]``: row 2c is ``w_gate[c]``, row 2c + 1 is ``w_up[c]`` (``gate_up_pairs``)."""
-    if w_gate.shape != w_up.shape:
-        raise ValueError(f"gate and up weights differ in shape: {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
-    return torch.stack([w_gate, w_up], dim=1).reshape(2 * w_gate.shape[0], w_gate.shape[1])
 
 
 def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum):
