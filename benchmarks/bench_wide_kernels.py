@@ -176,12 +176,7 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
         return
     note_prefill_tiles(results[-1])
     # beside the default: the launch order of runs 1-19 (the group fastest), and TMA weight loads
-    variants = (
-        ("interleaved order", {"tile_order": "interleaved"}),
-        ("TMA weights", {"w_tma": True}),
-        ("TMA weights, warp-specialized", {"w_tma": True, "warp_specialize": True}),
-    )
-    for label, options in variants:
+    for label, options in (("interleaved order", {"tile_order": "interleaved"}), ("TMA weights", {"w_tma": True})):
 
         def variant(options=options):
             return triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask), **options)

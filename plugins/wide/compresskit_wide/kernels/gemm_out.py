@@ -87,15 +87,14 @@ if triton is not None:
     def output_tile_tma(
         x_ptr, w_desc, wu_desc, rows, row_on, col0, K, stride_xm,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """``output_tile`` with the weight blocks ``[col0:col0 + BLOCK_N, k0:k0 + BLOCK_K]`` read by
         the bulk tensor copy (TMA) through descriptors (zeros beyond the tensor's edges); the token
-        rows are gathered as before. ``WARP_SPECIALIZE``: the K loop split into producer and consumer
-        warps by the compiler (``tl.range(warp_specialize=True)``)."""
+        rows are gathered as before."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+        for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(
                 x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_on[:, None] & (ks < K)[None, :], other=0.0
@@ -113,7 +112,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        W_TMA: tl.constexpr = False, col0=0, WARP_SPECIALIZE: tl.constexpr = False,
+        W_TMA: tl.constexpr = False, col0=0,
     ):  # fmt: skip
         """Write one output block: zeros without reading a weight when no row is on (``any_on``
         false: the skip), else the product (``output_tile``, or ``output_tile_tma`` with ``W_TMA``:
@@ -125,7 +124,7 @@ if triton is not None:
             if W_TMA:
                 acc = output_tile_tma(
                     x_ptr, w_ptr, wu_ptr, rows, row_on, col0, K, stride_xm,
-                    FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, WARP_SPECIALIZE,
+                    FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
                 )  # fmt: skip
             else:
                 acc = output_tile(
@@ -155,7 +154,7 @@ if triton is not None:
         M, N, K, GW, M_BUCKET,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_TILES_TOGETHER: tl.constexpr,
-        W_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        W_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # prefill: M_BUCKET is only the autotuning key. With GROUP_TILES_TOGETHER (the default), program
@@ -182,7 +181,7 @@ if triton is not None:
         write_output_block(
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, in_range, active, tm * BLOCK_M < count, cols, col_ok, K,
             stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            W_TMA, g * GW + tn * BLOCK_N, WARP_SPECIALIZE,
+            W_TMA, g * GW + tn * BLOCK_N,
         )  # fmt: skip
 
     @triton.jit
@@ -248,7 +247,7 @@ if triton is not None:
             (
                 triton_masked_out_gemm_kernel,
                 tuning.OUT_PREFILL,
-                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER", "W_TMA", "WARP_SPECIALIZE"],
+                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER", "W_TMA"],
                 False,
             ),
             (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
@@ -271,7 +270,6 @@ def triton_masked_out_gemm(
     fold_sum: bool = True,
     tile_order: str = "group",
     w_tma: bool = False,
-    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -291,8 +289,7 @@ def triton_masked_out_gemm(
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
     wave of programs then streams all of the weights from HBM. ``w_tma`` (prefill): the weight
     blocks are read by the bulk tensor copy (TMA descriptors) instead of pointer loads; needs rows
-    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights; with it,
-    ``warp_specialize`` lets the compiler split the K loop into producer and consumer warps."""
+    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -339,9 +336,7 @@ def triton_masked_out_gemm(
         # the block shape is the tile's (autotuned: set by tuning.set_descriptor_blocks)
         w_args = tuple(TensorDescriptor.from_tensor(t, [bn, bk]) for t in w_args)
     args = (x, *w_args, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
-    if warp_specialize and not w_tma:
-        raise ValueError("warp_specialize is for the TMA weight loads (w_tma=True)")
-    common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma, WARP_SPECIALIZE=warp_specialize)
+    common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma)
     if fixed:
         tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
         grid = (tiles, groups) if together else (groups, tiles)
