@@ -175,15 +175,8 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     if decode:
         return
     note_prefill_tiles(results[-1])
-    # beside the default: the launch order of runs 1-19 (the group fastest), TMA weight loads, and
-    # the persistent kernel (its tile and K loops fused by the compiler, or nested)
-    variants = (
-        ("interleaved order", {"tile_order": "interleaved"}),
-        ("TMA weights", {"w_tma": True}),
-        ("persistent, flat", {"persistent": "flat"}),
-        ("persistent, nested", {"persistent": "nested"}),
-    )
-    for label, options in variants:
+    # beside the default: the launch order of runs 1-19 (the group fastest), and TMA weight loads
+    for label, options in (("interleaved order", {"tile_order": "interleaved"}), ("TMA weights", {"w_tma": True})):
 
         def variant(options=options):
             return triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask), **options)
@@ -193,15 +186,14 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
         err = (got.float() - ref.float()).abs().max().item()
         baselines = {"cuBLAS gate+up": dense_gemm, "cuBLAS + SiLU*mul": dense_swiglu}
         add_row(results, f"gate+up fused, {label}", m, mask_kind, mask, variant, baselines, ok, err, False)
-        note_prefill_tiles(results[-1], "persistent" in options)
+        note_prefill_tiles(results[-1])
 
 
-def note_prefill_tiles(row: dict, persistent: bool = False) -> None:
+def note_prefill_tiles(row: dict) -> None:
     """Record (and print) the tiles the autotuner chose for the sorted-tile kernel's last call."""
     from compresskit_wide.kernels import gemm_out
 
-    tuned = gemm_out._tuned_out_gemm_persistent if persistent else gemm_out._tuned_out_gemm
-    best = getattr(tuned, "best_config", None) if CUDA else None
+    best = getattr(gemm_out._tuned_out_gemm, "best_config", None) if CUDA else None
     if best is not None:
         row["tiles"] = f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}"
         print(f"  tiles: {row['tiles']}", flush=True)

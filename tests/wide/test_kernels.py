@@ -125,47 +125,6 @@ def test_masked_out_gemm_tile_orders_agree(tile_order, fuse, w_tma):
             triton_masked_out_gemm(x[:, :35], w[:, :35], mask, w_tma=True)
 
 
-@pytest.mark.parametrize("persistent", ["flat", "nested"])
-@pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
-def test_masked_out_gemm_persistent(persistent, fuse, sparsity):
-    """The persistent prefill kernel (a few programs stepping through all tiles: 3 in the
-    interpreter, so each takes several, active and skipped) writes every element, the reference's
-    values, with all groups on, half, and none."""
-    m, k, n, groups = 45, 40, 96, 3
-    gen = torch.Generator().manual_seed(17)
-    x = torch.randn(m, k, generator=gen).to(DEVICE)
-    w = torch.randn(n, k, generator=gen).to(DEVICE)
-    w_up = torch.randn(n, k, generator=gen).to(DEVICE) if fuse else None
-    mask = random_mask(m, groups, sparsity, seed=19)
-    buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
-    got = triton_masked_out_gemm(
-        x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16, persistent=persistent
-    )
-    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-    assert torch.isnan(buf[m:]).all()
-    with pytest.raises(ValueError, match="persistent must be None, 'flat' or 'nested', got 'yes'"):
-        triton_masked_out_gemm(x, w, mask, w_up, persistent="yes")
-    with pytest.raises(ValueError, match="the persistent kernel takes the tiles in the group order"):
-        triton_masked_out_gemm(x, w, mask, w_up, persistent=persistent, tile_order="interleaved")
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
-@pytest.mark.parametrize("persistent", ["flat", "nested"])
-@pytest.mark.parametrize("m", [300, 1000])
-def test_masked_out_gemm_persistent_bf16_autotuned(persistent, m):
-    """The persistent prefill kernel with the autotuned tiles and one program per SM, bf16, fused."""
-    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
-    w, w_up = (torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mask = random_mask(m, 4, 0.5)
-    buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], persistent=persistent)
-    ref = torch_masked_out_gemm(x, w, mask, w_up)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1)
-    assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
-    assert torch.isnan(buf[m:]).all()
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize(("m", "w_tma"), [(1, False), (13, False), (300, False), (300, True)])

@@ -185,41 +185,6 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def triton_masked_out_gemm_persistent_kernel(
-        x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
-        M, N, K, GW, M_BUCKET, NUM_PROGRAMS,
-        stride_xm, stride_wn, stride_om,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # prefill, persistent: NUM_PROGRAMS programs (one per SM) step through every output tile in
-        # the group-together order (tile t: group t // tiles_per_group). A tile whose first sorted token
-        # is inactive runs an empty K loop and stores its zeros, with no program launch of its own;
-        # with FLATTEN the compiler fuses the tile loop and the K loop into one pipelined loop, so a
-        # tile's first loads are issued during the previous tile's epilogue.
-        tiles_n = tl.cdiv(GW, BLOCK_N)
-        tiles_per_group = tl.cdiv(M, BLOCK_M) * tiles_n
-        num_tiles = (N // GW) * tiles_per_group
-        for t in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
-            g = t // tiles_per_group
-            tm = (t % tiles_per_group) // tiles_n
-            tn = t % tiles_n
-            count = tl.load(counts_ptr + g)
-            slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-            in_range = slots < M
-            rows = tl.load(order_ptr + g * M + slots, mask=in_range, other=0)
-            active = slots < count
-            cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
-            k_end = tl.where(tm * BLOCK_M < count, K, 0)  # the block skip: no weight read
-            acc = output_tile(
-                x_ptr, w_ptr, wu_ptr, rows, active, cols, col_ok, 0, k_end, stride_xm, stride_wn,
-                FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            out = tl.where(active[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=in_range[:, None] & col_ok[None, :])
-
-    @triton.jit
     def triton_masked_out_gemv_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
         M, N, K, GW,
@@ -263,7 +228,7 @@ if triton is not None:
         else:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
-    _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv, _tuned_out_gemm_persistent = (
+    _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv = (
         tuning.autotuned(
             kernel,
             table,
@@ -286,12 +251,6 @@ if triton is not None:
                 False,
             ),
             (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
-            (
-                triton_masked_out_gemm_persistent_kernel,
-                tuning.OUT_PREFILL,
-                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "FLATTEN", "NUM_PROGRAMS"],
-                False,
-            ),
         )
     )
 
@@ -311,7 +270,6 @@ def triton_masked_out_gemm(
     fold_sum: bool = True,
     tile_order: str = "group",
     w_tma: bool = False,
-    persistent: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -331,10 +289,7 @@ def triton_masked_out_gemm(
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
     wave of programs then streams all of the weights from HBM. ``w_tma`` (prefill): the weight
     blocks are read by the bulk tensor copy (TMA descriptors) instead of pointer loads; needs rows
-    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights. ``persistent``
-    (prefill): ``"flat"`` or ``"nested"``: one program per SM steps through the tiles in the same
-    order (``triton_masked_out_gemm_persistent_kernel``; "flat" lets the compiler fuse its tile and
-    K loops into one pipeline); ``None``: one program a tile."""
+    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -367,10 +322,6 @@ def triton_masked_out_gemm(
             grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
-    if persistent not in (None, "flat", "nested"):
-        raise ValueError(f"persistent must be None, 'flat' or 'nested', got {persistent!r}")
-    if persistent is not None and (tile_order != "group" or w_tma):
-        raise ValueError("the persistent kernel takes the tiles in the group order, with pointer weight loads")
     if tile_order not in ("group", "interleaved"):
         raise ValueError(f"tile_order must be 'group' or 'interleaved', got {tile_order!r}")
     together = tile_order == "group"
@@ -385,17 +336,6 @@ def triton_masked_out_gemm(
         # the block shape is the tile's (autotuned: set by tuning.set_descriptor_blocks)
         w_args = tuple(TensorDescriptor.from_tensor(t, [bn, bk]) for t in w_args)
     args = (x, *w_args, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
-    if persistent is not None:
-        tiles = groups * triton.cdiv(m, bm if fixed else 16) * triton.cdiv(gw, bn if fixed else 16)
-        programs = 3 if tuning.interpreted() else torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = min(programs, tiles)  # (an upper bound on the tiles: every program has one)
-        args = args[:11] + (programs,) + args[11:]
-        common["FLATTEN"] = persistent == "flat"
-        if fixed:
-            triton_masked_out_gemm_persistent_kernel[(programs,)](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-        else:
-            _tuned_out_gemm_persistent[(programs,)](*args, **common)
-        return out
     common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma)
     if fixed:
         tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
