@@ -37,7 +37,8 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       1024-2048, 1.20x-1.45x at 4096; the FFN block it feeds is 1.02x-1.51x of cuBLAS at every M
       measured)
     * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
-      M >= 4096 (1.2x-1.4x); 0.6x-1.0x between
+      M >= 4096 (1.16x-1.31x GPU time, 1.27x-1.44x in a graph, runs 6, 20-21); 0.6x-1.0x between
+      (2048: 0.82x-0.98x GPU time, run 21)
     * ``"reduce"`` (down, o): M = 1 (the fused active-group loop, 4 programs an output block:
       1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
