@@ -34,7 +34,7 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
     * ``"swiglu"`` (gate+up, fused): everywhere (1.6x-1.8x at M=1, about 1.0x where the union of
       a decode batch's masks is dense; at prefill sizes, since its programs take a group's tiles
       together, runs 20-22: 1.01x of cuBLAS gate+up's GPU time at T = 512, 1.25x-1.31x at
-      1024-2048, 1.20x-1.45x at 4096; the FFN block it feeds is 1.02x-1.51x of cuBLAS at every M
+      1024-2048, 1.20x-1.45x at 4096; the FFN block it feeds is 1.02x-1.70x of cuBLAS at every M
       measured)
     * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
       M >= 4096 (1.16x-1.31x GPU time, 1.27x-1.44x in a graph, runs 6, 20-21); 0.6x-1.0x between
