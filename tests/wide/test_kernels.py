@@ -98,14 +98,12 @@ def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse):
     assert torch.isnan(buf[m:]).all()
 
 
-@pytest.mark.parametrize("w_tma", [False, True])
 @pytest.mark.parametrize("tile_order", ["group", "interleaved"])
 @pytest.mark.parametrize("fuse", [False, True])
-def test_masked_out_gemm_tile_orders_agree(tile_order, fuse, w_tma):
+def test_masked_out_gemm_tile_orders_agree(tile_order, fuse):
     """Both launch orders of the prefill kernel (a group's tiles together, the default; the group
-    fastest), with the weights read by pointer loads or TMA descriptors, write every element, the
-    same values, on a group spanning several tiles, K not a multiple of the K step (40 of 16: the
-    descriptor reads zeros past the edge)."""
+    fastest) write every element, the same values, on a group spanning several tiles, K not a
+    multiple of the K step (40 of 16)."""
     m, k, n, groups = 45, 40, 96, 3
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
@@ -114,29 +112,26 @@ def test_masked_out_gemm_tile_orders_agree(tile_order, fuse, w_tma):
     mask = random_mask(m, groups, 0.5, seed=11)
     buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
     got = triton_masked_out_gemm(
-        x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16, tile_order=tile_order, w_tma=w_tma
+        x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16, tile_order=tile_order
     )
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
     assert torch.isnan(buf[m:]).all()
     with pytest.raises(ValueError, match="tile_order"):
         triton_masked_out_gemm(x, w, mask, w_up, tile_order="random")
-    if w_tma:  # rows of 35 fp32 values are not whole 16-byte units
-        with pytest.raises(ValueError, match="w_tma needs 16-byte aligned weight rows, got K=35"):
-            triton_masked_out_gemm(x[:, :35], w[:, :35], mask, w_tma=True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize(("m", "w_tma"), [(1, False), (13, False), (300, False), (300, True)])
-def test_masked_out_gemm_bf16_autotuned(fuse, m, w_tma):
-    """The autotuned tiles (decode and prefill kernels, the prefill one also with TMA weight
-    loads) on a GPU, in bf16; tolerance: bf16 output rounding of values of size ~sqrt(K)."""
+@pytest.mark.parametrize("m", [1, 13, 300])
+def test_masked_out_gemm_bf16_autotuned(fuse, m):
+    """The autotuned tiles (decode and prefill kernels) on a GPU, in bf16; tolerance: bf16 output
+    rounding of values of size ~sqrt(K)."""
     x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     w_up = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) if fuse else None
     mask = random_mask(m, 4, 0.5)
     buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], w_tma=w_tma)
+    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m])
     ref = torch_masked_out_gemm(x, w, mask, w_up)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
     assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0

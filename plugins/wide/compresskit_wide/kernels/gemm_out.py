@@ -28,7 +28,6 @@ from compresskit_wide.kernels.reference import zero_inactive_groups
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from compresskit_wide.kernels.gemm_reduce import (
         store_share,
@@ -84,53 +83,21 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def output_tile_tma(
-        x_ptr, w_desc, wu_desc, rows, row_on, col0, K, stride_xm,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """``output_tile`` with the weight blocks ``[col0:col0 + BLOCK_N, k0:k0 + BLOCK_K]`` read by
-        the bulk tensor copy (TMA) through descriptors (zeros beyond the tensor's edges); the token
-        rows are gathered as before."""
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_on[:, None] & (ks < K)[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(w_desc.load([col0, k0])), acc, input_precision=DOT_PRECISION)
-            if FUSE_SWIGLU:
-                acc_up = tl.dot(a, tl.trans(wu_desc.load([col0, k0])), acc_up, input_precision=DOT_PRECISION)
-        if FUSE_SWIGLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        return acc
-
-    @triton.jit
     def write_output_block(
         x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, row_on, any_on, cols, col_ok, K,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        W_TMA: tl.constexpr = False, col0=0,
     ):  # fmt: skip
         """Write one output block: zeros without reading a weight when no row is on (``any_on``
-        false: the skip), else the product (``output_tile``, or ``output_tile_tma`` with ``W_TMA``:
-        then ``w_ptr`` / ``wu_ptr`` are descriptors and ``col0`` the block's first column) with the
-        rows not on zeroed."""
+        false: the skip), else the product (``output_tile``) with the rows not on zeroed."""
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         store_mask = row_ok[:, None] & col_ok[None, :]
         if any_on:
-            if W_TMA:
-                acc = output_tile_tma(
-                    x_ptr, w_ptr, wu_ptr, rows, row_on, col0, K, stride_xm,
-                    FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-            else:
-                acc = output_tile(
-                    x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, 0, K, stride_xm, stride_wn,
-                    FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
+            acc = output_tile(
+                x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, 0, K, stride_xm, stride_wn,
+                FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
             tl.store(out_ptrs, tl.where(row_on[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
@@ -154,7 +121,6 @@ if triton is not None:
         M, N, K, GW, M_BUCKET,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_TILES_TOGETHER: tl.constexpr,
-        W_TMA: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # prefill: M_BUCKET is only the autotuning key. With GROUP_TILES_TOGETHER (the default), program
@@ -181,7 +147,6 @@ if triton is not None:
         write_output_block(
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, in_range, active, tm * BLOCK_M < count, cols, col_ok, K,
             stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            W_TMA, g * GW + tn * BLOCK_N,
         )  # fmt: skip
 
     @triton.jit
@@ -229,14 +194,7 @@ if triton is not None:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
     _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv = (
-        tuning.autotuned(
-            kernel,
-            table,
-            key,
-            decode=decode,
-            prune="BLOCK_N",
-            descriptors={"w_ptr": ("BLOCK_N", "BLOCK_K"), "wu_ptr": ("BLOCK_N", "BLOCK_K")},
-        )
+        tuning.autotuned(kernel, table, key, decode=decode, prune="BLOCK_N")
         for kernel, table, key, decode in (
             (
                 triton_masked_out_gemv_splitk_kernel,
@@ -247,7 +205,7 @@ if triton is not None:
             (
                 triton_masked_out_gemm_kernel,
                 tuning.OUT_PREFILL,
-                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER", "W_TMA"],
+                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
                 False,
             ),
             (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
@@ -269,7 +227,6 @@ def triton_masked_out_gemm(
     split_k: int | None = None,
     fold_sum: bool = True,
     tile_order: str = "group",
-    w_tma: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -287,9 +244,7 @@ def triton_masked_out_gemm(
     ``tile_order`` (prefill): ``"group"`` (the default) launches each group's token tiles together,
     so the programs running at once read a few groups' weight rows and share them in L2;
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
-    wave of programs then streams all of the weights from HBM. ``w_tma`` (prefill): the weight
-    blocks are read by the bulk tensor copy (TMA descriptors) instead of pointer loads; needs rows
-    of whole 16-byte units (``K * itemsize % 16 == 0``) and 16-byte aligned weights."""
+    wave of programs then streams all of the weights from HBM."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -328,16 +283,10 @@ def triton_masked_out_gemm(
     order, counts = (layout if layout is not None and layout[0] is not None else triton_routing_layout(mask))[:2]
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
-    bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-    w_args = (w, w_up)
-    if w_tma:
-        if (k * w.element_size()) % 16 or any(t.data_ptr() % 16 for t in w_args):
-            raise ValueError(f"w_tma needs 16-byte aligned weight rows, got K={k} of {w.dtype}")
-        # the block shape is the tile's (autotuned: set by tuning.set_descriptor_blocks)
-        w_args = tuple(TensorDescriptor.from_tensor(t, [bn, bk]) for t in w_args)
-    args = (x, *w_args, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
-    common.update(GROUP_TILES_TOGETHER=together, W_TMA=w_tma)
+    args = (x, w, w_up, out, order, counts, m, n, k, gw, tuning.m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
+    common["GROUP_TILES_TOGETHER"] = together
     if fixed:
+        bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
         tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
         grid = (tiles, groups) if together else (groups, tiles)
         triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)

@@ -172,40 +172,17 @@ def replay_ms(graph, times: int = 1) -> float:
     return start.elapsed_time(end)
 
 
-def configs(rows: list[tuple[dict, int, int]], pre_hook=None) -> list:
+def configs(rows: list[tuple[dict, int, int]]) -> list:
     """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list."""
-    return [triton.Config(meta, num_warps=w, num_stages=s, pre_hook=pre_hook) for meta, w, s in rows]
+    return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
 
 
-def set_descriptor_blocks(blocks: dict[str, tuple[str, ...]]):
-    """Autotuner pre-hook: the TMA descriptors among the arguments ``blocks`` names get the block
-    shape of the configuration being run (``{"w_ptr": ("BLOCK_N", "BLOCK_K")}``: a descriptor
-    passed as ``w_ptr`` reads ``[BLOCK_N, BLOCK_K]`` blocks); other arguments are left alone."""
-
-    def hook(nargs):
-        for name, dims in blocks.items():
-            arg = nargs.get(name)
-            if hasattr(arg, "block_shape"):
-                arg.block_shape = [nargs[d] for d in dims]
-
-    return hook
-
-
-def autotuned(
-    kernel,
-    rows: list[tuple[dict, int, int]],
-    key: list[str],
-    *,
-    decode: bool,
-    prune: str | None = None,
-    descriptors: dict[str, tuple[str, ...]] | None = None,
-):
+def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune: str | None = None):
     """``kernel`` autotuned over the tile table ``rows`` per ``key``; ``decode`` kernels are timed by
     ``flushed_graph_bench`` (the default timing measures the host at their sizes); ``prune``: the
-    block that must not be wider than a group (``prune_wider_than_group``); ``descriptors``: TMA
-    descriptor arguments whose block shape follows the tiles (``set_descriptor_blocks``)."""
+    block that must not be wider than a group (``prune_wider_than_group``)."""
     return triton.autotune(
-        configs=configs(rows, set_descriptor_blocks(descriptors) if descriptors else None),
+        configs=configs(rows),
         key=key,
         do_bench=flushed_graph_bench if decode else None,
         prune_configs_by={"early_config_prune": prune_wider_than_group(prune)} if prune else None,
