@@ -5,7 +5,7 @@
 # repo root, carrying [".whl"] (the Python packages the device lacks; see
 # benchmarks/fetch_device_wheels.sh):   bash benchmarks/device_bench_kernels.sh [--only REGEX]
 # Environment: TESTS_K="expr" selects tests (pytest -k; TESTS_K=none skips them), SHARDS=N runs them as
-# N processes side by side (benchmarks/pytest_shards.py: compiling is the slow part), BENCH=0 skips the
+# N processes side by side (pytest-xdist's -n, carried in .whl: compiling is the slow part), BENCH=0 skips the
 # kernel benchmark, E2E="args" also runs benchmarks/bench_wide_e2e.py with those arguments (e.g.
 # E2E="--layers 8"; "-" for its defaults), leaving e2e.json / e2e.md / e2e.log in $OUT.
 set -uo pipefail
@@ -14,11 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide || exit 3
 export PYTHONPATH=/tmp/ck:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [ "${TESTS_K:-}" != none ] && [ "${SHARDS:-1}" -gt 1 ]; then
-  python3 benchmarks/pytest_shards.py --shards "$SHARDS" --log "$OUT/kernel-tests.log" -- \
-    tests/wide/test_kernels.py ${TESTS_K:+-k "$TESTS_K"}
-elif [ "${TESTS_K:-}" != none ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/wide/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 |
+if [ "${TESTS_K:-}" != none ]; then
+  workers=()
+  [ "${SHARDS:-1}" -gt 1 ] && workers=(-n "$SHARDS")
+  python3 -m pytest -q -p no:cacheprovider -rfEs "${workers[@]}" tests/wide/test_kernels.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 |
     tee "$OUT/kernel-tests.log" | tail -n 15
 fi
 if [ "${BENCH:-1}" != 0 ]; then

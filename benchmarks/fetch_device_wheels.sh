@@ -11,7 +11,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 for pkg in lm-eval==0.4.13 datasets==5.2.0 evaluate==0.4.6 dill multiprocess pytablewriter DataProperty mbstrdecoder \
            pathvalidate tabledata tcolorpy typepy chardet more-itertools stevedore pydantic pydantic-core \
            annotated-types typing-inspection gensim smart-open jsonlines zstandard numexpr rouge-score nltk \
-           tqdm-multiprocess absl-py gguf==0.19.0 setuptools==80.9.0; do
+           tqdm-multiprocess absl-py gguf==0.19.0 setuptools==80.9.0 pytest-xdist==3.8.0 execnet==2.1.2; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "$pkg"
 done
