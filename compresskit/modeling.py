@@ -10,6 +10,7 @@ Model sources, in the order they are tried for ``model.name_or_path``:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compresskit.errors import ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
+from compresskit.errors import ArtifactError, ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
 from compresskit.progress import Progress
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -205,16 +206,32 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, dev)
     path = local_model_dir(source, progress)
     local_only = not (source.kind == "hub" and allow_download)
-    config = AutoConfig.from_pretrained(path, local_files_only=local_only)
+    with unreadable_checkpoint(path):
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
     check_supported(config)
     progress = progress or Progress()
     with progress.task(f"loading {name_or_path} ({str(torch_dtype).removeprefix('torch.')}, {dev})"):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=local_only)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
+        with unreadable_checkpoint(path):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=local_only)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.to(dev).eval()
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def unreadable_checkpoint(path: str):
+    """What transformers raises for a model directory it cannot read (a config that is not JSON, a
+    truncated or garbled safetensors file, a missing weight file) as the user's error: one line
+    naming the field and the directory, exit code 2."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, SafetensorError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ArtifactError(f"model.name_or_path: {path}: the checkpoint cannot be loaded: {reason}") from exc
 
 
 def check_supported(config) -> None:

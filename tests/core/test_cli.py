@@ -65,6 +65,32 @@ def test_bad_input_exit_2_one_line_no_output(capsys, recipe_file, tiny_recipe, o
     assert not out_dir.exists() and not out_dir.with_name("run.partial").exists()
 
 
+@pytest.mark.parametrize(
+    ("damage", "expect"),
+    [
+        ("config", "the checkpoint cannot be loaded: It looks like the config file at"),
+        ("weights", "the checkpoint cannot be loaded: Error while deserializing header"),
+    ],
+)
+def test_corrupt_checkpoint_exit_2_one_line(capsys, tiny_model_dir, tmp_path, damage, expect):
+    """A model directory whose config is not JSON, or whose safetensors file is cut short: one line
+    naming the field and the directory, exit 2, no output directory."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    if damage == "config":
+        (broken / "config.json").write_text('{"model_type": "llama"')
+    else:
+        weights = broken / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    out_dir = tmp_path / "run"
+    code, _, err = apply_toy(capsys, broken, out_dir)
+    assert code == 2
+    # (the weights fail inside the "loading ..." progress task, whose start line comes first)
+    line = one_line_error("\n".join(ln for ln in err.splitlines() if not ln.startswith("[compresskit] loading")))
+    assert line.startswith(f"error: model.name_or_path: {broken}: ") and expect in line
+    assert "Traceback" not in err and not out_dir.exists()
+
+
 def test_missing_recipe_file(capsys, tmp_path):
     code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
     assert code == 2 and "recipe file not found" in one_line_error(err)
