@@ -46,6 +46,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/
 from compresskit_wide.kernels.tuning import replay_ms  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+# --rows: the WIDE rows after dense; name -> (wide-triton backend, track_stats), or None for the torch executor
+ROWS = {"torch": None, "auto": ("auto", True), "triton": ("triton", True), "auto-nostats": ("auto", False)}
 
 
 def sync() -> None:
@@ -302,6 +304,41 @@ def kernel_profile(run, steps: int) -> dict:
     }
 
 
+def python_profile(run, steps: int, top: int = 25) -> dict:
+    """``steps`` calls of ``run`` under cProfile: where the host's Python time goes (a host-bound
+    eager prefill). The ``top`` functions by their own time, as ``{"file:line(function)": [calls per
+    call, own us per call, cumulative us per call]}``, and the profiled wall time per call."""
+    import cProfile
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        run()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - start
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, tottime, cumtime, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+
+    def where(key) -> str:
+        file, line, func = key
+        parts = Path(file).parts
+        short = "/".join(parts[-2:]) if len(parts) > 1 else file
+        return f"{short}:{line}({func})"[:90]
+
+    return {
+        "wall_ms_per_call": round(wall / steps * 1e3, 3),
+        "python_calls_per_call": round(sum(v[1] for v in stats.values()) / steps, 1),
+        "top_self_us_per_call": {
+            where(k): [round(v[1] / steps, 1), round(v[2] / steps * 1e6, 1), round(v[3] / steps * 1e6, 1)]
+            for k, v in rows
+        },
+    }
+
+
 def time_model(name, model, ids, args, reference_logits, results, recorded=None):
     from compresskit.routing import routed_projections
 
@@ -315,6 +352,7 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         err = None if reference_logits is None else (logits.float() - reference_logits.float()).abs().max().item()
         prefill = median_seconds(lambda: model(ids, use_cache=False), args.repeats)
         prefill_prof = kernel_profile(lambda: model(ids, use_cache=False), 2)
+        prefill_python = python_profile(lambda: model(ids, use_cache=False), 3)
 
         def gen():
             model.generate(
@@ -350,6 +388,7 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         "graph_error": graph_error,
         "graph_decode_profile": decode_prof,
         "prefill_profile": prefill_prof,  # per prompt (decode: per token)
+        "prefill_python_profile": prefill_python,
         "sparsity": sparsity,
     }
     results.append(row)
@@ -366,7 +405,9 @@ def time_model(name, model, ids, args, reference_logits, results, recorded=None)
         print(
             f"{'':32s} prefill profile: {prefill_prof['kernels_per_call']:.0f} kernels, GPU "
             f"{prefill_prof['kernel_ms_per_call']:.2f} ms of {prefill_prof['wall_ms_per_call']:.2f} ms wall, "
-            f"{prefill_prof['host_blocking_calls_per_call']:.0f} host-blocking calls",
+            f"{prefill_prof['host_blocking_calls_per_call']:.0f} host-blocking calls; "
+            f"{prefill_python['python_calls_per_call']:.0f} Python calls, "
+            f"{prefill_python['wall_ms_per_call']:.2f} ms wall under cProfile",
             flush=True,
         )
     return logits
@@ -380,8 +421,17 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024; 12 with --smoke)")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 64; 3 with --smoke)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--rows",
+        default=",".join(ROWS),
+        help=f"the WIDE rows to time after dense, comma-separated, of: {', '.join(ROWS)} (default: all)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; allowed: {', '.join(ROWS)}")
     if not CUDA and not args.smoke:
         print("no CUDA device: use --smoke (tiny shapes under TRITON_INTERPRET=1)")
         return 2
@@ -406,10 +456,12 @@ def main() -> int:
     pruner = wide(wide.Config(target_sparsity=0.5))
     pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
     model = pruner.finalize(model)
-    reference = time_model("WIDE, torch (masked dense)", model, ids, args, None, results)
+    reference = None
+    if "torch" in rows:
+        reference = time_model("WIDE, torch (masked dense)", model, ids, args, None, results)
     recorded = record_layers(model, ids)
     executor = plugins.load("executor", "wide-triton")
-    for backend, stats in (("auto", True), ("triton", True), ("auto", False)):
+    for backend, stats in [ROWS[r] for r in rows if ROWS[r] is not None]:
         fast = executor(executor.Config(backend=backend, track_stats=stats))
         fast.check(model)
         converted = fast.convert(copy.deepcopy(model))

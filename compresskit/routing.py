@@ -133,6 +133,7 @@ class RoutedProjection(nn.Module):
         self.fast_decide: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
+        self._input_zeroed = False  # this pass's input has its inactive groups zeroed already (mark_input_zeroed)
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
         self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
         self.reset_stats()
@@ -153,8 +154,15 @@ class RoutedProjection(nn.Module):
         needed = self.training or self.track_stats or self.has_followers
         self._take(execute, mask_for(x_raw) if needed else None)
 
+    def mark_input_zeroed(self) -> None:
+        """Called by whatever produces this pass's input when it has already zeroed every inactive
+        group exactly (a routed kernel that writes zeros for them): the next forward then skips its
+        masking (two elementwise launches a pass). Cleared by that forward and by a new decision."""
+        self._input_zeroed = True
+
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         self._mask = execute
+        self._input_zeroed = False
         if self.has_followers:  # handed on, then released by the follower
             self._decision = (execute, valid)
         if self.training:
@@ -165,6 +173,7 @@ class RoutedProjection(nn.Module):
                 self.stat_tokens += valid.double().sum()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        zeroed, self._input_zeroed = self._input_zeroed, False  # (read before a follower takes its decision)
         if self.leader is not None:
             decision, self.leader._decision = self.leader._decision, None
             if decision is not None and decision[0].shape[:2] == x.shape[:2]:
@@ -176,7 +185,7 @@ class RoutedProjection(nn.Module):
                 f"({None if mask is None else tuple(mask.shape)} vs {tuple(x.shape)}); the router tap did not run"
             )
         self._mask = None
-        return self.base_layer(self.masker(x, mask))
+        return self.base_layer(x if zeroed else self.masker(x, mask))
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, layer={self.layer_idx}, groups={self.groups}"

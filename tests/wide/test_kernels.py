@@ -278,15 +278,22 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     calls = []
     real = kernels.triton_routed_attention_prefill
     monkeypatch.setattr(kernels, "triton_routed_attention_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    maskings = []  # o_proj's own masking: skipped after a routed attention (its output is zeroed already)
+    for layer in fast.model.layers:
+        o_proj = layer.self_attn.o_proj
+        o_proj.masker = lambda x, m, real_masker=o_proj.masker: maskings.append(1) or real_masker(x, m)
     with torch.no_grad():
         torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
     assert len(calls) == 2  # the routed prefill attention ran in both layers
+    assert maskings == []
     # a padded batch needs an attention mask: the routed function hands it to SDPA, same result
+    # (o_proj then zeroes the skipped heads itself)
     pad = torch.ones_like(ids)
     pad[1, :4] = 0
     with torch.no_grad():
         got, ref = fast(ids, attention_mask=pad).logits, model(ids, attention_mask=pad).logits
     torch.testing.assert_close(got[pad.bool()], ref[pad.bool()], rtol=1e-4, atol=1e-4)
+    assert len(maskings) == 2
     # the saved configuration names no attention implementation of ours
     assert "wide_routed" not in json.dumps(fast.config.to_dict())
     # cached decoding through the kernels (M = 1 per step) gives the same tokens
@@ -552,7 +559,14 @@ def test_dense_out_gemm_fallback_equals_reference(fuse, sparsity):
     mask = random_mask(9, 3, sparsity, seed=4)
     got = dense_masked_out_gemm(x, w, mask, w_up)
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-    assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
+    inactive = ~mask.repeat_interleave(32, dim=-1)
+    assert torch.count_nonzero(got[inactive]) == 0
+    # zero_inactive=False (a caller that never reads them): the dense product is left in the inactive
+    # groups, the active ones are the same
+    raw = dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=False)
+    dense = x @ w.T if w_up is None else torch.nn.functional.silu(x @ w.T) * (x @ w_up.T)
+    torch.testing.assert_close(raw, dense, rtol=0, atol=0)
+    torch.testing.assert_close(raw[~inactive], got[~inactive], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("sparsity", SPARSITIES)
@@ -792,6 +806,10 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
     assert torch.equal(torch_router_decide(*args), ref)
     got = triton_router_decide(*args, split=split, block_g=block_g)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
+    if split is None:  # as a bool mask (what the executor asks for): the same decisions
+        assert torch.equal(torch_router_decide(*args, as_bool=True), ref.bool())
+        as_bool = triton_router_decide(*args, block_g=block_g, as_bool=True)
+        assert as_bool.dtype == torch.bool and torch.equal(as_bool, ref.bool())
     if bias:
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
 

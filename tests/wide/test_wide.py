@@ -329,6 +329,31 @@ def test_routed_projection_needs_its_tap():
         proj(torch.zeros(1, 2, 48))
 
 
+def test_mark_input_zeroed_skips_the_masking_once():
+    """A producer that zeroed the inactive groups itself (the routed attention kernels) marks the
+    projection: its next forward takes the input as it is; the mark is gone after that forward and
+    with a new decision. Unmarked, the projection zeroes the inactive groups itself."""
+    base = torch.nn.Linear(8, 3, bias=False)
+    proj = RoutedProjection(base, GroupRouter(8, 2, 4), kind="attention", layer_idx=0, macs_per_group=12)
+    proj.eval()
+    x = torch.randn(1, 2, 8)
+    execute = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    masked = x * execute.repeat_interleave(4, dim=-1)
+
+    def run(mark: bool) -> torch.Tensor:
+        proj._take(execute, None)
+        if mark:
+            proj.mark_input_zeroed()
+        with torch.no_grad():
+            return proj(x)
+
+    torch.testing.assert_close(run(False), base(masked))
+    torch.testing.assert_close(run(True), base(x))  # as marked: not masked again
+    torch.testing.assert_close(run(False), base(masked))  # the mark lasted one forward
+    proj.mark_input_zeroed()
+    torch.testing.assert_close(run(False), base(masked))  # a new decision clears a stale mark
+
+
 def test_group_fractions_are_reported_beside_mac_fractions():
     model = tiny_llama()
     pruner = wide(model)

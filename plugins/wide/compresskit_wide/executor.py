@@ -10,7 +10,7 @@ kept; down on the zero-filled result). With ``attention: true`` every routed att
 through the dispatch: :class:`KernelQ` computes only the query heads of the kept head groups, and
 the model's attention implementation becomes ``"wide_routed"`` (registered with transformers'
 ``AttentionInterface``), which runs the routed decode / prefill attention for those heads and
-writes zeros for the others; whatever it does not cover (a padding or static-cache mask, dropout,
+writes zeros for the others (so ``o_proj`` skips its masking); whatever it does not cover (a padding or static-cache mask, dropout,
 a sliding window, another scale) goes to transformers' SDPA function unchanged. Under
 ``backend: auto`` each operator takes the Triton kernel only where the H200 benchmark measured it
 faster (``kernels.tuning.use_kernel``). The result equals the reference (``torch`` executor) up to
@@ -87,9 +87,12 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
     if t == 1:  # decode: every sequence sees the whole cache (no padding mask was needed)
         lens = torch.full((b,), key.shape[2], dtype=torch.int32, device=query.device)
         out = kernels.routed_attention_decode(query[:, :, 0], key, value, lens, heads_on[:, 0], backend=backend)
-        return out[:, None].contiguous(), None
-    out = kernels.routed_attention_prefill(query, key, value, heads_on, backend=backend)
-    return out.transpose(1, 2).contiguous(), None
+        out = out[:, None].contiguous()
+    else:
+        out = kernels.routed_attention_prefill(query, key, value, heads_on, backend=backend)
+        out = out.transpose(1, 2).contiguous()
+    proj.mark_input_zeroed()  # the routed operators write exact zeros for skipped heads: o_proj need not
+    return out, None
 
 
 def register_attention() -> None:
@@ -116,14 +119,16 @@ class KernelRouter(nn.Module):
         r = self.router
         x2 = x_raw.reshape(-1, x_raw.shape[-1])
         execute = kernels.router_decide(
-            x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend
-        )  # [M, G]
+            x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend, as_bool=True
+        )  # [M, G], bool: what the routed operators read (no cast launch in each of them)
         return execute.view(*x_raw.shape[:-1], execute.shape[-1])
 
 
 class KernelQ(nn.Module):
     """The q projection of a routed attention: only the query heads of the head groups the
-    layer's router kept (the others are zero, and the routed attention never reads them)."""
+    layer's router kept. The others are never read (the routed attention gathers the active
+    heads' queries; the dense attention's outputs for them are zeroed by the routed ``o_proj``), so
+    where the dense product is the faster path it is taken as it is, without a zeroing launch."""
 
     def __init__(self, base_layer: nn.Linear, o_proj: RoutedProjection, backend: str) -> None:
         super().__init__()
@@ -137,7 +142,11 @@ class KernelQ(nn.Module):
             return self.base_layer(x)
         x2 = x.reshape(-1, x.shape[-1])
         y = kernels.masked_out_gemm(
-            x2, self.base_layer.weight, mask.reshape(-1, mask.shape[-1]).bool(), backend=self.backend
+            x2,
+            self.base_layer.weight,
+            mask.reshape(-1, mask.shape[-1]).bool(),
+            zero_inactive=False,
+            backend=self.backend,
         )
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -105,12 +105,16 @@ def router_decide(
     w_up: torch.Tensor,
     b_up: torch.Tensor,
     backend: str = "auto",
+    *,
+    as_bool: bool = False,
 ) -> torch.Tensor:
-    """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1): a ``GroupRouter``'s deterministic
-    decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
+    """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1, or bool with ``as_bool``): a
+    ``GroupRouter``'s deterministic decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with
+    their biases)."""
     if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_decide(x, w_down, b_down, w_up, b_up)
-    return torch_router_decide(x, w_down, b_down, w_up, b_up)  # the reference is the dense path too
+        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
+    # the reference is the dense path too
+    return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
 
 
 def routing_layout(mask: torch.Tensor, backend: str = "auto"):
@@ -134,15 +138,19 @@ def masked_out_gemm(
     w_up: torch.Tensor | None = None,
     *,
     layout=None,
+    zero_inactive: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
-    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere."""
+    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere.
+    ``zero_inactive=False``: the caller never reads the inactive groups' outputs (the routed
+    attention reads only the active heads' queries), so the dense fallback may leave its dense
+    product there and save the zeroing launch; the kernel and the reference write zeros anyway."""
     path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
     if path == "triton":
         return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
     if path == "dense":
-        return dense_masked_out_gemm(x, w, mask, w_up)
+        return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive)
     return torch_masked_out_gemm(x, w, mask, w_up)
 
 

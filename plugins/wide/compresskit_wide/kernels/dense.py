@@ -12,13 +12,19 @@ from compresskit_wide.kernels.reference import zero_inactive_groups, zero_inacti
 
 
 def dense_masked_out_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    zero_inactive: bool = True,
 ) -> torch.Tensor:
-    """``x @ w.T`` (or ``silu(x @ w.T) * (x @ w_up.T)``), zero where the group is inactive."""
+    """``x @ w.T`` (or ``silu(x @ w.T) * (x @ w_up.T)``), zero where the group is inactive (left as
+    computed with ``zero_inactive=False``, for a caller that never reads those outputs)."""
     y = x @ w.T
     if w_up is not None:
         y = F.silu(y) * (x @ w_up.T)
-    return zero_inactive_groups(y, mask)
+    return zero_inactive_groups(y, mask) if zero_inactive else y
 
 
 def dense_routed_attention_decode(

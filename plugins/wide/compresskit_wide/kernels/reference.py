@@ -17,8 +17,10 @@ def zero_inactive_groups(y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``y: [..., N]``, ``mask: [..., G]`` -> ``y`` with each inactive group of N/G outputs exactly 0.
     A select, not a product (unlike ``torch_group_masked_input`` on inputs): whatever the dense
     computation produced there, inf or NaN included, the routed operator's output is 0."""
-    keep = mask.bool().repeat_interleave(y.shape[-1] // mask.shape[-1], dim=-1)
-    return torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+    groups = mask.shape[-1]
+    # one select over the [..., G, N/G] view, the mask broadcast along each group (no expanded copy)
+    kept = torch.where(mask.bool().unsqueeze(-1), y.unflatten(-1, (groups, y.shape[-1] // groups)), 0.0)
+    return kept.flatten(-2)
 
 
 def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

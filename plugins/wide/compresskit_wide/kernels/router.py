@@ -4,6 +4,7 @@
     w_down: [R, D]      b_down: [R]         the router's bottleneck (fp32)
     w_up:   [2G, R]     b_up:   [2G]        its logits, interleaved (row 2g: execute, 2g + 1: skip)
     out:    [M, G]      1.0 where group g executes for the token (skip logit <= execute logit), else 0.0
+                        (fp32; or True / False with ``as_bool``, which the kernels downstream read as it is)
 
 The reference is ``GroupRouter`` followed by the deterministic ``decide`` (fp32 throughout); at
 batch 1 it is five or six small launches (a cast, two products, a comparison, a cast) per routed
@@ -32,12 +33,20 @@ except ImportError:
 
 
 def torch_router_decide(
-    x: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    as_bool: bool = False,
 ) -> torch.Tensor:
-    """Reference: exactly ``decide(GroupRouter(x), sample=False)`` for a 2-D ``x``."""
+    """Reference: exactly ``decide(GroupRouter(x), sample=False)`` for a 2-D ``x`` (as a bool mask
+    with ``as_bool``)."""
     z = torch.nn.functional.linear(x.float(), w_down, b_down)
     logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
-    return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
+    execute = logits[..., 1] <= logits[..., 0]
+    return execute if as_bool else execute.to(logits.dtype)
 
 
 if triton is not None:
@@ -161,11 +170,14 @@ def triton_router_decide(
     *,
     split: int | None = None,
     block_g: int | None = None,
+    as_bool: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
     the bottleneck split over ``split`` shares of D (default: ``router_split``) and a second launch
     that sums them in a fixed order and decides, ``block_g`` groups a program (a power of two,
-    at least 16; default 32 after a split, up to 128 in one launch)."""
+    at least 16; default 32 after a split, up to 128 in one launch). ``as_bool``: the decision
+    stored as bytes and returned as a bool mask (what the routed operators read; no cast launch
+    after it)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -187,7 +199,7 @@ def triton_router_decide(
         raise ValueError(f"block_g must be a power of two >= 16, got {block_g}")
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
-    out = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
     block_m = 16 if m <= tuning.DECODE_MAX_M or tuning.interpreted() else 32
     block_r = max(16, triton.next_power_of_2(r))
     block_k = 32 if tuning.interpreted() else 128
@@ -206,7 +218,7 @@ def triton_router_decide(
             x, w_down, b_down, w_up, b_up, out, m, d, r, groups, x.stride(0), out.stride(0),
             DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
         )  # fmt: skip
-        return out
+        return out.view(torch.bool) if as_bool else out
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
@@ -216,4 +228,4 @@ def triton_router_decide(
         ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
-    return out
+    return out.view(torch.bool) if as_bool else out
