@@ -10,8 +10,9 @@ kept; down on the zero-filled result). With ``attention: true`` every routed att
 through the dispatch: :class:`KernelQ` computes only the query heads of the kept head groups, and
 the model's attention implementation becomes ``"wide_routed"`` (registered with transformers'
 ``AttentionInterface``), which runs the routed decode / prefill attention for those heads and
-writes zeros for the others (so ``o_proj`` skips its masking); whatever it does not cover (a padding or static-cache mask, dropout,
-a sliding window, another scale) goes to transformers' SDPA function unchanged. Under
+writes zeros for the others (so ``o_proj`` skips its masking); whatever it does not cover (a
+padding or static-cache mask, dropout, a sliding window, another scale) goes to transformers' SDPA
+function unchanged. Under
 ``backend: auto`` each operator takes the Triton kernel only where the H200 benchmark measured it
 faster (``kernels.tuning.use_kernel``). The result equals the reference (``torch`` executor) up to
 floating-point rounding.
