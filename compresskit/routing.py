@@ -25,7 +25,7 @@ from torch import nn
 
 from compresskit.interfaces import Pruner
 from compresskit.sparsity import SparsityReport
-from compresskit.tokens import mask_for
+from compresskit.tokens import declared_mask, mask_for
 
 
 class GroupRouter(nn.Module):
@@ -140,8 +140,32 @@ class RoutedProjection(nn.Module):
 
     def reset_stats(self) -> None:
         dev = self.base_layer.weight.device
-        self.stat_skipped = torch.zeros((), dtype=torch.float64, device=dev)  # skipped (token, group) pairs
-        self.stat_tokens = torch.zeros((), dtype=torch.float64, device=dev)  # real tokens routed
+        # counted without a host synchronisation: executed (token, group) pairs and, where a real-token
+        # mask was declared, its real tokens on the device; tokens of unmasked passes (all real) on the host
+        self._executed = torch.zeros((), dtype=torch.float64, device=dev)
+        self._masked_tokens = torch.zeros((), dtype=torch.float64, device=dev)
+        self._host_tokens = 0
+
+    @property
+    def stat_tokens(self) -> torch.Tensor:
+        """Real tokens routed since ``reset_stats`` (a float64 scalar tensor)."""
+        return self._masked_tokens + self._host_tokens
+
+    @property
+    def stat_skipped(self) -> torch.Tensor:
+        """Skipped (real token, group) pairs since ``reset_stats`` (a float64 scalar tensor)."""
+        return self.stat_tokens * self.groups - self._executed
+
+    def _count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Add one pass's decision to the counters: two launches (a sum, an add) when every token is
+        real (``valid`` None), four more with a real-token mask."""
+        with torch.no_grad():
+            if valid is None:
+                self._host_tokens += execute[..., 0].numel()
+                self._executed += execute.sum(dtype=torch.float64)
+            else:
+                self._masked_tokens += valid.sum(dtype=torch.float64)
+                self._executed += (execute.to(torch.float64) * valid.unsqueeze(-1)).sum()
 
     def route(self, x_raw: torch.Tensor) -> None:
         """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
@@ -150,9 +174,8 @@ class RoutedProjection(nn.Module):
         else:
             logits = self.router(x_raw)  # [B, T, G, 2]
             execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
-        # the valid-token mask feeds training, the counters and the followers only
-        needed = self.training or self.track_stats or self.has_followers
-        self._take(execute, mask_for(x_raw) if needed else None)
+        # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
+        self._take(execute, mask_for(x_raw) if self.training else declared_mask(x_raw))
 
     def mark_input_zeroed(self) -> None:
         """Called by whatever produces this pass's input when it has already zeroed every inactive
@@ -167,10 +190,8 @@ class RoutedProjection(nn.Module):
             self._decision = (execute, valid)
         if self.training:
             self.last_skip, self.last_valid = 1.0 - execute, valid
-        elif self.track_stats and valid is not None:
-            with torch.no_grad():
-                self.stat_skipped += ((1.0 - execute.double()) * valid.double().unsqueeze(-1)).sum()
-                self.stat_tokens += valid.double().sum()
+        elif self.track_stats:
+            self._count(execute, valid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         zeroed, self._input_zeroed = self._input_zeroed, False  # (read before a follower takes its decision)

@@ -31,10 +31,20 @@ def token_mask(mask: torch.Tensor | None) -> Iterator[None]:
         _VALID.reset(token)
 
 
+def declared_mask(x: torch.Tensor) -> torch.Tensor | None:
+    """The declared real-token mask for activations ``x: [B, T, ...]`` as a bool tensor ``[B, T]``
+    on ``x``'s device, or None when every token is real (none declared, or it does not fit this
+    pass, e.g. a decode step). No kernel launch when none is declared."""
+    mask = _VALID.get()
+    if mask is None or mask.shape != x.shape[:2]:
+        return None
+    return mask.to(device=x.device)
+
+
 def mask_for(x: torch.Tensor) -> torch.Tensor:
     """The valid mask for activations ``x: [B, T, ...]`` as a float tensor ``[B, T]`` (ones when
     no mask is declared or it does not fit this pass, e.g. a decode step)."""
-    mask = _VALID.get()
-    if mask is None or mask.shape != x.shape[:2]:
+    mask = declared_mask(x)
+    if mask is None:
         return torch.ones(x.shape[:2], device=x.device, dtype=torch.float32)
-    return mask.to(device=x.device, dtype=torch.float32)
+    return mask.to(dtype=torch.float32)

@@ -814,6 +814,18 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
 
 
+def test_host_launch_arithmetic_equals_tritons():
+    """The plain-Python ``cdiv`` / ``next_power_of_2`` the launches use (Triton's are constexpr
+    functions, slow on the host) give Triton's values."""
+    from compresskit_wide.kernels import tuning
+
+    for n in range(1, 3000):
+        assert tuning.next_power_of_2(n) == triton.next_power_of_2(n)
+    for a in range(0, 200):
+        for b in range(1, 70):
+            assert tuning.cdiv(a, b) == triton.cdiv(a, b)
+
+
 def test_router_precision_by_token_count():
     """fp32 products on the CUDA cores at decode sizes, three TF32 passes on the tensor cores beyond."""
     from compresskit_wide.kernels.router import router_precision

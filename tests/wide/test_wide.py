@@ -217,6 +217,41 @@ def test_measured_sparsity_matches_the_masks_and_excludes_padding():
     assert 0 < rep.macs < 1 and 0 < rep.attention < 1
 
 
+def test_counting_without_a_mask_and_mixed_passes():
+    """Passes without a declared mask count every token as real (on the host, no mask tensor is
+    made); a decode step whose shape does not fit the declared mask too; passes with and without a
+    mask add up; ``reset_stats`` starts again from zero."""
+    model = tiny_llama()
+    pruner = wide(model)
+    skips = {}
+
+    def record(name):
+        def hook(module, args, out):
+            skips.setdefault(name, []).append(out[..., 1] > out[..., 0])
+
+        return hook
+
+    for name, proj in routed_projections(model):
+        proj.router.register_forward_hook(record(name))
+    pruner.reset_sparsity(model)
+    a, b = ids(seed=1), ids(b=1, t=5, seed=2)
+    valid = torch.ones_like(a, dtype=torch.bool)
+    valid[0, :3] = False
+    with torch.no_grad():
+        model(a)  # no mask: 24 real tokens
+        with token_mask(valid):
+            model(a)  # 21 real tokens
+            model(b)  # the declared mask does not fit: 5 real tokens
+    for name, proj in routed_projections(model):
+        unmasked, masked, other = skips[name]
+        expected = unmasked.sum() + (masked & valid.unsqueeze(-1)).sum() + other.sum()
+        assert proj.stat_tokens.item() == 24 + 21 + 5
+        assert proj.stat_skipped.item() == expected.item()
+    assert pruner.sparsity(model).tokens == 50
+    pruner.reset_sparsity(model)
+    assert all(p.stat_tokens.item() == 0 and p.stat_skipped.item() == 0 for _, p in routed_projections(model))
+
+
 def test_budget_losses():
     model = tiny_llama()
     model.train()

@@ -149,14 +149,14 @@ def triton_routed_attention_decode(
     block_n = block_n or tuning.attention_decode_block()
     mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
-    split_len = triton.cdiv(max(s, 1), splits)
-    split_len = triton.cdiv(split_len, block_n) * block_n
+    split_len = tuning.cdiv(max(s, 1), splits)
+    split_len = tuning.cdiv(split_len, block_n) * block_n
     m_ws = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_h = max(16, triton.next_power_of_2(rep))
-    block_d = max(16, triton.next_power_of_2(d))
+    block_h = max(16, tuning.next_power_of_2(rep))
+    block_d = max(16, tuning.next_power_of_2(d))
     triton_attn_decode_split_kernel[(b, hkv, splits)](
         q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
@@ -166,6 +166,6 @@ def triton_routed_attention_decode(
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
         mask_u8.stride(0), hq // mask.shape[-1],
-        BLOCK_S=max(16, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_D=block_d,
     )  # fmt: skip
     return out

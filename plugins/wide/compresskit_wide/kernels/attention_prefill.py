@@ -149,12 +149,12 @@ def triton_routed_attention_prefill(
     )  # fmt: skip
     common = dict(
         DOT_PRECISION=tuning.dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=max(16, tuning.next_power_of_2(d)),
     )  # fmt: skip
     if block_m is not None or block_n is not None or tuning.interpreted():
         bm, bn = block_m or tuning.attention_prefill_block(), block_n or tuning.attention_prefill_block()
-        triton_attn_prefill_kernel[(b, hq, triton.cdiv(t, bm))](*args, **common, BLOCK_M=bm, BLOCK_N=bn)
+        triton_attn_prefill_kernel[(b, hq, tuning.cdiv(t, bm))](*args, **common, BLOCK_M=bm, BLOCK_N=bn)
     else:
-        grid = lambda meta: (b, hq, triton.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
+        grid = lambda meta: (b, hq, tuning.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
         _tuned_attn_prefill[grid](*args, **common)
     return out

@@ -271,10 +271,10 @@ def triton_masked_out_gemm(
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
         if fixed:
             bn, bk = block_n or 16, block_k or 32
-            grid = (groups, triton.cdiv(gw, bn))
+            grid = (groups, tuning.cdiv(gw, bn))
             triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
         else:
-            grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+            grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
     if tile_order not in ("group", "interleaved"):
@@ -287,13 +287,13 @@ def triton_masked_out_gemm(
     common["GROUP_TILES_TOGETHER"] = together
     if fixed:
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        tiles = triton.cdiv(m, bm) * triton.cdiv(gw, bn)
+        tiles = tuning.cdiv(m, bm) * tuning.cdiv(gw, bn)
         grid = (tiles, groups) if together else (groups, tiles)
         triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     else:
 
         def grid(meta):
-            tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(gw, meta["BLOCK_N"])
+            tiles = tuning.cdiv(m, meta["BLOCK_M"]) * tuning.cdiv(gw, meta["BLOCK_N"])
             return (tiles, groups) if together else (groups, tiles)
 
         _tuned_out_gemm[grid](*args, **common)
@@ -305,19 +305,19 @@ def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fo
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    chunk = triton.cdiv(triton.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
+    chunk = tuning.cdiv(tuning.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
     # output blocks (tickets when the sum is folded in): at most one per 16 columns of a group
-    tickets = zeroed_tickets(x.device, groups * triton.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
+    tickets = zeroed_tickets(x.device, groups * tuning.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
     args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
     args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": 16}
     if block_n is not None or tuning.interpreted():
         bn, bk = block_n or 16, min(block_k or 32, chunk)
-        grid = (groups, triton.cdiv(gw, bn), split_k)
+        grid = (groups, tuning.cdiv(gw, bn), split_k)
         triton_masked_out_gemv_splitk_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk)
     else:
-        grid = lambda meta: (groups, triton.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
+        grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
         _tuned_out_gemv_splitk[grid](*args, **common)
     if not fold_sum:
-        triton_split_sum_kernel[(triton.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
+        triton_split_sum_kernel[(tuning.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
     return out

@@ -333,8 +333,8 @@ def triton_masked_reduce_gemm(
     precision = tuning.dot_precision(x.dtype)
     if variant == "fused":  # its own group list (a scratch slice per program) and tickets
         # output blocks: at most one per 16 columns (the narrowest tile) and token tile
-        blocks = triton.cdiv(n, min(block_n or 16, 16)) * triton.cdiv(m, block_m or 16)
-        block_g = max(16, triton.next_power_of_2(groups))
+        blocks = tuning.cdiv(n, min(block_n or 16, 16)) * tuning.cdiv(m, block_m or 16)
+        block_g = max(16, tuning.next_power_of_2(groups))
         group_lists = torch.empty(blocks * splits * block_g, dtype=torch.int32, device=x.device)
         args = (x, weights, mask_u8, out, ws, group_lists, zeroed_tickets(x.device, blocks), m, n, gw, groups, splits)
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused
@@ -344,8 +344,8 @@ def triton_masked_reduce_gemm(
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_unrolled_kernel, _tuned_reduce_unrolled
         strides = (*strides, stride_wg)
         meta = {
-            "CHUNK": triton.next_power_of_2(triton.cdiv(groups, splits)),
-            "BLOCK_K": max(16, triton.next_power_of_2(k // groups)),
+            "CHUNK": tuning.next_power_of_2(tuning.cdiv(groups, splits)),
+            "BLOCK_K": max(16, tuning.next_power_of_2(k // groups)),
         }
         fixed = {"BLOCK_N": block_n or 16}
     else:
@@ -354,12 +354,12 @@ def triton_masked_reduce_gemm(
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
     if block_n is not None or tuning.interpreted():
         bm = block_m or 16
-        grid = (triton.cdiv(n, fixed["BLOCK_N"]), triton.cdiv(m, bm), splits)
+        grid = (tuning.cdiv(n, fixed["BLOCK_N"]), tuning.cdiv(m, bm), splits)
         fixed_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, **fixed, BLOCK_M=bm)
     else:
-        grid = lambda cfg: (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, 16), splits)  # noqa: E731
+        grid = lambda cfg: (tuning.cdiv(n, cfg["BLOCK_N"]), tuning.cdiv(m, 16), splits)  # noqa: E731
         tuned_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, BLOCK_M=16)
     if splits > 1 and variant != "fused":
         block = 1024
-        triton_split_sum_kernel[(triton.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)
+        triton_split_sum_kernel[(tuning.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)
     return out

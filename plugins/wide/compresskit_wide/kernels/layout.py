@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from compresskit_wide.kernels import tuning
+
 try:
     import triton
     import triton.language as tl
@@ -141,7 +143,7 @@ def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     m, g, mask_u8 = _kernel_mask(mask)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
-    block_g = max(16, triton.next_power_of_2(g))
+    block_g = max(16, tuning.next_power_of_2(g))
     block_m = max(1, min(16, 4096 // block_g))
     triton_decode_layout_kernel[(1,)](
         mask_u8, groups, n_active, m, g, mask_u8.stride(0), BLOCK_M=block_m, BLOCK_G=block_g
@@ -156,10 +158,10 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     counts = torch.empty(g, dtype=torch.int32, device=mask.device)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
-    block_m = min(1024, max(16, triton.next_power_of_2(m)))
+    block_m = min(1024, max(16, tuning.next_power_of_2(m)))
     triton_routing_layout_kernel[(g, 1)](mask_u8, order, counts, m, g, 0, mask_u8.stride(0), BLOCK_M=block_m)
     triton_active_groups_kernel[(1,)](
-        counts, groups, n_active, g, BLOCK_G=min(1024, max(16, triton.next_power_of_2(g)))
+        counts, groups, n_active, g, BLOCK_G=min(1024, max(16, tuning.next_power_of_2(g)))
     )
     return order, counts, groups, n_active
 
@@ -184,7 +186,7 @@ def triton_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     mask_u8 = mask_bytes(mask)
     order = torch.empty((b, g, t), dtype=torch.int32, device=mask.device)
     counts = torch.empty((b, g), dtype=torch.int32, device=mask.device)
-    block_m = min(1024, max(16, triton.next_power_of_2(t)))
+    block_m = min(1024, max(16, tuning.next_power_of_2(t)))
     triton_routing_layout_kernel[(g, b)](
         mask_u8, order, counts, t, g, mask_u8.stride(0), mask_u8.stride(1), BLOCK_M=block_m
     )

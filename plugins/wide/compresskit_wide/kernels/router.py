@@ -149,9 +149,9 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     with 64 token blocks or more, shares enough for about 256 programs (2 shares at M = 4096, 4 at
     2048; one launch there measured 98 us at both sizes on the tensor cores, run 19: 64-128 programs,
     each streaming its rows' whole D), one launch from 256 token blocks."""
-    m_blocks = triton.cdiv(m, block_m)
+    m_blocks = tuning.cdiv(m, block_m)
     programs = 128 if m_blocks < 64 else 256
-    return max(1, min(triton.cdiv(d, block_k), programs // m_blocks))
+    return max(1, min(tuning.cdiv(d, block_k), programs // m_blocks))
 
 
 def router_precision(m: int) -> str:
@@ -201,17 +201,17 @@ def triton_router_decide(
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
     block_m = 16 if m <= tuning.DECODE_MAX_M or tuning.interpreted() else 32
-    block_r = max(16, triton.next_power_of_2(r))
+    block_r = max(16, tuning.next_power_of_2(r))
     block_k = 32 if tuning.interpreted() else 128
     splits = router_split(m, d, block_m, block_k) if split is None else split
-    chunk = triton.cdiv(triton.cdiv(d, splits), block_k) * block_k  # whole K steps per share
-    splits = triton.cdiv(d, chunk)  # no empty share
+    chunk = tuning.cdiv(tuning.cdiv(d, splits), block_k) * block_k  # whole K steps per share
+    splits = tuning.cdiv(d, chunk)  # no empty share
     # groups a program: 32 after a split (run 13, D in 32 shares: 1.23x / 1.94x of the reference at
     # M = 1 / 16, against 0.95x / 1.52x with 128); in one launch every group block recomputes the
     # bottleneck, so up to 128 there
-    block_g = block_g or min(32 if splits > 1 else 128, max(16, triton.next_power_of_2(groups)))
-    m_blocks = triton.cdiv(m, block_m)
-    grid = (m_blocks, triton.cdiv(groups, block_g))
+    block_g = block_g or min(32 if splits > 1 else 128, max(16, tuning.next_power_of_2(groups)))
+    m_blocks = tuning.cdiv(m, block_m)
+    grid = (m_blocks, tuning.cdiv(groups, block_g))
     precision = router_precision(m)
     if splits == 1:
         triton_router_decide_kernel[grid](

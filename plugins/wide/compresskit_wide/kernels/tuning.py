@@ -20,6 +20,18 @@ try:
 except ImportError:
     triton = None
 
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host code of launches (``triton.cdiv`` is a constexpr function in
+    Triton 3.6, whose host calls cost several microseconds each; a prompt makes hundreds)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n`` <= 1), as ``triton.next_power_of_2``."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 DECODE_MAX_M = 16  # at most this many tokens: the decode kernels (one 16-row tile, no token sort)
 
 
@@ -258,7 +270,7 @@ def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
     through one group at a time) is wider than a group."""
 
     def prune(configs_, named_args, **kwargs):
-        width = max(16, triton.next_power_of_2(named_args[group_width_arg]))
+        width = max(16, next_power_of_2(named_args[group_width_arg]))
         return [c for c in configs_ if c.kwargs[block] <= width] or configs_[:1]
 
     return prune
