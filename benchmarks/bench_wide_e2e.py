@@ -304,7 +304,7 @@ def kernel_profile(run, steps: int) -> dict:
     }
 
 
-def python_profile(run, steps: int, top: int = 25) -> dict:
+def python_profile(run, steps: int, top: int = 40) -> dict:
     """``steps`` calls of ``run`` under cProfile: where the host's Python time goes (a host-bound
     eager prefill). The ``top`` functions by their own time, as ``{"file:line(function)": [calls per
     call, own us per call, cumulative us per call]}``, and the profiled wall time per call."""
