@@ -127,7 +127,7 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
-        self.track_stats = True  # count the realised sparsity (a few small kernels per pass; off for serving)
+        self.track_stats = True  # count the realised sparsity (three small kernels a decision; off for serving)
         # an executor's one-call inference decision, x_raw [B, T, D] -> execute [B, T, G] (the router's
         # deterministic decision, computed by a kernel); None: the router module, then ``decide``
         self.fast_decide: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -157,8 +157,9 @@ class RoutedProjection(nn.Module):
         return self.stat_tokens * self.groups - self._executed
 
     def _count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Add one pass's decision to the counters: two launches (a sum, an add) when every token is
-        real (``valid`` None), four more with a real-token mask."""
+        """Add one pass's decision to the counters: a sum and an add when every token is real
+        (``valid`` None; three kernels on a GPU, which casts before it sums), a few more with a
+        real-token mask."""
         with torch.no_grad():
             if valid is None:
                 self._host_tokens += execute[..., 0].numel()
