@@ -305,21 +305,22 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         add_row(results, label, m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 
-def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):
+def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, fold=None):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
     module's two products and the comparison: what every executor ran before it); ``split`` and
-    ``block_g`` other than their defaults for the sweep rows."""
+    ``block_g`` other than their defaults for the sweep rows, ``fold=False``: the shares summed by a
+    second launch (the default before the folded sum)."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
     w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    tiles = {"split": split, "block_g": block_g}
+    tiles = {k: v for k, v in {"split": split, "block_g": block_g, "fold": fold}.items() if v is not None}
     got, ref = triton_router_decide(x, *w, **tiles), torch_router_decide(x, *w)
     flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
     add_row(
         results,
-        f"router G={groups}" + "".join(f" {k}={v}" for k, v in tiles.items() if v is not None),
+        f"router G={groups}" + "".join(f" {k}={v}" for k, v in tiles.items()),
         m,
         "-",
         torch.ones_like(ref, dtype=torch.bool),  # no work is skipped here: the bound is 1 (fewer launches)
@@ -517,6 +518,12 @@ def main() -> int:
                 (
                     f"router M={m} G={groups}",
                     lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
+                )
+            )
+            cases.append(  # beside it, the shares summed by a second launch (the default before run 35)
+                (
+                    f"router M={m} G={groups} fold=False",
+                    lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results, fold=False),
                 )
             )
     for m in (1, 16):  # the sweep of the decode launch shape: shares of D, groups a program

@@ -806,6 +806,8 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
     assert torch.equal(torch_router_decide(*args), ref)
     got = triton_router_decide(*args, split=split, block_g=block_g)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
+    if split == 3:  # the partial sums added by a second launch instead of the last share: the same decisions
+        assert torch.equal(triton_router_decide(*args, split=split, block_g=block_g, fold=False), ref)
     if split is None:  # as a bool mask (what the executor asks for): the same decisions
         assert torch.equal(torch_router_decide(*args, as_bool=True), ref.bool())
         as_bool = triton_router_decide(*args, block_g=block_g, as_bool=True)
@@ -824,6 +826,23 @@ def test_host_launch_arithmetic_equals_tritons():
     for a in range(0, 200):
         for b in range(1, 70):
             assert tuning.cdiv(a, b) == triton.cdiv(a, b)
+
+
+def test_folded_router_leaves_its_tickets_zeroed():
+    """The folded decision's last share of each token block resets that block's ticket, so that
+    the next call (or a CUDA-graph replay) starts from zero; calls in a row give the same result."""
+    from compresskit.routing import GroupRouter, decide
+    from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
+    from compresskit_wide.kernels.router import triton_router_decide
+
+    torch.manual_seed(5)
+    router = GroupRouter(96, 7, 8).to(DEVICE)
+    x = torch.randn(20, 96, device=DEVICE)
+    ref = decide(router(x), sample=False, tau=1.0)
+    args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    for split in (2, 3, 3):
+        assert torch.equal(triton_router_decide(*args, split=split), ref)
+        assert int(zeroed_tickets(x.device, 8)[:8].abs().sum()) == 0
 
 
 def test_router_precision_by_token_count():

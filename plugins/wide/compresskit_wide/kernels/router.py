@@ -11,8 +11,9 @@ batch 1 it is five or six small launches (a cast, two products, a comparison, a 
 sublayer and token, which the end-to-end profile on the H200 showed eating most of the kernels'
 decode gain (docs/wide-kernels-h200.md). The kernels compute the same fp32 products: for many
 tokens one program per block of tokens does all of it; for few (decode) the bottleneck product is
-spread over shares of D (one program each, partial sums in a workspace) and a second launch sums
-the shares in a fixed order and decides. Beyond decode sizes the products run on the tensor cores
+spread over shares of D (one program each, partial sums in a workspace), and the last share of each
+token block to finish sums them in a fixed order and decides, in the same launch (a second launch
+did that before; it stays as ``fold=False``). Beyond decode sizes the products run on the tensor cores
 in three TF32 passes (``tf32x3``: fp32-level accuracy; the bf16 input is exact in TF32), where the
 plain fp32 ``tl.dot`` runs on the CUDA cores (44 us a call at M = 1024 on the H200, run 18, 8% of
 a WIDE prefill's GPU time). Decisions equal the reference's except where a group's two logits tie
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from compresskit_wide.kernels import tuning
+from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 
 try:
     import triton
@@ -76,12 +78,12 @@ if triton is not None:
 
     @triton.jit
     def _router_decide_store(
-        z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om,
+        z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        # both logits of this program's groups from the bottleneck z (bias added here), compared
+        # both logits of the groups of ``group_block`` from the bottleneck z (its bias added here), compared
         z += tl.load(bd_ptr + rs, mask=r_ok, other=0.0)[None, :]
-        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        gs = group_block * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = gs < G
         w_mask = g_ok[:, None] & r_ok[None, :]
         w_exec = tl.load(wu_ptr + (2 * gs)[:, None] * R + rs[None, :], mask=w_mask, other=0.0)
@@ -107,7 +109,8 @@ if triton is not None:
             x_ptr, wd_ptr, rows, row_ok, rs, r_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
         )  # fmt: skip
         _router_decide_store(
-            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, DOT_PRECISION, BLOCK_G
+            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
+            DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
 
     @triton.jit
@@ -137,8 +140,44 @@ if triton is not None:
         for s in tl.static_range(SPLIT):
             z += tl.load(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0)
         _router_decide_store(
-            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, DOT_PRECISION, BLOCK_G
+            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
+            DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
+
+    @triton.jit
+    def triton_router_folded_kernel(
+        x_ptr, wd_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, ws_ptr, ticket_ptr,
+        M, D, R, G, CHUNK, stride_xm, stride_om, SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, share s of D): its partial bottleneck into ws[s], then a ticket for its
+        # token block; the share that draws the last one sums the partials in share order (as the
+        # finish kernel does), decides every group of the block and resets the ticket: one launch
+        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
+        s = tl.program_id(1)
+        z = _router_z(
+            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
+            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
+        )  # fmt: skip
+        z_mask = row_ok[:, None] & r_ok[None, :]
+        tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=z_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
+        block = tl.program_id(0)
+        ticket = tl.atomic_add(ticket_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:  # the last share of this token block: the others' partials are visible
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for j in tl.static_range(SPLIT):
+                total += tl.load(
+                    ws_ptr + (j * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0, cache_modifier=".cg"
+                )
+            for group_block in range(0, tl.cdiv(G, BLOCK_G)):
+                _router_decide_store(
+                    total, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
+                    DOT_PRECISION, BLOCK_G,
+                )  # fmt: skip
+            tl.atomic_xchg(ticket_ptr + block, 0)
 
 
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
@@ -171,13 +210,16 @@ def triton_router_decide(
     split: int | None = None,
     block_g: int | None = None,
     as_bool: bool = False,
+    fold: bool = True,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
-    the bottleneck split over ``split`` shares of D (default: ``router_split``) and a second launch
-    that sums them in a fixed order and decides, ``block_g`` groups a program (a power of two,
-    at least 16; default 32 after a split, up to 128 in one launch). ``as_bool``: the decision
-    stored as bytes and returned as a bool mask (what the routed operators read; no cast launch
-    after it)."""
+    the bottleneck split over ``split`` shares of D (default: ``router_split``), whose partial sums
+    are added in a fixed order before the decision: with ``fold`` (the default) by the last share
+    of each token block to finish, in the same launch (``triton_router_folded_kernel``; tickets as
+    in ``zeroed_tickets``, one stream at a time), else by a second launch. ``block_g`` groups a
+    program (a power of two, at least 16; default 32 for the second launch, up to 128 otherwise).
+    ``as_bool``: the decision stored as bytes and returned as a bool mask (what the routed operators
+    read; no cast launch after it)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -206,10 +248,10 @@ def triton_router_decide(
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = tuning.cdiv(tuning.cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = tuning.cdiv(d, chunk)  # no empty share
-    # groups a program: 32 after a split (run 13, D in 32 shares: 1.23x / 1.94x of the reference at
-    # M = 1 / 16, against 0.95x / 1.52x with 128); in one launch every group block recomputes the
-    # bottleneck, so up to 128 there
-    block_g = block_g or min(32 if splits > 1 else 128, max(16, tuning.next_power_of_2(groups)))
+    # groups a program: 32 for the second launch (run 13, D in 32 shares: 1.23x / 1.94x of the
+    # reference at M = 1 / 16, against 0.95x / 1.52x with 128); in one launch every group block
+    # recomputes the bottleneck, and the folded sum's last share steps through all of them: up to 128
+    block_g = block_g or min(32 if splits > 1 and not fold else 128, max(16, tuning.next_power_of_2(groups)))
     m_blocks = tuning.cdiv(m, block_m)
     grid = (m_blocks, tuning.cdiv(groups, block_g))
     precision = router_precision(m)
@@ -220,6 +262,13 @@ def triton_router_decide(
         )  # fmt: skip
         return out.view(torch.bool) if as_bool else out
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    if fold:
+        triton_router_folded_kernel[(m_blocks, splits)](
+            x, w_down, b_down, w_up, b_up, out, ws, zeroed_tickets(x.device, m_blocks),
+            m, d, r, groups, chunk, x.stride(0), out.stride(0), splits,
+            DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
+        )  # fmt: skip
+        return out.view(torch.bool) if as_bool else out
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
