@@ -54,6 +54,7 @@ from compresskit_wide.kernels.layout import (  # noqa: E402
     triton_decode_layout,
     triton_routing_layout,
 )
+from compresskit_wide.kernels.router import router_fold  # noqa: E402
 from compresskit_wide.kernels.tuning import DECODE_MAX_M, l2_flush_buffer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -308,8 +309,8 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
 def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, fold=None):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
     module's two products and the comparison: what every executor ran before it); ``split`` and
-    ``block_g`` other than their defaults for the sweep rows, ``fold=False``: the shares summed by a
-    second launch (the default before the folded sum)."""
+    ``block_g`` other than their defaults for the sweep rows, ``fold`` other than ``router_fold``'s
+    choice (the shares summed by the last share or by a second launch) for the rows beside them."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
@@ -520,10 +521,11 @@ def main() -> int:
                     lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
                 )
             )
-            cases.append(  # beside it, the shares summed by a second launch (the default before run 35)
+            other = not router_fold(m, groups)  # beside it, the shares summed the other way (run 35)
+            cases.append(
                 (
-                    f"router M={m} G={groups} fold=False",
-                    lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results, fold=False),
+                    f"router M={m} G={groups} fold={other}",
+                    lambda m=m, g=groups, f=other: case_router(m, d, g, 32, dtype, device, gen, results, fold=f),
                 )
             )
     for m in (1, 16):  # the sweep of the decode launch shape: shares of D, groups a program

@@ -806,8 +806,9 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
     assert torch.equal(torch_router_decide(*args), ref)
     got = triton_router_decide(*args, split=split, block_g=block_g)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
-    if split == 3:  # the partial sums added by a second launch instead of the last share: the same decisions
-        assert torch.equal(triton_router_decide(*args, split=split, block_g=block_g, fold=False), ref)
+    if split == 3:  # the partial sums added by the last share or by a second launch: the same decisions
+        for fold in (True, False):
+            assert torch.equal(triton_router_decide(*args, split=split, block_g=block_g, fold=fold), ref)
     if split is None:  # as a bool mask (what the executor asks for): the same decisions
         assert torch.equal(torch_router_decide(*args, as_bool=True), ref.bool())
         as_bool = triton_router_decide(*args, block_g=block_g, as_bool=True)
@@ -841,8 +842,17 @@ def test_folded_router_leaves_its_tickets_zeroed():
     ref = decide(router(x), sample=False, tau=1.0)
     args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
     for split in (2, 3, 3):
-        assert torch.equal(triton_router_decide(*args, split=split), ref)
+        assert torch.equal(triton_router_decide(*args, split=split, fold=True), ref)
         assert int(zeroed_tickets(x.device, 8)[:8].abs().sum()) == 0
+
+
+def test_router_folds_the_sum_for_few_groups_at_decode_sizes():
+    """One launch (the last share sums) for the attention router's few groups at decode sizes; a
+    second launch for the FFN router's many groups and beyond decode sizes (as measured, run 35)."""
+    from compresskit_wide.kernels.router import router_fold
+
+    assert router_fold(1, 8) and router_fold(16, 32)
+    assert not router_fold(1, 112) and not router_fold(17, 8) and not router_fold(1024, 8)
 
 
 def test_router_precision_by_token_count():

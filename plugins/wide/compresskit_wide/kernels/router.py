@@ -11,9 +11,9 @@ batch 1 it is five or six small launches (a cast, two products, a comparison, a 
 sublayer and token, which the end-to-end profile on the H200 showed eating most of the kernels'
 decode gain (docs/wide-kernels-h200.md). The kernels compute the same fp32 products: for many
 tokens one program per block of tokens does all of it; for few (decode) the bottleneck product is
-spread over shares of D (one program each, partial sums in a workspace), and the last share of each
-token block to finish sums them in a fixed order and decides, in the same launch (a second launch
-did that before; it stays as ``fold=False``). Beyond decode sizes the products run on the tensor cores
+spread over shares of D (one program each, partial sums in a workspace), which a second launch sums
+in a fixed order before it decides, or, for a few groups at decode sizes, the last share of each
+token block to finish, in the same launch (``router_fold``). Beyond decode sizes the products run on the tensor cores
 in three TF32 passes (``tf32x3``: fp32-level accuracy; the bf16 input is exact in TF32), where the
 plain fp32 ``tl.dot`` runs on the CUDA cores (44 us a call at M = 1024 on the H200, run 18, 8% of
 a WIDE prefill's GPU time). Decisions equal the reference's except where a group's two logits tie
@@ -193,6 +193,16 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     return max(1, min(tuning.cdiv(d, block_k), programs // m_blocks))
 
 
+def router_fold(m: int, groups: int) -> bool:
+    """Whether the shares of D are summed by the last share of each token block (one launch, the
+    folded kernel) rather than by a second launch: at decode sizes for up to 32 groups, where run 35
+    measured it at par or ahead (the attention router's 8 groups: 9.7 us against 10.0 at M = 1, 10.0
+    against 10.6 at 16). That last program decides every group alone, so with many groups it is the
+    slower one: the FFN router's 112 took 18.8 us against 10.3 at M = 1 and 43 against 29 at 1,024;
+    and from 1,024 tokens 8 groups too were slower folded (28.9 against 28.2 us, 77 against 72)."""
+    return m <= tuning.DECODE_MAX_M and groups <= 32
+
+
 def router_precision(m: int) -> str:
     """``tl.dot``'s input precision for the router's fp32 products: "ieee" (CUDA cores) for decode
     sizes, where the products are too small for the tensor cores to matter (as measured, runs
@@ -210,14 +220,15 @@ def triton_router_decide(
     split: int | None = None,
     block_g: int | None = None,
     as_bool: bool = False,
-    fold: bool = True,
+    fold: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
     the bottleneck split over ``split`` shares of D (default: ``router_split``), whose partial sums
-    are added in a fixed order before the decision: with ``fold`` (the default) by the last share
-    of each token block to finish, in the same launch (``triton_router_folded_kernel``; tickets as
-    in ``zeroed_tickets``, one stream at a time), else by a second launch. ``block_g`` groups a
-    program (a power of two, at least 16; default 32 for the second launch, up to 128 otherwise).
+    are added in a fixed order before the decision: with ``fold`` by the last share of each token
+    block to finish, in the same launch (``triton_router_folded_kernel``; tickets as in
+    ``zeroed_tickets``, one stream at a time), else by a second launch; default: ``router_fold``.
+    ``block_g`` groups a program (a power of two, at least 16; default 32 for the second launch,
+    up to 128 otherwise).
     ``as_bool``: the decision stored as bytes and returned as a bool mask (what the routed operators
     read; no cast launch after it)."""
     if triton is None:
@@ -248,6 +259,7 @@ def triton_router_decide(
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = tuning.cdiv(tuning.cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = tuning.cdiv(d, chunk)  # no empty share
+    fold = router_fold(m, groups) if fold is None else fold
     # groups a program: 32 for the second launch (run 13, D in 32 shares: 1.23x / 1.94x of the
     # reference at M = 1 / 16, against 0.95x / 1.52x with 128); in one launch every group block
     # recomputes the bottleneck, and the folded sum's last share steps through all of them: up to 128
