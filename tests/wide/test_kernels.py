@@ -309,6 +309,48 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     assert len(decode_calls) == 2 * 3  # the routed decode attention ran in both layers for each cached step
 
 
+@pytest.mark.parametrize("attention", ["routed", "sdpa"])
+def test_dense_q_leaves_inactive_heads_unzeroed_and_nothing_reads_them(tiny_model_dir, monkeypatch, attention):
+    """Where the dense q product is the path taken (under "auto" on a GPU, 17 to 4,095 tokens), q's
+    inactive heads keep their dense values: nothing reads them. The routed attention gathers the
+    active heads' queries only ("routed": its kernels, after which o_proj skips its masking);
+    after SDPA ("sdpa": a padded batch is not covered) the routed o_proj zeroes those heads' outputs.
+    Poisoning the inactive heads' queries with large values leaves the logits those of the
+    reference."""
+    import copy
+
+    from compresskit import plugins
+    from compresskit_wide.executor import KernelQ
+
+    model, _, _ = finalized_wide_model(tiny_model_dir)
+    executor_cls = plugins.load("executor", "wide-triton")
+    fast = executor_cls(executor_cls.Config(backend="triton")).convert(copy.deepcopy(model))
+    real_choose = kernels._choose
+    monkeypatch.setattr(  # q takes the dense path, as "auto" does on a GPU between decode and 4,096 tokens
+        kernels, "_choose", lambda backend, op, *a, **k: "dense" if op == "out" else real_choose(backend, op, *a, **k)
+    )
+    seen = []
+    for module in fast.modules():
+        if isinstance(module, KernelQ):
+
+            def poisoned(x, real=module.forward, q=module):
+                y = real(x)
+                heads_on = q.o_proj._mask.bool().repeat_interleave(y.shape[-1] // q.o_proj._mask.shape[-1], dim=-1)
+                seen.append(bool((y[~heads_on] != 0).any()))  # the dense values were left there
+                return torch.where(heads_on, y, torch.full_like(y, 1e4))
+
+            module.forward = poisoned
+    ids = torch.randint(2, 300, (3, 11), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    pad = torch.ones_like(ids)
+    pad[1, :4] = 0
+    kwargs = {"attention_mask": pad} if attention == "sdpa" else {}
+    with torch.no_grad():
+        got, ref = fast(ids, **kwargs).logits, model(ids, **kwargs).logits
+    rows = pad.bool() if attention == "sdpa" else slice(None)
+    torch.testing.assert_close(got[rows], ref[rows], rtol=1e-4, atol=1e-4)
+    assert seen and all(seen)
+
+
 def test_wide_triton_executor_auto_keeps_sdpa_where_the_routed_attention_is_not_faster(tiny_model_dir, monkeypatch):
     """Under "auto" the routed attention runs only where the policy says so (on CUDA, decode with a
     batch >= 4 and a long context); elsewhere transformers' SDPA runs and o_proj zeroes the skipped
