@@ -114,11 +114,11 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
-    def triton_router_partial_kernel(
+    def _router_store_share(
         x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, share s of D), few tokens: its partial bottleneck into ws[s]
+        # program (token block, share s of D): its partial bottleneck into ws[s]
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         s = tl.program_id(1)
         z = _router_z(
@@ -128,17 +128,37 @@ if triton is not None:
         tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=row_ok[:, None] & r_ok[None, :])
 
     @triton.jit
-    def triton_router_finish_kernel(
-        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    def _router_sum_shares(
+        ws_ptr, M, R, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CACHE: tl.constexpr
     ):  # fmt: skip
-        # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
-        # the loads are independent and issued together), the decision
+        # this token block's partial bottlenecks summed in share order (unrolled: the loads are
+        # independent and issued together)
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         z_mask = row_ok[:, None] & r_ok[None, :]
         for s in tl.static_range(SPLIT):
-            z += tl.load(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0)
+            share = ws_ptr + (s * M + rows)[:, None] * R + rs[None, :]
+            z += tl.load(share, mask=z_mask, other=0.0, cache_modifier=CACHE)
+        return z
+
+    @triton.jit
+    def triton_router_partial_kernel(
+        x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, share s of D), few tokens: its partial bottleneck into ws[s]
+        _router_store_share(
+            x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
+        )  # fmt: skip
+
+    @triton.jit
+    def triton_router_finish_kernel(
+        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # program (token block, group block): the partial bottlenecks summed in share order, the decision
+        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
+        z = _router_sum_shares(ws_ptr, M, R, SPLIT, BLOCK_M, BLOCK_R, "")
         _router_decide_store(
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
             DOT_PRECISION, BLOCK_G,
@@ -154,24 +174,16 @@ if triton is not None:
         # program (token block, share s of D): its partial bottleneck into ws[s], then a ticket for its
         # token block; the share that draws the last one sums the partials in share order (as the
         # finish kernel does), decides every group of the block and resets the ticket: one launch
-        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
-        s = tl.program_id(1)
-        z = _router_z(
-            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
-            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
+        _router_store_share(
+            x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
         )  # fmt: skip
-        z_mask = row_ok[:, None] & r_ok[None, :]
-        tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=z_mask)
         tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
         block = tl.program_id(0)
         ticket = tl.atomic_add(ticket_ptr + block, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT - 1:  # the last share of this token block: the others' partials are visible
             tl.debug_barrier()
-            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for j in tl.static_range(SPLIT):
-                total += tl.load(
-                    ws_ptr + (j * M + rows)[:, None] * R + rs[None, :], mask=z_mask, other=0.0, cache_modifier=".cg"
-                )
+            rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
+            total = _router_sum_shares(ws_ptr, M, R, SPLIT, BLOCK_M, BLOCK_R, ".cg")  # (from L2, not L1)
             for group_block in range(0, tl.cdiv(G, BLOCK_G)):
                 _router_decide_store(
                     total, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
