@@ -2,8 +2,9 @@
 is negligible; ``compresskit.testing.tiny_llama``) with many layers, its prompt's forward timed
 dense, with WIDE's routers (the ``torch`` executor's reference path), and through the
 ``wide-triton`` executor (its ``torch`` backend: the same modules and dispatch as on a GPU, the
-references doing the arithmetic), with counting on and off; and the PyTorch operators each runs
-per layer (each is a kernel launch or at least a dispatch on a GPU).
+references doing the arithmetic), with counting on and off; the PyTorch operators each runs
+per layer (each is a kernel launch or at least a dispatch on a GPU) and its Python function calls
+(cProfile's count: the other half of the host's work).
 
     python benchmarks/bench_wide_host.py [--layers 32] [--prompt 16] [--repeats 20]
 
@@ -40,6 +41,20 @@ def aten_ops(model, ids) -> int:
     return sum(a.count for a in prof.key_averages() if a.key.startswith("aten::"))
 
 
+def python_calls(model, ids) -> int:
+    """Python function calls (cProfile's count, builtins included) in one forward: the other half of
+    the host's work, beside the operators."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        model(ids, use_cache=False)
+        prof.disable()
+    return sum(v[1] for v in pstats.Stats(prof).stats.values())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
@@ -67,11 +82,12 @@ def main() -> int:
     base = None
     print(f"{args.layers} layers, {args.prompt}-token prompt, CPU, one thread")
     for name, m in rows:
-        ms, ops = median_ms(m, ids, args.repeats), aten_ops(m, ids)
-        base = base or (ms, ops)
+        ms, ops, calls = median_ms(m, ids, args.repeats), aten_ops(m, ids), python_calls(m, ids)
+        base = base or (ms, ops, calls)
         print(
             f"{name:44s} {ms:8.2f} ms ({ms / args.layers:6.3f} ms a layer) | {ops:6d} aten ops "
-            f"({(ops - base[1]) / args.layers:+7.1f} a layer vs dense)",
+            f"({(ops - base[1]) / args.layers:+7.1f} a layer vs dense) | {calls:6d} Python calls "
+            f"({(calls - base[2]) / args.layers:+7.1f} a layer)",
             flush=True,
         )
     return 0
