@@ -120,74 +120,6 @@ def test_masked_out_gemm_tile_orders_agree(tile_order, fuse):
         triton_masked_out_gemm(x, w, mask, w_up, tile_order="random")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
-@pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("kind", ["plain", "split", "fused"])
-def test_decode_products_on_cuda_cores_match_reference(m, sparsity, kind):
-    """The decode GEMVs with ``gemv="fma"`` (a token tile of the next power of two >= M rows, the
-    products on the CUDA cores; at M = 16 the 16-row dot): output-width plain, split over K
-    (partials summed by the last share), fused SwiGLU; every element written, inactive groups zero;
-    K not a multiple of the K step (72 of 32), a group spanning several output blocks (48 of 16)."""
-    m_, k, n, groups = m, 72, 96, 2
-    gen = torch.Generator().manual_seed(m * 3 + 1)
-    x = torch.randn(m_, k, generator=gen).to(DEVICE)
-    w = torch.randn(n, k, generator=gen).to(DEVICE)
-    w_up = torch.randn(n, k, generator=gen).to(DEVICE) if kind == "fused" else None
-    mask = random_mask(m_, groups, sparsity, seed=m + 5)
-    buf = torch.full((m_ + 2, n), float("nan"), device=DEVICE)
-    split = 3 if kind == "split" else 1
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m_], block_n=16, block_k=32, split_k=split, gemv="fma")
-    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-    assert torch.count_nonzero(got[~mask.repeat_interleave(n // groups, dim=-1)]) == 0
-    assert torch.isnan(buf[m_:]).all()
-    with pytest.raises(ValueError, match="gemv must be 'dot' or 'fma', got 'mma'"):
-        triton_masked_out_gemm(x, w, mask, w_up, gemv="mma")
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-@pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize(("split", "variant"), [(1, "loop"), (3, "loop"), (1, "fused"), (3, "fused")])
-def test_reduce_decode_on_cuda_cores_matches_reference(m, sparsity, split, variant):
-    """The reduction loop with ``gemv="fma"``: group width 48 in K steps of 16, shares summed by a
-    second launch (loop) or by the last share (fused), whose tickets are zero again after."""
-    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm, zeroed_tickets
-
-    gen = torch.Generator().manual_seed(m * 11)
-    x = torch.randn(m, 144, generator=gen).to(DEVICE)
-    w = torch.randn(40, 144, generator=gen).to(DEVICE)
-    mask = random_mask(m, 3, sparsity, seed=m + 2)
-    buf = torch.full((m + 2, 40), float("nan"), device=DEVICE)
-    got = triton_masked_reduce_gemm(
-        x, w, mask, out=buf[:m], block_n=16, block_k=16, split=split, variant=variant, gemv="fma"
-    )
-    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
-    assert torch.isnan(buf[m:]).all()
-    assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
-def test_decode_products_on_cuda_cores_bf16_autotuned(m):
-    """``gemv="fma"`` with the autotuned tiles in bf16 (register-pruned tables): q split over K,
-    the fused SwiGLU, the fused reduction."""
-    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
-
-    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    w_up = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 32
-    mask = random_mask(m, 4, 0.5)
-    for up, split in ((None, 4), (w_up, 1)):
-        got = triton_masked_out_gemm(x, w, mask, up, split_k=split, gemv="fma")
-        ref = torch_masked_out_gemm(x, w, mask, up)
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-        assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
-    xr = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    mask_r = random_mask(m, 8, 0.5, seed=3)
-    got = triton_masked_reduce_gemm(xr, w, mask_r, variant="fused", gemv="fma")
-    ref = torch_masked_reduce_gemm(xr, w, mask_r)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("m", [1, 13, 300])
@@ -575,10 +507,7 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("fold", [False, True])
-def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits, fold):
-    """Both merges: a second launch, or folded into the last split of each KV head (called twice:
-    the tickets it leaves must be zero again for the next call)."""
+def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits):
     from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 
     gen = torch.Generator().manual_seed(b * 100 + s)
@@ -587,16 +516,14 @@ def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, spa
     v = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
     lens = torch.randint(1, s + 1, (b,), generator=gen).to(DEVICE)  # ragged cache lengths
     mask = random_mask(b, groups, sparsity, seed=s + groups)  # B > 1 with different masks
+    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     heads_off = ~mask.repeat_interleave(hq // groups, dim=-1)
-    for _ in range(2 if fold else 1):
-        got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, fold_merge=fold)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-        assert torch.count_nonzero(got[heads_off]) == 0
+    assert torch.count_nonzero(got[heads_off]) == 0
 
 
-@pytest.mark.parametrize("fold", [False, True])
-def test_attention_decode_reads_no_kv_for_inactive_groups(fold):
+def test_attention_decode_reads_no_kv_for_inactive_groups():
     """With every group off, K and V may be garbage (NaN): nothing reads them."""
     from compresskit_wide.kernels.attention_decode import triton_routed_attention_decode
 
@@ -604,13 +531,13 @@ def test_attention_decode_reads_no_kv_for_inactive_groups(fold):
     k = torch.full((2, 2, 40, 16), float("nan"), device=DEVICE)
     v = torch.full((2, 2, 40, 16), float("nan"), device=DEVICE)
     mask = torch.zeros(2, 2, dtype=torch.bool, device=DEVICE)
-    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask, fold_merge=fold)
+    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask)
     assert torch.count_nonzero(out) == 0 and not torch.isnan(out).any()
     # one group on in sequence 0: only its KV head is read; the other KV head may stay NaN
     k[:, 0] = torch.randn(2, 40, 16, device=DEVICE)
     v[:, 0] = torch.randn(2, 40, 16, device=DEVICE)
     mask[0, 0] = True
-    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask, fold_merge=fold)
+    out = triton_routed_attention_decode(q, k, v, torch.tensor([40, 13], device=DEVICE), mask)
     assert not torch.isnan(out).any() and torch.count_nonzero(out[0, :3]) > 0 and torch.count_nonzero(out[:, 3:]) == 0
 
 

@@ -8,9 +8,8 @@ groups no token needs.
     out:      [B, Hq, D]         softmax(q k^T / sqrt(D)) v for active heads, exactly 0 for inactive
 
 Query head h reads KV head h // (Hq / Hkv). One program handles all the query heads of one KV head
-for one KV split: when none of them is active it returns before reading a byte of K or V. The
-splits are merged (log-sum-exp), with zeros for inactive heads, by the last split of each KV head
-to finish (``fold_merge``) or by a second kernel.
+for one KV split: when none of them is active it returns before reading a byte of K or V. A
+second kernel merges the splits (log-sum-exp) and writes zeros for inactive heads.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ try:
     import triton.language as tl
 
     from compresskit_wide.kernels.flash import online_softmax_step
-    from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 except ImportError:
     triton = None
 
@@ -57,14 +55,9 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
         HQ, HKV, S, D, SPLITS, SPLIT_LEN, scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_mb,
-        HEADS_PER_GROUP, out_ptr, ticket_ptr, stride_ob, stride_oh, DOT_PRECISION: tl.constexpr,
+        HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        FOLD_MERGE: tl.constexpr, BLOCK_R: tl.constexpr, MERGE_S: tl.constexpr,
     ):  # fmt: skip
-        # FOLD_MERGE: no merge launch. The splits of one (sequence, KV head) take tickets after storing
-        # their partials; the one that draws the last merges them for the KV head's query heads
-        # (``merge_heads``) and resets the ticket. A KV head with no active query head has split 0
-        # write its heads' zeros.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -76,15 +69,8 @@ if triton is not None:
         ds = tl.arange(0, BLOCK_D)
         d_ok = ds < D
         if tl.sum(on.to(tl.int32), axis=0) == 0:  # no active head here: read no K, no V
-            if FOLD_MERGE:
-                if sp == 0:
-                    rs = tl.arange(0, BLOCK_R)
-                    out_ptrs = out_ptr + b * stride_ob + (kvh * REP + rs)[:, None] * stride_oh + ds[None, :]
-                    zeros = tl.zeros((BLOCK_R, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty)
-                    tl.store(out_ptrs, zeros, mask=(rs < REP)[:, None] & d_ok[None, :])
-            else:
-                tl.store(m_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=h_ok)
-                tl.store(l_ptr + part, tl.zeros((BLOCK_H,), tl.float32), mask=h_ok)
+            tl.store(m_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=h_ok)
+            tl.store(l_ptr + part, tl.zeros((BLOCK_H,), tl.float32), mask=h_ok)
             return
         seq_len = tl.load(lens_ptr + b)
         start = sp * SPLIT_LEN
@@ -106,55 +92,6 @@ if triton is not None:
         tl.store(m_ptr + part, m_i, mask=h_ok)
         tl.store(l_ptr + part, l_i, mask=h_ok)
         tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
-        if FOLD_MERGE:
-            tl.debug_barrier()  # every thread's partial is stored before the ticket releases it
-            ticket = tl.atomic_add(ticket_ptr + b * HKV + kvh, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLITS - 1:  # the last split of this KV head: the others' partials are visible
-                tl.debug_barrier()
-                merge_heads(
-                    m_ptr, l_ptr, acc_ptr, mask_ptr, out_ptr, b, kvh * REP, REP, HQ, D, SPLITS,
-                    stride_ob, stride_oh, stride_mb, HEADS_PER_GROUP, BLOCK_R, MERGE_S, BLOCK_D,
-                )  # fmt: skip
-                tl.atomic_xchg(ticket_ptr + b * HKV + kvh, 0)
-
-    @triton.jit
-    def merge_heads(
-        m_ptr, l_ptr, acc_ptr, mask_ptr, out_ptr, b, h0, NH, HQ, D, SPLITS, stride_ob, stride_oh, stride_mb,
-        HEADS_PER_GROUP, BLOCK_R: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        """Heads ``h0 .. h0 + NH - 1`` of sequence ``b``: the log-sum-exp merge of their SPLITS partials
-        (workspace ``[B, HQ, SPLITS]`` / ``[B, HQ, SPLITS, D]``), MERGE_S splits a step, written to
-        ``out``; exactly zero for an inactive head. The partials are read past L1 (``.cg``): other
-        programs wrote them during this launch."""
-        rs = tl.arange(0, BLOCK_R)
-        heads = h0 + rs
-        r_ok = rs < NH
-        ds = tl.arange(0, BLOCK_D)
-        d_ok = ds < D
-        on = (tl.load(mask_ptr + b * stride_mb + heads // HEADS_PER_GROUP, mask=r_ok, other=0) != 0) & r_ok
-        sps = tl.arange(0, MERGE_S)
-        rows = (b * HQ + heads) * SPLITS  # [BLOCK_R]
-        m_max = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        for s0 in range(0, SPLITS, MERGE_S):
-            ok = on[:, None] & ((s0 + sps) < SPLITS)[None, :]
-            m = tl.load(m_ptr + rows[:, None] + s0 + sps[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-            m_max = tl.maximum(m_max, tl.max(m, axis=1))
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        num = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
-        den = tl.zeros((BLOCK_R,), tl.float32)
-        for s0 in range(0, SPLITS, MERGE_S):
-            ok = on[:, None] & ((s0 + sps) < SPLITS)[None, :]
-            m = tl.load(m_ptr + rows[:, None] + s0 + sps[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-            live = ok & (m > float("-inf"))
-            w = tl.where(live, tl.exp2(m - m_safe[:, None]), 0.0)  # [BLOCK_R, MERGE_S]
-            lse_l = tl.load(l_ptr + rows[:, None] + s0 + sps[None, :], mask=live, other=0.0, cache_modifier=".cg")
-            den += tl.sum(lse_l * w, axis=1)
-            part = (rows[:, None] + s0 + sps[None, :])[:, :, None] * D + ds[None, None, :]
-            acc = tl.load(acc_ptr + part, mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            num += tl.sum(acc * w[:, :, None], axis=1)
-        val = tl.where(on[:, None], num / tl.where(on, den, 1.0)[:, None], 0.0)
-        out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + ds[None, :]
-        tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def triton_attn_decode_merge_kernel(
@@ -195,16 +132,10 @@ def triton_routed_attention_decode(
     *,
     splits: int | None = None,
     block_n: int | None = None,
-    fold_merge: bool | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits per
-    (sequence, KV head); default ``tuning.attention_decode_splits(S, B)``. ``block_n``: KV positions
-    per step; default ``tuning.attention_decode_block()``. ``fold_merge``: the last split of each
-    KV head merges the splits (one launch; see ``zeroed_tickets`` for its one-stream limit) instead
-    of a merge launch; default ``tuning.attention_decode_fold()``. ``num_warps`` / ``num_stages``:
-    the split kernel's launch (Triton's defaults when not given)."""
+    (sequence, KV head); default ``tuning.attention_decode_splits(S)``. ``block_n``: KV positions
+    per step; default ``tuning.attention_decode_block()``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -214,9 +145,8 @@ def triton_routed_attention_decode(
             f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}"
         )
     rep = hq // hkv
-    splits = splits or tuning.attention_decode_splits(s, b)
+    splits = splits or tuning.attention_decode_splits(s)
     block_n = block_n or tuning.attention_decode_block()
-    fold = tuning.attention_decode_fold() if fold_merge is None else fold_merge
     mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
     split_len = tuning.cdiv(max(s, 1), splits)
@@ -225,22 +155,17 @@ def triton_routed_attention_decode(
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    tickets = zeroed_tickets(q.device, b * hkv) if fold else m_ws
     block_h = max(16, tuning.next_power_of_2(rep))
     block_d = max(16, tuning.next_power_of_2(d))
-    launch = {k_: v_ for k_, v_ in (("num_warps", num_warps), ("num_stages", num_stages)) if v_ is not None}
     triton_attn_decode_split_kernel[(b, hkv, splits)](
         q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
-        out, tickets, out.stride(0), out.stride(1),
         DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        FOLD_MERGE=fold, BLOCK_R=tuning.next_power_of_2(rep), MERGE_S=16, **launch,
     )  # fmt: skip
-    if not fold:
-        triton_attn_decode_merge_kernel[(b, hq)](
-            m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
-            mask_u8.stride(0), hq // mask.shape[-1],
-            BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_D=block_d,
-        )  # fmt: skip
+    triton_attn_decode_merge_kernel[(b, hq)](
+        m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
+        mask_u8.stride(0), hq // mask.shape[-1],
+        BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_D=block_d,
+    )  # fmt: skip
     return out

@@ -31,7 +31,6 @@ try:
 
     from compresskit_wide.kernels.gemm_reduce import (
         store_share,
-        tile_product,
         store_share_ticketed,
         triton_split_sum_kernel,
         zeroed_tickets,
@@ -64,8 +63,7 @@ if triton is not None:
     ):  # fmt: skip
         """``x[rows, k_start:k_end] @ w[cols, k_start:k_end].T`` in fp32 (with ``FUSE_SWIGLU``, gate and
         up against the same loaded ``x`` tile, then ``silu(gate) * up``). Rows not ``row_on`` are
-        never read: their products come out zero (SiLU of zero times zero), the caller masks them.
-        ``BLOCK_M`` < 16: the products on the CUDA cores (``tile_product``)."""
+        never read: their products come out zero (SiLU of zero times zero), the caller masks them."""
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -76,10 +74,10 @@ if triton is not None:
             )
             w_mask = col_ok[:, None] & k_ok[None, :]
             b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            acc = tile_product(a, b, acc, DOT_PRECISION, BLOCK_M)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
             if FUSE_SWIGLU:
                 bu = tl.load(wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-                acc_up = tile_product(a, bu, acc_up, DOT_PRECISION, BLOCK_M)
+                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
         if FUSE_SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc_up
         return acc
@@ -195,30 +193,24 @@ if triton is not None:
         else:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
-    _tuned_out_gemm = tuning.autotuned(
-        triton_masked_out_gemm_kernel,
-        tuning.OUT_PREFILL,
-        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
-        decode=False,
-        prune="BLOCK_N",
+    _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv = (
+        tuning.autotuned(kernel, table, key, decode=decode, prune="BLOCK_N")
+        for kernel, table, key, decode in (
+            (
+                triton_masked_out_gemv_splitk_kernel,
+                tuning.OUT_DECODE_SPLITK,
+                ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
+                True,
+            ),
+            (
+                triton_masked_out_gemm_kernel,
+                tuning.OUT_PREFILL,
+                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
+                False,
+            ),
+            (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
+        )
     )
-    # the decode kernels, per product kind (tl.dot on 16-row tiles, or the CUDA cores' GEMV)
-    _tuned_out_gemv_splitk = {
-        kind: tuning.autotuned(
-            triton_masked_out_gemv_splitk_kernel,
-            table,
-            ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
-            decode=True,
-            prune="BLOCK_N",
-        )
-        for kind, table in (("dot", tuning.OUT_DECODE_SPLITK), ("fma", tuning.OUT_DECODE_SPLITK_FMA))
-    }
-    _tuned_out_gemv = {
-        kind: tuning.autotuned(
-            triton_masked_out_gemv_kernel, table, ["M", "N", "K", "GW", "FUSE_SWIGLU"], decode=True, prune="BLOCK_N"
-        )
-        for kind, table in (("dot", tuning.OUT_DECODE), ("fma", tuning.OUT_DECODE_FMA))
-    }
 
 
 def triton_masked_out_gemm(
@@ -235,7 +227,6 @@ def triton_masked_out_gemm(
     split_k: int | None = None,
     fold_sum: bool = True,
     tile_order: str = "group",
-    gemv: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -253,11 +244,7 @@ def triton_masked_out_gemm(
     ``tile_order`` (prefill): ``"group"`` (the default) launches each group's token tiles together,
     so the programs running at once read a few groups' weight rows and share them in L2;
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
-    wave of programs then streams all of the weights from HBM.
-
-    ``gemv`` (decode): ``"dot"`` (the tokens in one 16-row ``tl.dot`` tile) or ``"fma"`` (a tile of
-    the next power of two >= M rows, products on the CUDA cores: the GEMV; M < 16), default
-    ``tuning.decode_gemv(M)``."""
+    wave of programs then streams all of the weights from HBM."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -277,21 +264,18 @@ def triton_masked_out_gemm(
         split_k = tuning.out_decode_split_k(m, fuse)
     if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
         raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
-    if m <= tuning.DECODE_MAX_M:
-        gemv = gemv or tuning.decode_gemv(m)
-        bm = tuning.gemv_block_m(m, gemv)
     if split_k > 1:
-        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, gemv, bm)
+        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum)
     if m <= tuning.DECODE_MAX_M:
         mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
         if fixed:
             bn, bk = block_n or 16, block_k or 32
             grid = (groups, tuning.cdiv(gw, bn))
-            triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
         else:
             grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
-            _tuned_out_gemv[gemv][grid](*args, **common, BLOCK_M=bm)
+            _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
         return out
     if tile_order not in ("group", "interleaved"):
         raise ValueError(f"tile_order must be 'group' or 'interleaved', got {tile_order!r}")
@@ -316,25 +300,24 @@ def triton_masked_out_gemm(
     return out
 
 
-def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, gemv, bm):
+def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum):
     m, k = x.shape
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     chunk = tuning.cdiv(tuning.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
-    # output blocks (tickets when the sum is folded in): at most one per MIN_BLOCK_N columns of a group
-    blocks = groups * tuning.cdiv(gw, min(block_n or tuning.MIN_BLOCK_N, tuning.MIN_BLOCK_N))
-    tickets = zeroed_tickets(x.device, blocks) if fold_sum else ws
+    # output blocks (tickets when the sum is folded in): at most one per 16 columns of a group
+    tickets = zeroed_tickets(x.device, groups * tuning.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
     args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
     args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
-    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": bm}
+    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": 16}
     if block_n is not None or tuning.interpreted():
         bn, bk = block_n or 16, min(block_k or 32, chunk)
         grid = (groups, tuning.cdiv(gw, bn), split_k)
         triton_masked_out_gemv_splitk_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk)
     else:
         grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
-        _tuned_out_gemv_splitk[gemv][grid](*args, **common)
+        _tuned_out_gemv_splitk[grid](*args, **common)
     if not fold_sum:
         triton_split_sum_kernel[(tuning.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
     return out

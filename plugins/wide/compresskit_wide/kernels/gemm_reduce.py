@@ -98,19 +98,9 @@ if triton is not None:
                 tl.atomic_xchg(ticket_ptr + block, 0)
 
     @triton.jit
-    def tile_product(a, b, acc, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
-        """``acc + a @ b.T`` for ``a: [BLOCK_M, K]``, ``b: [N, K]``, in fp32: on the tensor cores
-        (``tl.dot``, whose tiles have 16 rows or more), or for the decode kernels' narrower token
-        tiles (BLOCK_M < 16, the GEMV) as broadcast products summed over K on the CUDA cores, which
-        load the weight tile straight into registers."""
-        if BLOCK_M < 16:
-            return acc + tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
-        return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-
-    @triton.jit
     def add_group(
         acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
-        GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """``acc`` plus input group ``g``'s product for the tile: the rows of the tokens that need g
         (the others load zeros) against g's weight columns, BLOCK_K of them a step (unrolled)."""
@@ -123,7 +113,7 @@ if triton is not None:
             )
             w_mask = col_ok[:, None] & k_ok[None, :]
             b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            acc = tile_product(a, b, acc, DOT_PRECISION, BLOCK_M)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         return acc
 
     @triton.jit
@@ -144,7 +134,7 @@ if triton is not None:
             g = tl.load(groups_ptr + i)
             acc = add_group(
                 acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
-                GW, DOT_PRECISION, BLOCK_M, BLOCK_K,
+                GW, DOT_PRECISION, BLOCK_K,
             )  # fmt: skip
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
@@ -232,7 +222,7 @@ if triton is not None:
         for i in range(first, first + count):
             acc = add_group(
                 acc, x_ptr, w_ptr, mask_ptr, tl.load(my_list + i), rows, row_ok, cols, col_ok,
-                stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_M, BLOCK_K,
+                stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_K,
             )  # fmt: skip
         store_share_ticketed(
             acc, out_ptr, ws_ptr, ticket_ptr, tm * tl.num_programs(0) + tn, rows, row_ok, cols, col_ok, s, M, N,
@@ -242,12 +232,8 @@ if triton is not None:
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
     )
-    # per product kind (tl.dot on 16-row tiles, or the CUDA cores' GEMV; ``tile_product``)
     _tuned_reduce_gemm, _tuned_reduce_fused = (
-        {
-            kind: tuning.autotuned(kernel, table, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
-            for kind, table in (("dot", tuning.REDUCE_DECODE), ("fma", tuning.REDUCE_DECODE_FMA))
-        }
+        tuning.autotuned(kernel, tuning.REDUCE_DECODE, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
         for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
 
@@ -302,7 +288,6 @@ def triton_masked_reduce_gemm(
     split: int | None = None,
     variant: str | None = None,
     w_group_major: torch.Tensor | None = None,
-    gemv: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
@@ -313,10 +298,7 @@ def triton_masked_reduce_gemm(
     folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
     default ``tuning.reduce_variant`` (fused for decode sizes, as measured; "unrolled" where
     ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
-    beside ``w``), read by the unrolled variant instead. ``gemv``: the products of the loop and
-    fused variants, ``"dot"`` (16-row ``tl.dot`` tiles) or ``"fma"`` (a token tile of the next power
-    of two >= M rows, on the CUDA cores; M < 16), default ``tuning.decode_gemv(M)``; the unrolled
-    variant always takes ``"dot"``."""
+    beside ``w``), read by the unrolled variant instead."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
     if variant not in ("loop", "unrolled", "fused"):
@@ -330,8 +312,6 @@ def triton_masked_reduce_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or k % groups or mask.shape[0] != m:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    gemv = "dot" if variant == "unrolled" else gemv or tuning.decode_gemv(m)
-    bm = block_m or tuning.gemv_block_m(m, gemv)
     if variant == "fused":
         active_groups = n_active = None  # each program finds its tile's groups itself
     else:
@@ -352,12 +332,12 @@ def triton_masked_reduce_gemm(
     strides = (x.stride(0), stride_wn, mask_u8.stride(0), out.stride(0))
     precision = tuning.dot_precision(x.dtype)
     if variant == "fused":  # its own group list (a scratch slice per program) and tickets
-        # output blocks: at most one per MIN_BLOCK_N columns (the narrowest tile) and token tile
-        blocks = tuning.cdiv(n, min(block_n or tuning.MIN_BLOCK_N, tuning.MIN_BLOCK_N)) * tuning.cdiv(m, bm)
+        # output blocks: at most one per 16 columns (the narrowest tile) and token tile
+        blocks = tuning.cdiv(n, min(block_n or 16, 16)) * tuning.cdiv(m, block_m or 16)
         block_g = max(16, tuning.next_power_of_2(groups))
         group_lists = torch.empty(blocks * splits * block_g, dtype=torch.int32, device=x.device)
         args = (x, weights, mask_u8, out, ws, group_lists, zeroed_tickets(x.device, blocks), m, n, gw, groups, splits)
-        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused[gemv]
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused
         meta = {"BLOCK_G": block_g}
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
     elif variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
@@ -369,15 +349,16 @@ def triton_masked_reduce_gemm(
         }
         fixed = {"BLOCK_N": block_n or 16}
     else:
-        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_kernel, _tuned_reduce_gemm[gemv]
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_kernel, _tuned_reduce_gemm
         meta = {}
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
     if block_n is not None or tuning.interpreted():
+        bm = block_m or 16
         grid = (tuning.cdiv(n, fixed["BLOCK_N"]), tuning.cdiv(m, bm), splits)
         fixed_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, **fixed, BLOCK_M=bm)
     else:
-        grid = lambda cfg: (tuning.cdiv(n, cfg["BLOCK_N"]), tuning.cdiv(m, bm), splits)  # noqa: E731
-        tuned_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, BLOCK_M=bm)
+        grid = lambda cfg: (tuning.cdiv(n, cfg["BLOCK_N"]), tuning.cdiv(m, 16), splits)  # noqa: E731
+        tuned_kernel[grid](*args, *strides, DOT_PRECISION=precision, **meta, BLOCK_M=16)
     if splits > 1 and variant != "fused":
         block = 1024
         triton_split_sum_kernel[(tuning.cdiv(m * n, block),)](ws, out, m, n, splits, out.stride(0), BLOCK=block)

@@ -99,29 +99,10 @@ def reduce_variant(m: int) -> str:
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
-def decode_gemv(m: int) -> str:
-    """The decode products' kind (``gemv_block_m``): "dot" (``tl.dot`` on one 16-row token tile)."""
-    return "dot"
-
-
-def gemv_block_m(m: int, gemv: str) -> int:
-    """The token tile of a decode product of ``m`` tokens: 16 rows for ``tl.dot`` ("dot"); the next
-    power of two >= ``m`` for "fma" (products on the CUDA cores, M < 16; at 16 it is the dot)."""
-    if gemv not in ("dot", "fma"):
-        raise ValueError(f"gemv must be 'dot' or 'fma', got {gemv!r}")
-    return 16 if gemv == "dot" else min(16, next_power_of_2(m))
-
-
-def attention_decode_splits(context: int, batch: int = 1) -> int:
+def attention_decode_splits(context: int) -> int:
     """KV splits of the routed decode attention: one per 256 cached positions, 1 to 64 (the H200
     sweep, run 9: 64 beat 32 at 32k positions, batch 1 and 4)."""
     return max(1, min(64, context // 256))
-
-
-def attention_decode_fold() -> bool:
-    """Whether the routed decode attention merges its splits in the split kernel (the last split of
-    each KV head) rather than in a second launch."""
-    return False
 
 
 def attention_decode_block() -> int:
@@ -209,13 +190,12 @@ def configs(rows: list[tuple[dict, int, int]]) -> list:
 
 
 def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune: str | None = None):
-    """``kernel`` autotuned over the tile table ``rows`` per ``key`` (plus the token tile
-    ``BLOCK_M`` where a decode kernel takes it from the caller); ``decode`` kernels are timed by
+    """``kernel`` autotuned over the tile table ``rows`` per ``key``; ``decode`` kernels are timed by
     ``flushed_graph_bench`` (the default timing measures the host at their sizes); ``prune``: the
     block that must not be wider than a group (``prune_wider_than_group``)."""
     return triton.autotune(
         configs=configs(rows),
-        key=key + (["BLOCK_M"] if decode else []),
+        key=key,
         do_bench=flushed_graph_bench if decode else None,
         prune_configs_by={"early_config_prune": prune_wider_than_group(prune)} if prune else None,
     )(kernel)
@@ -233,34 +213,12 @@ OUT_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
 ]
-# the same GEMV with the products on the CUDA cores (BLOCK_M < 16, ``tile_product``): the weight
-# tile goes straight to registers, so narrower output blocks with longer K steps are possible; the
-# per-thread product tile (BLOCK_M x BLOCK_N x BLOCK_K / threads) is pruned to fit the registers
-OUT_DECODE_FMA = [
-    ({"BLOCK_N": 4, "BLOCK_K": 1024}, 4, 3),
-    ({"BLOCK_N": 8, "BLOCK_K": 512}, 4, 3),
-    ({"BLOCK_N": 8, "BLOCK_K": 1024}, 8, 3),
-    ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 4),
-    ({"BLOCK_N": 16, "BLOCK_K": 512}, 4, 3),
-    ({"BLOCK_N": 16, "BLOCK_K": 512}, 8, 3),
-    ({"BLOCK_N": 32, "BLOCK_K": 256}, 8, 3),
-    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 4),
-]
-MIN_BLOCK_N = 4  # the narrowest output block of the decode tables (tickets are counted by it)
 # the plain (q) decode GEMV with K split over several programs: shorter K loops
 OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 2),
-]
-OUT_DECODE_SPLITK_FMA = [
-    ({"BLOCK_N": 4, "BLOCK_K": 512}, 4, 3),
-    ({"BLOCK_N": 8, "BLOCK_K": 256}, 4, 3),
-    ({"BLOCK_N": 8, "BLOCK_K": 512}, 4, 3),
-    ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 3),
-    ({"BLOCK_N": 16, "BLOCK_K": 512}, 8, 3),
-    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 4),
 ]
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
 # warps, were never chosen at T = 512..4096 on the H200, run 21)
@@ -282,14 +240,6 @@ REDUCE_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_N": 16, "BLOCK_K": 64}, 2, 6),
-]
-REDUCE_DECODE_FMA = [
-    ({"BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
-    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 4),
-    ({"BLOCK_N": 32, "BLOCK_K": 128}, 8, 3),
-    ({"BLOCK_N": 64, "BLOCK_K": 128}, 8, 3),
-    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-    ({"BLOCK_N": 8, "BLOCK_K": 128}, 4, 4),
 ]
 
 # the unrolled variant of that loop (whole-group K tiles; no software pipeline to feed)
@@ -314,15 +264,6 @@ ATTN_PREFILL = [
 ]
 
 
-def fits_registers(config, block_m: int, per_thread: int = 128) -> bool:
-    """A CUDA-core product tile (``BLOCK_M`` < 16: ``BLOCK_M x BLOCK_N x BLOCK_K`` fp32 values spread
-    over the program's threads) of at most ``per_thread`` values a thread; ``tl.dot`` tiles always."""
-    if block_m >= 16:
-        return True
-    tile = block_m * config.kwargs["BLOCK_N"] * config.kwargs.get("BLOCK_K", 1)
-    return tile <= per_thread * 32 * config.num_warps
-
-
 def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
     """Autotuner hook: drop configurations whose ``block`` (``BLOCK_N`` of an output-width kernel,
     where a block never spans two groups, or ``BLOCK_K`` of the reduction loop, which steps
@@ -330,7 +271,6 @@ def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
 
     def prune(configs_, named_args, **kwargs):
         width = max(16, next_power_of_2(named_args[group_width_arg]))
-        kept = [c for c in configs_ if c.kwargs[block] <= width and fits_registers(c, kwargs.get("BLOCK_M", 16))]
-        return kept or configs_[:1]
+        return [c for c in configs_ if c.kwargs[block] <= width] or configs_[:1]
 
     return prune
