@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -188,11 +189,13 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     note_prefill_tiles(results[-1])
 
 
-def note_prefill_tiles(row: dict) -> None:
-    """Record (and print) the tiles the autotuner chose for the sorted-tile kernel's last call."""
+def note_prefill_tiles(row: dict, tuned=None) -> None:
+    """Record (and print) the tiles the autotuner chose for the last call of ``tuned`` (default:
+    the sorted-tile gate+up kernel)."""
     from compresskit_wide.kernels import gemm_out
 
-    best = getattr(gemm_out._tuned_out_gemm, "best_config", None) if CUDA else None
+    tuned = tuned if tuned is not None else gemm_out._tuned_out_gemm
+    best = getattr(tuned, "best_config", None) if CUDA else None
     if best is not None:
         row["tiles"] = f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}"
         print(f"  tiles: {row['tiles']}", flush=True)
@@ -424,10 +427,23 @@ def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, 
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():  # including the layout
-        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_batched_layout(mask))  # shipped defaults
+    def ours(hp=None):  # including the layout; the shipped defaults unless hp is given
+        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_batched_layout(mask), heads_per_program=hp)
 
-    add_row(results, "attn prefill causal", t, mask_kind, mask[0], ours, sdpa_variants(q, k, v, True), ok, err, False)
+    from compresskit_wide.kernels import attention_prefill
+
+    baselines = sdpa_variants(q, k, v, True)
+    add_row(results, "attn prefill causal", t, mask_kind, mask[0], ours, baselines, ok, err, False)
+    note_prefill_tiles(results[-1], attention_prefill._tuned_attn_prefill[None])
+    # beside the default: one query head a program (the kernel of runs 15-37), and the most that fit
+    shared = math.gcd(heads // kv_heads, attn_group)
+    for hp in sorted({1, max(n for n in (1, 2, 4) if shared % n == 0)}):
+        got = ours(hp)
+        err = (got.float() - ref.float()).abs().max().item()
+        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+        label = f"attn prefill causal, {hp} head{'s' if hp > 1 else ''} a program"
+        add_row(results, label, t, mask_kind, mask[0], lambda hp=hp: ours(hp), baselines, ok, err, False)
+        note_prefill_tiles(results[-1], attention_prefill._tuned_attn_prefill[hp])
 
 
 def add_row(results, op, m, mask_kind, mask, ours, baselines, ok, err, decode):

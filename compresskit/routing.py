@@ -84,6 +84,14 @@ def mask_input_groups(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (xg * mask.unsqueeze(-1).to(x.dtype)).flatten(-2)  # [B, T, K]
 
 
+def _plain_set(module: nn.Module, name: str, value) -> None:
+    """Set a plain attribute of ``module`` (never a parameter, buffer or submodule) without
+    ``nn.Module.__setattr__``'s type checks: the per-pass state of the routed modules is written
+    several times a layer and token, where those checks were a measurable share of the host's work
+    (``benchmarks/bench_wide_host.py``)."""
+    module.__dict__[name] = value
+
+
 class RoutedProjection(nn.Module):
     """A projection whose input features form ``G`` contiguous groups, each kept or zeroed per token.
 
@@ -162,11 +170,11 @@ class RoutedProjection(nn.Module):
         real-token mask."""
         with torch.no_grad():
             if valid is None:
-                self._host_tokens += execute[..., 0].numel()
-                self._executed += execute.sum(dtype=torch.float64)
+                _plain_set(self, "_host_tokens", self._host_tokens + execute[..., 0].numel())
+                self._executed.add_(execute.sum(dtype=torch.float64))
             else:
-                self._masked_tokens += valid.sum(dtype=torch.float64)
-                self._executed += (execute.to(torch.float64) * valid.unsqueeze(-1)).sum()
+                self._masked_tokens.add_(valid.sum(dtype=torch.float64))
+                self._executed.add_((execute.to(torch.float64) * valid.unsqueeze(-1)).sum())
 
     def route(self, x_raw: torch.Tensor) -> None:
         """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
@@ -182,22 +190,24 @@ class RoutedProjection(nn.Module):
         """Called by whatever produces this pass's input when it has already zeroed every inactive
         group exactly (a routed kernel that writes zeros for them): the next forward then skips its
         masking (two elementwise launches a pass). Cleared by that forward and by a new decision."""
-        self._input_zeroed = True
+        _plain_set(self, "_input_zeroed", True)
 
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
-        self._mask = execute
-        self._input_zeroed = False
+        _plain_set(self, "_mask", execute)
+        _plain_set(self, "_input_zeroed", False)
         if self.has_followers:  # handed on, then released by the follower
-            self._decision = (execute, valid)
+            _plain_set(self, "_decision", (execute, valid))
         if self.training:
             self.last_skip, self.last_valid = 1.0 - execute, valid
         elif self.track_stats:
             self._count(execute, valid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        zeroed, self._input_zeroed = self._input_zeroed, False  # (read before a follower takes its decision)
+        zeroed = self._input_zeroed  # (read before a follower takes its decision)
+        _plain_set(self, "_input_zeroed", False)
         if self.leader is not None:
-            decision, self.leader._decision = self.leader._decision, None
+            decision = self.leader._decision
+            _plain_set(self.leader, "_decision", None)
             if decision is not None and decision[0].shape[:2] == x.shape[:2]:
                 self._take(*decision)
         mask = self._mask
@@ -206,7 +216,7 @@ class RoutedProjection(nn.Module):
                 f"layer {self.layer_idx} {self.kind}: no routing decision for this input "
                 f"({None if mask is None else tuple(mask.shape)} vs {tuple(x.shape)}); the router tap did not run"
             )
-        self._mask = None
+        _plain_set(self, "_mask", None)
         return self.base_layer(x if zeroed else self.masker(x, mask))
 
     def extra_repr(self) -> str:

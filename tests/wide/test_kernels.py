@@ -2,6 +2,7 @@
 groups spanning several tiles, outputs poisoned first. On the CPU they run in Triton's
 interpreter (TRITON_INTERPRET=1, set by conftest); on a GPU, natively (bf16 too)."""
 
+import math
 import os
 
 import pytest
@@ -550,10 +551,13 @@ def test_attention_decode_reads_no_kv_for_inactive_groups():
         (1, 4, 4, 16, 33, 0, 4),
         (1, 6, 2, 16, 1, 9, 2),
         (1, 4, 2, 16, 20, 50, 2),  # a long past: several key blocks before any query, unmasked
+        (2, 8, 2, 16, 37, 5, 2),  # 4 heads a group and a KV head: up to 4 heads a program
     ],
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 def test_routed_attention_prefill_matches_reference(b, hq, hkv, d, t, past, groups, sparsity):
+    """Default tiles (autotuned on a GPU) and fixed ones, with one query head a program and, where
+    the heads of a group share a KV head, 2 or 4 (rows = tokens x heads)."""
     from compresskit_wide.kernels.attention_prefill import (
         torch_routed_attention_prefill,
         triton_routed_attention_prefill,
@@ -566,11 +570,19 @@ def test_routed_attention_prefill_matches_reference(b, hq, hkv, d, t, past, grou
     mask = (torch.rand(b, t, groups, generator=gen) >= sparsity).to(DEVICE)
     ref = torch_routed_attention_prefill(q, k, v, mask)
     heads_off = ~mask.repeat_interleave(hq // groups, dim=-1).permute(0, 2, 1)  # [B, Hq, T]
-    # default tiles (autotuned on a GPU), and fixed ones: key blocks of 16 and 32 behind 16 queries
-    for tiles in ({}, {"block_m": 16, "block_n": 16}, {"block_m": 16, "block_n": 32}):
-        got = triton_routed_attention_prefill(q, k, v, mask, **tiles)
+    # default tiles (autotuned on a GPU), and fixed ones: key blocks of 16 and 32 behind 16 rows
+    tiles = [{}, {"block_m": 16, "block_n": 16}, {"block_m": 16, "block_n": 32}]
+    shared = math.gcd(hq // hkv, hq // groups)  # heads of one group and one KV head
+    tiles += [
+        {"block_m": bm, "block_n": 16, "heads_per_program": hp} for hp in (2, 4) if shared % hp == 0 for bm in (16, 32)
+    ]
+    for tile in tiles:
+        got = triton_routed_attention_prefill(q, k, v, mask, **tile)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         assert torch.count_nonzero(got[heads_off]) == 0
+    if shared % 2:
+        with pytest.raises(ValueError, match="heads_per_program=2 must be 1, 2 or 4 and divide the heads of a group"):
+            triton_routed_attention_prefill(q, k, v, mask, block_m=16, heads_per_program=2)
 
 
 def test_prefill_reference_equals_sdpa_when_all_on():

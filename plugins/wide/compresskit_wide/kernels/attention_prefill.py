@@ -7,8 +7,9 @@
                              exactly 0 for inactive
 
 Per sequence and head group the tokens are sorted active-first (the routing layout); program
-(b, h, tile) takes one tile of head h's sorted tokens, gathers their queries, runs causal flash
-attention with their original positions and scatters the result back. Tiles with no active token
+(b, heads, tile) takes one tile of the sorted tokens for one or more query heads of a group that
+share a KV head (the rows: tokens x heads), gathers their queries, runs causal flash attention with
+their original positions and scatters the result back. Tiles with no active token
 only write zeros and read neither Q, K nor V; the key loop stops at the last active token's position,
 and the key blocks at or before the tile's first active position (every active query sees all of
 them) run without the causal mask (nor its guards). The programs of a head take its busy tiles
@@ -61,32 +62,40 @@ if triton is not None:
         HQ, T, S, D, G, T_BUCKET, scale,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh, stride_ot,
         DOT_PRECISION: tl.constexpr,
-        REP: tl.constexpr, A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        REP: tl.constexpr, A: tl.constexpr, HP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
+        # program (b, head block, tile): HP query heads of one group and one KV head (they share the
+        # token order and the keys) x BLOCK_M // HP of their sorted tokens, row r = (token r // HP,
+        # head r % HP): the BLOCK_M rows span HP times fewer positions than one head's BLOCK_M
+        # tokens, so fewer key blocks straddle the tile's causal diagonal
         b = tl.program_id(0)
-        h = tl.program_id(1)
-        g = h // A
-        kvh = h // REP
+        h0 = tl.program_id(1) * HP
+        g = h0 // A
+        kvh = h0 // REP
         past = S - T
         count = tl.load(counts_ptr + b * G + g)
         # longest first: the tiles with active tokens in reverse (a later tile reaches later
         # positions, so it has more keys), then the empty ones, which only write zeros
-        n_busy = tl.cdiv(count, BLOCK_M)
+        TOKENS: tl.constexpr = BLOCK_M // HP
+        n_busy = tl.cdiv(count, TOKENS)
         tm = tl.program_id(2)
         tm = tl.where(tm < n_busy, n_busy - 1 - tm, tm)
-        slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rs = tl.arange(0, BLOCK_M)
+        h = h0 + rs % HP  # [BLOCK_M] query head of each row
+        slots = tm * TOKENS + rs // HP
         in_range = slots < T
         rows = tl.load(order_ptr + (b * G + g) * T + slots, mask=in_range, other=0)  # token indices
         active = slots < count
         ds = tl.arange(0, BLOCK_D)
         d_ok = ds < D
-        out_ptrs = out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_ot + ds[None, :]
+        out_ptrs = out_ptr + b * stride_ob + h[:, None] * stride_oh + rows[:, None] * stride_ot + ds[None, :]
         store_mask = in_range[:, None] & d_ok[None, :]
-        if tm * BLOCK_M >= count:  # no active token in this tile
+        if tm * TOKENS >= count:  # no active token in this tile
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_D), tl.float32).to(out_ptr.dtype.element_ty), mask=store_mask)
             return
         q = tl.load(
-            q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + ds[None, :],
+            q_ptr + b * stride_qb + h[:, None] * stride_qh + rows[:, None] * stride_qt + ds[None, :],
             mask=active[:, None] & d_ok[None, :],
             other=0.0,
         )
@@ -115,9 +124,15 @@ if triton is not None:
         res = tl.where(active[:, None], res, 0.0)
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    _tuned_attn_prefill = tuning.autotuned(
-        triton_attn_prefill_kernel, tuning.ATTN_PREFILL, ["T_BUCKET", "D", "REP", "A"], decode=False
-    )
+    # autotuned over every heads-per-program count that fits (None), or over one count's tiles
+    _tuned_attn_prefill = {
+        hp: triton.autotune(
+            configs=tuning.configs([row for row in tuning.ATTN_PREFILL if hp in (None, row[0]["HP"])]),
+            key=["T_BUCKET", "D", "REP", "A"],
+            prune_configs_by={"early_config_prune": tuning.prune_heads_per_program},
+        )(triton_attn_prefill_kernel)
+        for hp in (None, 1, 2, 4)
+    }
 
 
 def triton_routed_attention_prefill(
@@ -129,9 +144,15 @@ def triton_routed_attention_prefill(
     layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_prefill`. Tiles: ``block_m`` x ``block_n``
-    where given (the other ``tuning.attention_prefill_block()``), else autotuned on a GPU."""
+    """Triton version of :func:`torch_routed_attention_prefill`. Tiles: ``block_m`` rows x
+    ``block_n`` keys, the rows ``heads_per_program`` query heads (of one group and one KV head) x
+    ``block_m / heads_per_program`` tokens. Fixed where ``block_m`` or ``block_n`` is given (the
+    other ``tuning.attention_prefill_block()``, one head a program unless given) and in the CPU
+    interpreter; else autotuned on a GPU, over ``tuning.ATTN_PREFILL`` (1, 2 or 4 heads a program,
+    those that divide the heads of a group and of a KV head), or that table's rows for
+    ``heads_per_program`` where it is given."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, t, d = q.shape
@@ -151,10 +172,20 @@ def triton_routed_attention_prefill(
         DOT_PRECISION=tuning.dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
         BLOCK_D=max(16, tuning.next_power_of_2(d)),
     )  # fmt: skip
+    hp = heads_per_program
+    if hp is not None and (math.gcd(common["REP"], common["A"]) % hp or hp not in (1, 2, 4)):
+        raise ValueError(
+            f"heads_per_program={hp} must be 1, 2 or 4 and divide the heads of a group ({common['A']}) "
+            f"and of a KV head ({common['REP']})"
+        )
     if block_m is not None or block_n is not None or tuning.interpreted():
         bm, bn = block_m or tuning.attention_prefill_block(), block_n or tuning.attention_prefill_block()
-        triton_attn_prefill_kernel[(b, hq, tuning.cdiv(t, bm))](*args, **common, BLOCK_M=bm, BLOCK_N=bn)
+        hp = hp or 1
+        if bm % hp:
+            raise ValueError(f"heads_per_program={hp} must divide block_m ({bm})")
+        grid = (b, hq // hp, tuning.cdiv(t, bm // hp))
+        triton_attn_prefill_kernel[grid](*args, **common, HP=hp, BLOCK_M=bm, BLOCK_N=bn)
     else:
-        grid = lambda meta: (b, hq, tuning.cdiv(t, meta["BLOCK_M"]))  # noqa: E731
-        _tuned_attn_prefill[grid](*args, **common)
+        grid = lambda meta: (b, hq // meta["HP"], tuning.cdiv(t, meta["BLOCK_M"] // meta["HP"]))  # noqa: E731
+        _tuned_attn_prefill[hp][grid](*args, **common)
     return out

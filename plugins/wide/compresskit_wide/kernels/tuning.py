@@ -250,9 +250,10 @@ REDUCE_UNROLLED = [
     ({"BLOCK_N": 64}, 8, 1),
 ]
 
-# routed prefill attention (flash forward over gathered queries): query x key tiles; run 8's fixed
-# 64 x 64 with 4 warps reached about 217 TFLOP/s on the H200 against cuDNN's 535
-ATTN_PREFILL = [
+# routed prefill attention (flash forward over gathered queries): rows (query tokens x HP heads of
+# one group and KV head) x key tiles; run 8's fixed 64 x 64 with 4 warps reached about 217 TFLOP/s
+# on the H200 against cuDNN's 535; HP = 1 until run 39
+_ATTN_PREFILL_TILES = [
     ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 64}, 4, 3),
@@ -262,6 +263,16 @@ ATTN_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 64}, 8, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 64}, 4, 4),
 ]
+ATTN_PREFILL = [({**meta, "HP": hp}, w, s) for hp in (1, 2, 4) for meta, w, s in _ATTN_PREFILL_TILES]
+
+
+def prune_heads_per_program(configs_, named_args, **kwargs):
+    """Autotuner hook of the prefill attention: keep the configurations whose heads per program
+    (``HP``) divide both the heads of a group (``A``) and those of a KV head (``REP``)."""
+    import math
+
+    shared = math.gcd(kwargs["A"], kwargs["REP"])
+    return [c for c in configs_ if shared % c.kwargs["HP"] == 0] or configs_[:1]
 
 
 def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
