@@ -25,7 +25,7 @@ def random_mask(m, g, sparsity, seed=0):
     return (torch.rand(m, g, generator=gen) >= sparsity).to(DEVICE)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 1000])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 1000, 9000])  # 9000: over one block (two passes)
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 def test_routing_layout_matches_reference_exactly(m, sparsity):
     mask = random_mask(m, 7, sparsity, seed=m)

@@ -59,30 +59,32 @@ if triton is not None:
     def triton_routing_layout_kernel(
         mask_ptr, order_ptr, counts_ptr, M, G, stride_b, stride_m, BLOCK_M: tl.constexpr
     ):  # fmt: skip
-        # one program per group g (and sequence b of a batched mask): two passes over the tokens
+        # one program per group g (and sequence b of a batched mask). A token's slot: among the
+        # active, the active tokens before it; else the group's count plus the inactive tokens before
+        # it (its index minus the active ones before it). With every token in one block (M <=
+        # BLOCK_M) one pass; else a first pass counts and a second places each block.
         g = tl.program_id(0)
         b = tl.program_id(1)
         mask_ptr += b * stride_b
         order_ptr += b * G * M
         counts_ptr += b * G
         total = tl.zeros((), dtype=tl.int32)
-        for start in range(0, M, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            act = tl.load(mask_ptr + rows * stride_m + g, mask=rows < M, other=0).to(tl.int32)
-            total += tl.sum(act, axis=0)
+        if M > BLOCK_M:
+            for start in range(0, M, BLOCK_M):
+                rows = start + tl.arange(0, BLOCK_M)
+                act = tl.load(mask_ptr + rows * stride_m + g, mask=rows < M, other=0).to(tl.int32)
+                total += tl.sum(act, axis=0)
         seen_act = tl.zeros((), dtype=tl.int32)
-        seen_inact = tl.zeros((), dtype=tl.int32)
         for start in range(0, M, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             valid = rows < M
-            act = tl.load(mask_ptr + rows * stride_m + g, mask=valid, other=0).to(tl.int32)
-            inact = tl.where(valid, 1 - act, 0)
-            pos_act = seen_act + tl.cumsum(act, axis=0) - act  # exclusive prefix sums
-            pos_inact = total + seen_inact + tl.cumsum(inact, axis=0) - inact
-            pos = tl.where(act == 1, pos_act, pos_inact)
+            act = (tl.load(mask_ptr + rows * stride_m + g, mask=valid, other=0) != 0).to(tl.int32)
+            if M <= BLOCK_M:
+                total = tl.sum(act, axis=0)
+            before = seen_act + tl.cumsum(act, axis=0) - act  # active tokens before each (exclusive)
+            pos = tl.where(act == 1, before, total + rows - before)
             tl.store(order_ptr + g * M + pos, rows.to(tl.int32), mask=valid)
             seen_act += tl.sum(act, axis=0)
-            seen_inact += tl.sum(inact, axis=0)
         tl.store(counts_ptr + g, total)
 
     @triton.jit
@@ -138,6 +140,16 @@ def _kernel_mask(mask: torch.Tensor) -> tuple[int, int, torch.Tensor]:
     return *mask.shape, mask_bytes(mask)
 
 
+def layout_block(m: int) -> tuple[int, int]:
+    """``(BLOCK_M, num_warps)`` of the routing layout's kernel for ``m`` tokens: every token in one
+    block up to 8,192 (one pass over the mask; 4 warps up to 2,048 tokens, then one more warp per
+    512), blocks of 1,024 beyond (two passes)."""
+    if m > 8192:
+        return 1024, 4
+    block = max(16, tuning.next_power_of_2(m))
+    return block, max(4, block // 512)
+
+
 def triton_decode_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_decode_layout` (same outputs, bit for bit; one launch)."""
     m, g, mask_u8 = _kernel_mask(mask)
@@ -158,8 +170,10 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     counts = torch.empty(g, dtype=torch.int32, device=mask.device)
     groups = torch.empty(g, dtype=torch.int32, device=mask.device)
     n_active = torch.empty(1, dtype=torch.int32, device=mask.device)
-    block_m = min(1024, max(16, tuning.next_power_of_2(m)))
-    triton_routing_layout_kernel[(g, 1)](mask_u8, order, counts, m, g, 0, mask_u8.stride(0), BLOCK_M=block_m)
+    block_m, warps = layout_block(m)
+    triton_routing_layout_kernel[(g, 1)](
+        mask_u8, order, counts, m, g, 0, mask_u8.stride(0), BLOCK_M=block_m, num_warps=warps
+    )
     triton_active_groups_kernel[(1,)](
         counts, groups, n_active, g, BLOCK_G=min(1024, max(16, tuning.next_power_of_2(g)))
     )
@@ -186,8 +200,8 @@ def triton_batched_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     mask_u8 = mask_bytes(mask)
     order = torch.empty((b, g, t), dtype=torch.int32, device=mask.device)
     counts = torch.empty((b, g), dtype=torch.int32, device=mask.device)
-    block_m = min(1024, max(16, tuning.next_power_of_2(t)))
+    block_m, warps = layout_block(t)
     triton_routing_layout_kernel[(g, b)](
-        mask_u8, order, counts, t, g, mask_u8.stride(0), mask_u8.stride(1), BLOCK_M=block_m
+        mask_u8, order, counts, t, g, mask_u8.stride(0), mask_u8.stride(1), BLOCK_M=block_m, num_warps=warps
     )
     return order, counts
