@@ -65,8 +65,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       router's 8 groups were last measured in run 13, 1.2x-4.9x up to 1024 tokens, and share the
       bottleneck product that dominates)
     * ``"attn_prefill"``: from 1024 new tokens (run 17, the busy tiles longest first: 1.23x-1.25x of
-      cuDNN's GPU time at 1024, 1.38x-1.42x at 2048, 1.40x-1.41x at 4096, 1.24x-1.49x in a graph);
-      0.82x-0.87x at 512
+      cuDNN's GPU time at 1024, 1.38x-1.42x at 2048, 1.40x-1.41x at 4096, 1.24x-1.49x in a graph; runs
+      39-40, up to 4 heads a program and a one-pass layout: 1.20x-1.22x at 1024, 1.53x-1.55x at 2048,
+      1.50x-1.51x at 4096); 0.82x-0.91x at 512
     """
     if op == "swiglu":
         return True
