@@ -11,6 +11,7 @@ fixed configuration is used: the interpreter's speed does not depend on tiles.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -270,8 +271,6 @@ ATTN_PREFILL = [({**meta, "HP": hp}, w, s) for hp in (1, 2, 4) for meta, w, s in
 def prune_heads_per_program(configs_, named_args, **kwargs):
     """Autotuner hook of the prefill attention: keep the configurations whose heads per program
     (``HP``) divide both the heads of a group (``A``) and those of a KV head (``REP``)."""
-    import math
-
     shared = math.gcd(kwargs["A"], kwargs["REP"])
     return [c for c in configs_ if shared % c.kwargs["HP"] == 0] or configs_[:1]
 
