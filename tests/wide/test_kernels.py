@@ -41,6 +41,15 @@ def test_routing_layout_matches_reference_exactly(m, sparsity):
         assert torch.equal(active, torch.sort(active).values)
 
 
+@pytest.mark.parametrize("m", [1000, 9000])  # one pass; two passes
+def test_routing_layout_reads_any_nonzero_byte_as_active(m):
+    """A byte mask (not bool) with other nonzero values than 1: the same layout as its bool mask."""
+    mask = random_mask(m, 5, 0.5, seed=3)
+    as_bytes = mask.to(torch.uint8) * 3
+    for a, b in zip(triton_routing_layout(as_bytes), torch_routing_layout(mask), strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize(("b", "t", "g"), [(1, 1, 8), (2, 17, 3), (3, 40, 8), (2, 1100, 5)])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 def test_batched_layout_matches_reference_exactly(b, t, g, sparsity):

@@ -72,7 +72,7 @@ if triton is not None:
         if M > BLOCK_M:
             for start in range(0, M, BLOCK_M):
                 rows = start + tl.arange(0, BLOCK_M)
-                act = tl.load(mask_ptr + rows * stride_m + g, mask=rows < M, other=0).to(tl.int32)
+                act = (tl.load(mask_ptr + rows * stride_m + g, mask=rows < M, other=0) != 0).to(tl.int32)
                 total += tl.sum(act, axis=0)
         seen_act = tl.zeros((), dtype=tl.int32)
         for start in range(0, M, BLOCK_M):
