@@ -41,6 +41,22 @@ def test_routing_layout_matches_reference_exactly(m, sparsity):
         assert torch.equal(active, torch.sort(active).values)
 
 
+def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():
+    """The autotuner's flush buffer, first made inside ``torch.inference_mode`` (a generation's
+    first decode step), must stay writable in place outside it (a later shape's autotuning)."""
+    from compresskit_wide.kernels import tuning
+
+    tuning._FLUSH.pop("cpu", None)
+    with torch.inference_mode():
+        buf = tuning.l2_flush_buffer("cpu")
+    assert not buf.is_inference()
+    buf[:8].zero_()  # an inference tensor raises here
+    with torch.inference_mode():
+        tuning.l2_flush_buffer("cpu")[:8].bitwise_not_()
+    assert tuning.l2_flush_buffer("cpu") is buf and int(buf[0]) == 255
+    tuning._FLUSH.pop("cpu")
+
+
 @pytest.mark.parametrize("m", [1000, 9000])  # one pass; two passes
 def test_routing_layout_reads_any_nonzero_byte_as_active(m):
     """A byte mask (not bool) with other nonzero values than 1: the same layout as its bool mask."""

@@ -137,12 +137,17 @@ def m_bucket(m: int) -> int:
 _FLUSH: dict = {}
 
 
-def l2_flush_buffer() -> torch.Tensor:
-    """256 MiB on the current GPU (above any current GPU's L2), allocated once: writing it evicts
-    the L2 before a timed call (here and in ``benchmarks/bench_wide_kernels.py``)."""
-    if "buf" not in _FLUSH:
-        _FLUSH["buf"] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    return _FLUSH["buf"]
+def l2_flush_buffer(device: str | torch.device = "cuda") -> torch.Tensor:
+    """256 MiB on ``device`` (above any current GPU's L2), allocated once per device: writing it
+    evicts the L2 before a timed call (here and in ``benchmarks/bench_wide_kernels.py``). A normal
+    tensor even when the first call (the first autotuning) runs under ``torch.inference_mode``, as
+    generation and evaluation do: an inference tensor could not be written in place by a later
+    autotuning outside it."""
+    key = str(torch.device(device))
+    if key not in _FLUSH:
+        with torch.inference_mode(False):
+            _FLUSH[key] = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return _FLUSH[key]
 
 
 def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
