@@ -7,7 +7,8 @@
 # Environment: TESTS_K="expr" selects tests (pytest -k; TESTS_K=none skips them), SHARDS=N runs them as
 # N processes side by side (pytest-xdist's -n, carried in .whl: compiling is the slow part), BENCH=0 skips the
 # kernel benchmark, E2E="args" also runs benchmarks/bench_wide_e2e.py with those arguments (e.g.
-# E2E="--layers 8"; "-" for its defaults), leaving e2e.json / e2e.md / e2e.log in $OUT.
+# E2E="--layers 8"; "-" for its defaults), leaving e2e.json / e2e.md / e2e.log in $OUT; SWEEP="args" also runs
+# benchmarks/sweep_wide_decode.py with those arguments ("-" for none), leaving sweep.json / sweep.md / sweep.log.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -26,4 +27,8 @@ fi
 if [ -n "${E2E:-}" ]; then
   [ "$E2E" = - ] && E2E=""
   python3 benchmarks/bench_wide_e2e.py --out "$OUT" $E2E 2>&1 | tee "$OUT/e2e.log"
+fi
+if [ -n "${SWEEP:-}" ]; then
+  [ "$SWEEP" = - ] && SWEEP=""
+  python3 benchmarks/sweep_wide_decode.py --out "$OUT" $SWEEP 2>&1 | tee "$OUT/sweep.log"
 fi

@@ -12,6 +12,7 @@ triton = pytest.importorskip("triton")
 
 from compresskit.errors import KernelUnavailableError  # noqa: E402
 from compresskit_wide import kernels  # noqa: E402
+from compresskit_wide.kernels import tuning  # noqa: E402
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout  # noqa: E402
 
@@ -44,7 +45,6 @@ def test_routing_layout_matches_reference_exactly(m, sparsity):
 def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():
     """The autotuner's flush buffer, first made inside ``torch.inference_mode`` (a generation's
     first decode step), must stay writable in place outside it (a later shape's autotuning)."""
-    from compresskit_wide.kernels import tuning
 
     tuning._FLUSH.pop("cpu", None)
     with torch.inference_mode():
@@ -107,7 +107,10 @@ def test_decode_layout_matches_reference_exactly(m, sparsity, g):
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])
-def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse):
+@pytest.mark.parametrize("swap_ab", [False, True])  # decode sizes: the weight tile as the MMA's rows
+def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse, swap_ab):
+    if swap_ab and m > tuning.DECODE_MAX_M:
+        pytest.skip("the operand order is a decode kernel's option")
     gen = torch.Generator().manual_seed(m * 7 + n)
     x = torch.randn(m, k, generator=gen).to(DEVICE)
     w = torch.randn(n, k, generator=gen).to(DEVICE)
@@ -116,7 +119,7 @@ def test_masked_out_gemm_matches_reference(m, k, n, groups, sparsity, fuse):
     # poison the output and a guard region after it: every element of out must be written,
     # nothing beyond it
     buf = torch.full((m + 2, n), float("nan"), device=DEVICE)
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16)
+    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], block_m=16, block_n=16, block_k=16, swap_ab=swap_ab)
     ref = torch_masked_out_gemm(x, w, mask, w_up)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)  # fp32 accumulation both sides
     inactive = ~mask.repeat_interleave(n // groups, dim=-1)
@@ -157,11 +160,13 @@ def test_masked_out_gemm_bf16_autotuned(fuse, m):
     w_up = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) if fuse else None
     mask = random_mask(m, 4, 0.5)
     buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m])
     ref = torch_masked_out_gemm(x, w, mask, w_up)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
-    assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
-    assert torch.isnan(buf[m:]).all()
+    for swap_ab in (False, True) if m <= tuning.DECODE_MAX_M else (None,):
+        buf.fill_(float("nan"))
+        got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], swap_ab=swap_ab)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
+        assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
+        assert torch.isnan(buf[m:]).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
@@ -173,8 +178,8 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
     w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 32
     mask = random_mask(m, 8, 0.5)
     ref = torch_masked_reduce_gemm(x, w, mask)
-    for variant in ("loop", "unrolled", "fused"):
-        got = triton_masked_reduce_gemm(x, w, mask, variant=variant)
+    for variant, swap_ab in (("loop", False), ("loop", True), ("unrolled", False), ("fused", False), ("fused", True)):
+        got = triton_masked_reduce_gemm(x, w, mask, variant=variant, swap_ab=swap_ab)
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused"):
         triton_masked_reduce_gemm(x, w, mask, variant="fast")
@@ -219,7 +224,10 @@ def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
     ("split", "variant"),
     [(1, "loop"), (3, "loop"), (1, "unrolled"), (3, "unrolled"), (1, "fused"), (3, "fused")],
 )
-def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, variant):
+@pytest.mark.parametrize("swap_ab", [False, True])  # the weight tile as the MMA's rows
+def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, variant, swap_ab):
+    if swap_ab and variant == "unrolled":
+        pytest.skip("the unrolled variant has one operand order")
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
     gen = torch.Generator().manual_seed(m * 5 + k)
@@ -231,7 +239,7 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, 
     # takes a group in one tile
     # split 3: three programs share each output block's active groups (some get none at all)
     got = triton_masked_reduce_gemm(
-        x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16, split=split, variant=variant
+        x, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16, split=split, variant=variant, swap_ab=swap_ab
     )
     ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -242,11 +250,15 @@ def test_masked_reduce_gemm_matches_reference(m, k, n, groups, sparsity, split, 
         assert torch.equal(wg[1 % groups], w[:, (1 % groups) * (k // groups) : (1 % groups + 1) * (k // groups)])
         again = triton_masked_reduce_gemm(x, w, mask, block_n=16, split=split, variant=variant, w_group_major=wg)
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="swap_ab is for the loop and fused variants only"):
+            triton_masked_reduce_gemm(x, w, mask, block_n=16, variant=variant, swap_ab=True)
     if variant == "fused":  # its tickets are back at zero for the next call, which agrees
         from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 
         assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
-        again = triton_masked_reduce_gemm(x, w, mask, block_m=16, block_n=16, block_k=16, split=split, variant=variant)
+        again = triton_masked_reduce_gemm(
+            x, w, mask, block_m=16, block_n=16, block_k=16, split=split, variant=variant, swap_ab=swap_ab
+        )
         torch.testing.assert_close(again, ref, rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0  # no active group: nothing contributes
@@ -688,7 +700,6 @@ def test_use_kernel_policy_ranges():
 def test_decode_split_k_default(monkeypatch):
     """The plain decode product shares K over 4 programs on a GPU; the fused SwiGLU, prefill
     sizes and the interpreter use one."""
-    from compresskit_wide.kernels import tuning
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert [tuning.out_decode_split_k(m, False) for m in (1, 16, 17)] == [4, 4, 1]
@@ -806,7 +817,6 @@ def test_routed_ffn_and_attention_capture_in_a_cuda_graph(backend, m):
 def test_flushed_graph_bench_times_the_gpu_work():
     """The decode autotuners' timing: positive, ordered quantiles in do_bench's format, and more
     for more work (8 products against 1: far apart, whatever the GPU)."""
-    from compresskit_wide.kernels import tuning
 
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     one = tuning.flushed_graph_bench(lambda: a @ a)
@@ -819,7 +829,6 @@ def test_flushed_graph_bench_times_the_gpu_work():
 def test_autotune_configs_never_span_two_groups():
     """The autotuner's candidates are pruned to blocks no wider than a group (checked here without
     a GPU: the pruning hook alone)."""
-    from compresskit_wide.kernels import tuning
 
     out = tuning.configs(tuning.OUT_DECODE)
     kept = tuning.prune_wider_than_group("BLOCK_N")(out, {"GW": 32})
@@ -834,7 +843,8 @@ def test_autotune_configs_never_span_two_groups():
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fold_sum", [False, True])
-def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_ab):
     """The plain decode product with its K range shared by 3 programs (fp32 partials, then one
     summing kernel, or the last share of each block adding them up): the reference's values,
     exact zeros for inactive groups, nothing written beyond the output."""
@@ -843,7 +853,9 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum):
     w = torch.randn(96, 200, generator=gen).to(DEVICE)
     mask = random_mask(m, 3, sparsity, seed=m)
     buf = torch.full((m + 2, 96), float("nan"), device=DEVICE)
-    got = triton_masked_out_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum)
+    got = triton_masked_out_gemm(
+        x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum, swap_ab=swap_ab
+    )
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
     if fold_sum:  # the tickets are back at zero for the next call
         from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
@@ -899,7 +911,6 @@ def test_router_decide_matches_the_router_and_decide(m, d, rank, groups, bias, s
 def test_host_launch_arithmetic_equals_tritons():
     """The plain-Python ``cdiv`` / ``next_power_of_2`` the launches use (Triton's are constexpr
     functions, slow on the host) give Triton's values."""
-    from compresskit_wide.kernels import tuning
 
     for n in range(1, 3000):
         assert tuning.next_power_of_2(n) == triton.next_power_of_2(n)
@@ -974,7 +985,6 @@ def test_executor_routes_through_the_fused_decision_only_off_the_reference_backe
     from compresskit import plugins
     from compresskit.routing import routed_projections
     from compresskit_wide.executor import KernelRouter
-    from compresskit_wide.kernels import tuning
 
     model, _, _ = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")

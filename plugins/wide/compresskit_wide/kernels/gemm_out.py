@@ -32,6 +32,7 @@ try:
     from compresskit_wide.kernels.gemm_reduce import (
         store_share,
         store_share_ticketed,
+        tile_dot,
         triton_split_sum_kernel,
         zeroed_tickets,
     )
@@ -59,13 +60,14 @@ if triton is not None:
     def output_tile(
         x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, k_start, k_end, stride_xm, stride_wn,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     ):  # fmt: skip
         """``x[rows, k_start:k_end] @ w[cols, k_start:k_end].T`` in fp32 (with ``FUSE_SWIGLU``, gate and
         up against the same loaded ``x`` tile, then ``silu(gate) * up``). Rows not ``row_on`` are
-        never read: their products come out zero (SiLU of zero times zero), the caller masks them."""
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        never read: their products come out zero (SiLU of zero times zero), the caller masks them.
+        ``SWAP_AB``: the products are accumulated transposed (``tile_dot``), returned as [M, N]."""
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_end
@@ -74,12 +76,14 @@ if triton is not None:
             )
             w_mask = col_ok[:, None] & k_ok[None, :]
             b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            acc = tile_dot(a, b, acc, DOT_PRECISION, SWAP_AB)
             if FUSE_SWIGLU:
                 bu = tl.load(wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-                acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
+                acc_up = tile_dot(a, bu, acc_up, DOT_PRECISION, SWAP_AB)
         if FUSE_SWIGLU:
             acc = acc * tl.sigmoid(acc) * acc_up
+        if SWAP_AB:
+            acc = tl.trans(acc)
         return acc
 
     @triton.jit
@@ -87,7 +91,7 @@ if triton is not None:
         x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, row_on, any_on, cols, col_ok, K,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     ):  # fmt: skip
         """Write one output block: zeros without reading a weight when no row is on (``any_on``
         false: the skip), else the product (``output_tile``) with the rows not on zeroed."""
@@ -96,7 +100,7 @@ if triton is not None:
         if any_on:
             acc = output_tile(
                 x_ptr, w_ptr, wu_ptr, rows, row_on, cols, col_ok, 0, K, stride_xm, stride_wn,
-                FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
             )  # fmt: skip
             tl.store(out_ptrs, tl.where(row_on[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=store_mask)
         else:
@@ -146,7 +150,7 @@ if triton is not None:
         # a tile whose first sorted token is inactive has none active: it writes zeros (block skip)
         write_output_block(
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, in_range, active, tm * BLOCK_M < count, cols, col_ok, K,
-            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, False,
         )  # fmt: skip
 
     @triton.jit
@@ -154,14 +158,14 @@ if triton is not None:
         x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
         M, N, K, GW,
         stride_xm, stride_wn, stride_om, stride_mm,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # decode (M <= BLOCK_M): a block of a group no token needs writes its zeros, reads no weight
         rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
         write_output_block(
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, on, tl.sum(on.to(tl.int32), axis=0) > 0, cols, col_ok, K,
-            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
         )  # fmt: skip
 
     @triton.jit
@@ -169,7 +173,7 @@ if triton is not None:
         x_ptr, w_ptr, ws_ptr, mask_ptr, out_ptr, ticket_ptr,
         M, N, K, GW, SPLIT_K, K_CHUNK,
         stride_xm, stride_wn, stride_mm, stride_om,
-        FOLD_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FOLD_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # decode, plain (q): program (g, n-block, s) sums the s-th K_CHUNK of the product into the
@@ -183,7 +187,7 @@ if triton is not None:
             k_end = s * K_CHUNK  # an empty K range: the share is zero, no weight is read
         acc = output_tile(
             x_ptr, w_ptr, w_ptr, rows, on, cols, col_ok, s * K_CHUNK, k_end, stride_xm, stride_wn,
-            False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
         )  # fmt: skip
         if FOLD_SUM:
             block = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
@@ -193,24 +197,31 @@ if triton is not None:
         else:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
 
-    _tuned_out_gemv_splitk, _tuned_out_gemm, _tuned_out_gemv = (
-        tuning.autotuned(kernel, table, key, decode=decode, prune="BLOCK_N")
-        for kernel, table, key, decode in (
-            (
-                triton_masked_out_gemv_splitk_kernel,
-                tuning.OUT_DECODE_SPLITK,
-                ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
-                True,
-            ),
-            (
-                triton_masked_out_gemm_kernel,
-                tuning.OUT_PREFILL,
-                ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
-                False,
-            ),
-            (triton_masked_out_gemv_kernel, tuning.OUT_DECODE, ["M", "N", "K", "GW", "FUSE_SWIGLU"], True),
-        )
+    _tuned_out_gemm = tuning.autotuned(
+        triton_masked_out_gemm_kernel,
+        tuning.OUT_PREFILL,
+        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "GROUP_TILES_TOGETHER"],
+        decode=False,
+        prune="BLOCK_N",
     )
+    # the decode kernels, per operand order (``tile_dot``: tokens or weights as the rows), each
+    # with its own tile table
+    _tuned_out_gemv_splitk = {
+        swap: tuning.autotuned(
+            triton_masked_out_gemv_splitk_kernel,
+            table,
+            ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
+            decode=True,
+            prune="BLOCK_N",
+        )
+        for swap, table in ((False, tuning.OUT_DECODE_SPLITK), (True, tuning.OUT_DECODE_SPLITK_SWAP))
+    }
+    _tuned_out_gemv = {
+        swap: tuning.autotuned(
+            triton_masked_out_gemv_kernel, table, ["M", "N", "K", "GW", "FUSE_SWIGLU"], decode=True, prune="BLOCK_N"
+        )
+        for swap, table in ((False, tuning.OUT_DECODE), (True, tuning.OUT_DECODE_SWAP))
+    }
 
 
 def triton_masked_out_gemm(
@@ -227,6 +238,7 @@ def triton_masked_out_gemm(
     split_k: int | None = None,
     fold_sum: bool = True,
     tile_order: str = "group",
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -244,7 +256,10 @@ def triton_masked_out_gemm(
     ``tile_order`` (prefill): ``"group"`` (the default) launches each group's token tiles together,
     so the programs running at once read a few groups' weight rows and share them in L2;
     ``"interleaved"`` puts the group fastest (the order of runs 1-19, kept for the benchmark): every
-    wave of programs then streams all of the weights from HBM."""
+    wave of programs then streams all of the weights from HBM.
+
+    ``swap_ab`` (decode): the weight tile as the product's row operand (``tile_dot``), default
+    ``tuning.decode_swap_ab``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -264,18 +279,21 @@ def triton_masked_out_gemm(
         split_k = tuning.out_decode_split_k(m, fuse)
     if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
         raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
+    if swap_ab is None:
+        swap_ab = tuning.decode_swap_ab("swiglu" if fuse else "out", m)
     if split_k > 1:
-        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum)
+        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab)
     if m <= tuning.DECODE_MAX_M:
         mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
+        common["SWAP_AB"] = swap_ab
         if fixed:
             bn, bk = block_n or 16, block_k or 32
             grid = (groups, tuning.cdiv(gw, bn))
             triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk)
         else:
             grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
-            _tuned_out_gemv[grid](*args, **common, BLOCK_M=16)
+            _tuned_out_gemv[swap_ab][grid](*args, **common, BLOCK_M=16)
         return out
     if tile_order not in ("group", "interleaved"):
         raise ValueError(f"tile_order must be 'group' or 'interleaved', got {tile_order!r}")
@@ -300,7 +318,7 @@ def triton_masked_out_gemm(
     return out
 
 
-def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum):
+def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab):
     m, k = x.shape
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
@@ -310,14 +328,14 @@ def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fo
     tickets = zeroed_tickets(x.device, groups * tuning.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
     args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
     args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
-    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": 16}
+    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "SWAP_AB": swap_ab, "BLOCK_M": 16}
     if block_n is not None or tuning.interpreted():
         bn, bk = block_n or 16, min(block_k or 32, chunk)
         grid = (groups, tuning.cdiv(gw, bn), split_k)
         triton_masked_out_gemv_splitk_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk)
     else:
         grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]), split_k)  # noqa: E731
-        _tuned_out_gemv_splitk[grid](*args, **common)
+        _tuned_out_gemv_splitk[swap_ab][grid](*args, **common)
     if not fold_sum:
         triton_split_sum_kernel[(tuning.cdiv(m * n, 1024),)](ws, out, m, n, split_k, out.stride(0), BLOCK=1024)
     return out

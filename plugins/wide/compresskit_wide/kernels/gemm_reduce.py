@@ -98,12 +98,24 @@ if triton is not None:
                 tl.atomic_xchg(ticket_ptr + block, 0)
 
     @triton.jit
+    def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
+        """``acc + a @ b.T`` for a token tile ``a`` [BLOCK_M, K] and a weight tile ``b`` [BLOCK_N, K].
+        ``SWAP_AB``: ``acc`` is kept transposed, [BLOCK_N, BLOCK_M], and gets ``b @ a.T``: the weight
+        tile is the product's row operand, so with 64 or more rows a Hopper GPU can run it as a
+        warp-group MMA (``wgmma``) fed from shared memory, where 16 token rows take the older
+        ``mma`` through registers. The same sums either way."""
+        if SWAP_AB:
+            return tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
     def add_group(
         acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
-        GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+        GW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
     ):  # fmt: skip
         """``acc`` plus input group ``g``'s product for the tile: the rows of the tokens that need g
-        (the others load zeros) against g's weight columns, BLOCK_K of them a step (unrolled)."""
+        (the others load zeros) against g's weight columns, BLOCK_K of them a step (unrolled);
+        ``acc`` transposed with ``SWAP_AB`` (``tile_dot``)."""
         on = tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0  # [BLOCK_M]
         for k0 in tl.static_range(0, GW, BLOCK_K):
             ks = g * GW + k0 + tl.arange(0, BLOCK_K)
@@ -113,7 +125,7 @@ if triton is not None:
             )
             w_mask = col_ok[:, None] & k_ok[None, :]
             b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+            acc = tile_dot(a, b, acc, DOT_PRECISION, SWAP_AB)
         return acc
 
     @triton.jit
@@ -121,7 +133,8 @@ if triton is not None:
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, groups_ptr, n_active_ptr,
         M, N, GW: tl.constexpr, G, SPLIT,
         stride_xm, stride_wn, stride_mm, stride_om,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # program (n-block, m-tile, split s) sums the s-th share of the active groups; with SPLIT > 1
         # its fp32 partial goes to the workspace [SPLIT, M, N] and a second kernel adds them up.
@@ -129,13 +142,15 @@ if triton is not None:
         # the active groups is then the innermost one, the one Triton software-pipelines (a runtime
         # inner loop left the outer loop's loads waiting on each other, one group at a time).
         rows, row_ok, cols, col_ok, s, first, count = reduce_share(n_active_ptr, M, N, SPLIT, BLOCK_M, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(first, first + count):  # only the groups some token needs
             g = tl.load(groups_ptr + i)
             acc = add_group(
                 acc, x_ptr, w_ptr, mask_ptr, g, rows, row_ok, cols, col_ok, stride_xm, stride_wn, stride_mm,
-                GW, DOT_PRECISION, BLOCK_K,
+                GW, DOT_PRECISION, BLOCK_K, SWAP_AB,
             )  # fmt: skip
+        if SWAP_AB:
+            acc = tl.trans(acc)
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
     @triton.jit
@@ -192,7 +207,7 @@ if triton is not None:
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, list_ptr, ticket_ptr,
         M, N, GW: tl.constexpr, G, SPLIT,
         stride_xm, stride_wn, stride_mm, stride_om,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, SWAP_AB: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # The loop kernel with its two helpers folded in. (1) No layout launch: each program reads its
@@ -218,12 +233,14 @@ if triton is not None:
         chunk = tl.cdiv(n_active, SPLIT)
         first = s * chunk
         count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i in range(first, first + count):
             acc = add_group(
                 acc, x_ptr, w_ptr, mask_ptr, tl.load(my_list + i), rows, row_ok, cols, col_ok,
-                stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_K,
+                stride_xm, stride_wn, stride_mm, GW, DOT_PRECISION, BLOCK_K, SWAP_AB,
             )  # fmt: skip
+        if SWAP_AB:
+            acc = tl.trans(acc)
         store_share_ticketed(
             acc, out_ptr, ws_ptr, ticket_ptr, tm * tl.num_programs(0) + tn, rows, row_ok, cols, col_ok, s, M, N,
             stride_om, SPLIT,
@@ -232,8 +249,12 @@ if triton is not None:
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
     )
+    # per operand order (``tile_dot``), each with its own tile table
     _tuned_reduce_gemm, _tuned_reduce_fused = (
-        tuning.autotuned(kernel, tuning.REDUCE_DECODE, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
+        {
+            swap: tuning.autotuned(kernel, table, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
+            for swap, table in ((False, tuning.REDUCE_DECODE), (True, tuning.REDUCE_DECODE_SWAP))
+        }
         for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
 
@@ -288,6 +309,7 @@ def triton_masked_reduce_gemm(
     split: int | None = None,
     variant: str | None = None,
     w_group_major: torch.Tensor | None = None,
+    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
@@ -298,15 +320,20 @@ def triton_masked_reduce_gemm(
     folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
     default ``tuning.reduce_variant`` (fused for decode sizes, as measured; "unrolled" where
     ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
-    beside ``w``), read by the unrolled variant instead."""
+    beside ``w``), read by the unrolled variant instead. ``swap_ab`` (loop and fused variants): the
+    weight tile as the product's row operand (``tile_dot``), default ``tuning.decode_swap_ab``."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
     if variant not in ("loop", "unrolled", "fused"):
         raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused")
     if w_group_major is not None and variant != "unrolled":
         raise ValueError("w_group_major is read by the unrolled variant only")
+    if swap_ab and variant == "unrolled":
+        raise ValueError("swap_ab is for the loop and fused variants only")
     if triton is None:
         raise RuntimeError("triton is not installed")
+    if swap_ab is None:
+        swap_ab = variant != "unrolled" and tuning.decode_swap_ab("reduce", x.shape[0])
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]
@@ -337,8 +364,8 @@ def triton_masked_reduce_gemm(
         block_g = max(16, tuning.next_power_of_2(groups))
         group_lists = torch.empty(blocks * splits * block_g, dtype=torch.int32, device=x.device)
         args = (x, weights, mask_u8, out, ws, group_lists, zeroed_tickets(x.device, blocks), m, n, gw, groups, splits)
-        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused
-        meta = {"BLOCK_G": block_g}
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_fused_kernel, _tuned_reduce_fused[swap_ab]
+        meta = {"BLOCK_G": block_g, "SWAP_AB": swap_ab}
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
     elif variant == "unrolled":  # whole-group K tiles, the share's group ids read at once
         fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_unrolled_kernel, _tuned_reduce_unrolled
@@ -349,8 +376,8 @@ def triton_masked_reduce_gemm(
         }
         fixed = {"BLOCK_N": block_n or 16}
     else:
-        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_kernel, _tuned_reduce_gemm
-        meta = {}
+        fixed_kernel, tuned_kernel = triton_masked_reduce_gemm_kernel, _tuned_reduce_gemm[swap_ab]
+        meta = {"SWAP_AB": swap_ab}
         fixed = {"BLOCK_N": block_n or 32, "BLOCK_K": block_k or 32}
     if block_n is not None or tuning.interpreted():
         bm = block_m or 16

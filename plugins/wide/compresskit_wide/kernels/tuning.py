@@ -101,6 +101,13 @@ def reduce_variant(m: int) -> str:
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
+def decode_swap_ab(op: str, m: int) -> bool:
+    """Whether the decode products of ``op`` ("swiglu": gate+up, "out": q, "reduce": down and o)
+    with ``m`` tokens take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``).
+    Not yet measured faster anywhere: False."""
+    return False
+
+
 def attention_decode_splits(context: int) -> int:
     """KV splits of the routed decode attention: one per 256 cached positions, 1 to 64 (the H200
     sweep, run 9: 64 beat 32 at 32k positions, batch 1 and 4)."""
@@ -227,6 +234,24 @@ OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 512}, 8, 2),
 ]
+# the same two with the weight tile as the product's row operand (``SWAP_AB``): 64 or 128 weight rows
+# a tile, so that Hopper runs a warp-group MMA (64 rows per 4 warps)
+OUT_DECODE_SWAP = [
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 8),
+    ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
+    ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+]
+OUT_DECODE_SPLITK_SWAP = [
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+    ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+    ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+]
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
 # warps, were never chosen at T = 512..4096 on the H200, run 21)
 OUT_PREFILL = [
@@ -247,6 +272,15 @@ REDUCE_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_N": 16, "BLOCK_K": 64}, 2, 6),
+]
+
+# the same loop with the weight tile as the product's row operand (``SWAP_AB``)
+REDUCE_DECODE_SWAP = [
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 6),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+    ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+    ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
 ]
 
 # the unrolled variant of that loop (whole-group K tiles; no software pipeline to feed)

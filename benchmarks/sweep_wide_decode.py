@@ -1,0 +1,205 @@
+"""Operand-order sweep of WIDE's decode products on the GPU, in GPU time (kernel durations with the
+L2 flushed before every call, as ``bench_wide_kernels.py``'s GPU-time column), side by side with
+cuBLAS measured in the same run.
+
+    python benchmarks/sweep_wide_decode.py --out DIR [--only REGEX]
+    python benchmarks/sweep_wide_decode.py --smoke --out DIR   # tiny shapes, CPU interpreter
+
+Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4. Each decode product
+runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile, the default) and with the weight
+tile as its rows (``swap_ab``: 64 or 128 weight rows, Hopper's warp-group MMA), each autotuned over
+its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to 8 (the last
+share adds the partials), down's fused loop at 2 to 8 shares. Each variant is first checked against
+its PyTorch reference. Results: a table on stdout and ``sweep.json`` / ``sweep.md`` in --out (GPU,
+driver, versions, date, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+from bench_wide_kernels import gpu_time, make_mask, meta, timed  # noqa: E402
+from compresskit_wide.kernels.gemm_out import (  # noqa: E402
+    _tuned_out_gemv,
+    _tuned_out_gemv_splitk,
+    torch_masked_out_gemm,
+    triton_masked_out_gemm,
+)
+from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
+    _tuned_reduce_fused,
+    torch_masked_reduce_gemm,
+    triton_masked_reduce_gemm,
+)
+
+D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
+CASES = ((1, "exact"), (1, "iid"), (4, "iid"))
+DT = torch.bfloat16
+DEV = "cuda"
+
+
+def smoke() -> None:
+    """Tiny shapes in fp32 on the CPU (Triton's interpreter): the script's own test."""
+    global D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP, CASES, DT, DEV
+    D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 16, 2
+    CASES, DT, DEV = ((1, "exact"),), torch.float32, "cpu"
+
+
+def kernel_time(fn) -> tuple[float, dict]:
+    """GPU time (ms, profile) on a GPU; the interpreter's wall time (meaningless) in the smoke run."""
+    return gpu_time(fn) if DEV == "cuda" else (timed(fn), {})
+
+
+def close(got, ref, tol=3e-2) -> bool:
+    return bool(torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol))
+
+
+def best_config(tuned) -> str | None:
+    cfg = getattr(tuned, "best_config", None)
+    return None if cfg is None else f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
+
+
+class Sweep:
+    def __init__(self, only: str | None):
+        self.rows: list[dict] = []
+        self.only = re.compile(only) if only else None
+
+    def wanted(self, case: str) -> bool:
+        return self.only is None or bool(self.only.search(case))
+
+    def add(self, case: str, variant: str, fn, ref, base_ms: float, base_name: str, tuned) -> None:
+        """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print."""
+        ok = close(fn(), ref)
+        ms, profile = kernel_time(fn)
+        row = {
+            "case": case,
+            "variant": variant,
+            "correct": ok,
+            "gpu_ms": ms,
+            "baseline": base_name,
+            "baseline_gpu_ms": base_ms,
+            "speedup": base_ms / ms if ms == ms and ms > 0 else float("nan"),
+            "tiles": best_config(tuned),
+            "profile": profile,
+        }
+        self.rows.append(row)
+        print(
+            f"{case:22s} {variant:26s} {'ok ' if ok else 'BAD'} {ms * 1e3:8.2f} us  "
+            f"{base_name} {base_ms * 1e3:8.2f} us  {row['speedup']:.2f}x  {row['tiles'] or ''}",
+            flush=True,
+        )
+
+
+def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
+    case = f"gate+up M={m} {kind}"
+    if not sw.wanted(case):
+        return
+    x = torch.randn(m, D, device=DEV, dtype=DT)
+    wg = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
+    wu = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
+    w_cat = torch.cat([wg, wu])
+    mask = make_mask(m, FFN // GROUP, 0.5, kind, gen, DEV)
+    ref = torch_masked_out_gemm(x, wg, mask, wu)
+    base, _ = kernel_time(lambda: x @ w_cat.T)
+    for swap in (False, True):
+        sw.add(
+            case,
+            f"swap_ab={swap}",
+            lambda swap=swap: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=swap),
+            ref,
+            base,
+            "cuBLAS gate+up",
+            _tuned_out_gemv[swap],
+        )
+
+
+def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
+    case = f"q M={m} {kind}"
+    if not sw.wanted(case):
+        return
+    x = torch.randn(m, D, device=DEV, dtype=DT)
+    w = torch.randn(HEADS * HEAD_DIM, D, device=DEV, dtype=DT) / D**0.5
+    mask = make_mask(m, HEADS // ATTN_GROUP, 0.5, kind, gen, DEV)
+    ref = torch_masked_out_gemm(x, w, mask)
+    base, _ = kernel_time(lambda: x @ w.T)
+    for swap in (False, True):
+        for split in (1, 2, 4, 8):
+            sw.add(
+                case,
+                f"swap_ab={swap} split_k={split}",
+                lambda swap=swap, split=split: triton_masked_out_gemm(x, w, mask, split_k=split, swap_ab=swap),
+                ref,
+                base,
+                "cuBLAS",
+                (_tuned_out_gemv_splitk if split > 1 else _tuned_out_gemv)[swap],
+            )
+
+
+def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
+    case = f"down M={m} {kind}"
+    if not sw.wanted(case):
+        return
+    x = torch.randn(m, FFN, device=DEV, dtype=DT)
+    w = torch.randn(D, FFN, device=DEV, dtype=DT) / FFN**0.5
+    mask = make_mask(m, FFN // GROUP, 0.5, kind, gen, DEV)
+    ref = torch_masked_reduce_gemm(x, w, mask)
+    base, _ = kernel_time(lambda: x @ w.T)
+    for swap in (False, True):
+        for split in (2, 4, 8):
+            sw.add(
+                case,
+                f"swap_ab={swap} split={split}",
+                lambda swap=swap, split=split: triton_masked_reduce_gemm(
+                    x, w, mask, split=split, variant="fused", swap_ab=swap
+                ),
+                ref,
+                base,
+                "cuBLAS",
+                _tuned_reduce_fused[swap],
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", help="regex over the case names (e.g. 'q M=1|down')")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter, TRITON_INTERPRET=1)")
+    args = parser.parse_args()
+    if args.smoke:
+        smoke()
+    elif not torch.cuda.is_available():
+        print("error: the sweep times GPU kernels; no CUDA device here (--smoke: tiny shapes on the CPU)", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    sw = Sweep(args.only)
+    info = meta(DT, D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP)
+    print(json.dumps(info), flush=True)
+    for m, kind in CASES:
+        sweep_gate_up(sw, m, kind, gen)
+        sweep_q(sw, m, kind, gen)
+        sweep_down(sw, m, kind, gen)
+    (args.out / "sweep.json").write_text(json.dumps({"meta": info, "rows": sw.rows}, indent=2))
+    lines = [
+        f"# WIDE decode sweep\n\n{json.dumps(info)}\n",
+        "| case | variant | correct | GPU us | baseline | baseline us | speedup | tiles |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sw.rows:
+        lines.append(
+            f"| {r['case']} | {r['variant']} | {r['correct']} | {r['gpu_ms'] * 1e3:.2f} | {r['baseline']} | "
+            f"{r['baseline_gpu_ms'] * 1e3:.2f} | {r['speedup']:.2f}x | {r['tiles'] or ''} |"
+        )
+    (args.out / "sweep.md").write_text("\n".join(lines) + "\n")
+    return 0 if all(r["correct"] for r in sw.rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
