@@ -104,9 +104,11 @@ if triton is not None:
         tile is the product's row operand, so with 64 or more rows a Hopper GPU can run it as a
         warp-group MMA (``wgmma``) fed from shared memory, where 16 token rows take the older
         ``mma`` through registers. The same sums either way."""
-        if SWAP_AB:
-            return tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
-        return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        if SWAP_AB:  # (an if / else: Triton's compiler also compiles a return after a static if's)
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        return acc
 
     @triton.jit
     def add_group(
