@@ -8,8 +8,9 @@ cuBLAS measured in the same run.
 Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4. Each decode product
 runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile, the default) and with the weight
 tile as its rows (``swap_ab``: 64 or 128 weight rows, Hopper's warp-group MMA), each autotuned over
-its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to 8 (the last
-share adds the partials), down's fused loop at 2 to 8 shares. Each variant is first checked against
+its own tile table (the chosen tiles are printed): gate+up fused at 1, 2 and 4 programs an output
+block (2: gate and up in separate programs; 4: each also over half of K), q at K splits 1 to 8 (the
+last share adds the partials), down's fused loop at 2 to 8 shares. Each variant is first checked against
 its PyTorch reference. Results: a table on stdout and ``sweep.json`` / ``sweep.md`` in --out (GPU,
 driver, versions, date, command).
 """
@@ -109,15 +110,16 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
     ref = torch_masked_out_gemm(x, wg, mask, wu)
     base, _ = kernel_time(lambda: x @ w_cat.T)
     for swap in (False, True):
-        sw.add(
-            case,
-            f"swap_ab={swap}",
-            lambda swap=swap: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=swap),
-            ref,
-            base,
-            "cuBLAS gate+up",
-            _tuned_out_gemv[swap],
-        )
+        for split in (1, 2, 4):
+            sw.add(
+                case,
+                f"swap_ab={swap} split_k={split}",
+                lambda swap=swap, split=split: triton_masked_out_gemm(x, wg, mask, wu, split_k=split, swap_ab=swap),
+                ref,
+                base,
+                "cuBLAS gate+up",
+                (_tuned_out_gemv_splitk if split > 1 else _tuned_out_gemv)[swap],
+            )
 
 
 def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:

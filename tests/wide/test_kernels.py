@@ -846,8 +846,9 @@ def test_autotune_configs_never_span_two_groups():
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_ab):
     """The plain decode product with its K range shared by 3 programs (fp32 partials, then one
-    summing kernel, or the last share of each block adding them up): the reference's values,
-    exact zeros for inactive groups, nothing written beyond the output."""
+    summing kernel, or the last share of each block adding them up), and the fused SwiGLU's with 2
+    and 6: the reference's values, exact zeros for inactive groups, nothing written beyond the
+    output, the tickets back at zero."""
     gen = torch.Generator().manual_seed(m + 11)
     x = torch.randn(m, 200, generator=gen).to(DEVICE)  # K not a multiple of the share or the block
     w = torch.randn(96, 200, generator=gen).to(DEVICE)
@@ -857,14 +858,29 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_a
         x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum, swap_ab=swap_ab
     )
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
-    if fold_sum:  # the tickets are back at zero for the next call
-        from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
+    from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
 
+    if fold_sum:  # the tickets are back at zero for the next call
         assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
     assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
-    with pytest.raises(ValueError, match="split_k is for the plain"):
-        triton_masked_out_gemm(x, w, mask, w, split_k=2)
+    # the fused SwiGLU: half the shares on gate, half on up (6: three K chunks of each, the last empty)
+    w_up = torch.randn(96, 200, generator=gen).to(DEVICE)
+    for split_k in (2, 6):
+        buf.fill_(float("nan"))
+        got = triton_masked_out_gemm(
+            x, w, mask, w_up, out=buf[:m], block_n=16, block_k=32, split_k=split_k, swap_ab=swap_ab
+        )
+        torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
+        assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
+        assert torch.isnan(buf[m:]).all()
+        assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
+    with pytest.raises(ValueError, match="split_k is even .* got split_k=3, fold_sum=True"):
+        triton_masked_out_gemm(x, w, mask, w_up, split_k=3)
+    with pytest.raises(ValueError, match="got split_k=2, fold_sum=False"):
+        triton_masked_out_gemm(x, w, mask, w_up, split_k=2, fold_sum=False)
+    with pytest.raises(ValueError, match="split_k is for the decode product only"):
+        triton_masked_out_gemm(torch.zeros(17, 200, device=DEVICE), w, random_mask(17, 3, 0.5), split_k=2)
     # one tensor as both gate and up is still the fused SwiGLU (it was once taken for "no up")
     torch.testing.assert_close(
         triton_masked_out_gemm(x, w, mask, w, block_n=16, block_k=32),

@@ -73,12 +73,15 @@ if triton is not None:
 
     @triton.jit
     def store_share_ticketed(
-        acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT
+        acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT,
+        SWIGLU: tl.constexpr,
     ):  # fmt: skip
         """``store_share`` with the sum folded in: with SPLIT > 1 the share stores its fp32 partial
         to the workspace ``[SPLIT, M, N]`` and takes a ticket for its output ``block``; the share that
         draws the last one adds all partials in share order (deterministic), writes ``out`` and resets
-        the ticket to 0 for the next call (tickets start zeroed: ``zeroed_tickets``). No summing launch."""
+        the ticket to 0 for the next call (tickets start zeroed: ``zeroed_tickets``). No summing launch.
+        ``SWIGLU``: the first half of the shares are gate partials, the second half up partials; the
+        block gets ``silu(gate) * up`` of their sums."""
         tile = row_ok[:, None] & col_ok[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         if SPLIT == 1:
@@ -90,10 +93,19 @@ if triton is not None:
             if ticket == SPLIT - 1:  # the last share of this block: the others' partials are visible
                 tl.debug_barrier()
                 total = tl.zeros(acc.shape, dtype=tl.float32)
+                up = tl.zeros(acc.shape, dtype=tl.float32)
                 for j in range(0, SPLIT):
-                    total += tl.load(
+                    part = tl.load(
                         ws_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=tile, other=0.0, cache_modifier=".cg"
                     )
+                    if SWIGLU:
+                        is_up = j >= SPLIT // 2
+                        up += tl.where(is_up, part, 0.0)
+                        total += tl.where(is_up, 0.0, part)
+                    else:
+                        total += part
+                if SWIGLU:
+                    total = total * tl.sigmoid(total) * up
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile)
                 tl.atomic_xchg(ticket_ptr + block, 0)
 
@@ -245,7 +257,7 @@ if triton is not None:
             acc = tl.trans(acc)
         store_share_ticketed(
             acc, out_ptr, ws_ptr, ticket_ptr, tm * tl.num_programs(0) + tn, rows, row_ok, cols, col_ok, s, M, N,
-            stride_om, SPLIT,
+            stride_om, SPLIT, False,
         )  # fmt: skip
 
     _tuned_reduce_unrolled = tuning.autotuned(

@@ -227,7 +227,8 @@ OUT_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
 ]
-# the plain (q) decode GEMV with K split over several programs: shorter K loops
+# the decode GEMV with K split over several programs (q; gate+up with gate and up in separate
+# programs): shorter K loops
 OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
@@ -238,6 +239,8 @@ OUT_DECODE_SPLITK = [
 # a tile, so that Hopper runs a warp-group MMA (64 rows per 4 warps)
 OUT_DECODE_SWAP = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 5),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 6),
     ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
     ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 8),
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
@@ -247,6 +250,8 @@ OUT_DECODE_SWAP = [
 OUT_DECODE_SPLITK_SWAP = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 5),
+    ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 4),
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
