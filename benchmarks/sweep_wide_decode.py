@@ -28,6 +28,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
 from bench_wide_kernels import gpu_time, make_mask, meta, timed  # noqa: E402
+
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     _tuned_out_gemv,
     _tuned_out_gemv_splitk,
@@ -177,7 +178,7 @@ def main() -> int:
     if args.smoke:
         smoke()
     elif not torch.cuda.is_available():
-        print("error: the sweep times GPU kernels; no CUDA device here (--smoke: tiny shapes on the CPU)", file=sys.stderr)
+        print("error: the sweep times GPU kernels; no CUDA device here (--smoke: tiny shapes)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
