@@ -708,6 +708,15 @@ def test_decode_split_k_default(monkeypatch):
     assert tuning.out_decode_split_k(1, False) == 1
 
 
+def test_decode_swap_ab_default():
+    """The weight tile is the MMA's row operand for gate+up and down at decode sizes and for q at
+    one token (measured faster there; equal at q's M = 4)."""
+    assert all(tuning.decode_swap_ab("swiglu", m) and tuning.decode_swap_ab("reduce", m) for m in (1, 4, 16))
+    assert [tuning.decode_swap_ab("out", m) for m in (1, 2, 16)] == [True, False, False]
+    with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce"):
+        tuning.decode_swap_ab("gemm", 1)
+
+
 def test_auto_dispatch_follows_the_policy(monkeypatch):
     """On a GPU, "auto" takes the kernel only where the policy says so, else the dense fallback;
     "triton" always takes the kernel. (Checked here by recording which function runs.)"""

@@ -104,8 +104,16 @@ def reduce_variant(m: int) -> str:
 def decode_swap_ab(op: str, m: int) -> bool:
     """Whether the decode products of ``op`` ("swiglu": gate+up, "out": q, "reduce": down and o)
     with ``m`` tokens take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``).
-    Not yet measured faster anywhere: False."""
-    return False
+    Measured side by side on the H200 (``benchmarks/sweep_wide_decode.py``, runs 46-47, GPU time,
+    each order with its own autotuned tiles): gate+up at M = 1 36.98 against 38.26-38.34 us (exact
+    masks) and 39.63 against 41.25 (i.i.d.), at M = 4 59.4-60.0 against 60.2-60.3; q (4 shares of K)
+    at M = 1 9.82-9.86 against 10.69-10.83 us and 11.14-11.22 against 11.74-11.78, at M = 4 equal
+    within 2% (15.25-15.34 against 15.10-15.17: the plain order stays there); down (the fused loop, 4
+    shares) at M = 1 24.69-24.78 against 25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at
+    M = 4 38.5 against 39.5."""
+    if op not in ("swiglu", "out", "reduce"):
+        raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce")
+    return m == 1 if op == "out" else True
 
 
 def attention_decode_splits(context: int) -> int:
