@@ -254,6 +254,8 @@ OUT_DECODE_SWAP = [
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+    ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 4),  # 32 rows: the older MMA again, twice the programs
+    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 5),
 ]
 OUT_DECODE_SPLITK_SWAP = [
     ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 3),
@@ -264,6 +266,7 @@ OUT_DECODE_SPLITK_SWAP = [
     ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
 ]
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
 # warps, were never chosen at T = 512..4096 on the H200, run 21)
