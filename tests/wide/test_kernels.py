@@ -487,6 +487,30 @@ def test_benchmark_script_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_decode_sweep_script_smoke(tmp_path):
+    """benchmarks/sweep_wide_decode.py runs on tiny shapes: both operand orders of every decode
+    product, each checked against its reference; a clear error without a GPU and --smoke."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "sweep_wide_decode.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
+    assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
+    assert all(r["correct"] for r in rows)
+    if DEVICE == "cpu":
+        proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
+        assert proc.returncode == 2 and "no CUDA device here" in proc.stderr
+
+
+@pytest.mark.slow
 def test_host_overhead_script_runs():
     """benchmarks/bench_wide_host.py: the four rows, dense first, WIDE's routed modules running
     more operators per layer than dense."""
