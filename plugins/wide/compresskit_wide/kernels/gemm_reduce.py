@@ -113,9 +113,10 @@ if triton is not None:
     def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
         """``acc + a @ b.T`` for a token tile ``a`` [BLOCK_M, K] and a weight tile ``b`` [BLOCK_N, K].
         ``SWAP_AB``: ``acc`` is kept transposed, [BLOCK_N, BLOCK_M], and gets ``b @ a.T``: the weight
-        tile is the product's row operand, so with 64 or more rows a Hopper GPU can run it as a
-        warp-group MMA (``wgmma``) fed from shared memory, where 16 token rows take the older
-        ``mma`` through registers. The same sums either way."""
+        tile is the product's row operand, so a tile of 64 or more weight rows is eligible for
+        Hopper's warp-group MMA (64 rows per 4 warps), which 16 token rows are not. The same sums
+        either way; which one is faster is measured (``tuning.decode_swap_ab``; the generated code
+        was not inspected)."""
         if SWAP_AB:  # (an if / else: Triton's compiler also compiles a return after a static if's)
             acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
         else:
