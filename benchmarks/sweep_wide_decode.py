@@ -169,23 +169,63 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
             )
 
 
+def mma_kinds() -> dict:
+    """Which MMA the compiler emitted for the gate+up decode kernel in each operand order (64 x 128
+    weight tiles, 4 warps, 4 stages; the table's usual choice), read from the compiled kernel's TTGIR:
+    "wgmma" (Hopper's warp-group MMA), "mma" (the older one) or "other"."""
+    from compresskit_wide.kernels.gemm_out import triton_masked_out_gemv_kernel
+    from compresskit_wide.kernels.layout import mask_bytes
+    from compresskit_wide.kernels.tuning import dot_precision
+
+    x = torch.randn(1, D, device=DEV, dtype=DT)
+    w = torch.randn(FFN, D, device=DEV, dtype=DT)
+    out = torch.empty(1, FFN, device=DEV, dtype=DT)
+    mask = mask_bytes(torch.ones(1, FFN // GROUP, dtype=torch.bool, device=DEV))
+    kinds = {}
+    for swap in (False, True):
+        kernel = triton_masked_out_gemv_kernel.warmup(
+            x, w, w, out, mask, 1, FFN, D, GROUP, x.stride(0), w.stride(0), out.stride(0), mask.stride(0),
+            FUSE_SWIGLU=True, DOT_PRECISION=dot_precision(DT), SWAP_AB=swap, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+            num_warps=4, num_stages=4, grid=(1,),
+        )  # fmt: skip
+        ttgir = kernel.asm["ttgir"]
+        kind = "wgmma" if "warp_group_dot" in ttgir else "mma" if "nvidia_mma" in ttgir else "other"
+        kinds[f"swap_ab={swap}"] = kind
+    return kinds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", help="regex over the case names (e.g. 'q M=1|down')")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter, TRITON_INTERPRET=1)")
+    parser.add_argument(
+        "--cases", help="token counts and mask kinds, e.g. '1:exact,2:iid,16:iid' (default 1:exact,1:iid,4:iid)"
+    )
     args = parser.parse_args()
     if args.smoke:
         smoke()
     elif not torch.cuda.is_available():
         print("error: the sweep times GPU kernels; no CUDA device here (--smoke: tiny shapes)", file=sys.stderr)
         return 2
+    cases = CASES
+    if args.cases:
+        try:
+            cases = tuple((int(m), kind) for m, kind in (c.split(":") for c in args.cases.split(",")))
+        except ValueError:
+            print(f"error: --cases {args.cases!r}: expected M:KIND pairs, e.g. 1:exact,2:iid", file=sys.stderr)
+            return 2
+        if any(kind not in ("exact", "iid") or not 1 <= m <= 16 for m, kind in cases):
+            print(f"error: --cases {args.cases!r}: M in 1..16, KIND exact or iid", file=sys.stderr)
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     sw = Sweep(args.only)
     info = meta(DT, D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP)
+    if DEV == "cuda":
+        info["mma"] = mma_kinds()
     print(json.dumps(info), flush=True)
-    for m, kind in CASES:
+    for m, kind in cases:
         sweep_gate_up(sw, m, kind, gen)
         sweep_q(sw, m, kind, gen)
         sweep_down(sw, m, kind, gen)
