@@ -722,21 +722,19 @@ def test_use_kernel_policy_ranges():
 
 
 def test_decode_split_k_default(monkeypatch):
-    """The plain decode product shares K over 4 programs on a GPU; the fused SwiGLU, prefill
-    sizes and the interpreter use one."""
+    """The plain decode product shares K over 4 programs on a GPU up to 2 tokens; from 3 tokens, the
+    fused SwiGLU, prefill sizes and the interpreter use one."""
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert [tuning.out_decode_split_k(m, False) for m in (1, 16, 17)] == [4, 4, 1]
+    assert [tuning.out_decode_split_k(m, False) for m in (1, 2, 3, 16, 17)] == [4, 4, 1, 1, 1]
     assert tuning.out_decode_split_k(1, True) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning.out_decode_split_k(1, False) == 1
 
 
 def test_decode_swap_ab_default():
-    """The weight tile is the MMA's row operand for gate+up and down at decode sizes and for q at
-    one token (measured faster there; equal at q's M = 4)."""
-    assert all(tuning.decode_swap_ab("swiglu", m) and tuning.decode_swap_ab("reduce", m) for m in (1, 4, 16))
-    assert [tuning.decode_swap_ab("out", m) for m in (1, 2, 16)] == [True, False, False]
+    """The weight tile is the MMA's row operand for every decode product (measured faster)."""
+    assert all(tuning.decode_swap_ab(op, m) for op in ("swiglu", "out", "reduce") for m in (1, 2, 4, 16))
     with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce"):
         tuning.decode_swap_ab("gemm", 1)
 

@@ -263,7 +263,7 @@ def triton_masked_out_gemm(
     ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode only):
     that many programs share each output block's K range (fp32 partials; for the fused SwiGLU an
     even number, half of them on gate's K range and half on up's, the sum folded), default
-    ``tuning.out_decode_split_k`` (4 for the plain decode product on a GPU, as measured). With
+    ``tuning.out_decode_split_k`` (4 for the plain decode product up to 2 tokens on a GPU, as measured). With
     ``fold_sum`` (the default) the last share of each output block adds the partials
     (``store_share_ticketed``; see ``zeroed_tickets`` for its one-stream limit), else a second
     launch does: on the H200 (runs 16-17, split 4, M = 1) folded measured 1.32x-1.62x of cuBLAS in

@@ -49,7 +49,9 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       together, runs 20-22: 1.01x of cuBLAS gate+up's GPU time at T = 512, 1.25x-1.31x at
       1024-2048, 1.20x-1.45x at 4096; the FFN block it feeds is 1.02x-1.70x of cuBLAS at every M
       measured)
-    * ``"out"`` (q): decode (M <= 16, with its K split over 4 programs: 1.02x-1.5x) and
+    * ``"out"`` (q): decode (M <= 16: 1.02x-1.5x with K split over 4 programs, runs 6-17; since
+      runs 46-50, the weight tile as the MMA's rows and one program a block from 3 tokens:
+      1.35x-1.68x at M = 1, 1.65x at 2, 1.03x-1.05x at 4-16) and
       M >= 4096 (1.16x-1.31x GPU time, 1.27x-1.44x in a graph, runs 6, 20-21); 0.6x-1.0x between
       (2048: 0.82x-0.98x GPU time, run 21)
     * ``"reduce"`` (down, o): M = 1 (the fused active-group loop, 4 programs an output block:
@@ -86,10 +88,16 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
 
 
 def out_decode_split_k(m: int, fused: bool) -> int:
-    """Programs sharing each output block's K range in the decode product: 4 for the plain one (q;
-    measured faster than 1 at M = 1..16 on the H200, runs 6-7), 1 for the fused SwiGLU (gate+up: twice
-    the columns, enough programs already) and in the CPU interpreter (any split is correct there)."""
-    return 1 if fused or m > DECODE_MAX_M or interpreted() else 4
+    """Programs sharing each output block's K range in the decode product: 4 for the plain one (q) up
+    to 2 tokens, 1 from 3 tokens, for the fused SwiGLU (gate+up: twice the columns, enough programs
+    already; 2 and 4 measured slower, runs 47 and 49) and in the CPU interpreter (any split is correct
+    there). With the weight tile as the MMA's rows (``decode_swap_ab``) on the H200, q in GPU time
+    (runs 46-47 and 50, ``benchmarks/sweep_wide_decode.py``): at M = 1 9.82-9.89 us with 4 shares
+    against 10.66-10.67 with 1; at M = 2 9.25 with 4, 9.36 with 2, 9.82 with 1; at M = 4 14.62 with 1
+    against 15.34 with 4 (run 47), at M = 8 14.67 against 15.44, at M = 16 14.72 against 15.74 (run 50).
+    M = 3 was not measured. (Runs 6-7, with the tokens as the rows, had found 4 faster at every M up
+    to 16.)"""
+    return 4 if not fused and m <= 2 and not interpreted() else 1
 
 
 def reduce_variant(m: int) -> str:
@@ -103,17 +111,18 @@ def reduce_variant(m: int) -> str:
 
 def decode_swap_ab(op: str, m: int) -> bool:
     """Whether the decode products of ``op`` ("swiglu": gate+up, "out": q, "reduce": down and o)
-    with ``m`` tokens take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``).
-    Measured side by side on the H200 (``benchmarks/sweep_wide_decode.py``, runs 46-47, GPU time,
-    each order with its own autotuned tiles): gate+up at M = 1 36.98 against 38.26-38.34 us (exact
-    masks) and 39.63 against 41.25 (i.i.d.), at M = 4 59.4-60.0 against 60.2-60.3; q (4 shares of K)
-    at M = 1 9.82-9.86 against 10.69-10.83 us and 11.14-11.22 against 11.74-11.78, at M = 4 equal
-    within 2% (15.25-15.34 against 15.10-15.17: the plain order stays there); down (the fused loop, 4
-    shares) at M = 1 24.69-24.78 against 25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at
-    M = 4 38.5 against 39.5."""
+    with ``m`` tokens take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``; the
+    compiler then emits Hopper's warp-group MMA, with the tokens as the rows the older one, run 50):
+    yes for all three. Measured side by side on the H200 (``benchmarks/sweep_wide_decode.py``, runs
+    46-50, GPU time, each order with its own autotuned tiles): gate+up at M = 1 36.98-37.94 against
+    38.26-38.72 us (exact masks) and 39.63 against 41.25 (i.i.d.), at M = 4 59.4-60.0 against
+    60.2-60.3; q at M = 1 (4 shares of K) 9.82-9.89 against 10.69-10.83 us and 11.14-11.34 against
+    11.71-11.78, at M = 2 9.25 against 10.03, at M = 4, 8 and 16 (one share: ``out_decode_split_k``)
+    14.62-14.72 against 14.91-15.02; down (the fused loop, 4 shares) at M = 1 24.69-24.78 against
+    25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at M = 4 38.5 against 39.5."""
     if op not in ("swiglu", "out", "reduce"):
         raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce")
-    return m == 1 if op == "out" else True
+    return True
 
 
 def attention_decode_splits(context: int) -> int:
