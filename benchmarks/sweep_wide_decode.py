@@ -5,13 +5,14 @@ cuBLAS measured in the same run.
     python benchmarks/sweep_wide_decode.py --out DIR [--only REGEX]
     python benchmarks/sweep_wide_decode.py --smoke --out DIR   # tiny shapes, CPU interpreter
 
-Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4. Each decode product
-runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile, the default) and with the weight
-tile as its rows (``swap_ab``: 64 or 128 weight rows, Hopper's warp-group MMA), each autotuned over
-its own tile table (the chosen tiles are printed): gate+up fused at 1, 2 and 4 programs an output
-block (2: gate and up in separate programs; 4: each also over half of K), q at K splits 1 to 8 (the
-last share adds the partials), down's fused loop at 2 to 8 shares. Each variant is first checked against
-its PyTorch reference. Results: a table on stdout and ``sweep.json`` / ``sweep.md`` in --out (GPU,
+Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4 (``--cases``). Each
+decode product runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile) and with the weight
+tile as its rows (``swap_ab``: 32 to 128 weight rows; from 64, Hopper's warp-group MMA), each
+autotuned over its own tile table (the chosen tiles are printed): gate+up fused at 1, 2 and 4
+programs an output block (2: gate and up in separate programs; 4: each also over half of K), q at K
+splits 1 to 8 (the last share adds the partials), down's fused loop at 2 to 8 shares; the routed
+decode attention at 8k and 32k cached positions, batch 1 and 4, with both products transposed or
+not. Each variant is first checked against its PyTorch reference. Results: a table on stdout and ``sweep.json`` / ``sweep.md`` in --out (GPU,
 driver, versions, date, command).
 """
 
@@ -27,8 +28,12 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
-from bench_wide_kernels import gpu_time, make_mask, meta, timed  # noqa: E402
+from bench_wide_kernels import gpu_time, make_mask, meta, sdpa_variants, timed  # noqa: E402
 
+from compresskit_wide.kernels.attention_decode import (  # noqa: E402
+    torch_routed_attention_decode,
+    triton_routed_attention_decode,
+)
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     _tuned_out_gemv,
     _tuned_out_gemv_splitk,
@@ -41,17 +46,18 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     triton_masked_reduce_gemm,
 )
 
-D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
+D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 8, 128, 4
 CASES = ((1, "exact"), (1, "iid"), (4, "iid"))
+ATTN_CASES = ((8192, 1), (32768, 1), (8192, 4))  # (cached positions, batch)
 DT = torch.bfloat16
 DEV = "cuda"
 
 
 def smoke() -> None:
     """Tiny shapes in fp32 on the CPU (Triton's interpreter): the script's own test."""
-    global D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP, CASES, DT, DEV
-    D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 16, 2
-    CASES, DT, DEV = ((1, "exact"),), torch.float32, "cpu"
+    global D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, CASES, ATTN_CASES, DT, DEV
+    D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 2, 16, 2
+    CASES, ATTN_CASES, DT, DEV = ((1, "exact"),), ((100, 1),), torch.float32, "cpu"
 
 
 def kernel_time(fn) -> tuple[float, dict]:
@@ -169,6 +175,32 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
             )
 
 
+def sweep_attention(sw: Sweep, ctx: int, batch: int, gen) -> None:
+    """The routed decode attention in both operand orders (default splits and step), exact masks,
+    against the fastest dense SDPA backend with native GQA."""
+    case = f"attn decode ctx={ctx} B={batch}"
+    if not sw.wanted(case):
+        return
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=DEV, dtype=DT)
+    k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEV, dtype=DT)
+    v = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEV, dtype=DT)
+    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
+    mask = make_mask(batch, HEADS // ATTN_GROUP, 0.5, "exact", gen, DEV)
+    ref = torch_routed_attention_decode(q, k, v, lens, mask)
+    dense = {name: kernel_time(fn)[0] for name, fn in sdpa_variants(q[:, :, None, :], k, v, False).items()}
+    base_name = min(dense, key=dense.get)
+    for swap in (False, True):
+        sw.add(
+            case,
+            f"swap_ab={swap}",
+            lambda swap=swap: triton_routed_attention_decode(q, k, v, lens, mask, swap_ab=swap),
+            ref,
+            dense[base_name],
+            base_name,
+            None,
+        )
+
+
 def mma_kinds() -> dict:
     """Which MMA the compiler emitted for the gate+up decode kernel in each operand order (64 x 128
     weight tiles, 4 warps, 4 stages; the table's usual choice), read from the compiled kernel's TTGIR:
@@ -229,6 +261,8 @@ def main() -> int:
         sweep_gate_up(sw, m, kind, gen)
         sweep_q(sw, m, kind, gen)
         sweep_down(sw, m, kind, gen)
+    for ctx, batch in ATTN_CASES:
+        sweep_attention(sw, ctx, batch, gen)
     (args.out / "sweep.json").write_text(json.dumps({"meta": info, "rows": sw.rows}, indent=2))
     lines = [
         f"# WIDE decode sweep\n\n{json.dumps(info)}\n",

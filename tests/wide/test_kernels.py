@@ -569,7 +569,8 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits):
+@pytest.mark.parametrize("swap_ab", [False, True])  # the products transposed (keys as the MMA's rows)
+def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits, swap_ab):
     from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 
     gen = torch.Generator().manual_seed(b * 100 + s)
@@ -578,7 +579,7 @@ def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, spa
     v = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
     lens = torch.randint(1, s + 1, (b,), generator=gen).to(DEVICE)  # ragged cache lengths
     mask = random_mask(b, groups, sparsity, seed=s + groups)  # B > 1 with different masks
-    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
+    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, swap_ab=swap_ab)
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     heads_off = ~mask.repeat_interleave(hq // groups, dim=-1)
@@ -735,7 +736,8 @@ def test_decode_split_k_default(monkeypatch):
 def test_decode_swap_ab_default():
     """The weight tile is the MMA's row operand for every decode product (measured faster)."""
     assert all(tuning.decode_swap_ab(op, m) for op in ("swiglu", "out", "reduce") for m in (1, 2, 4, 16))
-    with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce"):
+    assert not tuning.decode_swap_ab("attn_decode", 1)
+    with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce, attn_decode"):
         tuning.decode_swap_ab("gemm", 1)
 
 

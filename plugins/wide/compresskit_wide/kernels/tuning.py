@@ -120,8 +120,10 @@ def decode_swap_ab(op: str, m: int) -> bool:
     11.71-11.78, at M = 2 9.25 against 10.03, at M = 4, 8 and 16 (one share: ``out_decode_split_k``)
     14.62-14.72 against 14.91-15.02; down (the fused loop, 4 shares) at M = 1 24.69-24.78 against
     25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at M = 4 38.5 against 39.5."""
+    if op == "attn_decode":  # the split kernel's products transposed (``online_softmax_step_t``)
+        return False
     if op not in ("swiglu", "out", "reduce"):
-        raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce")
+        raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce, attn_decode")
     return True
 
 
