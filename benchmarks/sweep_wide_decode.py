@@ -12,8 +12,8 @@ autotuned over its own tile table (the chosen tiles are printed): gate+up fused 
 programs an output block (2: gate and up in separate programs; 4: each also over half of K), q at K
 splits 1 to 8 (the last share adds the partials), down's fused loop at 2 to 8 shares; the routed
 decode attention at 8k and 32k cached positions, batch 1 and 4, with both products transposed or
-not. Each variant is first checked against its PyTorch reference. Results: a table on stdout and ``sweep.json`` / ``sweep.md`` in --out (GPU,
-driver, versions, date, command).
+not. Each variant is first checked against its PyTorch reference. Results: a table on stdout and
+``sweep.json`` / ``sweep.md`` in --out (GPU, driver, versions, date, command).
 """
 
 from __future__ import annotations

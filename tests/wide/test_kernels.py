@@ -502,7 +502,7 @@ def test_decode_sweep_script_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
+    assert {r["case"].split(" M=")[0].split(" ctx=")[0] for r in rows} == {"gate+up", "q", "down", "attn decode"}
     assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
     assert all(r["correct"] for r in rows)
     if DEVICE == "cpu":
