@@ -362,12 +362,20 @@ def sdpa_variants(q, k, v, causal: bool) -> dict:
     return out
 
 
-def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+def decode_attention_inputs(batch, ctx, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen):
+    """A decode step's attention inputs: queries [B, Hq, D], a full KV cache [B, Hkv, ctx, D], its
+    lengths, and a group mask at 50% (``mask_kind``). Returns ``(q, k, v, lens, mask)``."""
     q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
     v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
     lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-    mask = make_mask(batch, heads // attn_group, 0.5, mask_kind, gen, device)
+    return q, k, v, lens, make_mask(batch, heads // attn_group, 0.5, mask_kind, gen, device)
+
+
+def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    q, k, v, lens, mask = decode_attention_inputs(
+        batch, ctx, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen
+    )
     got = triton_routed_attention_decode(q, k, v, lens, mask)
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
     err = (got.float() - ref.float()).abs().max().item()
@@ -387,11 +395,9 @@ def case_attention_decode_sweep(batch, ctx, heads, kv_heads, head_dim, attn_grou
     loop step (``block_n``) and KV splits per (sequence, KV head), exact masks."""
     from compresskit_wide.kernels import tuning
 
-    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
-    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
-    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
-    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-    mask = make_mask(batch, heads // attn_group, 0.5, "exact", gen, device)
+    q, k, v, lens, mask = decode_attention_inputs(
+        batch, ctx, heads, kv_heads, head_dim, attn_group, "exact", dtype, device, gen
+    )
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
     base = tuning.attention_decode_splits(ctx)
     for block_n in (16, 64):

@@ -28,7 +28,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
-from bench_wide_kernels import gpu_time, make_mask, meta, sdpa_variants, timed  # noqa: E402
+from bench_wide_kernels import decode_attention_inputs, gpu_time, make_mask, meta, sdpa_variants, timed  # noqa: E402
 
 from compresskit_wide.kernels.attention_decode import (  # noqa: E402
     torch_routed_attention_decode,
@@ -181,11 +181,9 @@ def sweep_attention(sw: Sweep, ctx: int, batch: int, gen) -> None:
     case = f"attn decode ctx={ctx} B={batch}"
     if not sw.wanted(case):
         return
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=DEV, dtype=DT)
-    k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEV, dtype=DT)
-    v = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEV, dtype=DT)
-    lens = torch.full((batch,), ctx, device=DEV, dtype=torch.int32)
-    mask = make_mask(batch, HEADS // ATTN_GROUP, 0.5, "exact", gen, DEV)
+    q, k, v, lens, mask = decode_attention_inputs(
+        batch, ctx, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, "exact", DT, DEV, gen
+    )
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
     dense = {name: kernel_time(fn)[0] for name, fn in sdpa_variants(q[:, :, None, :], k, v, False).items()}
     base_name = min(dense, key=dense.get)
