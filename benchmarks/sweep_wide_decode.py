@@ -28,7 +28,15 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
-from bench_wide_kernels import decode_attention_inputs, gpu_time, make_mask, meta, sdpa_variants, timed  # noqa: E402
+from bench_wide_kernels import (  # noqa: E402
+    decode_attention_inputs,
+    gpu_time,
+    make_mask,
+    meta,
+    sdpa_variants,
+    seed_case,
+    timed,
+)
 
 from compresskit_wide.kernels.attention_decode import (  # noqa: E402
     torch_routed_attention_decode,
@@ -109,6 +117,7 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"gate+up M={m} {kind}"
     if not sw.wanted(case):
         return
+    seed_case(case, gen)
     x = torch.randn(m, D, device=DEV, dtype=DT)
     wg = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
     wu = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
@@ -133,6 +142,7 @@ def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"q M={m} {kind}"
     if not sw.wanted(case):
         return
+    seed_case(case, gen)
     x = torch.randn(m, D, device=DEV, dtype=DT)
     w = torch.randn(HEADS * HEAD_DIM, D, device=DEV, dtype=DT) / D**0.5
     mask = make_mask(m, HEADS // ATTN_GROUP, 0.5, kind, gen, DEV)
@@ -155,6 +165,7 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"down M={m} {kind}"
     if not sw.wanted(case):
         return
+    seed_case(case, gen)
     x = torch.randn(m, FFN, device=DEV, dtype=DT)
     w = torch.randn(D, FFN, device=DEV, dtype=DT) / FFN**0.5
     mask = make_mask(m, FFN // GROUP, 0.5, kind, gen, DEV)
@@ -181,6 +192,7 @@ def sweep_attention(sw: Sweep, ctx: int, batch: int, gen) -> None:
     case = f"attn decode ctx={ctx} B={batch}"
     if not sw.wanted(case):
         return
+    seed_case(case, gen)
     q, k, v, lens, mask = decode_attention_inputs(
         batch, ctx, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, "exact", DT, DEV, gen
     )

@@ -469,7 +469,8 @@ def test_recipe_with_the_wide_triton_executor(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_script_smoke(tmp_path):
-    """The H200 benchmark script runs end to end on tiny shapes and checks every case."""
+    """The H200 benchmark script runs end to end on tiny shapes and checks every case; a case run
+    alone draws what it draws among the others."""
     import json
     import subprocess
     import sys
@@ -484,6 +485,20 @@ def test_benchmark_script_smoke(tmp_path):
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["results"] and all(r["correct"] for r in data["results"])
     assert (tmp_path / "bench.md").read_text().startswith("# WIDE kernels benchmark")
+    # a case alone (--only) draws the same masks and inputs as among all the others (seeded by its
+    # label): the same bound and the same error
+    alone = tmp_path / "alone"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(alone), "--only", r"^(q|gate\+up) M=3 iid"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    key = lambda r: (r["op"], r["M"], r["mask"])  # noqa: E731
+    full = {key(r): (r["bound"], r["max_abs_err"]) for r in data["results"]}
+    rows = json.loads((alone / "bench.json").read_text())["results"]
+    assert rows and all(full[key(r)] == (r["bound"], r["max_abs_err"]) for r in rows)
 
 
 @pytest.mark.slow
