@@ -62,10 +62,12 @@ DEV = "cuda"
 
 
 def smoke() -> None:
-    """Tiny shapes in fp32 on the CPU (Triton's interpreter): the script's own test."""
+    """Tiny shapes in fp32: the script's own test, on the GPU where there is one, else on the CPU
+    (Triton's interpreter)."""
     global D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, CASES, ATTN_CASES, DT, DEV
     D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 2, 16, 2
-    CASES, ATTN_CASES, DT, DEV = ((1, "exact"),), ((100, 1),), torch.float32, "cpu"
+    CASES, ATTN_CASES, DT = ((1, "exact"),), ((100, 1),), torch.float32
+    DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def kernel_time(fn) -> tuple[float, dict]:

@@ -486,7 +486,8 @@ def test_benchmark_script_smoke(tmp_path):
     assert data["results"] and all(r["correct"] for r in data["results"])
     assert (tmp_path / "bench.md").read_text().startswith("# WIDE kernels benchmark")
     # a case alone (--only) draws the same masks and inputs as among all the others (seeded by its
-    # label): the same bound and the same error
+    # label): the same bound (the mask's) and, in the interpreter's fixed tiles, the same error (on a
+    # GPU the two processes may autotune other tiles, which round differently)
     alone = tmp_path / "alone"
     proc = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(alone), "--only", r"^(q|gate\+up) M=3 iid"],
@@ -496,9 +497,10 @@ def test_benchmark_script_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     key = lambda r: (r["op"], r["M"], r["mask"])  # noqa: E731
-    full = {key(r): (r["bound"], r["max_abs_err"]) for r in data["results"]}
+    fields = ("bound", "max_abs_err") if DEVICE == "cpu" else ("bound",)
+    full = {key(r): [r[f] for f in fields] for r in data["results"]}
     rows = json.loads((alone / "bench.json").read_text())["results"]
-    assert rows and all(full[key(r)] == (r["bound"], r["max_abs_err"]) for r in rows)
+    assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
 
 
 @pytest.mark.slow
