@@ -8,11 +8,11 @@ cuBLAS measured in the same run.
 Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4 (``--cases``). Each
 decode product runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile) and with the weight
 tile as its rows (``swap_ab``: 32 to 128 weight rows; from 64, Hopper's warp-group MMA), each
-autotuned over its own tile table (the chosen tiles are printed): gate+up fused at 1, 2 and 4
-programs an output block (2: gate and up in separate programs; 4: each also over half of K), q at K
-splits 1 to 8 (the last share adds the partials), down's fused loop at 2 to 8 shares; the routed
-decode attention at 8k and 32k cached positions, batch 1 and 4, with both products transposed or
-not. Each variant is first checked against its PyTorch reference. Results: a table on stdout and
+autotuned over its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to
+8 (the last share adds the partials), down's fused loop at 2 to 8 shares. (Runs 47-52 also timed the
+fused gate+up over 2 and 4 programs an output block and the decode attention with both products
+transposed, options removed after: ``bb50dc3`` and ``8ded36d`` have them.) Each variant is first
+checked against its PyTorch reference. Results: a table on stdout and
 ``sweep.json`` / ``sweep.md`` in --out (GPU, driver, versions, date, command).
 """
 
@@ -28,20 +28,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent)]
 
-from bench_wide_kernels import (  # noqa: E402
-    decode_attention_inputs,
-    gpu_time,
-    make_mask,
-    meta,
-    sdpa_variants,
-    seed_case,
-    timed,
-)
+from bench_wide_kernels import gpu_time, make_mask, meta, seed_case, timed  # noqa: E402
 
-from compresskit_wide.kernels.attention_decode import (  # noqa: E402
-    torch_routed_attention_decode,
-    triton_routed_attention_decode,
-)
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     _tuned_out_gemv,
     _tuned_out_gemv_splitk,
@@ -54,19 +42,18 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     triton_masked_reduce_gemm,
 )
 
-D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 8, 128, 4
+D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
 CASES = ((1, "exact"), (1, "iid"), (4, "iid"))
-ATTN_CASES = ((8192, 1), (32768, 1), (8192, 4))  # (cached positions, batch)
 DT = torch.bfloat16
 DEV = "cuda"
 
 
 def smoke() -> None:
-    """Tiny shapes: the script's own test, on the GPU in bf16 where there is one (its SDPA backends
-    take no fp32), else on the CPU in fp32 (Triton's interpreter)."""
-    global D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, CASES, ATTN_CASES, DT, DEV
-    D, FFN, GROUP, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 2, 16, 2
-    CASES, ATTN_CASES = ((1, "exact"),), ((100, 1),)
+    """Tiny shapes: the script's own test, on the GPU in bf16 where there is one, else on the CPU in
+    fp32 (Triton's interpreter)."""
+    global D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP, CASES, DT, DEV
+    D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 64, 128, 32, 8, 16, 2
+    CASES = ((1, "exact"),)
     DEV = "cuda" if torch.cuda.is_available() else "cpu"
     DT = torch.bfloat16 if DEV == "cuda" else torch.float32
 
@@ -129,16 +116,15 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
     ref = torch_masked_out_gemm(x, wg, mask, wu)
     base, _ = kernel_time(lambda: x @ w_cat.T)
     for swap in (False, True):
-        for split in (1, 2, 4):
-            sw.add(
-                case,
-                f"swap_ab={swap} split_k={split}",
-                lambda swap=swap, split=split: triton_masked_out_gemm(x, wg, mask, wu, split_k=split, swap_ab=swap),
-                ref,
-                base,
-                "cuBLAS gate+up",
-                (_tuned_out_gemv_splitk if split > 1 else _tuned_out_gemv)[swap],
-            )
+        sw.add(
+            case,
+            f"swap_ab={swap}",
+            lambda swap=swap: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=swap),
+            ref,
+            base,
+            "cuBLAS gate+up",
+            _tuned_out_gemv[swap],
+        )
 
 
 def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
@@ -187,31 +173,6 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
                 "cuBLAS",
                 _tuned_reduce_fused[swap],
             )
-
-
-def sweep_attention(sw: Sweep, ctx: int, batch: int, gen) -> None:
-    """The routed decode attention in both operand orders (default splits and step), exact masks,
-    against the fastest dense SDPA backend with native GQA."""
-    case = f"attn decode ctx={ctx} B={batch}"
-    if not sw.wanted(case):
-        return
-    seed_case(case, gen)
-    q, k, v, lens, mask = decode_attention_inputs(
-        batch, ctx, HEADS, KV_HEADS, HEAD_DIM, ATTN_GROUP, "exact", DT, DEV, gen
-    )
-    ref = torch_routed_attention_decode(q, k, v, lens, mask)
-    dense = {name: kernel_time(fn)[0] for name, fn in sdpa_variants(q[:, :, None, :], k, v, False).items()}
-    base_name = min(dense, key=dense.get)
-    for swap in (False, True):
-        sw.add(
-            case,
-            f"swap_ab={swap}",
-            lambda swap=swap: triton_routed_attention_decode(q, k, v, lens, mask, swap_ab=swap),
-            ref,
-            dense[base_name],
-            base_name,
-            None,
-        )
 
 
 def mma_kinds() -> dict:
@@ -274,8 +235,6 @@ def main() -> int:
         sweep_gate_up(sw, m, kind, gen)
         sweep_q(sw, m, kind, gen)
         sweep_down(sw, m, kind, gen)
-    for ctx, batch in ATTN_CASES:
-        sweep_attention(sw, ctx, batch, gen)
     (args.out / "sweep.json").write_text(json.dumps({"meta": info, "rows": sw.rows}, indent=2))
     lines = [
         f"# WIDE decode sweep\n\n{json.dumps(info)}\n",

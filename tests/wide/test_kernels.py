@@ -519,7 +519,7 @@ def test_decode_sweep_script_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    assert {r["case"].split(" M=")[0].split(" ctx=")[0] for r in rows} == {"gate+up", "q", "down", "attn decode"}
+    assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
     assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
     assert all(r["correct"] for r in rows)
     if DEVICE == "cpu":
@@ -586,8 +586,7 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("swap_ab", [False, True])  # the products transposed (keys as the MMA's rows)
-def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits, swap_ab):
+def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, sparsity, splits):
     from compresskit_wide.kernels.attention_decode import torch_routed_attention_decode, triton_routed_attention_decode
 
     gen = torch.Generator().manual_seed(b * 100 + s)
@@ -596,7 +595,7 @@ def test_routed_attention_decode_matches_reference(b, hq, hkv, d, s, groups, spa
     v = torch.randn(b, hkv, s, d, generator=gen).to(DEVICE)
     lens = torch.randint(1, s + 1, (b,), generator=gen).to(DEVICE)  # ragged cache lengths
     mask = random_mask(b, groups, sparsity, seed=s + groups)  # B > 1 with different masks
-    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, swap_ab=swap_ab)
+    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     heads_off = ~mask.repeat_interleave(hq // groups, dim=-1)
@@ -752,10 +751,9 @@ def test_decode_split_k_default(monkeypatch):
 
 def test_decode_swap_ab_default():
     """The weight tile is the MMA's row operand for every decode product (measured faster)."""
-    assert all(tuning.decode_swap_ab(op, m) for op in ("swiglu", "out", "reduce") for m in (1, 2, 4, 16))
-    assert not tuning.decode_swap_ab("attn_decode", 1)
-    with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce, attn_decode"):
-        tuning.decode_swap_ab("gemm", 1)
+    assert all(tuning.decode_swap_ab(op) for op in ("swiglu", "out", "reduce"))
+    with pytest.raises(ValueError, match="unknown decode product 'gemm'; known: swiglu, out, reduce"):
+        tuning.decode_swap_ab("gemm")
 
 
 def test_auto_dispatch_follows_the_policy(monkeypatch):
@@ -896,9 +894,8 @@ def test_autotune_configs_never_span_two_groups():
 @pytest.mark.parametrize("swap_ab", [False, True])
 def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_ab):
     """The plain decode product with its K range shared by 3 programs (fp32 partials, then one
-    summing kernel, or the last share of each block adding them up), and the fused SwiGLU's with 2
-    and 6: the reference's values, exact zeros for inactive groups, nothing written beyond the
-    output, the tickets back at zero."""
+    summing kernel, or the last share of each block adding them up): the reference's values,
+    exact zeros for inactive groups, nothing written beyond the output."""
     gen = torch.Generator().manual_seed(m + 11)
     x = torch.randn(m, 200, generator=gen).to(DEVICE)  # K not a multiple of the share or the block
     w = torch.randn(96, 200, generator=gen).to(DEVICE)
@@ -908,29 +905,14 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_a
         x, w, mask, out=buf[:m], block_n=16, block_k=32, split_k=3, fold_sum=fold_sum, swap_ab=swap_ab
     )
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
-    from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
-
     if fold_sum:  # the tickets are back at zero for the next call
+        from compresskit_wide.kernels.gemm_reduce import zeroed_tickets
+
         assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
     assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
-    # the fused SwiGLU: half the shares on gate, half on up (6: three K chunks of each, the last empty)
-    w_up = torch.randn(96, 200, generator=gen).to(DEVICE)
-    for split_k in (2, 6):
-        buf.fill_(float("nan"))
-        got = triton_masked_out_gemm(
-            x, w, mask, w_up, out=buf[:m], block_n=16, block_k=32, split_k=split_k, swap_ab=swap_ab
-        )
-        torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-        assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
-        assert torch.isnan(buf[m:]).all()
-        assert torch.count_nonzero(zeroed_tickets(x.device, 1)) == 0
-    with pytest.raises(ValueError, match="split_k is even .* got split_k=3, fold_sum=True"):
-        triton_masked_out_gemm(x, w, mask, w_up, split_k=3)
-    with pytest.raises(ValueError, match="got split_k=2, fold_sum=False"):
-        triton_masked_out_gemm(x, w, mask, w_up, split_k=2, fold_sum=False)
-    with pytest.raises(ValueError, match="split_k is for the decode product only"):
-        triton_masked_out_gemm(torch.zeros(17, 200, device=DEVICE), w, random_mask(17, 3, 0.5), split_k=2)
+    with pytest.raises(ValueError, match="split_k is for the plain"):
+        triton_masked_out_gemm(x, w, mask, w, split_k=2)
     # one tensor as both gate and up is still the fused SwiGLU (it was once taken for "no up")
     torch.testing.assert_close(
         triton_masked_out_gemm(x, w, mask, w, block_n=16, block_k=32),

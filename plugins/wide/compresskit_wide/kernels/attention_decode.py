@@ -27,7 +27,7 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.flash import online_softmax_step, online_softmax_step_t
+    from compresskit_wide.kernels.flash import online_softmax_step
 except ImportError:
     triton = None
 
@@ -55,11 +55,9 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, lens_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
         HQ, HKV, S, D, SPLITS, SPLIT_LEN, scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_mb,
-        HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+        HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        # SWAP_AB: the products transposed (``online_softmax_step_t``: keys and head dimension as the
-        # MMA's rows), the numerator kept as [D, heads]
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -83,25 +81,17 @@ if triton is not None:
         )
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_D, BLOCK_H) if SWAP_AB else (BLOCK_H, BLOCK_D), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
         for n0 in range(start, start + SPLIT_LEN, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             n_ok = (ns < seq_len) & (ns < start + SPLIT_LEN)
             kv_off = b * stride_kb + kvh * stride_kh + ns[:, None] * stride_ks + ds[None, :]
             kt = tl.load(k_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             vt = tl.load(v_ptr + kv_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if SWAP_AB:
-                m_i, l_i, acc = online_softmax_step_t(
-                    q, kt, vt, n_ok[:, None], m_i, l_i, acc, scale, DOT_PRECISION
-                )  # fmt: skip
-            else:
-                m_i, l_i, acc = online_softmax_step(q, kt, vt, n_ok[None, :], m_i, l_i, acc, scale, DOT_PRECISION)
+            m_i, l_i, acc = online_softmax_step(q, kt, vt, n_ok[None, :], m_i, l_i, acc, scale, DOT_PRECISION)
         tl.store(m_ptr + part, m_i, mask=h_ok)
         tl.store(l_ptr + part, l_i, mask=h_ok)
-        if SWAP_AB:
-            tl.store(acc_ptr + part[None, :] * D + ds[:, None], acc, mask=h_ok[None, :] & d_ok[:, None])
-        else:
-            tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
+        tl.store(acc_ptr + part[:, None] * D + ds[None, :], acc, mask=h_ok[:, None] & d_ok[None, :])
 
     @triton.jit
     def triton_attn_decode_merge_kernel(
@@ -142,12 +132,10 @@ def triton_routed_attention_decode(
     *,
     splits: int | None = None,
     block_n: int | None = None,
-    swap_ab: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits per
     (sequence, KV head); default ``tuning.attention_decode_splits(S)``. ``block_n``: KV positions
-    per step; default ``tuning.attention_decode_block()``. ``swap_ab``: both products transposed
-    (``online_softmax_step_t``), default ``tuning.decode_swap_ab("attn_decode", B)``."""
+    per step; default ``tuning.attention_decode_block()``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -159,8 +147,6 @@ def triton_routed_attention_decode(
     rep = hq // hkv
     splits = splits or tuning.attention_decode_splits(s)
     block_n = block_n or tuning.attention_decode_block()
-    if swap_ab is None:
-        swap_ab = tuning.decode_swap_ab("attn_decode", b)
     mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
     split_len = tuning.cdiv(max(s, 1), splits)
@@ -175,8 +161,7 @@ def triton_routed_attention_decode(
         q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
-        DOT_PRECISION=tuning.dot_precision(q.dtype), SWAP_AB=swap_ab,
-        REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),

@@ -40,22 +40,6 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def online_softmax_step_t(q, kt, vt, allowed_t, m_i, l_i, acc_t, scale, PRECISION: tl.constexpr):
-        """:func:`online_softmax_step` with both products transposed, for a few query rows (decode):
-        the keys (``kt @ q.T``) and the head dimension (``vt.T @ p.T``) are the MMA's rows, the query
-        rows its columns, so that a tile of 64 or more keys is eligible for Hopper's warp-group MMA.
-        ``allowed_t: [N, R]``, ``acc_t: [D, R]``; ``m_i``, ``l_i`` as there. The same sums."""
-        st = tl.dot(kt, tl.trans(q), input_precision=PRECISION) * scale  # [N, R]
-        st = tl.where(allowed_t, st, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pt = tl.exp2(st - m_safe[None, :])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(vt), pt.to(vt.dtype), input_precision=PRECISION)
-        return m_new, l_i, acc_t
-
-    @triton.jit
     def online_softmax_step_all(q, kt, vt, m_i, l_i, acc, scale, PRECISION: tl.constexpr):
         """:func:`online_softmax_step` for a block every row sees whole: no mask, and no guard for
         rows with nothing allowed (the block's scores are finite, so the new maxima are)."""

@@ -170,44 +170,29 @@ if triton is not None:
 
     @triton.jit
     def triton_masked_out_gemv_splitk_kernel(
-        x_ptr, w_ptr, wu_ptr, ws_ptr, mask_ptr, out_ptr, ticket_ptr,
+        x_ptr, w_ptr, ws_ptr, mask_ptr, out_ptr, ticket_ptr,
         M, N, K, GW, SPLIT_K, K_CHUNK,
         stride_xm, stride_wn, stride_mm, stride_om,
-        FUSE_SWIGLU: tl.constexpr, FOLD_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
+        FOLD_SUM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        # decode: program (g, n-block, s) sums the s-th K_CHUNK of the product into the fp32
-        # workspace [SPLIT_K, M, N] (zeros for a group no token needs; no weight read then);
+        # decode, plain (q): program (g, n-block, s) sums the s-th K_CHUNK of the product into the
+        # fp32 workspace [SPLIT_K, M, N] (zeros for a group no token needs; no weight read then);
         # ``triton_split_sum_kernel`` adds the shares and casts, or with FOLD_SUM the last share of
-        # each output block does (``store_share_ticketed``). More programs for a small GEMV. With
-        # FUSE_SWIGLU (FOLD_SUM only) half the shares read the gate's K chunks, half the up's, and
-        # the last share applies silu(gate) * up to the sums.
+        # each output block does (``store_share_ticketed``). More programs for a small GEMV.
         rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
         s = tl.program_id(2)
-        if FUSE_SWIGLU:
-            part = s // (SPLIT_K // 2)  # 0: gate, 1: up
-            chunk = s % (SPLIT_K // 2)
-        else:
-            part = 0
-            chunk = s
-        k_end = tl.minimum(chunk * K_CHUNK + K_CHUNK, K)
+        k_end = tl.minimum(s * K_CHUNK + K_CHUNK, K)
         if tl.sum(on.to(tl.int32), axis=0) == 0:
-            k_end = chunk * K_CHUNK  # an empty K range: the share is zero, no weight is read
-        if part == 0:
-            acc = output_tile(
-                x_ptr, w_ptr, w_ptr, rows, on, cols, col_ok, chunk * K_CHUNK, k_end, stride_xm, stride_wn,
-                False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
-            )  # fmt: skip
-        else:
-            acc = output_tile(
-                x_ptr, wu_ptr, wu_ptr, rows, on, cols, col_ok, chunk * K_CHUNK, k_end, stride_xm, stride_wn,
-                False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
-            )  # fmt: skip
+            k_end = s * K_CHUNK  # an empty K range: the share is zero, no weight is read
+        acc = output_tile(
+            x_ptr, w_ptr, w_ptr, rows, on, cols, col_ok, s * K_CHUNK, k_end, stride_xm, stride_wn,
+            False, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
+        )  # fmt: skip
         if FOLD_SUM:
             block = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
             store_share_ticketed(
-                acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT_K,
-                FUSE_SWIGLU,
+                acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT_K
             )  # fmt: skip
         else:
             store_share(acc, ws_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, N, SPLIT_K)  # SPLIT_K > 1: to ws
@@ -225,7 +210,7 @@ if triton is not None:
         swap: tuning.autotuned(
             triton_masked_out_gemv_splitk_kernel,
             table,
-            ["M", "N", "K", "GW", "SPLIT_K", "FUSE_SWIGLU", "FOLD_SUM"],
+            ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
             decode=True,
             prune="BLOCK_N",
         )
@@ -260,9 +245,8 @@ def triton_masked_out_gemm(
     Up to ``DECODE_MAX_M`` tokens: the decode kernel, which reads the mask directly (``layout`` is
     not needed). More: the sorted-tile kernel on the routing layout of ``mask`` (computed here
     when not given; share it between projections of one block). Tiles are autotuned on a GPU;
-    ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode only):
-    that many programs share each output block's K range (fp32 partials; for the fused SwiGLU an
-    even number, half of them on gate's K range and half on up's, the sum folded), default
+    ``block_*`` fix them instead (tests use small ones). ``split_k`` > 1 (decode, plain q only):
+    that many programs share each output block's K range (fp32 partials), default
     ``tuning.out_decode_split_k`` (4 for the plain decode product up to 2 tokens on a GPU, as measured). With
     ``fold_sum`` (the default) the last share of each output block adds the partials
     (``store_share_ticketed``; see ``zeroed_tickets`` for its one-stream limit), else a second
@@ -293,17 +277,12 @@ def triton_masked_out_gemm(
     fixed = block_n is not None or tuning.interpreted()
     if split_k is None:
         split_k = tuning.out_decode_split_k(m, fuse)
-    if split_k > 1 and m > tuning.DECODE_MAX_M:
-        raise ValueError(f"split_k is for the decode product only (at most {tuning.DECODE_MAX_M} tokens), got {m}")
-    if split_k > 1 and fuse and (split_k % 2 or not fold_sum):
-        raise ValueError(
-            f"the fused SwiGLU's split_k is even (half the shares on gate, half on up) and folds its sum, "
-            f"got split_k={split_k}, fold_sum={fold_sum}"
-        )
+    if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
+        raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if swap_ab is None:
-        swap_ab = tuning.decode_swap_ab("swiglu" if fuse else "out", m)
+        swap_ab = tuning.decode_swap_ab("swiglu" if fuse else "out")
     if split_k > 1:
-        return _out_gemv_split_k(x, w, w_up, fuse, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab)
+        return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab)
     if m <= tuning.DECODE_MAX_M:
         mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
@@ -339,19 +318,17 @@ def triton_masked_out_gemm(
     return out
 
 
-def _out_gemv_split_k(x, w, w_up, fuse, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab):
+def _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab):
     m, k = x.shape
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    # whole 64-wide K steps per share (the fused product's shares: half on gate, half on up)
-    chunk = tuning.cdiv(tuning.cdiv(k, split_k // 2 if fuse else split_k), 64) * 64
+    chunk = tuning.cdiv(tuning.cdiv(k, split_k), 64) * 64  # whole 64-wide K steps per share
     # output blocks (tickets when the sum is folded in): at most one per 16 columns of a group
     tickets = zeroed_tickets(x.device, groups * tuning.cdiv(gw, min(block_n or 16, 16))) if fold_sum else ws
-    args = (x, w, w_up, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
+    args = (x, w, ws, mask_u8, out, tickets, m, n, k, gw, split_k, chunk)
     args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
-    common = {"FUSE_SWIGLU": fuse, "FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
-    common.update(SWAP_AB=swap_ab, BLOCK_M=16)
+    common = {"FOLD_SUM": fold_sum, "DOT_PRECISION": tuning.dot_precision(x.dtype), "SWAP_AB": swap_ab, "BLOCK_M": 16}
     if block_n is not None or tuning.interpreted():
         bn, bk = block_n or 16, min(block_k or 32, chunk)
         grid = (groups, tuning.cdiv(gw, bn), split_k)

@@ -73,15 +73,12 @@ if triton is not None:
 
     @triton.jit
     def store_share_ticketed(
-        acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT,
-        SWIGLU: tl.constexpr,
+        acc, out_ptr, ws_ptr, ticket_ptr, block, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT
     ):  # fmt: skip
         """``store_share`` with the sum folded in: with SPLIT > 1 the share stores its fp32 partial
         to the workspace ``[SPLIT, M, N]`` and takes a ticket for its output ``block``; the share that
         draws the last one adds all partials in share order (deterministic), writes ``out`` and resets
-        the ticket to 0 for the next call (tickets start zeroed: ``zeroed_tickets``). No summing launch.
-        ``SWIGLU``: the first half of the shares are gate partials, the second half up partials; the
-        block gets ``silu(gate) * up`` of their sums."""
+        the ticket to 0 for the next call (tickets start zeroed: ``zeroed_tickets``). No summing launch."""
         tile = row_ok[:, None] & col_ok[None, :]
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         if SPLIT == 1:
@@ -93,19 +90,10 @@ if triton is not None:
             if ticket == SPLIT - 1:  # the last share of this block: the others' partials are visible
                 tl.debug_barrier()
                 total = tl.zeros(acc.shape, dtype=tl.float32)
-                up = tl.zeros(acc.shape, dtype=tl.float32)
                 for j in range(0, SPLIT):
-                    part = tl.load(
+                    total += tl.load(
                         ws_ptr + (j * M + rows[:, None]) * N + cols[None, :], mask=tile, other=0.0, cache_modifier=".cg"
                     )
-                    if SWIGLU:
-                        is_up = j >= SPLIT // 2
-                        up += tl.where(is_up, part, 0.0)
-                        total += tl.where(is_up, 0.0, part)
-                    else:
-                        total += part
-                if SWIGLU:
-                    total = total * tl.sigmoid(total) * up
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=tile)
                 tl.atomic_xchg(ticket_ptr + block, 0)
 
@@ -114,9 +102,9 @@ if triton is not None:
         """``acc + a @ b.T`` for a token tile ``a`` [BLOCK_M, K] and a weight tile ``b`` [BLOCK_N, K].
         ``SWAP_AB``: ``acc`` is kept transposed, [BLOCK_N, BLOCK_M], and gets ``b @ a.T``: the weight
         tile is the product's row operand, so a tile of 64 or more weight rows is eligible for
-        Hopper's warp-group MMA (64 rows per 4 warps), which 16 token rows are not. The same sums
-        either way; which one is faster is measured (``tuning.decode_swap_ab``; the generated code
-        was not inspected)."""
+        Hopper's warp-group MMA (64 rows per 4 warps), which 16 token rows are not (the compiled
+        kernels' TTGIR, run 50: ``warp_group_dot`` with it, ``mma`` without). The same sums either
+        way; which one is faster is measured (``tuning.decode_swap_ab``)."""
         if SWAP_AB:  # (an if / else: Triton's compiler also compiles a return after a static if's)
             acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
         else:
@@ -258,7 +246,7 @@ if triton is not None:
             acc = tl.trans(acc)
         store_share_ticketed(
             acc, out_ptr, ws_ptr, ticket_ptr, tm * tl.num_programs(0) + tn, rows, row_ok, cols, col_ok, s, M, N,
-            stride_om, SPLIT, False,
+            stride_om, SPLIT,
         )  # fmt: skip
 
     _tuned_reduce_unrolled = tuning.autotuned(
@@ -348,7 +336,7 @@ def triton_masked_reduce_gemm(
     if triton is None:
         raise RuntimeError("triton is not installed")
     if swap_ab is None:
-        swap_ab = variant != "unrolled" and tuning.decode_swap_ab("reduce", x.shape[0])
+        swap_ab = variant != "unrolled" and tuning.decode_swap_ab("reduce")
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]

@@ -89,14 +89,15 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
 
 def out_decode_split_k(m: int, fused: bool) -> int:
     """Programs sharing each output block's K range in the decode product: 4 for the plain one (q) up
-    to 2 tokens, 1 from 3 tokens, for the fused SwiGLU (gate+up: twice the columns, enough programs
-    already; 2 and 4 measured slower, runs 47 and 49) and in the CPU interpreter (any split is correct
-    there). With the weight tile as the MMA's rows (``decode_swap_ab``) on the H200, q in GPU time
-    (runs 46-47 and 49-50, ``benchmarks/sweep_wide_decode.py``): at M = 1 9.82-9.89 us with 4 shares
-    against 10.66-10.67 with 1 (runs 47, 49); at M = 2 9.25 with 4, 9.36 with 2, 9.82 with 1; at M = 4 14.62 with 1
-    against 15.34 with 4 (run 47), at M = 8 14.67 against 15.44, at M = 16 14.72 against 15.74 (run 50).
-    M = 3 was not measured. (Runs 6-7, with the tokens as the rows, had found 4 faster at every M up
-    to 16.)"""
+    to 2 tokens; 1 from 3 tokens, for the fused SwiGLU (gate+up: twice the columns, enough programs
+    already; splitting it measured slower, runs 47 and 49, and was removed) and in the CPU
+    interpreter (any split is correct there). With the weight tile as the MMA's rows
+    (``decode_swap_ab``) on the H200, q in GPU time (runs 46-47 and 49-50,
+    ``benchmarks/sweep_wide_decode.py``): at M = 1 9.82-9.89 us with 4 shares against 10.66-10.67
+    with 1 (runs 47, 49); at M = 2 9.25 with 4, 9.36 with 2, 9.82 with 1; at M = 4 14.62 with 1
+    against 15.34 with 4 (run 47), at M = 8 14.67 against 15.44, at M = 16 14.72 against 15.74 (run
+    50). M = 3 was not measured. (Runs 6-7, with the tokens as the rows, had found 4 faster at every M
+    up to 16.)"""
     return 4 if not fused and m <= 2 and not interpreted() else 1
 
 
@@ -109,23 +110,20 @@ def reduce_variant(m: int) -> str:
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
-def decode_swap_ab(op: str, m: int) -> bool:
+def decode_swap_ab(op: str) -> bool:
     """Whether the decode products of ``op`` ("swiglu": gate+up, "out": q, "reduce": down and o)
-    with ``m`` tokens take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``; the
-    compiler then emits Hopper's warp-group MMA, with the tokens as the rows the older one, run 50):
-    yes for all three. Measured side by side on the H200 (``benchmarks/sweep_wide_decode.py``, runs
-    46-50, GPU time, each order with its own autotuned tiles): gate+up at M = 1 36.98-37.94 against
-    38.26-38.72 us (exact masks) and 39.63-40.42 against 40.99-41.25 (i.i.d.), at M = 4 59.4-60.0 against
-    60.2-60.3; q at M = 1 (4 shares of K) 9.82-9.89 against 10.69-10.83 us and 11.14-11.34 against
-    11.71-11.78, at M = 2 9.25 against 10.03, at M = 4, 8 and 16 (one share: ``out_decode_split_k``)
-    14.62-14.72 against 14.91-15.02; down (the fused loop, 4 shares) at M = 1 24.69-24.78 against
-    25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at M = 4 38.5 against 39.5. The routed
-    decode attention's products transposed ("attn_decode", ``online_softmax_step_t``): no, within 3%
-    either way at 8k and 32k positions, batch 1 and 4 (run 52)."""
-    if op == "attn_decode":
-        return False
+    take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``; the compiler then
+    emits Hopper's warp-group MMA, with the tokens as the rows the older one, run 50): yes for all
+    three, at every decode size. Measured side by side on the H200 (``benchmarks/sweep_wide_decode.py``,
+    runs 46-50, GPU time, each order with its own autotuned tiles): gate+up at M = 1 36.98-37.94
+    against 38.26-38.72 us (exact masks) and 39.63-40.42 against 40.99-41.25 (i.i.d.), at M = 4
+    59.4-60.0 against 60.2-60.3; q at M = 1 (4 shares of K) 9.82-9.89 against 10.69-10.83 us and
+    11.14-11.34 against 11.71-11.78, at M = 2 9.25 against 10.03, at M = 4, 8 and 16 (one share:
+    ``out_decode_split_k``) 14.62-14.72 against 14.91-15.02; down (the fused loop, 4 shares) at
+    M = 1 24.69-24.78 against 25.70-25.74 us and 25.50-25.52 against 26.29-26.34, at M = 4 38.5
+    against 39.5."""
     if op not in ("swiglu", "out", "reduce"):
-        raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce, attn_decode")
+        raise ValueError(f"unknown decode product {op!r}; known: swiglu, out, reduce")
     return True
 
 
@@ -248,8 +246,7 @@ OUT_DECODE = [
     ({"BLOCK_N": 64, "BLOCK_K": 256}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
 ]
-# the decode GEMV with K split over several programs (q; gate+up with gate and up in separate
-# programs): shorter K loops
+# the plain (q) decode GEMV with K split over several programs: shorter K loops
 OUT_DECODE_SPLITK = [
     ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
