@@ -77,8 +77,13 @@ class Sweep:
         self.rows: list[dict] = []
         self.only = re.compile(only) if only else None
 
-    def wanted(self, case: str) -> bool:
-        return self.only is None or bool(self.only.search(case))
+    def begin(self, case: str, gen: torch.Generator) -> bool:
+        """Whether ``case`` is selected (``--only``); if it is, its generators are seeded from its
+        name (``seed_case``), so that it draws the same masks and inputs alone as in a full run."""
+        if self.only is not None and not self.only.search(case):
+            return False
+        seed_case(case, gen)
+        return True
 
     def add(self, case: str, variant: str, fn, ref, base_ms: float, base_name: str, tuned) -> None:
         """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print."""
@@ -105,9 +110,8 @@ class Sweep:
 
 def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"gate+up M={m} {kind}"
-    if not sw.wanted(case):
+    if not sw.begin(case, gen):
         return
-    seed_case(case, gen)
     x = torch.randn(m, D, device=DEV, dtype=DT)
     wg = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
     wu = torch.randn(FFN, D, device=DEV, dtype=DT) / D**0.5
@@ -129,9 +133,8 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
 
 def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"q M={m} {kind}"
-    if not sw.wanted(case):
+    if not sw.begin(case, gen):
         return
-    seed_case(case, gen)
     x = torch.randn(m, D, device=DEV, dtype=DT)
     w = torch.randn(HEADS * HEAD_DIM, D, device=DEV, dtype=DT) / D**0.5
     mask = make_mask(m, HEADS // ATTN_GROUP, 0.5, kind, gen, DEV)
@@ -152,9 +155,8 @@ def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
 
 def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
     case = f"down M={m} {kind}"
-    if not sw.wanted(case):
+    if not sw.begin(case, gen):
         return
-    seed_case(case, gen)
     x = torch.randn(m, FFN, device=DEV, dtype=DT)
     w = torch.randn(D, FFN, device=DEV, dtype=DT) / FFN**0.5
     mask = make_mask(m, FFN // GROUP, 0.5, kind, gen, DEV)
