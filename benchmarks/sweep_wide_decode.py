@@ -9,7 +9,9 @@ Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4 (
 decode product runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile) and with the weight
 tile as its rows (``swap_ab``: 32 to 128 weight rows; from 64, Hopper's warp-group MMA), each
 autotuned over its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to
-8 (the last share adds the partials), down's fused loop at 2 to 8 shares. (Runs 47-52 also timed the
+8 (the last share adds the partials), down's fused loop at 2 to 8 shares; gate+up and q also with
+K chunks packed into one product (``k_pack`` 2, 4, 8: few output channels a program, no partial
+sums; ``--variants`` selects variants by name). (Runs 47-52 also timed the
 fused gate+up over 2 and 4 programs an output block and the decode attention with both products
 transposed, options removed after: ``bb50dc3`` and ``8ded36d`` have them.) Each variant is first
 checked against its PyTorch reference. Results: a table on stdout and
@@ -32,6 +34,7 @@ from bench_wide_kernels import gpu_time, make_mask, meta, seed_case, timed  # no
 
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     _tuned_out_gemv,
+    _tuned_out_gemv_packed,
     _tuned_out_gemv_splitk,
     torch_masked_out_gemm,
     triton_masked_out_gemm,
@@ -73,9 +76,10 @@ def best_config(tuned) -> str | None:
 
 
 class Sweep:
-    def __init__(self, only: str | None):
+    def __init__(self, only: str | None, variants: str | None = None):
         self.rows: list[dict] = []
         self.only = re.compile(only) if only else None
+        self.variants = re.compile(variants) if variants else None
 
     def begin(self, case: str, gen: torch.Generator) -> bool:
         """Whether ``case`` is selected (``--only``); if it is, its generators are seeded from its
@@ -86,7 +90,10 @@ class Sweep:
         return True
 
     def add(self, case: str, variant: str, fn, ref, base_ms: float, base_name: str, tuned) -> None:
-        """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print."""
+        """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print.
+        Variants ``--variants`` does not select are skipped."""
+        if self.variants is not None and not self.variants.search(variant):
+            return
         ok = close(fn(), ref)
         ms, profile = kernel_time(fn)
         row = {
@@ -123,11 +130,21 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
         sw.add(
             case,
             f"swap_ab={swap}",
-            lambda swap=swap: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=swap),
+            lambda swap=swap: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=swap, k_pack=1),
             ref,
             base,
             "cuBLAS gate+up",
             _tuned_out_gemv[swap],
+        )
+    for pack in sorted(_tuned_out_gemv_packed):
+        sw.add(
+            case,
+            f"swap_ab=True k_pack={pack}",
+            lambda pack=pack: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=True, k_pack=pack),
+            ref,
+            base,
+            "cuBLAS gate+up",
+            _tuned_out_gemv_packed[pack],
         )
 
 
@@ -145,12 +162,24 @@ def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
             sw.add(
                 case,
                 f"swap_ab={swap} split_k={split}",
-                lambda swap=swap, split=split: triton_masked_out_gemm(x, w, mask, split_k=split, swap_ab=swap),
+                lambda swap=swap, split=split: triton_masked_out_gemm(
+                    x, w, mask, split_k=split, swap_ab=swap, k_pack=1
+                ),
                 ref,
                 base,
                 "cuBLAS",
                 (_tuned_out_gemv_splitk if split > 1 else _tuned_out_gemv)[swap],
             )
+    for pack in sorted(_tuned_out_gemv_packed):
+        sw.add(
+            case,
+            f"swap_ab=True k_pack={pack}",
+            lambda pack=pack: triton_masked_out_gemm(x, w, mask, split_k=1, swap_ab=True, k_pack=pack),
+            ref,
+            base,
+            "cuBLAS",
+            _tuned_out_gemv_packed[pack],
+        )
 
 
 def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
@@ -206,6 +235,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--only", help="regex over the case names (e.g. 'q M=1|down')")
+    parser.add_argument("--variants", help="regex over the variant names (e.g. 'k_pack|split_k=4')")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter, TRITON_INTERPRET=1)")
     parser.add_argument(
         "--cases", help="token counts and mask kinds, e.g. '1:exact,2:iid,16:iid' (default 1:exact,1:iid,4:iid)"
@@ -228,7 +258,7 @@ def main() -> int:
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    sw = Sweep(args.only)
+    sw = Sweep(args.only, args.variants)
     info = meta(DT, D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP)
     if DEV == "cuda":
         info["mma"] = mma_kinds()

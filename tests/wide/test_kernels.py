@@ -521,6 +521,8 @@ def test_decode_sweep_script_smoke(tmp_path):
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
     assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
+    packed = {(r["case"].split(" M=")[0], r["variant"]) for r in rows if "k_pack" in r["variant"]}
+    assert packed == {(op, f"swap_ab=True k_pack={p}") for op in ("gate+up", "q") for p in tuning.OUT_DECODE_PACKED}
     assert all(r["correct"] for r in rows)
     if DEVICE == "cpu":
         proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
@@ -920,6 +922,58 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_a
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize(("k_pack", "block_n"), [(2, 8), (4, 16), (8, None), (16, None)])
+def test_masked_out_gemv_k_packed_matches_reference(m, sparsity, fuse, k_pack, block_n):
+    """The decode product with K chunks packed into one product (``packed_output_tile``): a K that
+    is no multiple of a step, a group of 32 channels over 2-4 blocks (8 or 16 a program) or 16 of
+    them (2 or 1 a program, the default in the interpreter); the reference's values, exact zeros
+    for inactive groups, nothing written beyond the output."""
+    gen = torch.Generator().manual_seed(m * 5 + k_pack)
+    x = torch.randn(m, 200, generator=gen).to(DEVICE)
+    w = torch.randn(96, 200, generator=gen).to(DEVICE)
+    w_up = torch.randn(96, 200, generator=gen).to(DEVICE) if fuse else None
+    mask = random_mask(m, 3, sparsity, seed=m + 3)
+    buf = torch.full((m + 2, 96), float("nan"), device=DEVICE)
+    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], block_n=block_n, block_k=16, k_pack=k_pack)
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[~mask.repeat_interleave(32, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+def test_masked_out_gemv_k_packed_refuses_what_it_cannot_do():
+    x, w = torch.randn(2, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    mask = random_mask(2, 2, 0.5)
+    for kwargs in ({"k_pack": 3}, {"k_pack": 2, "split_k": 2}, {"k_pack": 2, "swap_ab": False}):
+        with pytest.raises(ValueError, match="k_pack=.*a power of two, for the decode product"):
+            triton_masked_out_gemm(x, w, mask, **kwargs)
+    with pytest.raises(ValueError, match="for the decode product"):
+        triton_masked_out_gemm(torch.randn(17, 64, device=DEVICE), w, random_mask(17, 2, 0.5), k_pack=4)
+    with pytest.raises(ValueError, match="tl.dot needs 16 or more"):
+        triton_masked_out_gemm(x, w, mask, block_n=4, k_pack=2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k_pack", sorted(tuning.OUT_DECODE_PACKED))
+def test_masked_out_gemv_k_packed_bf16_autotuned(fuse, m, k_pack):
+    """The K-packed decode product with its autotuned tiles on a GPU, in bf16 (tolerance as
+    ``test_masked_out_gemm_bf16_autotuned``), a K of several steps."""
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    w_up = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 4 if fuse else None
+    mask = random_mask(m, 4, 0.5)
+    buf = torch.full((m + 2, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = triton_masked_out_gemm(x, w, mask, w_up, out=buf[:m], k_pack=k_pack)
+    ref = torch_masked_out_gemm(x, w, mask, w_up)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
+    assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 40])

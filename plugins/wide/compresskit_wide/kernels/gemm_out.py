@@ -120,6 +120,58 @@ if triton is not None:
         return rows, row_ok, on, cols, col_ok
 
     @triton.jit
+    def packed_diagonal(acc, K_PACK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The sums a K-packed product wants (``packed_output_tile``): of ``acc`` [K_PACK * BLOCK_N,
+        K_PACK * BLOCK_M], the blocks where the weight rows' chunk is the token columns' chunk, added
+        over the chunks: [BLOCK_N, BLOCK_M]."""
+        row_chunk = tl.arange(0, K_PACK * BLOCK_N) // BLOCK_N
+        col_chunk = tl.arange(0, K_PACK * BLOCK_M) // BLOCK_M
+        acc = tl.where(row_chunk[:, None] == col_chunk[None, :], acc, 0.0)
+        acc = tl.reshape(acc, (K_PACK, BLOCK_N, K_PACK, BLOCK_M))
+        return tl.sum(tl.sum(acc, axis=2), axis=0)
+
+    @triton.jit
+    def packed_output_tile(
+        x_ptr, w_ptr, wu_ptr, mask_ptr, g, M, K, col0, n_left, stride_xm, stride_wn, stride_mm,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
+    ):  # fmt: skip
+        """``x[:M] @ w[col0 : col0 + BLOCK_N].T`` (the first ``n_left`` of those rows; with
+        ``FUSE_SWIGLU`` the SwiGLU of gate and up) in fp32 as [BLOCK_M, BLOCK_N], for a decode
+        product with few output rows a program: each step takes K_PACK chunks of BLOCK_K columns.
+        The MMA's rows are the BLOCK_N weight rows once per chunk (row ``c * BLOCK_N + j``: row j's
+        chunk c), its columns the tokens once per chunk (column ``c * BLOCK_M + m``: token m's chunk
+        c), so one product of K_PACK * BLOCK_N rows (64 or more: Hopper's warp-group MMA) does the
+        work of K_PACK programs splitting K, and the blocks where the chunks differ are dropped at the
+        end (``packed_diagonal``): no partial sums leave the program, no second pass adds them.
+        Tokens that do not need group ``g`` are never read (their columns load zeros)."""
+        r = tl.arange(0, K_PACK * BLOCK_N)
+        w_rows = col0 + r % BLOCK_N
+        w_ok = (r % BLOCK_N) < n_left
+        w_k = (r // BLOCK_N) * BLOCK_K  # the chunk's first column within a step
+        c = tl.arange(0, K_PACK * BLOCK_M)
+        tok = c % BLOCK_M
+        tok_on = (tl.load(mask_ptr + tok * stride_mm + g, mask=tok < M, other=0) != 0) & (tok < M)
+        x_k = (c // BLOCK_M) * BLOCK_K
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, K_PACK * BLOCK_K):
+            kx = k0 + x_k[:, None] + kk[None, :]
+            a = tl.load(x_ptr + tok[:, None] * stride_xm + kx, mask=tok_on[:, None] & (kx < K), other=0.0)
+            kw = k0 + w_k[:, None] + kk[None, :]
+            w_mask = w_ok[:, None] & (kw < K)
+            b = tl.load(w_ptr + w_rows[:, None] * stride_wn + kw, mask=w_mask, other=0.0)
+            acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+            if FUSE_SWIGLU:
+                bu = tl.load(wu_ptr + w_rows[:, None] * stride_wn + kw, mask=w_mask, other=0.0)
+                acc_up = tl.dot(bu, tl.trans(a), acc_up, input_precision=DOT_PRECISION)
+        out = packed_diagonal(acc, K_PACK, BLOCK_N, BLOCK_M)
+        if FUSE_SWIGLU:
+            out = out * tl.sigmoid(out) * packed_diagonal(acc_up, K_PACK, BLOCK_N, BLOCK_M)
+        return tl.trans(out)
+
+    @triton.jit
     def triton_masked_out_gemm_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
         M, N, K, GW, M_BUCKET,
@@ -167,6 +219,30 @@ if triton is not None:
             x_ptr, w_ptr, wu_ptr, out_ptr, rows, row_ok, on, tl.sum(on.to(tl.int32), axis=0) > 0, cols, col_ok, K,
             stride_xm, stride_wn, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB,
         )  # fmt: skip
+
+    @triton.jit
+    def triton_masked_out_gemv_packed_kernel(
+        x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
+        M, N, K, GW,
+        stride_xm, stride_wn, stride_om, stride_mm,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
+    ):  # fmt: skip
+        # decode with K packed into one product (``packed_output_tile``): program (g, n-block) of
+        # BLOCK_N output channels; a block of a group no token needs writes its zeros, reads no weight
+        rows, row_ok, on, cols, col_ok = decode_tile(mask_ptr, M, GW, stride_mm, BLOCK_M, BLOCK_N)
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        store_mask = row_ok[:, None] & col_ok[None, :]
+        if tl.sum(on.to(tl.int32), axis=0) > 0:
+            g = tl.program_id(0)
+            tn = tl.program_id(1)
+            acc = packed_output_tile(
+                x_ptr, w_ptr, wu_ptr, mask_ptr, g, M, K, g * GW + tn * BLOCK_N, GW - tn * BLOCK_N,
+                stride_xm, stride_wn, stride_mm, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, K_PACK,
+            )  # fmt: skip
+            tl.store(out_ptrs, tl.where(on[:, None], acc, 0.0).to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def triton_masked_out_gemv_splitk_kernel(
@@ -222,6 +298,17 @@ if triton is not None:
         )
         for swap, table in ((False, tuning.OUT_DECODE), (True, tuning.OUT_DECODE_SWAP))
     }
+    # the K-packed decode kernel, per packing (its table's BLOCK_N: output channels a program)
+    _tuned_out_gemv_packed = {
+        pack: tuning.autotuned(
+            triton_masked_out_gemv_packed_kernel,
+            table,
+            ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"],
+            decode=True,
+            prune="BLOCK_N",
+        )
+        for pack, table in tuning.OUT_DECODE_PACKED.items()
+    }
 
 
 def triton_masked_out_gemm(
@@ -239,6 +326,7 @@ def triton_masked_out_gemm(
     fold_sum: bool = True,
     tile_order: str = "group",
     swap_ab: bool | None = None,
+    k_pack: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`.
 
@@ -259,7 +347,12 @@ def triton_masked_out_gemm(
     wave of programs then streams all of the weights from HBM.
 
     ``swap_ab`` (decode): the weight tile as the product's row operand (``tile_dot``), default
-    ``tuning.decode_swap_ab``."""
+    ``tuning.decode_swap_ab``.
+
+    ``k_pack`` (decode, a power of two): that many chunks of K share one product of the weight
+    tile as its rows (``packed_output_tile``), so a program holds few output channels and no
+    partial sums leave it; default ``tuning.decode_k_pack``. Not with ``split_k`` > 1 or
+    ``swap_ab=False``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -281,6 +374,15 @@ def triton_masked_out_gemm(
         raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if swap_ab is None:
         swap_ab = tuning.decode_swap_ab("swiglu" if fuse else "out")
+    if k_pack is None:
+        k_pack = tuning.decode_k_pack(m, fuse) if m <= tuning.DECODE_MAX_M else 1
+    if k_pack != 1:
+        if k_pack < 1 or k_pack & (k_pack - 1) or m > tuning.DECODE_MAX_M or split_k > 1 or not swap_ab:
+            raise ValueError(
+                f"k_pack={k_pack}: a power of two, for the decode product (M <= {tuning.DECODE_MAX_M}) with "
+                f"split_k=1 and swap_ab=True; got M={m}, split_k={split_k}, swap_ab={swap_ab}"
+            )
+        return _out_gemv_packed(x, w, w_up, mask, out, fuse, k_pack, gw, groups, block_n, block_k)
     if split_k > 1:
         return _out_gemv_split_k(x, w, mask, out, split_k, gw, groups, block_n, block_k, fold_sum, swap_ab)
     if m <= tuning.DECODE_MAX_M:
@@ -315,6 +417,28 @@ def triton_masked_out_gemm(
             return (tiles, groups) if together else (groups, tiles)
 
         _tuned_out_gemm[grid](*args, **common)
+    return out
+
+
+def _out_gemv_packed(x, w, w_up, mask, out, fuse, k_pack, gw, groups, block_n, block_k):
+    m, k = x.shape
+    n = w.shape[0]
+    mask_u8 = mask_bytes(mask)
+    # the tokens padded so that the product has 16 or more columns (tl.dot's least)
+    block_m = max(tuning.next_power_of_2(m), 16 // k_pack)
+    args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
+    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": block_m}
+    if block_n is not None or tuning.interpreted():
+        bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
+        if k_pack * bn < 16 or bk < 16:
+            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+        grid = (groups, tuning.cdiv(gw, bn))
+        triton_masked_out_gemv_packed_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
+    else:
+        if k_pack not in _tuned_out_gemv_packed:
+            raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_out_gemv_packed)}")
+        grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+        _tuned_out_gemv_packed[k_pack][grid](*args, **common, K_PACK=k_pack)
     return out
 
 

@@ -110,6 +110,13 @@ def reduce_variant(m: int) -> str:
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
+def decode_k_pack(m: int, fused: bool) -> int:
+    """K chunks packed into one product of the output-width decode kernel
+    (``gemm_out.packed_output_tile``; 1: not packed): not yet measured against the split and
+    unsplit kernels, so 1."""
+    return 1
+
+
 def decode_swap_ab(op: str) -> bool:
     """Whether the decode products of ``op`` ("swiglu": gate+up, "out": q, "reduce": down and o)
     take the weight tile as the MMA's row operand (``tile_dot``'s ``SWAP_AB``; the compiler then
@@ -278,6 +285,20 @@ OUT_DECODE_SPLITK_SWAP = [
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
 ]
+# the K-packed output-width decode kernel (``gemm_out.packed_output_tile``), per packing: the MMA's
+# rows are K_PACK x BLOCK_N (64 for 4 warps, 128 for 8), so a program holds 64 / K_PACK or
+# 128 / K_PACK output channels
+OUT_DECODE_PACKED = {
+    pack: [
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 4),
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 5),
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 64}, 4, 6),
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 256}, 4, 3),
+        ({"BLOCK_N": 128 // pack, "BLOCK_K": 64}, 8, 4),
+        ({"BLOCK_N": 128 // pack, "BLOCK_K": 128}, 8, 3),
+    ]
+    for pack in (2, 4, 8)
+}
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
 # warps, were never chosen at T = 512..4096 on the H200, run 21)
 OUT_PREFILL = [
