@@ -305,18 +305,19 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         return x @ wq.T
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
-    # the default (4 programs share K, the sum folded into the kernel) against 1, 8, and 4 with a
-    # summing launch
-    variants = [(1, False), (8, False), (4, False)] if decode else []
+    # the default (up to 4 tokens: K packed into one product, ``tuning.decode_k_pack``) against the
+    # unpacked kernel with K over 4 programs (the sum folded in: the default until run 60), with a
+    # summing launch, and over 1
+    variants = [(4, True), (4, False), (1, True)] if decode else []
     for split, fold in variants:
-        got = triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
+        got = triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold, k_pack=1)
         err = (got.float() - ref.float()).abs().max().item()
         ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
         def split_ours(split=split, fold=fold):
-            return triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold)
+            return triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold, k_pack=1)
 
-        label = f"q split-K {split}" + (" summing launch" if split > 1 else "")
+        label = f"q unpacked, split-K {split}" + ("" if fold or split == 1 else " summing launch")
         add_row(results, label, m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 

@@ -751,6 +751,47 @@ def test_decode_split_k_default(monkeypatch):
     assert tuning.out_decode_split_k(1, False) == 1
 
 
+def test_decode_k_pack_default(monkeypatch):
+    """q's decode product packs 4 chunks of K into one product on a GPU up to 4 tokens; from 5 tokens,
+    the fused SwiGLU and the interpreter do not pack. A split or the tokens as the MMA's rows, when
+    asked for, leave it unpacked."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert [tuning.decode_k_pack(m, False) for m in (1, 2, 4, 5, 16)] == [4, 4, 4, 1, 1]
+    assert tuning.decode_k_pack(1, True) == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuning.decode_k_pack(1, False) == 1
+    calls = []
+    monkeypatch.setattr(tuning, "decode_k_pack", lambda m, fused: 4)
+    import compresskit_wide.kernels.gemm_out as gemm_out
+
+    monkeypatch.setattr(gemm_out, "_out_gemv_packed", lambda *a: calls.append("packed") or a[4])
+    monkeypatch.setattr(gemm_out, "_out_gemv_split_k", lambda *a: calls.append("split") or a[3])
+    x, w, mask = torch.randn(1, 64), torch.randn(32, 64), torch.ones(1, 2, dtype=torch.bool)
+    triton_masked_out_gemm(x, w, mask)
+    triton_masked_out_gemm(x, w, mask, split_k=2)
+    assert calls == ["packed", "split"]
+
+
+def test_prune_packed_keeps_tiles_that_fit_shared_memory():
+    """The packed kernel's autotuner hook: bf16 q keeps its whole table; fp32 gate+up, whose tiles
+    overflow shared memory, gets the tiles that fit, or the smallest one with fewer stages."""
+
+    def stage_bytes(c, elem, weights, pack, block_m):
+        return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+
+    for pack, table in tuning.OUT_DECODE_PACKED.items():
+        rows = tuning.configs(table)
+        bf16 = {"GW": 128, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
+        kept = tuning.prune_packed(rows, bf16, FUSE_SWIGLU=False, K_PACK=pack, BLOCK_M=16 // pack)
+        assert len(kept) == len(rows)
+        fp32 = {"GW": 32, "x_ptr": torch.empty(1)}
+        kept = tuning.prune_packed(rows, fp32, FUSE_SWIGLU=True, K_PACK=pack, BLOCK_M=8)
+        assert kept and all(c.kwargs["BLOCK_N"] <= 32 for c in kept)
+        assert all(
+            c.num_stages * stage_bytes(c, 4, 2, pack, 8) <= tuning.PACKED_SMEM_BUDGET or c.num_stages == 1 for c in kept
+        )
+
+
 def test_decode_swap_ab_default():
     """The weight tile is the MMA's row operand for every decode product (measured faster)."""
     assert all(tuning.decode_swap_ab(op) for op in ("swiglu", "out", "reduce"))

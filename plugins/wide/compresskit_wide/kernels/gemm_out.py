@@ -305,7 +305,7 @@ if triton is not None:
             table,
             ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"],
             decode=True,
-            prune="BLOCK_N",
+            prune=tuning.prune_packed,
         )
         for pack, table in tuning.OUT_DECODE_PACKED.items()
     }
@@ -351,8 +351,8 @@ def triton_masked_out_gemm(
 
     ``k_pack`` (decode, a power of two): that many chunks of K share one product of the weight
     tile as its rows (``packed_output_tile``), so a program holds few output channels and no
-    partial sums leave it; default ``tuning.decode_k_pack``. Not with ``split_k`` > 1 or
-    ``swap_ab=False``."""
+    partial sums leave it; default ``tuning.decode_k_pack`` where ``split_k`` and ``swap_ab`` leave
+    it free (then ``split_k`` defaults to 1). Not with ``split_k`` > 1 or ``swap_ab=False``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -368,14 +368,15 @@ def triton_masked_out_gemm(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
     fixed = block_n is not None or tuning.interpreted()
-    if split_k is None:
-        split_k = tuning.out_decode_split_k(m, fuse)
-    if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
-        raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if swap_ab is None:
         swap_ab = tuning.decode_swap_ab("swiglu" if fuse else "out")
-    if k_pack is None:
-        k_pack = tuning.decode_k_pack(m, fuse) if m <= tuning.DECODE_MAX_M else 1
+    if k_pack is None:  # the packed product by default only where nothing asked for another kernel
+        packable = m <= tuning.DECODE_MAX_M and swap_ab and split_k in (None, 1)
+        k_pack = tuning.decode_k_pack(m, fuse) if packable else 1
+    if split_k is None:
+        split_k = 1 if k_pack > 1 else tuning.out_decode_split_k(m, fuse)
+    if split_k > 1 and (fuse or m > tuning.DECODE_MAX_M):
+        raise ValueError("split_k is for the plain (non-SwiGLU) decode product only")
     if k_pack != 1:
         if k_pack < 1 or k_pack & (k_pack - 1) or m > tuning.DECODE_MAX_M or split_k > 1 or not swap_ab:
             raise ValueError(

@@ -112,9 +112,39 @@ def reduce_variant(m: int) -> str:
 
 def decode_k_pack(m: int, fused: bool) -> int:
     """K chunks packed into one product of the output-width decode kernel
-    (``gemm_out.packed_output_tile``; 1: not packed): not yet measured against the split and
-    unsplit kernels, so 1."""
-    return 1
+    (``gemm_out.packed_output_tile``; 1: not packed): 4 for the plain one (q) up to 4 tokens, else 1
+    (and 1 in the CPU interpreter, where the other kernels keep their tests' meaning). On the H200
+    (run 60, ``benchmarks/sweep_wide_decode.py``, GPU time, each autotuned): q at M = 1 with 4 chunks
+    8.45 us against 10.24 with K split over 4 programs and 10.72 unsplit (exact masks; 9.60 against
+    11.46 and 11.62 i.i.d.), 8.50 with 8 chunks, 8.86 with 2; at M = 2 10.94 against 12.72-12.75,
+    at M = 4 12.40 against 13.68-14.08 (i.i.d.). The fused gate+up gains nothing from it (M = 1:
+    37.7-38.1 us packed against 36.9 unpacked, exact masks; 34.9-37.2 against 34.6 i.i.d.; M = 4:
+    62.6-63.7 against 60.9)."""
+    return 4 if not fused and m <= 4 and not interpreted() else 1
+
+
+def prune_packed(configs_, named_args, **kwargs):
+    """Autotuner hook of the K-packed decode kernel: ``prune_wider_than_group("BLOCK_N")``, then
+    the tiles whose pipeline stages fit in shared memory (fp32 inputs take twice bf16's bytes; an
+    estimate of the operand tiles only). Where none fits, the smallest tile with as many stages as
+    fit (at least 1)."""
+    kept = prune_wider_than_group("BLOCK_N")(configs_, named_args)
+    elem = named_args["x_ptr"].element_size()
+    weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
+    pack, block_m = kwargs["K_PACK"], kwargs["BLOCK_M"]
+
+    def stage_bytes(c):
+        return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+
+    fit = [c for c in kept if c.num_stages * stage_bytes(c) <= PACKED_SMEM_BUDGET]
+    if fit:
+        return fit
+    small = min(kept, key=stage_bytes)
+    stages = max(1, min(small.num_stages, PACKED_SMEM_BUDGET // stage_bytes(small)))
+    return [triton.Config(dict(small.kwargs), num_warps=small.num_warps, num_stages=stages)]
+
+
+PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program (Hopper: 227 KB of shared memory)
 
 
 def decode_swap_ab(op: str) -> bool:
@@ -229,15 +259,18 @@ def configs(rows: list[tuple[dict, int, int]]) -> list:
     return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
 
 
-def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune: str | None = None):
+def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune=None):
     """``kernel`` autotuned over the tile table ``rows`` per ``key``; ``decode`` kernels are timed by
     ``flushed_graph_bench`` (the default timing measures the host at their sizes); ``prune``: the
-    block that must not be wider than a group (``prune_wider_than_group``)."""
+    block that must not be wider than a group (``prune_wider_than_group``), or an autotuner hook of
+    its own (``early_config_prune``)."""
+    if isinstance(prune, str):
+        prune = prune_wider_than_group(prune)
     return triton.autotune(
         configs=configs(rows),
         key=key,
         do_bench=flushed_graph_bench if decode else None,
-        prune_configs_by={"early_config_prune": prune_wider_than_group(prune)} if prune else None,
+        prune_configs_by={"early_config_prune": prune} if prune else None,
     )(kernel)
 
 
