@@ -306,7 +306,7 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
     # the default (up to 4 tokens: K packed into one product, ``tuning.decode_k_pack``) against the
-    # unpacked kernel with K over 4 programs (the sum folded in: the default until run 60), with a
+    # unpacked kernel with K over 4 programs (the sum folded in: the default until run 59), with a
     # summing launch, and over 1
     variants = [(4, True), (4, False), (1, True)] if decode else []
     for split, fold in variants:

@@ -114,7 +114,7 @@ def decode_k_pack(m: int, fused: bool) -> int:
     """K chunks packed into one product of the output-width decode kernel
     (``gemm_out.packed_output_tile``; 1: not packed): 4 for the plain one (q) up to 4 tokens, else 1
     (and 1 in the CPU interpreter, where the other kernels keep their tests' meaning). On the H200
-    (run 60, ``benchmarks/sweep_wide_decode.py``, GPU time, each autotuned): q at M = 1 with 4 chunks
+    (run 59, ``benchmarks/sweep_wide_decode.py``, GPU time, each autotuned): q at M = 1 with 4 chunks
     8.45 us against 10.24 with K split over 4 programs and 10.72 unsplit (exact masks; 9.60 against
     11.46 and 11.62 i.i.d.), 8.50 with 8 chunks, 8.86 with 2; at M = 2 10.94 against 12.72-12.75,
     at M = 4 12.40 against 13.68-14.08 (i.i.d.). The fused gate+up gains nothing from it (M = 1:
