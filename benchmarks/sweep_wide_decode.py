@@ -9,9 +9,9 @@ Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4 (
 decode product runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile) and with the weight
 tile as its rows (``swap_ab``: 32 to 128 weight rows; from 64, Hopper's warp-group MMA), each
 autotuned over its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to
-8 (the last share adds the partials), down's fused loop at 2 to 8 shares; gate+up and q also with
-K chunks packed into one product (``k_pack`` 2, 4, 8: few output channels a program, no partial
-sums; ``--variants`` selects variants by name). (Runs 47-52 also timed the
+8 (the last share adds the partials), down's fused loop at 2 to 8 shares; each also with
+K chunks (down: active groups) packed into one product (``k_pack`` 2, 4, 8: few output channels a
+program, no partial sums; ``--variants`` selects variants by name). (Runs 47-52 also timed the
 fused gate+up over 2 and 4 programs an output block and the decode attention with both products
 transposed, options removed after: ``bb50dc3`` and ``8ded36d`` have them.) Each variant is first
 checked against its PyTorch reference. Results: a table on stdout and
@@ -41,6 +41,7 @@ from compresskit_wide.kernels.gemm_out import (  # noqa: E402
 )
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     _tuned_reduce_fused,
+    _tuned_reduce_packed,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
@@ -204,6 +205,16 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
                 "cuBLAS",
                 _tuned_reduce_fused[swap],
             )
+    for pack in sorted(_tuned_reduce_packed):
+        sw.add(
+            case,
+            f"swap_ab=True k_pack={pack}",
+            lambda pack=pack: triton_masked_reduce_gemm(x, w, mask, variant="packed", k_pack=pack),
+            ref,
+            base,
+            "cuBLAS",
+            _tuned_reduce_packed[pack],
+        )
 
 
 def mma_kinds() -> dict:

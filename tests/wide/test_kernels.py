@@ -522,7 +522,8 @@ def test_decode_sweep_script_smoke(tmp_path):
     assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
     assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
     packed = {(r["case"].split(" M=")[0], r["variant"]) for r in rows if "k_pack" in r["variant"]}
-    assert packed == {(op, f"swap_ab=True k_pack={p}") for op in ("gate+up", "q") for p in tuning.OUT_DECODE_PACKED}
+    want = {(op, f"swap_ab=True k_pack={p}") for op in ("gate+up", "q") for p in tuning.OUT_DECODE_PACKED}
+    assert packed == want | {("down", f"swap_ab=True k_pack={p}") for p in tuning.REDUCE_DECODE_PACKED}
     assert all(r["correct"] for r in rows)
     if DEVICE == "cpu":
         proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
@@ -782,10 +783,10 @@ def test_prune_packed_keeps_tiles_that_fit_shared_memory():
     for pack, table in tuning.OUT_DECODE_PACKED.items():
         rows = tuning.configs(table)
         bf16 = {"GW": 128, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
-        kept = tuning.prune_packed(rows, bf16, FUSE_SWIGLU=False, K_PACK=pack, BLOCK_M=16 // pack)
+        kept = tuning.packed_pruner("BLOCK_N")(rows, bf16, FUSE_SWIGLU=False, K_PACK=pack, BLOCK_M=16 // pack)
         assert len(kept) == len(rows)
         fp32 = {"GW": 32, "x_ptr": torch.empty(1)}
-        kept = tuning.prune_packed(rows, fp32, FUSE_SWIGLU=True, K_PACK=pack, BLOCK_M=8)
+        kept = tuning.packed_pruner("BLOCK_N")(rows, fp32, FUSE_SWIGLU=True, K_PACK=pack, BLOCK_M=8)
         assert kept and all(c.kwargs["BLOCK_N"] <= 32 for c in kept)
         assert all(
             c.num_stages * stage_bytes(c, 4, 2, pack, 8) <= tuning.PACKED_SMEM_BUDGET or c.num_stages == 1 for c in kept
@@ -968,11 +969,11 @@ def test_masked_out_gemv_split_k_matches_reference(m, sparsity, fold_sum, swap_a
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize(("k_pack", "block_n"), [(2, 8), (4, 16), (8, None), (16, None)])
+@pytest.mark.parametrize(("k_pack", "block_n"), [(2, 8), (4, 16), (8, None), (16, 1)])
 def test_masked_out_gemv_k_packed_matches_reference(m, sparsity, fuse, k_pack, block_n):
     """The decode product with K chunks packed into one product (``packed_output_tile``): a K that
-    is no multiple of a step, a group of 32 channels over 2-4 blocks (8 or 16 a program) or 16 of
-    them (2 or 1 a program, the default in the interpreter); the reference's values, exact zeros
+    is no multiple of a step, a group of 32 channels over 2-32 blocks (8, 16 or 1 a program, or the
+    autotuned tiles on a GPU); the reference's values, exact zeros
     for inactive groups, nothing written beyond the output."""
     gen = torch.Generator().manual_seed(m * 5 + k_pack)
     x = torch.randn(m, 200, generator=gen).to(DEVICE)
@@ -996,6 +997,50 @@ def test_masked_out_gemv_k_packed_refuses_what_it_cannot_do():
         triton_masked_out_gemm(torch.randn(17, 64, device=DEVICE), w, random_mask(17, 2, 0.5), k_pack=4)
     with pytest.raises(ValueError, match="tl.dot needs 16 or more"):
         triton_masked_out_gemm(x, w, mask, block_n=4, k_pack=2)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match=r"k_pack=16 has no tile table on a GPU; tuned: \[2, 4, 8\]"):
+            triton_masked_out_gemm(x, w, mask, k_pack=16)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(("k_pack", "block_n", "groups"), [(2, 8, 3), (4, 16, 5), (8, None, 1), (4, None, 5)])
+def test_masked_reduce_gemm_packed_matches_reference(m, sparsity, k_pack, block_n, groups):
+    """The packed reduction (``k_pack`` active groups a step in one product): a count of active
+    groups that is no multiple of the packing, a group of 32 inputs over two steps, two token tiles
+    at M = 17; the reference's values, nothing written beyond the output (every output element is
+    written: zero where no group is active)."""
+    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
+
+    gen = torch.Generator().manual_seed(m * 13 + k_pack)
+    x = torch.randn(m, 32 * groups, generator=gen).to(DEVICE)
+    w = torch.randn(40, 32 * groups, generator=gen).to(DEVICE)
+    mask = random_mask(m, groups, sparsity, seed=m + groups)
+    buf = torch.full((m + 2, 40), float("nan"), device=DEVICE)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_n=block_n, block_k=16, variant="packed",
+                                    k_pack=k_pack)  # fmt: skip
+    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
+    for kwargs in ({"k_pack": 3}, {"split": 2}, {"swap_ab": False}):
+        with pytest.raises(ValueError, match="the packed variant takes k_pack a power of two"):
+            triton_masked_reduce_gemm(x, w, mask, variant="packed", **kwargs)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k_pack", sorted(tuning.REDUCE_DECODE_PACKED))
+def test_masked_reduce_gemm_packed_bf16_autotuned(m, k_pack):
+    """The packed reduction with its autotuned tiles on a GPU, in bf16, groups of 128."""
+    from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
+
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    mask = random_mask(m, 8, 0.5)
+    buf = torch.full((m + 2, 384), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], variant="packed", k_pack=k_pack)
+    ref = torch_masked_reduce_gemm(x, w, mask)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * 16)
+    assert torch.isnan(buf[m:]).all()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")

@@ -30,6 +30,7 @@ try:
     import triton.language as tl
 
     from compresskit_wide.kernels.gemm_reduce import (
+        packed_diagonal,
         store_share,
         store_share_ticketed,
         tile_dot,
@@ -118,17 +119,6 @@ if triton is not None:
         cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
         return rows, row_ok, on, cols, col_ok
-
-    @triton.jit
-    def packed_diagonal(acc, K_PACK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-        """The sums a K-packed product wants (``packed_output_tile``): of ``acc`` [K_PACK * BLOCK_N,
-        K_PACK * BLOCK_M], the blocks where the weight rows' chunk is the token columns' chunk, added
-        over the chunks: [BLOCK_N, BLOCK_M]."""
-        row_chunk = tl.arange(0, K_PACK * BLOCK_N) // BLOCK_N
-        col_chunk = tl.arange(0, K_PACK * BLOCK_M) // BLOCK_M
-        acc = tl.where(row_chunk[:, None] == col_chunk[None, :], acc, 0.0)
-        acc = tl.reshape(acc, (K_PACK, BLOCK_N, K_PACK, BLOCK_M))
-        return tl.sum(tl.sum(acc, axis=2), axis=0)
 
     @triton.jit
     def packed_output_tile(
@@ -305,7 +295,7 @@ if triton is not None:
             table,
             ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"],
             decode=True,
-            prune=tuning.prune_packed,
+            prune=tuning.packed_pruner("BLOCK_N"),
         )
         for pack, table in tuning.OUT_DECODE_PACKED.items()
     }

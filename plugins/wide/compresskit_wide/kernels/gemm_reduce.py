@@ -98,6 +98,18 @@ if triton is not None:
                 tl.atomic_xchg(ticket_ptr + block, 0)
 
     @triton.jit
+    def packed_diagonal(acc, K_PACK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The sums a K-packed product wants (``gemm_out.packed_output_tile``,
+        ``triton_masked_reduce_gemm_packed_kernel``): of ``acc`` [K_PACK * BLOCK_N, K_PACK * BLOCK_M],
+        the blocks where the weight rows' chunk is the token columns' chunk, added over the chunks:
+        [BLOCK_N, BLOCK_M]."""
+        row_chunk = tl.arange(0, K_PACK * BLOCK_N) // BLOCK_N
+        col_chunk = tl.arange(0, K_PACK * BLOCK_M) // BLOCK_M
+        acc = tl.where(row_chunk[:, None] == col_chunk[None, :], acc, 0.0)
+        acc = tl.reshape(acc, (K_PACK, BLOCK_N, K_PACK, BLOCK_M))
+        return tl.sum(tl.sum(acc, axis=2), axis=0)
+
+    @triton.jit
     def tile_dot(a, b, acc, DOT_PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
         """``acc + a @ b.T`` for a token tile ``a`` [BLOCK_M, K] and a weight tile ``b`` [BLOCK_N, K].
         ``SWAP_AB``: ``acc`` is kept transposed, [BLOCK_N, BLOCK_M], and gets ``b @ a.T``: the weight
@@ -249,6 +261,70 @@ if triton is not None:
             stride_om, SPLIT,
         )  # fmt: skip
 
+    @triton.jit
+    def triton_masked_reduce_gemm_packed_kernel(
+        x_ptr, w_ptr, mask_ptr, out_ptr, list_ptr,
+        M, N, GW: tl.constexpr, G,
+        stride_xm, stride_wn, stride_mm, stride_om,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
+    ):  # fmt: skip
+        # The fused kernel's own group list, then K_PACK active groups a step packed into one
+        # product (as ``gemm_out.packed_output_tile`` packs chunks of K): the MMA's rows are the
+        # BLOCK_N weight rows once per group of the step (row c * BLOCK_N + j: output channel j
+        # against the step's c-th group), its columns the tokens once per group (column c * BLOCK_M +
+        # m: token m's inputs of that group, zero where it does not need it); the blocks where the
+        # groups differ are dropped at the end (``packed_diagonal``). One program an output block,
+        # so no partial sums, tickets or summing launch: a program holds few output channels instead.
+        tn = tl.program_id(0)
+        tm = tl.program_id(1)
+        rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        gs = tl.arange(0, BLOCK_G)
+        flags = tl.load(
+            mask_ptr + rows[:, None] * stride_mm + gs[None, :], mask=row_ok[:, None] & (gs < G)[None, :], other=0
+        )
+        on = tl.max((flags != 0).to(tl.int32), axis=0)  # [BLOCK_G]: some token of the tile needs group g
+        n_active = tl.sum(on, axis=0)
+        my_list = list_ptr + (tm * tl.num_programs(0) + tn) * BLOCK_G
+        tl.store(my_list + tl.cumsum(on, axis=0) - on, gs, mask=on != 0)
+        tl.debug_barrier()  # the list is written by all the program's threads, read by each
+        r = tl.arange(0, K_PACK * BLOCK_N)
+        w_rows = tn * BLOCK_N + r % BLOCK_N
+        w_ok = w_rows < N
+        c = tl.arange(0, K_PACK * BLOCK_M)
+        tok = tm * BLOCK_M + c % BLOCK_M
+        tok_ok = tok < M
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
+        for i in range(0, n_active, K_PACK):
+            w_live = i + r // BLOCK_N < n_active
+            g_w = tl.load(my_list + i + r // BLOCK_N, mask=w_live, other=0)  # each weight row's group
+            x_live = i + c // BLOCK_M < n_active
+            g_x = tl.load(my_list + i + c // BLOCK_M, mask=x_live, other=0)  # each token column's group
+            need = tl.load(mask_ptr + tok * stride_mm + g_x, mask=tok_ok & x_live, other=0) != 0
+            x_on = tok_ok & x_live & need
+            for k0 in tl.static_range(0, GW, BLOCK_K):
+                k_ok = (k0 + kk) < GW
+                a = tl.load(
+                    x_ptr + tok[:, None] * stride_xm + (g_x * GW + k0)[:, None] + kk[None, :],
+                    mask=x_on[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                b = tl.load(
+                    w_ptr + w_rows[:, None] * stride_wn + (g_w * GW + k0)[:, None] + kk[None, :],
+                    mask=(w_ok & w_live)[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        out = tl.trans(packed_diagonal(acc, K_PACK, BLOCK_N, BLOCK_M))
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + cols[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (cols < N)[None, :],
+        )
+
     _tuned_reduce_unrolled = tuning.autotuned(
         triton_masked_reduce_gemm_unrolled_kernel, tuning.REDUCE_UNROLLED, ["M", "N", "GW", "G", "SPLIT"], decode=True
     )
@@ -260,6 +336,56 @@ if triton is not None:
         }
         for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
+    # the packed variant, per packing (its table's BLOCK_N: output channels a program)
+    _tuned_reduce_packed = {
+        pack: tuning.autotuned(
+            triton_masked_reduce_gemm_packed_kernel,
+            table,
+            ["M", "N", "GW", "G", "BLOCK_M"],
+            decode=True,
+            prune=tuning.packed_pruner("BLOCK_K"),
+        )
+        for pack, table in tuning.REDUCE_DECODE_PACKED.items()
+    }
+
+
+def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
+    m, k = x.shape
+    n = w.shape[0]
+    groups = mask.shape[-1]
+    if w.shape[1] != k or k % groups or mask.shape[0] != m:
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    x, w = x.contiguous(), w.contiguous()
+    mask_u8 = mask_bytes(mask)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    gw = k // groups
+    # a token tile of up to 16, padded so that the product has 16 or more columns (tl.dot's least)
+    block_m = min(16, max(tuning.next_power_of_2(m), 16 // k_pack))
+    block_g = max(16, tuning.next_power_of_2(groups))
+    fixed = block_n is not None or tuning.interpreted()
+    if fixed:
+        bn = block_n or max(16 // k_pack, 1)
+    elif k_pack in tuning.REDUCE_DECODE_PACKED:
+        bn = min(meta["BLOCK_N"] for meta, _, _ in tuning.REDUCE_DECODE_PACKED[k_pack])  # the narrowest tile
+    else:
+        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(tuning.REDUCE_DECODE_PACKED)}")
+    # one group list per program: as many as the narrowest tile makes
+    lists = torch.empty(tuning.cdiv(n, bn) * tuning.cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)
+    args = (x, w, mask_u8, out, lists, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0))
+    common = {"DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m}
+    if fixed:
+        bk = block_k or min(32, max(16, tuning.next_power_of_2(gw)))
+        if k_pack * bn < 16 or bk < 16:
+            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+        grid = (tuning.cdiv(n, bn), tuning.cdiv(m, block_m))
+        triton_masked_reduce_gemm_packed_kernel[grid](
+            *args, out.stride(0), **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack
+        )  # fmt: skip
+    else:
+        grid = lambda cfg: (tuning.cdiv(n, cfg["BLOCK_N"]), tuning.cdiv(m, block_m))  # noqa: E731
+        _tuned_reduce_packed[k_pack][grid](*args, out.stride(0), **common, K_PACK=k_pack)
+    return out
 
 
 def group_major(w: torch.Tensor, groups: int) -> torch.Tensor:
@@ -313,6 +439,7 @@ def triton_masked_reduce_gemm(
     variant: str | None = None,
     w_group_major: torch.Tensor | None = None,
     swap_ab: bool | None = None,
+    k_pack: int = 4,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_reduce_gemm` (the decode path). ``layout``: anything
     whose last two entries are ``(active_groups, n_active)`` (``decode_layout`` or the full
@@ -324,11 +451,24 @@ def triton_masked_reduce_gemm(
     default ``tuning.reduce_variant`` (fused for decode sizes, as measured; "unrolled" where
     ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
     beside ``w``), read by the unrolled variant instead. ``swap_ab`` (loop and fused variants): the
-    weight tile as the product's row operand (``tile_dot``), default ``tuning.decode_swap_ab``."""
+    weight tile as the product's row operand (``tile_dot``), default ``tuning.decode_swap_ab``.
+    "packed": the fused kernel's own group list, then ``k_pack`` (a power of two) active groups a
+    step packed into one product of the weight tile as its rows
+    (``triton_masked_reduce_gemm_packed_kernel``): one program an output block, no shares to add
+    (``split`` and ``swap_ab`` do not apply)."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
-    if variant not in ("loop", "unrolled", "fused"):
-        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused")
+    if variant not in ("loop", "unrolled", "fused", "packed"):
+        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused, packed")
+    if variant == "packed":
+        if split not in (None, 1) or swap_ab is False or k_pack < 1 or k_pack & (k_pack - 1):
+            raise ValueError(
+                f"the packed variant takes k_pack a power of two, no split and the weight tile as the MMA's "
+                f"rows; got k_pack={k_pack}, split={split}, swap_ab={swap_ab}"
+            )
+        if triton is None:
+            raise RuntimeError("triton is not installed")
+        return _reduce_packed(x, w, mask, out, k_pack, block_n, block_k)
     if w_group_major is not None and variant != "unrolled":
         raise ValueError("w_group_major is read by the unrolled variant only")
     if swap_ab and variant == "unrolled":

@@ -123,25 +123,29 @@ def decode_k_pack(m: int, fused: bool) -> int:
     return 4 if not fused and m <= 4 and not interpreted() else 1
 
 
-def prune_packed(configs_, named_args, **kwargs):
-    """Autotuner hook of the K-packed decode kernel: ``prune_wider_than_group("BLOCK_N")``, then
-    the tiles whose pipeline stages fit in shared memory (fp32 inputs take twice bf16's bytes; an
+def packed_pruner(block: str):
+    """Autotuner hook of the K-packed decode kernels: ``prune_wider_than_group(block)``, then the
+    tiles whose pipeline stages fit in shared memory (fp32 inputs take twice bf16's bytes; an
     estimate of the operand tiles only). Where none fits, the smallest tile with as many stages as
     fit (at least 1)."""
-    kept = prune_wider_than_group("BLOCK_N")(configs_, named_args)
-    elem = named_args["x_ptr"].element_size()
-    weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
-    pack, block_m = kwargs["K_PACK"], kwargs["BLOCK_M"]
 
-    def stage_bytes(c):
-        return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+    def prune(configs_, named_args, **kwargs):
+        kept = prune_wider_than_group(block)(configs_, named_args)
+        elem = named_args["x_ptr"].element_size()
+        weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
+        pack, block_m = kwargs["K_PACK"], kwargs["BLOCK_M"]
 
-    fit = [c for c in kept if c.num_stages * stage_bytes(c) <= PACKED_SMEM_BUDGET]
-    if fit:
-        return fit
-    small = min(kept, key=stage_bytes)
-    stages = max(1, min(small.num_stages, PACKED_SMEM_BUDGET // stage_bytes(small)))
-    return [triton.Config(dict(small.kwargs), num_warps=small.num_warps, num_stages=stages)]
+        def stage_bytes(c):
+            return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+
+        fit = [c for c in kept if c.num_stages * stage_bytes(c) <= PACKED_SMEM_BUDGET]
+        if fit:
+            return fit
+        small = min(kept, key=stage_bytes)
+        stages = max(1, min(small.num_stages, PACKED_SMEM_BUDGET // stage_bytes(small)))
+        return [triton.Config(dict(small.kwargs), num_warps=small.num_warps, num_stages=stages)]
+
+    return prune
 
 
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program (Hopper: 227 KB of shared memory)
@@ -362,6 +366,19 @@ REDUCE_DECODE_SWAP = [
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
 ]
+
+# the packed reduction (``gemm_reduce.triton_masked_reduce_gemm_packed_kernel``), per packing: the
+# MMA's rows are K_PACK x BLOCK_N (64 for 4 warps, 128 for 8); BLOCK_K steps through one group
+REDUCE_DECODE_PACKED = {
+    pack: [
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 4),
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 3),
+        ({"BLOCK_N": 64 // pack, "BLOCK_K": 64}, 4, 6),
+        ({"BLOCK_N": 128 // pack, "BLOCK_K": 64}, 8, 4),
+        ({"BLOCK_N": 128 // pack, "BLOCK_K": 128}, 8, 3),
+    ]
+    for pack in (2, 4, 8)
+}
 
 # the unrolled variant of that loop (whole-group K tiles; no software pipeline to feed)
 REDUCE_UNROLLED = [
