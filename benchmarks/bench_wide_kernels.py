@@ -222,7 +222,7 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():  # decode: the default (fused: one launch, its own group list); prefill: the masked dense product
+    def ours():  # decode: the default (``tuning.reduce_variant``); prefill: the masked dense product
         if decode:
             return triton_masked_reduce_gemm(h, wd, mask)
         return dense_masked_reduce_gemm(h, wd, mask)
@@ -234,6 +234,13 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
     if not decode:
         return
+    # the fused variant (its own group list, 4 shares summed through tickets: the default at M = 1
+    # until run 61)
+    got = triton_masked_reduce_gemm(h, wd, mask, variant="fused")
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    fused = lambda: triton_masked_reduce_gemm(h, wd, mask, variant="fused")  # noqa: E731
+    add_row(results, "down fused split=4", m, mask_kind, mask, fused, {"cuBLAS down": dense}, ok, err, True)
     for split in (2, 4, 8):  # the loop variant (layout, loop, summing launch) at several splits
         got = triton_masked_reduce_gemm(h, wd, mask, split=split, variant="loop")
         err = (got.float() - ref.float()).abs().max().item()

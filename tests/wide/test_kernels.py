@@ -773,6 +773,15 @@ def test_decode_k_pack_default(monkeypatch):
     assert calls == ["packed", "split"]
 
 
+def test_reduce_variant_default(monkeypatch):
+    """The reduction packs 4 groups a step on a GPU up to 4 tokens, the fused variant for the other
+    decode sizes and in the interpreter, the loop beyond."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert [tuning.reduce_variant(m) for m in (1, 4, 5, 16, 17)] == ["packed", "packed", "fused", "fused", "loop"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tuning.reduce_variant(1) == "fused"
+
+
 def test_prune_packed_keeps_tiles_that_fit_shared_memory():
     """The packed kernel's autotuner hook: bf16 q keeps its whole table; fp32 gate+up, whose tiles
     overflow shared memory, gets the tiles that fit, or the smallest one with fewer stages."""

@@ -102,11 +102,17 @@ def out_decode_split_k(m: int, fused: bool) -> int:
 
 
 def reduce_variant(m: int) -> str:
-    """The reduction kernel's default variant (``triton_masked_reduce_gemm``): "fused" (one launch:
-    its own group list, the shares summed through tickets) for decode sizes, "loop" (the layout
-    launch, the loop, the summing launch) beyond. At M = 1 on the H200 (run 16, down, split 4) the
-    fused one measured 1.48x-1.68x of cuBLAS in GPU time and 1.60x-2.01x in a CUDA graph, the loop
-    1.51x-1.68x and 1.50x-1.87x; at M = 4 both 0.97x-1.01x."""
+    """The reduction kernel's default variant (``triton_masked_reduce_gemm``): "packed" (4 active
+    groups a step in one product, one program an output block) up to 4 tokens on a GPU, "fused"
+    (one launch: its own group list, the shares summed through tickets) for the other decode sizes
+    and in the CPU interpreter, "loop" (the layout launch, the loop, the summing launch) beyond. On
+    the H200, down at M = 1 (run 61, ``benchmarks/sweep_wide_decode.py``, GPU time): packed 22.62
+    us against the fused one's 24.74 (exact masks; 21.12 against 23.01 i.i.d.), at M = 4 36.42
+    against 38.13; 8 groups a step 22.78 / 21.52, 2 slower than fused (27.76 / 25.39). Before (run
+    16, split 4) the fused one measured 1.48x-1.68x of cuBLAS in GPU time and 1.60x-2.01x in a CUDA
+    graph, the loop 1.51x-1.68x and 1.50x-1.87x; at M = 4 both 0.97x-1.01x."""
+    if m <= 4 and not interpreted():
+        return "packed"
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
