@@ -753,11 +753,11 @@ def test_decode_split_k_default(monkeypatch):
 
 
 def test_decode_k_pack_default(monkeypatch):
-    """q's decode product packs 4 chunks of K into one product on a GPU up to 4 tokens; from 5 tokens,
-    the fused SwiGLU and the interpreter do not pack. A split or the tokens as the MMA's rows, when
-    asked for, leave it unpacked."""
+    """q's decode product packs 4 chunks of K into one product on a GPU up to 4 tokens, 2 up to 16;
+    prefill sizes, the fused SwiGLU and the interpreter do not pack. A split or the tokens as the
+    MMA's rows, when asked for, leave it unpacked."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert [tuning.decode_k_pack(m, False) for m in (1, 2, 4, 5, 16)] == [4, 4, 4, 1, 1]
+    assert [tuning.decode_k_pack(m, False) for m in (1, 2, 4, 5, 16, 17)] == [4, 4, 4, 2, 2, 1]
     assert tuning.decode_k_pack(1, True) == 1
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning.decode_k_pack(1, False) == 1
