@@ -51,11 +51,13 @@ def use_kernel(op: str, m: int, *, context: int = 0) -> bool:
       measured)
     * ``"out"`` (q): decode (M <= 16: 1.02x-1.5x with K split over 4 programs, runs 6-17; since
       runs 46-50, the weight tile as the MMA's rows and one program a block from 3 tokens:
-      1.35x-1.68x at M = 1, 1.65x at 2, 1.03x-1.05x at 4-16) and
+      1.35x-1.68x at M = 1, 1.65x at 2, 1.03x-1.05x at 4-16; since run 62, K packed into one
+      product: 1.83x / 1.58x at M = 1, exact / i.i.d., 1.06x at 8) and
       M >= 4096 (1.16x-1.31x GPU time, 1.27x-1.44x in a graph, runs 6, 20-21); 0.6x-1.0x between
       (2048: 0.82x-0.98x GPU time, run 21)
     * ``"reduce"`` (down, o): M = 1 (the fused active-group loop, 4 programs an output block:
-      1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17); 0.8x-1.06x from M = 2,
+      1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17; the packed loop since run 62: 1.71x
+      / 1.82x GPU time, 1.94x / 2.33x in a graph, exact / i.i.d.); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.44x-1.64x in a graph), any batch from
       32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
