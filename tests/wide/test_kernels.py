@@ -181,7 +181,7 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
     for variant, swap_ab in (("loop", False), ("loop", True), ("unrolled", False), ("fused", False), ("fused", True)):
         got = triton_masked_reduce_gemm(x, w, mask, variant=variant, swap_ab=swap_ab)
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused"):
+    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused, packed"):
         triton_masked_reduce_gemm(x, w, mask, variant="fast")
     from compresskit_wide.kernels.gemm_reduce import group_major
 
@@ -782,9 +782,10 @@ def test_reduce_variant_default(monkeypatch):
     assert tuning.reduce_variant(1) == "fused"
 
 
-def test_prune_packed_keeps_tiles_that_fit_shared_memory():
-    """The packed kernel's autotuner hook: bf16 q keeps its whole table; fp32 gate+up, whose tiles
-    overflow shared memory, gets the tiles that fit, or the smallest one with fewer stages."""
+def test_packed_pruner_keeps_tiles_that_fit_shared_memory():
+    """The packed kernels' autotuner hook: bf16 q keeps its whole table; fp32 gate+up, whose tiles
+    overflow shared memory, gets the tiles that fit, or the smallest one with fewer stages; the
+    packed reduction's bf16 table is kept whole, its blocks of K no wider than a group."""
 
     def stage_bytes(c, elem, weights, pack, block_m):
         return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
@@ -800,6 +801,11 @@ def test_prune_packed_keeps_tiles_that_fit_shared_memory():
         assert all(
             c.num_stages * stage_bytes(c, 4, 2, pack, 8) <= tuning.PACKED_SMEM_BUDGET or c.num_stages == 1 for c in kept
         )
+        rows = tuning.configs(tuning.REDUCE_DECODE_PACKED[pack])
+        prune = tuning.packed_pruner("BLOCK_K")
+        assert len(prune(rows, bf16, K_PACK=pack, BLOCK_M=16 // pack)) == len(rows)
+        narrow = prune(rows, {**bf16, "GW": 64}, K_PACK=pack, BLOCK_M=16)
+        assert narrow and all(c.kwargs["BLOCK_K"] <= 64 for c in narrow)
 
 
 def test_decode_swap_ab_default():

@@ -13,7 +13,8 @@ result needs no zero-filled buffer.
 
 Decode (M <= 16): a GEMV-style kernel, program (g, n-block) with all tokens in one tile, reads
 the mask column of its group itself (no layout prep at all); the weight blocks of groups no
-token needs are never read.
+token needs are never read. For q, chunks of K share one product (``packed_output_tile``), so that
+a program holds few output channels and enough programs stream the weight without splitting K.
 """
 
 from __future__ import annotations

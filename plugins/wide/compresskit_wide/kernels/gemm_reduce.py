@@ -8,8 +8,10 @@
 The Triton kernel is the decode path: each program owns a block of output channels and loops,
 branch-free, over the compacted list of groups some token needs (``active_groups``, ``n_active``
 from the routing layout, on the device: no host synchronisation), reading only those weight
-columns. For prefill the masked dense product on the zero-filled input is exact and uses cuBLAS
-(``dense_masked_reduce_gemm``; on the output of the fused SwiGLU kernel, already zero where
+columns; up to 4 tokens the "packed" variant builds that list in each program and takes 4 active
+groups a step in one product (``triton_masked_reduce_gemm_packed_kernel``). For prefill the
+masked dense product on the zero-filled input is exact and uses cuBLAS (``dense_masked_reduce_gemm``;
+on the output of the fused SwiGLU kernel, already zero where
 inactive, it is the plain dense product); the dispatcher picks by the benchmark.
 """
 
@@ -353,8 +355,6 @@ def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]
-    if w.shape[1] != k or k % groups or mask.shape[0] != m:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
     x, w = x.contiguous(), w.contiguous()
     mask_u8 = mask_bytes(mask)
     if out is None:
@@ -456,20 +456,11 @@ def triton_masked_reduce_gemm(
     "packed": the fused kernel's own group list, then ``k_pack`` (a power of two) active groups a
     step packed into one product of the weight tile as its rows
     (``triton_masked_reduce_gemm_packed_kernel``): one program an output block, no shares to add
-    (``split`` and ``swap_ab`` do not apply)."""
+    (``layout`` unused, ``split`` and ``swap_ab`` do not apply)."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
     if variant not in ("loop", "unrolled", "fused", "packed"):
         raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused, packed")
-    if variant == "packed":
-        if split not in (None, 1) or swap_ab is False or k_pack < 1 or k_pack & (k_pack - 1):
-            raise ValueError(
-                f"the packed variant takes k_pack a power of two, no split and the weight tile as the MMA's "
-                f"rows; got k_pack={k_pack}, split={split}, swap_ab={swap_ab}"
-            )
-        if triton is None:
-            raise RuntimeError("triton is not installed")
-        return _reduce_packed(x, w, mask, out, k_pack, block_n, block_k)
     if w_group_major is not None and variant != "unrolled":
         raise ValueError("w_group_major is read by the unrolled variant only")
     if swap_ab and variant == "unrolled":
@@ -483,6 +474,13 @@ def triton_masked_reduce_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or k % groups or mask.shape[0] != m:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    if variant == "packed":
+        if split not in (None, 1) or swap_ab is False or k_pack < 1 or k_pack & (k_pack - 1):
+            raise ValueError(
+                f"the packed variant takes k_pack a power of two, no split and the weight tile as the MMA's "
+                f"rows; got k_pack={k_pack}, split={split}, swap_ab={swap_ab}"
+            )
+        return _reduce_packed(x, w, mask, out, k_pack, block_n, block_k)
     if variant == "fused":
         active_groups = n_active = None  # each program finds its tile's groups itself
     else:

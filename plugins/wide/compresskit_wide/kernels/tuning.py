@@ -122,14 +122,13 @@ def decode_k_pack(m: int, fused: bool) -> int:
     """K chunks packed into one product of the output-width decode kernel
     (``gemm_out.packed_output_tile``; 1: not packed): for the plain one (q) 4 up to 4 tokens, 2 from
     5 to 16 (measured at 8 and 16), else 1 (and 1 in the CPU interpreter, where the other kernels
-    keep their tests' meaning). On the H200
-    (run 59, ``benchmarks/sweep_wide_decode.py``, GPU time, each autotuned): q at M = 1 with 4 chunks
-    8.45 us against 10.24 with K split over 4 programs and 10.72 unsplit (exact masks; 9.60 against
-    11.46 and 11.62 i.i.d.), 8.50 with 8 chunks, 8.86 with 2; at M = 2 10.94 against 12.72-12.75,
-    at M = 4 12.40 against 13.68-14.08 (i.i.d.); run 60, i.i.d.: at M = 8 13.89 us with 2 chunks,
-    13.92 with 4, against 14.64 unpacked; at M = 16 14.70 / 14.72 against 15.06. The fused gate+up gains nothing from it (M = 1:
-    37.7-38.1 us packed against 36.9 unpacked, exact masks; 34.9-37.2 against 34.6 i.i.d.; M = 4:
-    62.6-63.7 against 60.9)."""
+    keep their tests' meaning). On the H200 (run 59, ``benchmarks/sweep_wide_decode.py``, GPU time,
+    each autotuned): q at M = 1 with 4 chunks 8.45 us against 10.24 with K split over 4 programs and
+    10.72 unsplit (exact masks; 9.60 against 11.46 and 11.62 i.i.d.), 8.50 with 8 chunks, 8.86 with
+    2; at M = 2 10.94 against 12.72-12.75, at M = 4 12.40 against 13.68-14.08 (i.i.d.); run 60,
+    i.i.d.: at M = 8 13.89 us with 2 chunks, 13.92 with 4, against 14.64 unpacked; at M = 16 14.70 /
+    14.72 against 15.06. The fused gate+up gains nothing from it (M = 1: 37.7-38.1 us packed against
+    36.9 unpacked, exact masks; 34.9-37.2 against 34.6 i.i.d.; M = 4: 62.6-63.7 against 60.9)."""
     if fused or m > DECODE_MAX_M or interpreted():
         return 1
     return 4 if m <= 4 else 2
