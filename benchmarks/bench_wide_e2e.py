@@ -43,6 +43,7 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
 
+from compresskit.modeling import cache_kwargs  # noqa: E402
 from compresskit_wide.kernels.tuning import replay_ms  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -235,13 +236,14 @@ def graph_decode_ms(model, ids, args) -> tuple[float, dict | None]:
     device = ids.device
     cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.new_tokens + 8)
     prompt_pos = torch.arange(args.prompt, device=device)
+    kv = cache_kwargs(model, cache)  # the cache's keyword in this transformers version
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache, cache_position=prompt_pos, use_cache=True).logits
+        logits = model(ids, **kv, cache_position=prompt_pos, use_cache=True).logits
         tok = logits[:, -1:].argmax(-1)
         pos = torch.full((1,), args.prompt, dtype=torch.long, device=device)
 
         def step():
-            out = model(tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+            out = model(tok, **kv, cache_position=pos, use_cache=True).logits
             tok.copy_(out[:, -1:].argmax(-1))
             pos.add_(1)
 

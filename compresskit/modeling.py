@@ -310,3 +310,13 @@ def count_parameters(model: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def cache_kwargs(model: nn.Module, cache) -> dict:
+    """The keyword that passes a KV cache to ``model``'s forward: ``cache`` where transformers
+    names it so (5.24 on), else ``past_key_values`` (5.17, the GPU machine's; 5.24 still takes it,
+    with a deprecation warning)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}

@@ -79,3 +79,21 @@ def test_load_local_directory(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     assert model.config.num_hidden_layers == 2 and not model.training
     assert tok.pad_token is not None
+
+
+def test_cache_kwargs_names_the_keyword_the_forward_takes():
+    """The KV cache goes in as ``cache`` where the model's forward names it so (transformers 5.24),
+    else as ``past_key_values`` (5.17, the GPU machine's)."""
+    import inspect
+
+    from compresskit.modeling import cache_kwargs
+
+    class Old(nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    marker = object()
+    assert cache_kwargs(Old(), marker) == {"past_key_values": marker}
+    model = tiny_llama()
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert cache_kwargs(model, marker) == {expected: marker}

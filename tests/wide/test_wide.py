@@ -5,9 +5,11 @@ import copy
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import RunContext
+from compresskit.modeling import cache_kwargs
 from compresskit.routing import GroupRouter, RoutedProjection, decide, linear_tau, routed_projections
 from compresskit.testing import tiny_llama
 from compresskit.tokens import token_mask
@@ -347,11 +349,9 @@ def test_generate_with_kv_cache_equals_no_cache_forward():
         assert torch.equal(out, ref)
         # and the cached step-by-step logits match one full forward pass
         full = model(out).logits
-        past, logits = None, []
-        for t in range(out.shape[1]):
-            step = model(out[:, t : t + 1], past_key_values=past, use_cache=True)
-            past = step.past_key_values
-            logits.append(step.logits)
+        past, logits = DynamicCache(config=model.config), []
+        for t in range(out.shape[1]):  # the cache filled in place, step by step
+            logits.append(model(out[:, t : t + 1], **cache_kwargs(model, past), use_cache=True).logits)
         torch.testing.assert_close(torch.cat(logits, dim=1), full, rtol=1e-4, atol=1e-4)
 
 
