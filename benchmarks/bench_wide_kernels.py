@@ -48,6 +48,7 @@ from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_mask
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
     group_major,
+    split_count,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
@@ -292,6 +293,31 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
     add_row(results, "FFN block (auto)", m, mask_kind, mask, ours, {"cuBLAS FFN": dense}, ok, err, decode)
+
+
+def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
+    a group: 512 at Llama-3.1-8B shapes, against down's 128), the default variant
+    (``tuning.reduce_variant``) beside the fused one and cuBLAS."""
+    k = heads * head_dim
+    h = torch.randn(m, k, device=device, dtype=dtype)
+    wo = torch.randn(d, k, device=device, dtype=dtype) / k**0.5
+    groups = heads // attn_group
+    mask = make_mask(m, groups, 0.5, mask_kind, gen, device)
+    ref = torch_masked_reduce_gemm(h, wo, mask)
+
+    def dense():
+        return h @ wo.T
+
+    for op, variant in (("o (incl. prep)", None), (f"o fused split={split_count(groups)}", "fused")):
+        got = triton_masked_reduce_gemm(h, wo, mask, variant=variant)
+        err = (got.float() - ref.float()).abs().max().item()
+        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+        def ours(variant=variant):
+            return triton_masked_reduce_gemm(h, wo, mask, variant=variant)
+
+        add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS o": dense}, ok, err, True)
 
 
 def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
@@ -552,6 +578,14 @@ def main() -> int:
                 (
                     f"q M={m} {kind}",
                     lambda m=m, k=kind: case_q(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
+                )
+            )
+    for m in decode_m:  # o at decode (at prefill it is the dense product, as down's)
+        for kind in ("exact", "iid"):
+            cases.append(
+                (
+                    f"o M={m} {kind}",
+                    lambda m=m, k=kind: case_o(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
                 )
             )
     for m in decode_m + prefill_m:
