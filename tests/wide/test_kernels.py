@@ -503,6 +503,35 @@ def test_benchmark_script_smoke(tmp_path):
     assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
 
 
+def test_decode_kernels_compile_for_hopper(tmp_path):
+    """benchmarks/hopper_codegen.py, on any machine: the decode defaults (q and down packed, gate+up,
+    down fused, o) compiled for sm_90 at Llama-3.1-8B's shapes and the H200's tiles use the warp-group
+    MMA, stream their operands through a software pipeline and fit the H200's shared memory. The
+    check sees an unpipelined kernel (one stage) as one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "hopper_codegen.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    out = tmp_path / "codegen.json"
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert len(rows) == 5 and all(r["mma"] == "wgmma" and r["async_copies"] > 0 and not r["problems"] for r in rows)
+    one_stage = (
+        "import runpy, sys; g = runpy.run_path(sys.argv[1]); name, k, a, c, w, s = g['cases']()[0]; "
+        "print(g['compile_for_hopper'](k, a, c, w, 1)['async_copies'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", one_stage, str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stdout + proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env={**env, "TRITON_INTERPRET": "1"}
+    )
+    assert proc.returncode == 2 and "replaces Triton's compiler" in proc.stderr
+
+
 @pytest.mark.slow
 def test_decode_sweep_script_smoke(tmp_path):
     """benchmarks/sweep_wide_decode.py runs on tiny shapes: both operand orders of every decode

@@ -1,0 +1,134 @@
+"""What the decode kernels compile to on Hopper, checked on any machine: no GPU needed.
+
+    python benchmarks/hopper_codegen.py [--json FILE]
+
+Each of WIDE's decode products is compiled for sm_90 (the H200) at Llama-3.1-8B's shapes, one token,
+with the tiles the H200's autotuner chose for it (docs/wide-kernels-h200.md, runs 59-62), its integer
+arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16,
+a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
+- the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
+- the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
+  loads wait in registers each step, unpipelined);
+- the shared memory a program takes, against the H200's 227 KB.
+It exits 1 when a kernel compiles to something else than expected (the warp-group MMA, a pipelined
+stream, shared memory within bounds), 0 otherwise. Run it in a process without TRITON_INTERPRET:
+the interpreter replaces the compiler. ``tests/wide/test_kernels.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+
+H200_SHARED = 232448  # bytes of shared memory a program may take on the H200 (sm_90)
+D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
+
+
+def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile the ``@triton.jit`` ``kernel`` for sm_90. ``args``: its runtime arguments by name, a
+    pointer as its Triton type ("*bf16"), an integer as its value; ``constexprs``: the rest."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs, consts = {}, {}, dict(constexprs)
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, str):  # a pointer: the launcher's tensors are 16-byte aligned
+            signature[name] = value
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif value == 1:  # specialised to a constant, as the launcher does
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(kernel.arg_names.index(n),): v for n, v in consts.items()},
+        attrs=attrs,
+    )
+    out = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    ttgir = out.asm["ttgir"]
+    mma = "wgmma" if "warp_group_dot" in ttgir else "mma" if "nvidia_mma" in ttgir else "none"
+    return {
+        "mma": mma,
+        "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
+        "shared": out.metadata.shared,
+    }
+
+
+def cases() -> list[tuple[str, object, dict, dict, int, int]]:
+    """(name, kernel, runtime args, constexprs, warps, stages): the decode defaults at M = 1."""
+    from compresskit_wide.kernels import gemm_out, gemm_reduce
+
+    bf16, u8 = "*bf16", "*u8"
+    q = dict(x_ptr=bf16, w_ptr=bf16, wu_ptr=bf16, out_ptr=bf16, mask_ptr=u8, M=1, N=HEADS * HEAD_DIM, K=D)
+    q.update(GW=ATTN_GROUP * HEAD_DIM, stride_xm=D, stride_wn=D, stride_om=HEADS * HEAD_DIM)
+    q.update(stride_mm=HEADS // ATTN_GROUP)
+    gate_up = {**q, "N": FFN, "GW": GROUP, "stride_om": FFN, "stride_mm": FFN // GROUP}
+    down = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, out_ptr=bf16, list_ptr="*i32", M=1, N=D, G=FFN // GROUP)
+    down.update(stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP, stride_om=D)
+    o = {**down, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
+    fused = {**down, "ws_ptr": "*fp32", "ticket_ptr": "*i32", "SPLIT": 4}
+    tf32 = {"DOT_PRECISION": "tf32"}
+    packed = {**tf32, "BLOCK_M": 4, "K_PACK": 4}
+    return [
+        ("q, K packed 4 (run 59's tiles)", gemm_out.triton_masked_out_gemv_packed_kernel, q,
+         {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
+        ("gate+up fused, weight rows (run 59's tiles)", gemm_out.triton_masked_out_gemv_kernel, gate_up,
+         {**tf32, "FUSE_SWIGLU": True, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+        ("down, 4 groups packed (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, down,
+         {**packed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6),
+        ("down fused, 4 shares (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_fused_kernel, fused,
+         {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+        ("o, 4 groups packed (a table tile; o unmeasured)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
+         {**packed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
+        return 2
+    rows, failed = [], 0
+    for name, kernel, runtime, constexprs, warps, stages in cases():
+        got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)
+        problems = [
+            what
+            for what, bad in (
+                ("not the warp-group MMA", got["mma"] != "wgmma"),
+                ("no software pipeline", got["async_copies"] == 0),
+                ("over the H200's shared memory", got["shared"] > H200_SHARED),
+            )
+            if bad
+        ]
+        failed += bool(problems)
+        rows.append({"kernel": name, "warps": warps, "stages": stages, **got, "problems": problems})
+        print(
+            f"{name:48s} {got['mma']:5s} async copies {got['async_copies']:3d}  shared {got['shared'] / 1024:6.1f} KB"
+            f"  {'; '.join(problems) or 'ok'}",
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
