@@ -9,9 +9,10 @@ a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, 
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
 - the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
   loads wait in registers each step, unpipelined);
-- the shared memory a program takes, against the H200's 227 KB.
+- the shared memory a program takes, against the H200's 227 KB;
+- the registers a thread takes and the bytes it spills (``ptxas -v``, the ptxas Triton ships).
 It exits 1 when a kernel compiles to something else than expected (the warp-group MMA, a pipelined
-stream, shared memory within bounds), 0 otherwise. Run it in a process without TRITON_INTERPRET:
+stream, shared memory within bounds, no spills), 0 otherwise. Run it in a process without TRITON_INTERPRET:
 the interpreter replaces the compiler. ``tests/wide/test_kernels.py`` runs it.
 """
 
@@ -67,7 +68,29 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num
         "mma": mma,
         "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
         "shared": out.metadata.shared,
+        **registers(out.asm["ptx"]),
     }
+
+
+def registers(ptx: str) -> dict:
+    """Registers a thread and spilled bytes (stores + loads), from the ptxas that Triton ships
+    (``ptxas -v`` on the kernel's PTX, for sm_90a)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        cmd = [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(path), "-o", str(Path(tmp) / "kernel.cubin")]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    used = re.search(r"Used (\d+) registers", report)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    if used is None or len(spills) != 2:
+        raise RuntimeError(f"unexpected ptxas report: {report!r}")
+    return {"registers": int(used.group(1)), "spill_bytes": sum(spills)}
 
 
 def cases() -> list[tuple[str, object, dict, dict, int, int]]:
@@ -115,6 +138,7 @@ def main() -> int:
                 ("not the warp-group MMA", got["mma"] != "wgmma"),
                 ("no software pipeline", got["async_copies"] == 0),
                 ("over the H200's shared memory", got["shared"] > H200_SHARED),
+                ("registers spilled", got["spill_bytes"] > 0),
             )
             if bad
         ]
@@ -122,6 +146,7 @@ def main() -> int:
         rows.append({"kernel": name, "warps": warps, "stages": stages, **got, "problems": problems})
         print(
             f"{name:48s} {got['mma']:5s} async copies {got['async_copies']:3d}  shared {got['shared'] / 1024:6.1f} KB"
+            f"  registers {got['registers']:3d}  spilled {got['spill_bytes']} B"
             f"  {'; '.join(problems) or 'ok'}",
             flush=True,
         )
