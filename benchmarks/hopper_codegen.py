@@ -2,7 +2,8 @@
 
     python benchmarks/hopper_codegen.py [--json FILE]
 
-Each of WIDE's decode products is compiled for sm_90 (the H200) at Llama-3.1-8B's shapes, one token,
+Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
+(the H200) at Llama-3.1-8B's shapes, one token,
 with the tiles the H200's autotuner chose for it (docs/wide-kernels-h200.md, runs 59-62), its integer
 arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16,
 a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
@@ -11,9 +12,10 @@ a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, 
   loads wait in registers each step, unpipelined);
 - the shared memory a program takes, against the H200's 227 KB;
 - the registers a thread takes and the bytes it spills (``ptxas -v``, the ptxas Triton ships).
-It exits 1 when a kernel compiles to something else than expected (the warp-group MMA, a pipelined
-stream, shared memory within bounds, no spills), 0 otherwise. Run it in a process without TRITON_INTERPRET:
-the interpreter replaces the compiler. ``tests/wide/test_kernels.py`` runs it.
+It exits 1 when a kernel compiles to something else than expected (its MMA kind: the warp-group MMA
+for the products; a pipelined stream, shared memory within bounds, no spills), 0 otherwise. Run it
+in a process without TRITON_INTERPRET: the interpreter replaces the compiler.
+``tests/wide/test_kernels.py`` runs it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num
         if isinstance(value, str):  # a pointer: the launcher's tensors are 16-byte aligned
             signature[name] = value
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
         elif value == 1:  # specialised to a constant, as the launcher does
             signature[name] = "constexpr"
             consts[name] = 1
@@ -93,9 +97,12 @@ def registers(ptx: str) -> dict:
     return {"registers": int(used.group(1)), "spill_bytes": sum(spills)}
 
 
-def cases() -> list[tuple[str, object, dict, dict, int, int]]:
-    """(name, kernel, runtime args, constexprs, warps, stages): the decode defaults at M = 1."""
-    from compresskit_wide.kernels import gemm_out, gemm_reduce
+def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
+    """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
+    at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
+    heads of a KV head are a 16-row tile: the older MMA, as measured in run 52)."""
+    from compresskit_wide.kernels import attention_decode, gemm_out, gemm_reduce
+    from compresskit_wide.kernels.flash import softmax_scale
 
     bf16, u8 = "*bf16", "*u8"
     q = dict(x_ptr=bf16, w_ptr=bf16, wu_ptr=bf16, out_ptr=bf16, mask_ptr=u8, M=1, N=HEADS * HEAD_DIM, K=D)
@@ -108,17 +115,27 @@ def cases() -> list[tuple[str, object, dict, dict, int, int]]:
     fused = {**down, "ws_ptr": "*fp32", "ticket_ptr": "*i32", "SPLIT": 4}
     tf32 = {"DOT_PRECISION": "tf32"}
     packed = {**tf32, "BLOCK_M": 4, "K_PACK": 4}
+    kv_len, kv_heads = 8192, HEADS // ATTN_GROUP
+    attn = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, lens_ptr="*i32", mask_ptr=u8, m_ptr="*fp32", l_ptr="*fp32")
+    attn.update(acc_ptr="*fp32", HQ=HEADS, HKV=kv_heads, S=kv_len, D=HEAD_DIM, SPLITS=32, SPLIT_LEN=kv_len // 32)
+    attn.update(scale=softmax_scale(HEAD_DIM), stride_qb=HEADS * HEAD_DIM, stride_qh=HEAD_DIM)
+    attn.update(stride_kb=kv_heads * kv_len * HEAD_DIM, stride_kh=kv_len * HEAD_DIM, stride_ks=HEAD_DIM)
+    attn.update(stride_mb=HEADS // ATTN_GROUP, HEADS_PER_GROUP=ATTN_GROUP)
+    attn_meta = {**tf32, "REP": HEADS // kv_heads, "BLOCK_H": 16, "BLOCK_N": 64, "BLOCK_D": HEAD_DIM}
     return [
         ("q, K packed 4 (run 59's tiles)", gemm_out.triton_masked_out_gemv_packed_kernel, q,
-         {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
+         {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("gate+up fused, weight rows (run 59's tiles)", gemm_out.triton_masked_out_gemv_kernel, gate_up,
-         {**tf32, "FUSE_SWIGLU": True, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+         {**tf32, "FUSE_SWIGLU": True, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("down, 4 groups packed (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, down,
-         {**packed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6),
+         {**packed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6, "wgmma"),
         ("down fused, 4 shares (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_fused_kernel, fused,
-         {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+         {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6,
+         "wgmma"),
         ("o, 4 groups packed (a table tile; o unmeasured)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
-         {**packed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4),
+         {**packed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
+        ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
+         attn_meta, 4, 3, "mma"),
     ]  # fmt: skip
 
 
@@ -130,12 +147,12 @@ def main() -> int:
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
     rows, failed = [], 0
-    for name, kernel, runtime, constexprs, warps, stages in cases():
+    for name, kernel, runtime, constexprs, warps, stages, mma in cases():
         got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)
         problems = [
             what
             for what, bad in (
-                ("not the warp-group MMA", got["mma"] != "wgmma"),
+                (f"MMA {got['mma']}, not {mma}", got["mma"] != mma),
                 ("no software pipeline", got["async_copies"] == 0),
                 ("over the H200's shared memory", got["shared"] > H200_SHARED),
                 ("registers spilled", got["spill_bytes"] > 0),
