@@ -3,10 +3,9 @@
     python benchmarks/hopper_codegen.py [--json FILE]
 
 Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
-(the H200) at Llama-3.1-8B's shapes, one token,
-with the tiles the H200's autotuner chose for it (docs/wide-kernels-h200.md, runs 59-62), its integer
-arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16,
-a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
+(the H200) at Llama-3.1-8B's shapes, one token, with the tiles the H200's autotuner chose for it
+(docs/wide-kernels-h200.md, runs 59-62), its integer arguments specialised as Triton's launcher
+specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
 - the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
   loads wait in registers each step, unpipelined);
@@ -34,7 +33,7 @@ D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
 
 def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """Compile the ``@triton.jit`` ``kernel`` for sm_90. ``args``: its runtime arguments by name, a
-    pointer as its Triton type ("*bf16"), an integer as its value; ``constexprs``: the rest."""
+    pointer as its Triton type ("*bf16"), an integer or a float as its value; ``constexprs``: the rest."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
