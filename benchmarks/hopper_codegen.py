@@ -5,7 +5,8 @@
 Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
 (the H200) at Llama-3.1-8B's shapes, one token, with the tiles the H200's autotuner chose for it
 (docs/wide-kernels-h200.md, runs 59-62), its integer arguments specialised as Triton's launcher
-specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
+specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads
+the compiled kernel's TTGIR and reports, per kernel:
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
 - the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
   loads wait in registers each step, unpipelined);
