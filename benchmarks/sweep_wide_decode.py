@@ -90,6 +90,12 @@ class Sweep:
         seed_case(case, gen)
         return True
 
+    def add_packed(self, case: str, run, ref, base_ms: float, base_name: str, tuned: dict) -> None:
+        """``add`` for each K packing with a tile table (``tuned``: packing -> autotuner), ``run(pack)``
+        the product packed so."""
+        for pack in sorted(tuned):
+            self.add(case, f"swap_ab=True k_pack={pack}", lambda p=pack: run(p), ref, base_ms, base_name, tuned[pack])
+
     def add(self, case: str, variant: str, fn, ref, base_ms: float, base_name: str, tuned) -> None:
         """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print.
         Variants ``--variants`` does not select are skipped."""
@@ -137,16 +143,8 @@ def sweep_gate_up(sw: Sweep, m: int, kind: str, gen) -> None:
             "cuBLAS gate+up",
             _tuned_out_gemv[swap],
         )
-    for pack in sorted(_tuned_out_gemv_packed):
-        sw.add(
-            case,
-            f"swap_ab=True k_pack={pack}",
-            lambda pack=pack: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=True, k_pack=pack),
-            ref,
-            base,
-            "cuBLAS gate+up",
-            _tuned_out_gemv_packed[pack],
-        )
+    run = lambda pack: triton_masked_out_gemm(x, wg, mask, wu, swap_ab=True, k_pack=pack)  # noqa: E731
+    sw.add_packed(case, run, ref, base, "cuBLAS gate+up", _tuned_out_gemv_packed)
 
 
 def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
@@ -171,16 +169,8 @@ def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
                 "cuBLAS",
                 (_tuned_out_gemv_splitk if split > 1 else _tuned_out_gemv)[swap],
             )
-    for pack in sorted(_tuned_out_gemv_packed):
-        sw.add(
-            case,
-            f"swap_ab=True k_pack={pack}",
-            lambda pack=pack: triton_masked_out_gemm(x, w, mask, split_k=1, swap_ab=True, k_pack=pack),
-            ref,
-            base,
-            "cuBLAS",
-            _tuned_out_gemv_packed[pack],
-        )
+    run = lambda pack: triton_masked_out_gemm(x, w, mask, split_k=1, swap_ab=True, k_pack=pack)  # noqa: E731
+    sw.add_packed(case, run, ref, base, "cuBLAS", _tuned_out_gemv_packed)
 
 
 def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
@@ -205,16 +195,8 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
                 "cuBLAS",
                 _tuned_reduce_fused[swap],
             )
-    for pack in sorted(_tuned_reduce_packed):
-        sw.add(
-            case,
-            f"swap_ab=True k_pack={pack}",
-            lambda pack=pack: triton_masked_reduce_gemm(x, w, mask, variant="packed", k_pack=pack),
-            ref,
-            base,
-            "cuBLAS",
-            _tuned_reduce_packed[pack],
-        )
+    run = lambda pack: triton_masked_reduce_gemm(x, w, mask, variant="packed", k_pack=pack)  # noqa: E731
+    sw.add_packed(case, run, ref, base, "cuBLAS", _tuned_reduce_packed)
 
 
 def mma_kinds() -> dict:

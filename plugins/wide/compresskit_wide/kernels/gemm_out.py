@@ -271,35 +271,26 @@ if triton is not None:
         decode=False,
         prune="BLOCK_N",
     )
-    # the decode kernels, per operand order (``tile_dot``: tokens or weights as the rows), each
-    # with its own tile table
-    _tuned_out_gemv_splitk = {
-        swap: tuning.autotuned(
-            triton_masked_out_gemv_splitk_kernel,
-            table,
-            ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
-            decode=True,
-            prune="BLOCK_N",
-        )
-        for swap, table in ((False, tuning.OUT_DECODE_SPLITK), (True, tuning.OUT_DECODE_SPLITK_SWAP))
-    }
-    _tuned_out_gemv = {
-        swap: tuning.autotuned(
-            triton_masked_out_gemv_kernel, table, ["M", "N", "K", "GW", "FUSE_SWIGLU"], decode=True, prune="BLOCK_N"
-        )
-        for swap, table in ((False, tuning.OUT_DECODE), (True, tuning.OUT_DECODE_SWAP))
-    }
-    # the K-packed decode kernel, per packing (its table's BLOCK_N: output channels a program)
-    _tuned_out_gemv_packed = {
-        pack: tuning.autotuned(
-            triton_masked_out_gemv_packed_kernel,
-            table,
-            ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"],
-            decode=True,
-            prune=tuning.packed_pruner("BLOCK_N"),
-        )
-        for pack, table in tuning.OUT_DECODE_PACKED.items()
-    }
+    # the decode kernels, per operand order (``tile_dot``: tokens or weights as the rows) or per
+    # packing (its table's BLOCK_N: output channels a program), each with its own tile table
+    _tuned_out_gemv_splitk = tuning.decode_autotuned(
+        triton_masked_out_gemv_splitk_kernel,
+        {False: tuning.OUT_DECODE_SPLITK, True: tuning.OUT_DECODE_SPLITK_SWAP},
+        ["M", "N", "K", "GW", "SPLIT_K", "FOLD_SUM"],
+        "BLOCK_N",
+    )
+    _tuned_out_gemv = tuning.decode_autotuned(
+        triton_masked_out_gemv_kernel,
+        {False: tuning.OUT_DECODE, True: tuning.OUT_DECODE_SWAP},
+        ["M", "N", "K", "GW", "FUSE_SWIGLU"],
+        "BLOCK_N",
+    )
+    _tuned_out_gemv_packed = tuning.decode_autotuned(
+        triton_masked_out_gemv_packed_kernel,
+        tuning.OUT_DECODE_PACKED,
+        ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"],
+        tuning.packed_pruner("BLOCK_N"),
+    )
 
 
 def triton_masked_out_gemm(
@@ -416,19 +407,15 @@ def _out_gemv_packed(x, w, w_up, mask, out, fuse, k_pack, gw, groups, block_n, b
     m, k = x.shape
     n = w.shape[0]
     mask_u8 = mask_bytes(mask)
-    # the tokens padded so that the product has 16 or more columns (tl.dot's least)
-    block_m = max(tuning.next_power_of_2(m), 16 // k_pack)
     args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
-    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_M": block_m}
+    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": tuning.dot_precision(x.dtype)}
+    common["BLOCK_M"] = tuning.packed_block_m(m, k_pack)
     if block_n is not None or tuning.interpreted():
-        bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
-        if k_pack * bn < 16 or bk < 16:
-            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+        bn, bk = tuning.packed_fixed_tiles(block_n, block_k, k_pack, 32)
         grid = (groups, tuning.cdiv(gw, bn))
         triton_masked_out_gemv_packed_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
     else:
-        if k_pack not in _tuned_out_gemv_packed:
-            raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_out_gemv_packed)}")
+        tuning.packed_table(tuning.OUT_DECODE_PACKED, k_pack)
         grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
         _tuned_out_gemv_packed[k_pack][grid](*args, **common, K_PACK=k_pack)
     return out

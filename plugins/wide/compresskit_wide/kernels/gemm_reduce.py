@@ -220,6 +220,23 @@ if triton is not None:
         store_share(acc, out_ptr, ws_ptr, rows, row_ok, cols, col_ok, s, M, N, stride_om, SPLIT)
 
     @triton.jit
+    def tile_group_list(mask_ptr, list_ptr, s, tm, tn, rows, row_ok, G, stride_mm, BLOCK_G: tl.constexpr):
+        """The fused and packed kernels' own prep: the groups some token of the tile ``rows`` needs
+        (its mask rows ORed), compacted in order into program (tn, tm, s)'s slice of the scratch
+        buffer ``list_ptr`` and visible to all the program's threads on return. Returns ``(its
+        list, their count)``."""
+        gs = tl.arange(0, BLOCK_G)
+        flags = tl.load(
+            mask_ptr + rows[:, None] * stride_mm + gs[None, :], mask=row_ok[:, None] & (gs < G)[None, :], other=0
+        )
+        on = tl.max((flags != 0).to(tl.int32), axis=0)  # [BLOCK_G]: some token of the tile needs group g
+        n_active = tl.sum(on, axis=0)
+        my_list = list_ptr + ((s * tl.num_programs(1) + tm) * tl.num_programs(0) + tn) * BLOCK_G
+        tl.store(my_list + tl.cumsum(on, axis=0) - on, gs, mask=on != 0)
+        tl.debug_barrier()  # the list is written by all the program's threads, read by each
+        return my_list, n_active
+
+    @triton.jit
     def triton_masked_reduce_gemm_fused_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, ws_ptr, list_ptr, ticket_ptr,
         M, N, GW: tl.constexpr, G, SPLIT,
@@ -238,15 +255,7 @@ if triton is not None:
         row_ok = rows < M
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        gs = tl.arange(0, BLOCK_G)
-        g_ok = gs < G
-        flag_ptrs = mask_ptr + rows[:, None] * stride_mm + gs[None, :]
-        flags = tl.load(flag_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
-        on = tl.max((flags != 0).to(tl.int32), axis=0)  # [BLOCK_G]: some token of the tile needs group g
-        n_active = tl.sum(on, axis=0)
-        my_list = list_ptr + ((s * tl.num_programs(1) + tm) * tl.num_programs(0) + tn) * BLOCK_G
-        tl.store(my_list + tl.cumsum(on, axis=0) - on, gs, mask=on != 0)
-        tl.debug_barrier()  # the list is written by all the program's threads, read by each
+        my_list, n_active = tile_group_list(mask_ptr, list_ptr, s, tm, tn, rows, row_ok, G, stride_mm, BLOCK_G)
         chunk = tl.cdiv(n_active, SPLIT)
         first = s * chunk
         count = tl.maximum(tl.minimum(chunk, n_active - first), 0)
@@ -282,15 +291,7 @@ if triton is not None:
         tm = tl.program_id(1)
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        gs = tl.arange(0, BLOCK_G)
-        flags = tl.load(
-            mask_ptr + rows[:, None] * stride_mm + gs[None, :], mask=row_ok[:, None] & (gs < G)[None, :], other=0
-        )
-        on = tl.max((flags != 0).to(tl.int32), axis=0)  # [BLOCK_G]: some token of the tile needs group g
-        n_active = tl.sum(on, axis=0)
-        my_list = list_ptr + (tm * tl.num_programs(0) + tn) * BLOCK_G
-        tl.store(my_list + tl.cumsum(on, axis=0) - on, gs, mask=on != 0)
-        tl.debug_barrier()  # the list is written by all the program's threads, read by each
+        my_list, n_active = tile_group_list(mask_ptr, list_ptr, 0, tm, tn, rows, row_ok, G, stride_mm, BLOCK_G)
         r = tl.arange(0, K_PACK * BLOCK_N)
         w_rows = tn * BLOCK_N + r % BLOCK_N
         w_ok = w_rows < N
@@ -332,23 +333,21 @@ if triton is not None:
     )
     # per operand order (``tile_dot``), each with its own tile table
     _tuned_reduce_gemm, _tuned_reduce_fused = (
-        {
-            swap: tuning.autotuned(kernel, table, ["M", "N", "GW", "G", "SPLIT"], decode=True, prune="BLOCK_K")
-            for swap, table in ((False, tuning.REDUCE_DECODE), (True, tuning.REDUCE_DECODE_SWAP))
-        }
+        tuning.decode_autotuned(
+            kernel,
+            {False: tuning.REDUCE_DECODE, True: tuning.REDUCE_DECODE_SWAP},
+            ["M", "N", "GW", "G", "SPLIT"],
+            "BLOCK_K",
+        )
         for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
     # the packed variant, per packing (its table's BLOCK_N: output channels a program)
-    _tuned_reduce_packed = {
-        pack: tuning.autotuned(
-            triton_masked_reduce_gemm_packed_kernel,
-            table,
-            ["M", "N", "GW", "G", "BLOCK_M"],
-            decode=True,
-            prune=tuning.packed_pruner("BLOCK_K"),
-        )
-        for pack, table in tuning.REDUCE_DECODE_PACKED.items()
-    }
+    _tuned_reduce_packed = tuning.decode_autotuned(
+        triton_masked_reduce_gemm_packed_kernel,
+        tuning.REDUCE_DECODE_PACKED,
+        ["M", "N", "GW", "G", "BLOCK_M"],
+        tuning.packed_pruner("BLOCK_K"),
+    )
 
 
 def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
@@ -360,24 +359,18 @@ def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     gw = k // groups
-    # a token tile of up to 16, padded so that the product has 16 or more columns (tl.dot's least)
-    block_m = min(16, max(tuning.next_power_of_2(m), 16 // k_pack))
+    block_m = tuning.packed_block_m(m, k_pack)  # a token tile of up to 16
     block_g = max(16, tuning.next_power_of_2(groups))
     fixed = block_n is not None or tuning.interpreted()
     if fixed:
-        bn = block_n or max(16 // k_pack, 1)
-    elif k_pack in tuning.REDUCE_DECODE_PACKED:
-        bn = min(meta["BLOCK_N"] for meta, _, _ in tuning.REDUCE_DECODE_PACKED[k_pack])  # the narrowest tile
-    else:
-        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(tuning.REDUCE_DECODE_PACKED)}")
+        bn, bk = tuning.packed_fixed_tiles(block_n, block_k, k_pack, min(32, max(16, tuning.next_power_of_2(gw))))
+    else:  # the narrowest tile of the table
+        bn = min(meta["BLOCK_N"] for meta, _, _ in tuning.packed_table(tuning.REDUCE_DECODE_PACKED, k_pack))
     # one group list per program: as many as the narrowest tile makes
     lists = torch.empty(tuning.cdiv(n, bn) * tuning.cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)
     args = (x, w, mask_u8, out, lists, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0))
     common = {"DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m}
     if fixed:
-        bk = block_k or min(32, max(16, tuning.next_power_of_2(gw)))
-        if k_pack * bn < 16 or bk < 16:
-            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
         grid = (tuning.cdiv(n, bn), tuning.cdiv(m, block_m))
         triton_masked_reduce_gemm_packed_kernel[grid](
             *args, out.stride(0), **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack

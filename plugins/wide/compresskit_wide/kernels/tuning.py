@@ -289,6 +289,35 @@ def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, deco
     )(kernel)
 
 
+def decode_autotuned(kernel, tables: dict, key: list[str], prune) -> dict:
+    """A decode ``kernel`` autotuned per variant: ``{variant: autotuned(kernel, table, ...)}`` for
+    each ``variant: table`` of ``tables`` (an operand order, a packing), each with its own tiles."""
+    return {variant: autotuned(kernel, table, key, decode=True, prune=prune) for variant, table in tables.items()}
+
+
+def packed_block_m(m: int, k_pack: int) -> int:
+    """The token tile of a K-packed decode kernel: the tokens (up to 16) padded to a power of two and
+    so that the product has 16 or more columns (``k_pack`` x the tile; ``tl.dot``'s least)."""
+    return min(16, max(next_power_of_2(m), 16 // k_pack))
+
+
+def packed_fixed_tiles(block_n: int | None, block_k: int | None, k_pack: int, default_k: int) -> tuple[int, int]:
+    """The fixed tiles of a K-packed decode kernel (tests, the interpreter): ``block_n`` channels a
+    program (default: 16 MMA rows' worth) and ``block_k`` (default ``default_k``); an error where
+    ``tl.dot`` would get fewer than 16 rows or columns of K."""
+    bn, bk = block_n or max(16 // k_pack, 1), block_k or default_k
+    if k_pack * bn < 16 or bk < 16:
+        raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+    return bn, bk
+
+
+def packed_table(tables: dict, k_pack: int) -> list:
+    """``tables[k_pack]``: a packing's tile table, or an error that names the tuned packings."""
+    if k_pack not in tables:
+        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(tables)}")
+    return tables[k_pack]
+
+
 # output-width GEMV for decode: BLOCK_M is 16 (tl.dot's minimum); the weight stream needs wide K
 # blocks and enough programs in flight
 OUT_DECODE = [
