@@ -115,6 +115,8 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     fused = {**down, "ws_ptr": "*fp32", "ticket_ptr": "*i32", "SPLIT": 4}
     tf32 = {"DOT_PRECISION": "tf32"}
     packed = {**tf32, "BLOCK_M": 4, "K_PACK": 4}
+    listed = {**packed, "DIRECT": False}
+    direct = {**tf32, "BLOCK_M": 2, "K_PACK": 8, "DIRECT": True}
     kv_len, kv_heads = 8192, HEADS // ATTN_GROUP
     attn = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, lens_ptr="*i32", mask_ptr=u8, m_ptr="*fp32", l_ptr="*fp32")
     attn.update(acc_ptr="*fp32", HQ=HEADS, HKV=kv_heads, S=kv_len, D=HEAD_DIM, SPLITS=32, SPLIT_LEN=kv_len // 32)
@@ -128,12 +130,14 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         ("gate+up fused, weight rows (run 59's tiles)", gemm_out.triton_masked_out_gemv_kernel, gate_up,
          {**tf32, "FUSE_SWIGLU": True, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("down, 4 groups packed (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, down,
-         {**packed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6, "wgmma"),
+         {**listed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6, "wgmma"),
         ("down fused, 4 shares (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_fused_kernel, fused,
          {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6,
          "wgmma"),
         ("o, 4 groups packed (a table tile; o unmeasured)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
-         {**packed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
+         {**listed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
+        ("o, all 8 groups a step, no list (a table tile)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
+         {**direct, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 8, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
     ]  # fmt: skip

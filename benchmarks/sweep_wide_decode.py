@@ -9,9 +9,10 @@ Llama-3.1-8B shapes, bf16, 50% sparsity, exact-k and i.i.d. masks, M = 1 and 4 (
 decode product runs with the tokens as the MMA's rows (a 16-row ``tl.dot`` tile) and with the weight
 tile as its rows (``swap_ab``: 32 to 128 weight rows; from 64, Hopper's warp-group MMA), each
 autotuned over its own tile table (the chosen tiles are printed): gate+up fused, q at K splits 1 to
-8 (the last share adds the partials), down's fused loop at 2 to 8 shares; each also with
-K chunks (down: active groups) packed into one product (``k_pack`` 2, 4, 8: few output channels a
-program, no partial sums; ``--variants`` selects variants by name). (Runs 47-52 also timed the
+8 (the last share adds the partials), down's fused loop at 2 to 8 shares, o's (8 groups of 512
+inputs) at 1 to 8; each also with K chunks (down, o: active groups) packed into one product
+(``k_pack`` 2, 4, 8: few output channels a program, no partial sums; for down and o with the
+compacted group list and without it, "direct"; ``--variants`` selects variants by name). (Runs 47-52 also timed the
 fused gate+up over 2 and 4 programs an output block and the decode attention with both products
 transposed, options removed after: ``bb50dc3`` and ``8ded36d`` have them.) Each variant is first
 checked against its PyTorch reference. Results: a table on stdout and
@@ -40,6 +41,7 @@ from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     triton_masked_out_gemm,
 )
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
+    _tuned_reduce_direct,
     _tuned_reduce_fused,
     _tuned_reduce_packed,
     torch_masked_reduce_gemm,
@@ -90,11 +92,12 @@ class Sweep:
         seed_case(case, gen)
         return True
 
-    def add_packed(self, case: str, run, ref, base_ms: float, base_name: str, tuned: dict) -> None:
+    def add_packed(self, case: str, run, ref, base_ms: float, base_name: str, tuned: dict, suffix: str = "") -> None:
         """``add`` for each K packing with a tile table (``tuned``: packing -> autotuner), ``run(pack)``
-        the product packed so."""
+        the product packed so; ``suffix`` ends the variants' names."""
         for pack in sorted(tuned):
-            self.add(case, f"swap_ab=True k_pack={pack}", lambda p=pack: run(p), ref, base_ms, base_name, tuned[pack])
+            name = f"swap_ab=True k_pack={pack}{suffix}"
+            self.add(case, name, lambda p=pack: run(p), ref, base_ms, base_name, tuned[pack])
 
     def add(self, case: str, variant: str, fn, ref, base_ms: float, base_name: str, tuned) -> None:
         """Check ``fn()`` against ``ref``, then time it; ``tuned``: the autotuner whose choice to print.
@@ -173,17 +176,20 @@ def sweep_q(sw: Sweep, m: int, kind: str, gen) -> None:
     sw.add_packed(case, run, ref, base, "cuBLAS", _tuned_out_gemv_packed)
 
 
-def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
-    case = f"down M={m} {kind}"
+def sweep_reduce(sw: Sweep, op: str, m: int, kind: str, gen) -> None:
+    """The reduction-width decode product: "down" (FFN inputs, 112 groups of 128) or "o" (the
+    attention's heads, 8 groups of 4 heads x 128)."""
+    case = f"{op} M={m} {kind}"
     if not sw.begin(case, gen):
         return
-    x = torch.randn(m, FFN, device=DEV, dtype=DT)
-    w = torch.randn(D, FFN, device=DEV, dtype=DT) / FFN**0.5
-    mask = make_mask(m, FFN // GROUP, 0.5, kind, gen, DEV)
+    k, groups = (FFN, FFN // GROUP) if op == "down" else (HEADS * HEAD_DIM, HEADS // ATTN_GROUP)
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    w = torch.randn(D, k, device=DEV, dtype=DT) / k**0.5
+    mask = make_mask(m, groups, 0.5, kind, gen, DEV)
     ref = torch_masked_reduce_gemm(x, w, mask)
     base, _ = kernel_time(lambda: x @ w.T)
     for swap in (False, True):
-        for split in (2, 4, 8):
+        for split in (1, 2, 4, 8) if op == "o" else (2, 4, 8):
             sw.add(
                 case,
                 f"swap_ab={swap} split={split}",
@@ -195,8 +201,9 @@ def sweep_down(sw: Sweep, m: int, kind: str, gen) -> None:
                 "cuBLAS",
                 _tuned_reduce_fused[swap],
             )
-    run = lambda pack: triton_masked_reduce_gemm(x, w, mask, variant="packed", k_pack=pack)  # noqa: E731
-    sw.add_packed(case, run, ref, base, "cuBLAS", _tuned_reduce_packed)
+    for variant, tuned in (("packed", _tuned_reduce_packed), ("direct", _tuned_reduce_direct)):
+        run = lambda pack, v=variant: triton_masked_reduce_gemm(x, w, mask, variant=v, k_pack=pack)  # noqa: E731
+        sw.add_packed(case, run, ref, base, "cuBLAS", tuned, "" if variant == "packed" else " direct")
 
 
 def mma_kinds() -> dict:
@@ -259,7 +266,8 @@ def main() -> int:
     for m, kind in cases:
         sweep_gate_up(sw, m, kind, gen)
         sweep_q(sw, m, kind, gen)
-        sweep_down(sw, m, kind, gen)
+        sweep_reduce(sw, "down", m, kind, gen)
+        sweep_reduce(sw, "o", m, kind, gen)
     (args.out / "sweep.json").write_text(json.dumps({"meta": info, "rows": sw.rows}, indent=2))
     lines = [
         f"# WIDE decode sweep\n\n{json.dumps(info)}\n",

@@ -181,7 +181,9 @@ def test_masked_reduce_gemm_bf16_autotuned(m):
     for variant, swap_ab in (("loop", False), ("loop", True), ("unrolled", False), ("fused", False), ("fused", True)):
         got = triton_masked_reduce_gemm(x, w, mask, variant=variant, swap_ab=swap_ab)
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    with pytest.raises(ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused, packed"):
+    with pytest.raises(
+        ValueError, match="variant 'fast' is not available; allowed: loop, unrolled, fused, packed, direct"
+    ):
         triton_masked_reduce_gemm(x, w, mask, variant="fast")
     from compresskit_wide.kernels.gemm_reduce import group_major
 
@@ -505,9 +507,10 @@ def test_benchmark_script_smoke(tmp_path):
 
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """benchmarks/hopper_codegen.py, on any machine: the decode defaults (q and down packed, gate+up,
-    down fused, o) compiled for sm_90 at Llama-3.1-8B's shapes and the H200's tiles use the warp-group
-    MMA (the decode attention's split kernel the older one), stream their operands through a software
-    pipeline, fit the H200's shared memory and spill no registers. The check sees an unpipelined
+    down fused, o with its group list and without) compiled for sm_90 at Llama-3.1-8B's shapes and
+    the H200's tiles use the warp-group MMA (the decode attention's split kernel the older one),
+    stream their operands through a software pipeline, fit the H200's shared memory and spill no
+    registers. The check sees an unpipelined
     kernel (one stage) as one."""
     import json
     import subprocess
@@ -520,7 +523,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [r["mma"] for r in rows] == ["wgmma"] * 5 + ["mma"]
+    assert [r["mma"] for r in rows] == ["wgmma"] * 6 + ["mma"]
     assert all(r["async_copies"] > 0 and not r["problems"] for r in rows)
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
     one_stage = (
@@ -551,11 +554,17 @@ def test_decode_sweep_script_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down"}
+    assert {r["case"].split(" M=")[0] for r in rows} == {"gate+up", "q", "down", "o"}
     assert {r["variant"].split()[0] for r in rows} == {"swap_ab=False", "swap_ab=True"}
     packed = {(r["case"].split(" M=")[0], r["variant"]) for r in rows if "k_pack" in r["variant"]}
     want = {(op, f"swap_ab=True k_pack={p}") for op in ("gate+up", "q") for p in tuning.OUT_DECODE_PACKED}
-    assert packed == want | {("down", f"swap_ab=True k_pack={p}") for p in tuning.REDUCE_DECODE_PACKED}
+    reduce = {
+        (op, f"swap_ab=True k_pack={p}{s}")
+        for op in ("down", "o")
+        for s in ("", " direct")
+        for p in tuning.REDUCE_DECODE_PACKED
+    }
+    assert packed == want | reduce
     assert all(r["correct"] for r in rows)
     if DEVICE == "cpu":
         proc = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
@@ -1052,11 +1061,13 @@ def test_masked_out_gemv_k_packed_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("m", [1, 2, 3, 17])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize(("k_pack", "block_n", "groups"), [(2, 8, 3), (4, 16, 5), (8, None, 1), (4, None, 5)])
-def test_masked_reduce_gemm_packed_matches_reference(m, sparsity, k_pack, block_n, groups):
-    """The packed reduction (``k_pack`` active groups a step in one product): a count of active
-    groups that is no multiple of the packing, a group of 32 inputs over two steps, two token tiles
-    at M = 17; the reference's values, nothing written beyond the output (every output element is
-    written: zero where no group is active)."""
+@pytest.mark.parametrize("variant", ["packed", "direct"])
+def test_masked_reduce_gemm_packed_matches_reference(m, sparsity, k_pack, block_n, groups, variant):
+    """The packed reduction (``k_pack`` groups a step in one product), from its list of active
+    groups ("packed") and without it ("direct": consecutive groups, the unneeded ones not read): a
+    count of groups (active ones) that is no multiple of the packing, a group of 32 inputs over
+    two steps, two token tiles at M = 17; the reference's values, nothing written beyond the output
+    (every output element is written: zero where no group is active)."""
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
     gen = torch.Generator().manual_seed(m * 13 + k_pack)
@@ -1064,27 +1075,29 @@ def test_masked_reduce_gemm_packed_matches_reference(m, sparsity, k_pack, block_
     w = torch.randn(40, 32 * groups, generator=gen).to(DEVICE)
     mask = random_mask(m, groups, sparsity, seed=m + groups)
     buf = torch.full((m + 2, 40), float("nan"), device=DEVICE)
-    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_n=block_n, block_k=16, variant="packed",
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_n=block_n, block_k=16, variant=variant,
                                     k_pack=k_pack)  # fmt: skip
     torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
     assert torch.isnan(buf[m:]).all()
     for kwargs in ({"k_pack": 3}, {"split": 2}, {"swap_ab": False}):
         with pytest.raises(ValueError, match="the packed variant takes k_pack a power of two"):
-            triton_masked_reduce_gemm(x, w, mask, variant="packed", **kwargs)
+            triton_masked_reduce_gemm(x, w, mask, variant=variant, **kwargs)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 dot products need a GPU (the CPU interpreter computes in numpy)")
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("k_pack", sorted(tuning.REDUCE_DECODE_PACKED))
-def test_masked_reduce_gemm_packed_bf16_autotuned(m, k_pack):
-    """The packed reduction with its autotuned tiles on a GPU, in bf16, groups of 128."""
+@pytest.mark.parametrize(("variant", "groups"), [("packed", 8), ("direct", 8), ("direct", 2)])
+def test_masked_reduce_gemm_packed_bf16_autotuned(m, k_pack, variant, groups):
+    """The packed reduction with its autotuned tiles on a GPU, in bf16, groups of 128 (and, without
+    the list, of 512: o_proj's width, several K steps a group)."""
     from compresskit_wide.kernels.gemm_reduce import torch_masked_reduce_gemm, triton_masked_reduce_gemm
 
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 4
-    mask = random_mask(m, 8, 0.5)
+    mask = random_mask(m, groups, 0.5)
     buf = torch.full((m + 2, 384), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], variant="packed", k_pack=k_pack)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], variant=variant, k_pack=k_pack)
     ref = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * 16)
     assert torch.isnan(buf[m:]).all()

@@ -29,6 +29,8 @@ try:
 except ImportError:
     triton = None
 
+VARIANTS = ("loop", "unrolled", "fused", "packed", "direct")  # of ``triton_masked_reduce_gemm``
+
 
 def torch_masked_reduce_gemm(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Reference: zero the inactive input groups, then the dense product (fp32 accumulation)."""
@@ -273,12 +275,35 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
+    def packed_group_step(
+        acc, x_ptr, w_ptr, tok, g_x, x_on, w_rows, g_w, w_on, k0, GW: tl.constexpr, stride_xm, stride_wn,
+        DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the packed reduction: ``acc`` [rows, columns] plus the weight rows ``w_rows``
+        of groups ``g_w`` (read where ``w_on``) against the token columns ``tok`` of groups ``g_x``
+        (read where ``x_on``, else zero), inputs ``k0`` to ``k0 + BLOCK_K`` of each group."""
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = (k0 + kk) < GW
+        a = tl.load(
+            x_ptr + tok[:, None] * stride_xm + (g_x * GW + k0)[:, None] + kk[None, :],
+            mask=x_on[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + w_rows[:, None] * stride_wn + (g_w * GW + k0)[:, None] + kk[None, :],
+            mask=w_on[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        return tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+
+    @triton.jit
     def triton_masked_reduce_gemm_packed_kernel(
         x_ptr, w_ptr, mask_ptr, out_ptr, list_ptr,
         M, N, GW: tl.constexpr, G,
         stride_xm, stride_wn, stride_mm, stride_om,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):  # fmt: skip
         # The fused kernel's own group list, then K_PACK active groups a step packed into one
         # product (as ``gemm_out.packed_output_tile`` packs chunks of K): the MMA's rows are the
@@ -287,39 +312,54 @@ if triton is not None:
         # m: token m's inputs of that group, zero where it does not need it); the blocks where the
         # groups differ are dropped at the end (``packed_diagonal``). One program an output block,
         # so no partial sums, tickets or summing launch: a program holds few output channels instead.
+        # DIRECT: no list; a step's K_PACK groups are consecutive ones, and the weight rows of a group
+        # no token of the tile needs are not read (their loads predicated off); one flat loop over
+        # (groups, K step), so that the compiler pipelines it as one stream. For few groups (o_proj's
+        # 8: with K_PACK = 8, one group step), where the list's chain of dependent reads (mask,
+        # list, weights) is not hidden behind a long loop, and where unrolling a wide group's K
+        # steps (512 inputs) multiplies the pipeline's shared memory by their count.
         tn = tl.program_id(0)
         tm = tl.program_id(1)
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        my_list, n_active = tile_group_list(mask_ptr, list_ptr, 0, tm, tn, rows, row_ok, G, stride_mm, BLOCK_G)
         r = tl.arange(0, K_PACK * BLOCK_N)
         w_rows = tn * BLOCK_N + r % BLOCK_N
         w_ok = w_rows < N
         c = tl.arange(0, K_PACK * BLOCK_M)
         tok = tm * BLOCK_M + c % BLOCK_M
         tok_ok = tok < M
-        kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
-        for i in range(0, n_active, K_PACK):
-            w_live = i + r // BLOCK_N < n_active
-            g_w = tl.load(my_list + i + r // BLOCK_N, mask=w_live, other=0)  # each weight row's group
-            x_live = i + c // BLOCK_M < n_active
-            g_x = tl.load(my_list + i + c // BLOCK_M, mask=x_live, other=0)  # each token column's group
-            need = tl.load(mask_ptr + tok * stride_mm + g_x, mask=tok_ok & x_live, other=0) != 0
-            x_on = tok_ok & x_live & need
-            for k0 in tl.static_range(0, GW, BLOCK_K):
-                k_ok = (k0 + kk) < GW
-                a = tl.load(
-                    x_ptr + tok[:, None] * stride_xm + (g_x * GW + k0)[:, None] + kk[None, :],
-                    mask=x_on[:, None] & k_ok[None, :],
-                    other=0.0,
+        if DIRECT:
+            STEPS: tl.constexpr = (GW + BLOCK_K - 1) // BLOCK_K  # K steps a group
+            for t in range(0, tl.cdiv(G, K_PACK) * STEPS):
+                i = (t // STEPS) * K_PACK
+                g_w = i + r // BLOCK_N  # each weight row's group
+                w_in = w_ok & (g_w < G)
+                flags = tl.load(
+                    mask_ptr + rows[None, :] * stride_mm + g_w[:, None], mask=row_ok[None, :] & w_in[:, None], other=0
                 )
-                b = tl.load(
-                    w_ptr + w_rows[:, None] * stride_wn + (g_w * GW + k0)[:, None] + kk[None, :],
-                    mask=(w_ok & w_live)[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                acc = tl.dot(b, tl.trans(a), acc, input_precision=DOT_PRECISION)
+                w_on = w_in & (tl.max((flags != 0).to(tl.int32), axis=1) != 0)  # some token needs it
+                g_x = i + c // BLOCK_M  # each token column's group
+                x_in = tok_ok & (g_x < G)
+                x_on = x_in & (tl.load(mask_ptr + tok * stride_mm + g_x, mask=x_in, other=0) != 0)
+                acc = packed_group_step(
+                    acc, x_ptr, w_ptr, tok, g_x, x_on, w_rows, g_w, w_on, (t % STEPS) * BLOCK_K, GW, stride_xm,
+                    stride_wn, DOT_PRECISION, BLOCK_K,
+                )  # fmt: skip
+        else:
+            my_list, n_active = tile_group_list(mask_ptr, list_ptr, 0, tm, tn, rows, row_ok, G, stride_mm, BLOCK_G)
+            for i in range(0, n_active, K_PACK):
+                w_live = i + r // BLOCK_N < n_active
+                g_w = tl.load(my_list + i + r // BLOCK_N, mask=w_live, other=0)  # each weight row's group
+                x_live = i + c // BLOCK_M < n_active
+                g_x = tl.load(my_list + i + c // BLOCK_M, mask=x_live, other=0)  # each token column's group
+                need = tl.load(mask_ptr + tok * stride_mm + g_x, mask=tok_ok & x_live, other=0) != 0
+                x_on = tok_ok & x_live & need
+                for k0 in tl.static_range(0, GW, BLOCK_K):
+                    acc = packed_group_step(
+                        acc, x_ptr, w_ptr, tok, g_x, x_on, w_rows, g_w, w_ok & w_live, k0, GW, stride_xm, stride_wn,
+                        DOT_PRECISION, BLOCK_K,
+                    )  # fmt: skip
         out = tl.trans(packed_diagonal(acc, K_PACK, BLOCK_N, BLOCK_M))
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(
@@ -341,16 +381,20 @@ if triton is not None:
         )
         for kernel in (triton_masked_reduce_gemm_kernel, triton_masked_reduce_gemm_fused_kernel)
     )
-    # the packed variant, per packing (its table's BLOCK_N: output channels a program)
-    _tuned_reduce_packed = tuning.decode_autotuned(
-        triton_masked_reduce_gemm_packed_kernel,
-        tuning.REDUCE_DECODE_PACKED,
-        ["M", "N", "GW", "G", "BLOCK_M"],
-        tuning.packed_pruner("BLOCK_K"),
+    # the packed variant, per packing (its table's BLOCK_N: output channels a program), with its
+    # group list and without (``direct``): each its own autotuners
+    _tuned_reduce_packed, _tuned_reduce_direct = (
+        tuning.decode_autotuned(
+            triton_masked_reduce_gemm_packed_kernel,
+            tuning.REDUCE_DECODE_PACKED,
+            ["M", "N", "GW", "G", "BLOCK_M"],
+            tuning.packed_pruner("BLOCK_K"),
+        )
+        for _ in range(2)
     )
 
 
-def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
+def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k, direct):
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]
@@ -366,10 +410,11 @@ def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
         bn, bk = tuning.packed_fixed_tiles(block_n, block_k, k_pack, min(32, max(16, tuning.next_power_of_2(gw))))
     else:  # the narrowest tile of the table
         bn = min(meta["BLOCK_N"] for meta, _, _ in tuning.packed_table(tuning.REDUCE_DECODE_PACKED, k_pack))
-    # one group list per program: as many as the narrowest tile makes
-    lists = torch.empty(tuning.cdiv(n, bn) * tuning.cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)
+    # one group list per program: as many as the narrowest tile makes (none read without the lists)
+    count = 1 if direct else tuning.cdiv(n, bn) * tuning.cdiv(m, block_m) * block_g
+    lists = torch.empty(count, dtype=torch.int32, device=x.device)
     args = (x, w, mask_u8, out, lists, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0))
-    common = {"DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m}
+    common = {"DOT_PRECISION": tuning.dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m, "DIRECT": direct}
     if fixed:
         grid = (tuning.cdiv(n, bn), tuning.cdiv(m, block_m))
         triton_masked_reduce_gemm_packed_kernel[grid](
@@ -377,7 +422,8 @@ def _reduce_packed(x, w, mask, out, k_pack, block_n, block_k):
         )  # fmt: skip
     else:
         grid = lambda cfg: (tuning.cdiv(n, cfg["BLOCK_N"]), tuning.cdiv(m, block_m))  # noqa: E731
-        _tuned_reduce_packed[k_pack][grid](*args, out.stride(0), **common, K_PACK=k_pack)
+        tuned = _tuned_reduce_direct if direct else _tuned_reduce_packed
+        tuned[k_pack][grid](*args, out.stride(0), **common, K_PACK=k_pack)
     return out
 
 
@@ -449,11 +495,13 @@ def triton_masked_reduce_gemm(
     "packed": the fused kernel's own group list, then ``k_pack`` (a power of two) active groups a
     step packed into one product of the weight tile as its rows
     (``triton_masked_reduce_gemm_packed_kernel``): one program an output block, no shares to add
-    (``layout`` unused, ``split`` and ``swap_ab`` do not apply)."""
+    (``layout`` unused, ``split`` and ``swap_ab`` do not apply). "direct": the same product without
+    the list, ``k_pack`` consecutive groups a step, the weights of groups no token needs not read
+    (for few, wide groups: o_proj's)."""
     if variant is None:
         variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
-    if variant not in ("loop", "unrolled", "fused", "packed"):
-        raise ValueError(f"variant {variant!r} is not available; allowed: loop, unrolled, fused, packed")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r} is not available; allowed: {', '.join(VARIANTS)}")
     if w_group_major is not None and variant != "unrolled":
         raise ValueError("w_group_major is read by the unrolled variant only")
     if swap_ab and variant == "unrolled":
@@ -467,13 +515,13 @@ def triton_masked_reduce_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or k % groups or mask.shape[0] != m:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    if variant == "packed":
+    if variant in ("packed", "direct"):
         if split not in (None, 1) or swap_ab is False or k_pack < 1 or k_pack & (k_pack - 1):
             raise ValueError(
                 f"the packed variant takes k_pack a power of two, no split and the weight tile as the MMA's "
                 f"rows; got k_pack={k_pack}, split={split}, swap_ab={swap_ab}"
             )
-        return _reduce_packed(x, w, mask, out, k_pack, block_n, block_k)
+        return _reduce_packed(x, w, mask, out, k_pack, block_n, block_k, variant == "direct")
     if variant == "fused":
         active_groups = n_active = None  # each program finds its tile's groups itself
     else:
