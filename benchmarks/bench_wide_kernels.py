@@ -297,26 +297,33 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
 def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
     """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
-    a group: 512 at Llama-3.1-8B shapes, against down's 128), the default variant
-    (``tuning.reduce_variant``) beside the fused one and cuBLAS."""
+    a group: 512 at Llama-3.1-8B shapes, against down's 128) as the wide-triton executor runs it
+    (the dispatch with backend="auto": the kernel up to 2 tokens, ``tuning.use_kernel``), beside
+    the kernel's default variant (``tuning.reduce_variant``: "direct" up to 4 tokens), the packed
+    one with its group list, the fused one and cuBLAS."""
+    from compresskit_wide import kernels
+
     k = heads * head_dim
     h = torch.randn(m, k, device=device, dtype=dtype)
     wo = torch.randn(d, k, device=device, dtype=dtype) / k**0.5
     groups = heads // attn_group
     mask = make_mask(m, groups, 0.5, mask_kind, gen, device)
     ref = torch_masked_reduce_gemm(h, wo, mask)
+    backend = "auto" if CUDA else "triton"
 
     def dense():
         return h @ wo.T
 
-    for op, variant in (("o (incl. prep)", None), (f"o fused split={split_count(groups)}", "fused")):
-        got = triton_masked_reduce_gemm(h, wo, mask, variant=variant)
+    variants = (
+        ("o (auto)", lambda: kernels.masked_reduce_gemm(h, wo, mask, backend=backend)),
+        ("o kernel default", lambda: triton_masked_reduce_gemm(h, wo, mask)),
+        ("o packed, group list", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="packed")),
+        (f"o fused split={split_count(groups)}", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="fused")),
+    )
+    for op, ours in variants:
+        got = ours()
         err = (got.float() - ref.float()).abs().max().item()
         ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-
-        def ours(variant=variant):
-            return triton_masked_reduce_gemm(h, wo, mask, variant=variant)
-
         add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS o": dense}, ok, err, True)
 
 

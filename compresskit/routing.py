@@ -139,6 +139,10 @@ class RoutedProjection(nn.Module):
         # an executor's one-call inference decision, x_raw [B, T, D] -> execute [B, T, G] (the router's
         # deterministic decision, computed by a kernel); None: the router module, then ``decide``
         self.fast_decide: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # an executor's inference product, (x [B, T, K], execute [B, T, G], whether x's inactive groups
+        # are zero already) -> [B, T, N] (a kernel that reads only the active groups); None: the
+        # masker, then the base layer
+        self.fast_product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self._input_zeroed = False  # this pass's input has its inactive groups zeroed already (mark_input_zeroed)
@@ -217,6 +221,8 @@ class RoutedProjection(nn.Module):
                 f"({None if mask is None else tuple(mask.shape)} vs {tuple(x.shape)}); the router tap did not run"
             )
         _plain_set(self, "_mask", None)
+        if self.fast_product is not None and not self.training:
+            return self.fast_product(x, mask, zeroed)
         return self.base_layer(x if zeroed else self.masker(x, mask))
 
     def extra_repr(self) -> str:

@@ -304,7 +304,7 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     import json
 
     from compresskit import plugins
-    from compresskit_wide.executor import KernelMLP, KernelQ
+    from compresskit_wide.executor import KernelMLP, KernelQ, KernelReduce
 
     model, tok, _ = finalized_wide_model(tiny_model_dir)
     fast = copy.deepcopy(model)
@@ -318,14 +318,19 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     calls = []
     real = kernels.triton_routed_attention_prefill
     monkeypatch.setattr(kernels, "triton_routed_attention_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
-    maskings = []  # o_proj's own masking: skipped after a routed attention (its output is zeroed already)
+    # o_proj's product goes through the reduction's dispatch, told whether its input is zero in the
+    # skipped heads already (after a routed attention) or not (after SDPA); its own masker never runs
+    zeroed, maskings = [], []
+    real_reduce = KernelReduce.forward
+    monkeypatch.setattr(KernelReduce, "forward", lambda self, x, m, z: zeroed.append(z) or real_reduce(self, x, m, z))
     for layer in fast.model.layers:
         o_proj = layer.self_attn.o_proj
+        assert isinstance(o_proj.fast_product, KernelReduce)
         o_proj.masker = lambda x, m, real_masker=o_proj.masker: maskings.append(1) or real_masker(x, m)
     with torch.no_grad():
         torch.testing.assert_close(fast(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
     assert len(calls) == 2  # the routed prefill attention ran in both layers
-    assert maskings == []
+    assert zeroed == [True, True] and maskings == []
     # a padded batch needs an attention mask: the routed function hands it to SDPA, same result
     # (o_proj then zeroes the skipped heads itself)
     pad = torch.ones_like(ids)
@@ -333,7 +338,7 @@ def test_wide_triton_executor_matches_the_reference_path(tiny_model_dir, tmp_pat
     with torch.no_grad():
         got, ref = fast(ids, attention_mask=pad).logits, model(ids, attention_mask=pad).logits
     torch.testing.assert_close(got[pad.bool()], ref[pad.bool()], rtol=1e-4, atol=1e-4)
-    assert len(maskings) == 2
+    assert zeroed[2:] == [False, False] and maskings == []
     # the saved configuration names no attention implementation of ours
     assert "wide_routed" not in json.dumps(fast.config.to_dict())
     # cached decoding through the kernels (M = 1 per step) gives the same tokens
@@ -774,6 +779,7 @@ def test_use_kernel_policy_ranges():
     assert all(use_kernel("swiglu", m) for m in (1, 2, 16, 512, 4096))
     assert [use_kernel("out", m) for m in (1, 2, 4, 16, 17, 512, 2048, 4096)] == [1, 1, 1, 1, 0, 0, 0, 1]
     assert [use_kernel("reduce", m) for m in (1, 2, 16, 4096)] == [1, 0, 0, 0]
+    assert [use_kernel("reduce", m, groups=g) for m, g in ((2, 8), (2, 9), (3, 8), (2, 112))] == [1, 0, 0, 0]
     assert use_kernel("attn_decode", 4, context=8192) and use_kernel("attn_decode", 1, context=32768)
     assert not use_kernel("attn_decode", 1, context=8192) and not use_kernel("attn_decode", 2, context=16384)
     assert not use_kernel("attn_decode", 16, context=1024)
@@ -815,12 +821,16 @@ def test_decode_k_pack_default(monkeypatch):
 
 
 def test_reduce_variant_default(monkeypatch):
-    """The reduction packs 4 groups a step on a GPU up to 4 tokens, the fused variant for the other
-    decode sizes and in the interpreter, the loop beyond."""
+    """The reduction packs 4 groups a step on a GPU up to 4 tokens (8 groups or fewer without a
+    list), the fused variant for the other decode sizes and in the interpreter, the loop beyond."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert [tuning.reduce_variant(m) for m in (1, 4, 5, 16, 17)] == ["packed", "packed", "fused", "fused", "loop"]
+    got = [tuning.reduce_variant(m, 112) for m in (1, 4, 5, 16, 17)]
+    assert got == ["packed", "packed", "fused", "fused", "loop"]
+    assert [tuning.reduce_variant(m, g) for m, g in ((1, 8), (4, 2), (4, 9), (5, 8))] == [
+        "direct", "direct", "packed", "fused"
+    ]  # fmt: skip
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tuning.reduce_variant(1) == "fused"
+    assert tuning.reduce_variant(1, 8) == "fused"
 
 
 def test_packed_pruner_keeps_tiles_that_fit_shared_memory():
@@ -890,11 +900,13 @@ def test_auto_dispatch_follows_the_policy(monkeypatch):
     assert out(17, False) == out(1024, False) == "dense_masked_out_gemm"
     assert out(1024, False, backend="triton") == "triton_masked_out_gemm"
     calls.clear()
-    for m, backend in ((1, "auto"), (2, "auto"), (2, "triton")):
+    # 16 groups: the kernel at M = 1 only; 2 (8 or fewer, as o_proj's): up to M = 2
+    for m, groups, backend in ((1, 16, "auto"), (2, 16, "auto"), (2, 16, "triton"), (2, 2, "auto"), (3, 2, "auto")):
         kernels.masked_reduce_gemm(
-            torch.zeros(m, 8), w.T.contiguous(), torch.ones(m, 2, dtype=torch.bool), backend=backend
+            torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool), backend=backend
         )
-    assert calls == ["triton_masked_reduce_gemm", "dense_masked_reduce_gemm", "triton_masked_reduce_gemm"]
+    kernel, dense = "triton_masked_reduce_gemm", "dense_masked_reduce_gemm"
+    assert calls == [kernel, dense, kernel, kernel, dense]
     calls.clear()
     q, kv = torch.zeros(4, 8, 16), torch.zeros(4, 2, 8192, 16)
     kernels.routed_attention_decode(q, kv, kv, torch.full((4,), 8192), torch.ones(4, 2, dtype=torch.bool))
@@ -1225,14 +1237,14 @@ def test_router_decide_validates_its_tensors():
 
 
 def test_executor_routes_through_the_fused_decision_only_off_the_reference_backend(tiny_model_dir):
-    """``wide-triton`` gives each deciding projection the fused decision (not with backend
-    "torch"; under "auto" the kernel at every token count on a GPU); the router's weights are not saved
-    twice."""
+    """``wide-triton`` gives each deciding projection the fused decision and each routed o_proj the
+    reduction's dispatch (not with backend "torch"; under "auto" the decision's kernel at every
+    token count on a GPU); no weight is saved twice."""
     import copy
 
     from compresskit import plugins
     from compresskit.routing import routed_projections
-    from compresskit_wide.executor import KernelRouter
+    from compresskit_wide.executor import KernelReduce, KernelRouter
 
     model, _, _ = finalized_wide_model(tiny_model_dir)
     executor_cls = plugins.load("executor", "wide-triton")
@@ -1240,6 +1252,9 @@ def test_executor_routes_through_the_fused_decision_only_off_the_reference_backe
         fast = executor_cls(executor_cls.Config(backend=backend)).convert(copy.deepcopy(model))
         deciders = [p for _, p in routed_projections(fast) if p.router is not None]
         assert deciders and all(isinstance(p.fast_decide, KernelRouter) == expect for p in deciders)
-        # the router's weights are saved once, under the projection, not again under fast_decide
-        assert not any(".fast_decide." in k for k in fast.state_dict())
+        # the router's weights are saved once, under the projection, not again under fast_decide;
+        # o_proj's product (the reduction's dispatch) likewise, its weight under the projection only
+        assert not any(".fast_decide." in k or ".fast_product." in k for k in fast.state_dict())
+        o_projs = [layer.self_attn.o_proj for layer in fast.model.layers]
+        assert all(isinstance(p.fast_product, KernelReduce) == expect for p in o_projs)
     assert all(tuning.use_kernel("router", m) for m in (1, 1024, 2048, 4096))

@@ -12,7 +12,7 @@ the model's attention implementation becomes ``"wide_routed"`` (registered with 
 ``AttentionInterface``), which runs the routed decode / prefill attention for those heads and
 writes zeros for the others (so ``o_proj`` skips its masking); whatever it does not cover (a
 padding or static-cache mask, dropout, a sliding window, another scale) goes to transformers' SDPA
-function unchanged. Under
+function unchanged. ``o_proj`` reduces over the kept head groups through :class:`KernelReduce`. Under
 ``backend: auto`` each operator takes the Triton kernel only where the H200 benchmark measured it
 faster (``kernels.tuning.use_kernel``). The result equals the reference (``torch`` executor) up to
 floating-point rounding.
@@ -152,6 +152,27 @@ class KernelQ(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class KernelReduce(nn.Module):
+    """A routed ``o_proj``'s inference product (``RoutedProjection.fast_product``): the reduction over
+    the head groups its router kept through ``kernels.masked_reduce_gemm`` (at decode sizes the
+    kernel reads only those groups' weight columns; elsewhere the masked dense product, the plain
+    one where the routed attention has zeroed the skipped heads already). Holds a reference to the
+    projection's Linear (its weight stays where it is saved from)."""
+
+    def __init__(self, base_layer: nn.Linear, backend: str) -> None:
+        super().__init__()
+        self.__dict__["base_layer"] = base_layer  # a reference, not a submodule
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, zeroed: bool) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        m2 = mask.reshape(-1, mask.shape[-1]).bool()
+        y = kernels.masked_reduce_gemm(
+            x2, self.base_layer.weight, m2, input_is_masked=zeroed, backend=self.backend
+        )  # fmt: skip
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
 class KernelMLP(nn.Module):
     """A SwiGLU MLP whose channel groups are skipped per token by the kernels.
 
@@ -229,6 +250,10 @@ class TritonExecutor(Executor):
                 replace_module(layer, "mlp", KernelMLP(layer.mlp, self.config.backend))
             attn = getattr(layer, "self_attn", None)
             o_proj = getattr(attn, "o_proj", None)
+            if self.config.attention and isinstance(o_proj, RoutedProjection) and self.config.backend != "torch":
+                base = o_proj.base_layer
+                if type(base) is nn.Linear and base.bias is None:  # else o stays the masked dense product
+                    o_proj.fast_product = KernelReduce(base, self.config.backend)
             if self.config.attention and isinstance(o_proj, RoutedProjection) and o_proj.leader is None:
                 q = getattr(attn, "q_proj", None)
                 if type(q) is nn.Linear and q.bias is None:  # else q stays dense (exact either way)

@@ -487,8 +487,8 @@ def triton_masked_reduce_gemm(
     runtime loop over the share), "unrolled" (the share's group ids read at once, whole-group
     tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the split sum
     folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
-    default ``tuning.reduce_variant`` (packed up to 4 tokens, fused for the other decode sizes, as
-    measured; "unrolled" where
+    default ``tuning.reduce_variant`` (up to 4 tokens direct for few groups, else packed; fused for
+    the other decode sizes, as measured; "unrolled" where
     ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
     beside ``w``), read by the unrolled variant instead. ``swap_ab`` (loop and fused variants): the
     weight tile as the product's row operand (``tile_dot``), default ``tuning.decode_swap_ab``.
@@ -499,7 +499,7 @@ def triton_masked_reduce_gemm(
     the list, ``k_pack`` consecutive groups a step, the weights of groups no token needs not read
     (for few, wide groups: o_proj's)."""
     if variant is None:
-        variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0])
+        variant = "unrolled" if w_group_major is not None else tuning.reduce_variant(x.shape[0], mask.shape[-1])
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} is not available; allowed: {', '.join(VARIANTS)}")
     if w_group_major is not None and variant != "unrolled":
