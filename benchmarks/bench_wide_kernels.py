@@ -299,8 +299,8 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
     a group: 512 at Llama-3.1-8B shapes, against down's 128) as the wide-triton executor runs it
     (the dispatch with backend="auto": the kernel up to 2 tokens, ``tuning.use_kernel``), beside
-    the kernel's default variant (``tuning.reduce_variant``: "direct" up to 4 tokens), the packed
-    one with its group list, the fused one and cuBLAS."""
+    the kernel's default variant (``tuning.reduce_variant``: "direct" up to 4 tokens), the direct one
+    at every size, the packed one with its group list, the fused one and cuBLAS."""
     from compresskit_wide import kernels
 
     k = heads * head_dim
@@ -317,6 +317,7 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     variants = (
         ("o (auto)", lambda: kernels.masked_reduce_gemm(h, wo, mask, backend=backend)),
         ("o kernel default", lambda: triton_masked_reduce_gemm(h, wo, mask)),
+        ("o direct", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="direct")),
         ("o packed, group list", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="packed")),
         (f"o fused split={split_count(groups)}", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="fused")),
     )

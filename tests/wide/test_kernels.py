@@ -510,6 +510,43 @@ def test_benchmark_script_smoke(tmp_path):
     assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
 
 
+def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory():
+    """The listed packed reduction unrolls a group's K steps, each with its own buffers: every tile
+    its autotuner hook keeps (bf16, 4 groups a step) compiles for sm_90 within the H200's shared
+    memory at o_proj's 512 inputs a group and at down's 128, at 4 and 16 tokens (a tile of 256 KB
+    got through at o's width and 16 tokens before the hook counted the steps, run 66), and at down's
+    width with 4 tokens the whole table is kept (the tiles measured there)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "hopper_codegen.py"
+    code = (
+        "import json, runpy, sys, torch\n"
+        "from compresskit_wide.kernels import gemm_reduce, tuning\n"
+        "g = runpy.run_path(sys.argv[1])\n"
+        "name, kernel, args, consts, *_ = next(c for c in g['cases']() if c[0].startswith('o, 4'))\n"
+        "rows = []\n"
+        "for gw, m in ((512, 4), (512, 16), (128, 4), (128, 16)):\n"
+        "    named = {'GW': gw, 'x_ptr': torch.empty(1, dtype=torch.bfloat16)}\n"
+        "    table = tuning.configs(tuning.REDUCE_DECODE_PACKED[4])\n"
+        "    kept = tuning.packed_pruner('BLOCK_K', unrolled_group=True)(table, named, K_PACK=4, BLOCK_M=m)\n"
+        "    for c in kept:\n"
+        "        meta = {**consts, **c.kwargs, 'GW': gw, 'BLOCK_M': m}\n"
+        "        got = g['compile_for_hopper'](kernel, args, meta, c.num_warps, c.num_stages)\n"
+        "        rows.append([gw, m, len(table), len(kept), got['shared']])\n"
+        "print(json.dumps(rows))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    proc = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert {(gw, m) for gw, m, *_ in rows} == {(512, 4), (512, 16), (128, 4), (128, 16)}
+    assert all(shared <= 232448 for *_, shared in rows)
+    assert all(kept == table for gw, m, table, kept, _ in rows if (gw, m) == (128, 4))
+
+
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """benchmarks/hopper_codegen.py, on any machine: the decode defaults (q and down packed, gate+up,
     down fused, o with its group list and without) compiled for sm_90 at Llama-3.1-8B's shapes and
@@ -836,7 +873,9 @@ def test_reduce_variant_default(monkeypatch):
 def test_packed_pruner_keeps_tiles_that_fit_shared_memory():
     """The packed kernels' autotuner hook: bf16 q keeps its whole table; fp32 gate+up, whose tiles
     overflow shared memory, gets the tiles that fit, or the smallest one with fewer stages; the
-    packed reduction's bf16 table is kept whole, its blocks of K no wider than a group."""
+    packed reduction's bf16 table is kept whole at groups of 128, its blocks of K no wider than a
+    group; at groups of 512, where the listed variant unrolls 4 to 8 K steps, the tiles whose steps
+    fit."""
 
     def stage_bytes(c, elem, weights, pack, block_m):
         return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
@@ -853,10 +892,22 @@ def test_packed_pruner_keeps_tiles_that_fit_shared_memory():
             c.num_stages * stage_bytes(c, 4, 2, pack, 8) <= tuning.PACKED_SMEM_BUDGET or c.num_stages == 1 for c in kept
         )
         rows = tuning.configs(tuning.REDUCE_DECODE_PACKED[pack])
-        prune = tuning.packed_pruner("BLOCK_K")
-        assert len(prune(rows, bf16, K_PACK=pack, BLOCK_M=16 // pack)) == len(rows)
-        narrow = prune(rows, {**bf16, "GW": 64}, K_PACK=pack, BLOCK_M=16)
-        assert narrow and all(c.kwargs["BLOCK_K"] <= 64 for c in narrow)
+        for unrolled in (False, True):
+            prune = tuning.packed_pruner("BLOCK_K", unrolled_group=unrolled)
+            assert len(prune(rows, bf16, K_PACK=pack, BLOCK_M=16 // pack)) == len(rows)
+            narrow = prune(rows, {**bf16, "GW": 64}, K_PACK=pack, BLOCK_M=16)
+            assert narrow and all(c.kwargs["BLOCK_K"] <= 64 for c in narrow)
+        # a group of 512 inputs unrolled in 4 or 8 K steps: the stages of every tile the hook keeps
+        # fit with all the steps' buffers; the flat (direct) loop keeps more
+        wide = {**bf16, "GW": 512}
+        kept = tuning.packed_pruner("BLOCK_K", unrolled_group=True)(rows, wide, K_PACK=pack, BLOCK_M=16)
+        assert kept and all(
+            c.num_stages * (512 // c.kwargs["BLOCK_K"]) * stage_bytes(c, 2, 1, pack, 16) <= tuning.PACKED_SMEM_BUDGET
+            or c.num_stages == 1
+            for c in kept
+        )
+        flat = tuning.packed_pruner("BLOCK_K")(rows, wide, K_PACK=pack, BLOCK_M=16)
+        assert len(flat) > len(kept) or len(kept) == len(rows)
 
 
 def test_decode_swap_ab_default():

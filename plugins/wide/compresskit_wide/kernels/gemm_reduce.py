@@ -21,7 +21,7 @@ import torch
 
 from compresskit_wide.kernels import tuning
 from compresskit_wide.kernels.layout import mask_bytes, triton_decode_layout
-from compresskit_wide.kernels.reference import torch_group_masked_input
+from compresskit_wide.kernels.reference import torch_group_masked_input, zero_inactive_groups
 
 try:
     import triton
@@ -41,10 +41,12 @@ def dense_masked_reduce_gemm(
     x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, *, input_is_masked: bool = False
 ) -> torch.Tensor:
     """The prefill path: the masked dense product in ``x.dtype`` through cuBLAS (its fp32
-    accumulation). Exact, as the inactive groups' inputs are zero. ``input_is_masked``: the caller
-    guarantees that already (the fused SwiGLU kernel writes exact zeros there), so the product is
+    accumulation). Exact, as the inactive groups' inputs are zero: one select (``zero_inactive_groups``:
+    one launch, where the reference's cast and product take two; and, as the kernel, which never
+    reads them, whatever those inputs held). ``input_is_masked``: the caller guarantees that already
+    (the fused SwiGLU kernel and the routed attention write exact zeros there), so the product is
     the plain dense one and costs nothing extra."""
-    return x @ w.T if input_is_masked else torch_group_masked_input(x, mask) @ w.T
+    return x @ w.T if input_is_masked else zero_inactive_groups(x, mask) @ w.T
 
 
 if triton is not None:
@@ -388,9 +390,9 @@ if triton is not None:
             triton_masked_reduce_gemm_packed_kernel,
             tuning.REDUCE_DECODE_PACKED,
             ["M", "N", "GW", "G", "BLOCK_M"],
-            tuning.packed_pruner("BLOCK_K"),
+            tuning.packed_pruner("BLOCK_K", unrolled_group=unrolled),
         )
-        for _ in range(2)
+        for unrolled in (True, False)  # the list's loop unrolls a group's K steps; the direct one is flat
     )
 
 

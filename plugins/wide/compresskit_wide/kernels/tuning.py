@@ -147,11 +147,15 @@ def decode_k_pack(m: int, fused: bool) -> int:
     return 4 if m <= 4 else 2
 
 
-def packed_pruner(block: str):
+def packed_pruner(block: str, unrolled_group: bool = False):
     """Autotuner hook of the K-packed decode kernels: ``prune_wider_than_group(block)``, then the
     tiles whose pipeline stages fit in shared memory (fp32 inputs take twice bf16's bytes; an
-    estimate of the operand tiles only). Where none fits, the smallest tile with as many stages as
-    fit (at least 1)."""
+    estimate of the operand tiles only). ``unrolled_group``: the kernel unrolls a group's K steps
+    (the packed reduction with its group list), each with its own buffers: the estimate counts
+    ``GW / BLOCK_K`` steps a stage (an upper bound: Triton 3.6's sm_90 compiles of that kernel at
+    o_proj's and down's widths, ``benchmarks/hopper_codegen.py``, allocate at most that; the bound
+    without the steps let a 256 KB tile through at o's 512 inputs and 16 tokens, run 66). Where
+    none fits, the smallest tile with as many stages as fit (at least 1)."""
 
     def prune(configs_, named_args, **kwargs):
         kept = prune_wider_than_group(block)(configs_, named_args)
@@ -160,7 +164,8 @@ def packed_pruner(block: str):
         pack, block_m = kwargs["K_PACK"], kwargs["BLOCK_M"]
 
         def stage_bytes(c):
-            return c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+            steps = cdiv(named_args["GW"], c.kwargs["BLOCK_K"]) if unrolled_group else 1
+            return steps * c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
 
         fit = [c for c in kept if c.num_stages * stage_bytes(c) <= PACKED_SMEM_BUDGET]
         if fit:
