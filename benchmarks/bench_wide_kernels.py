@@ -298,9 +298,10 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
     """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
     a group: 512 at Llama-3.1-8B shapes, against down's 128) as the wide-triton executor runs it
-    (the dispatch with backend="auto": the kernel up to 2 tokens, ``tuning.use_kernel``), beside
-    the kernel's default variant (``tuning.reduce_variant``: "direct" up to 4 tokens), the direct one
-    at every size, the packed one with its group list, the fused one and cuBLAS."""
+    (the dispatch with backend="auto", on an input not zero-filled yet, as after a dense attention:
+    for 8 or fewer groups the kernel at every decode size, ``tuning.use_kernel``), beside the
+    kernel's default variant (``tuning.reduce_variant``: "direct" for few groups), the direct one,
+    the packed one with its group list, the fused one and cuBLAS's plain product."""
     from compresskit_wide import kernels
 
     k = heads * head_dim

@@ -816,7 +816,8 @@ def test_use_kernel_policy_ranges():
     assert all(use_kernel("swiglu", m) for m in (1, 2, 16, 512, 4096))
     assert [use_kernel("out", m) for m in (1, 2, 4, 16, 17, 512, 2048, 4096)] == [1, 1, 1, 1, 0, 0, 0, 1]
     assert [use_kernel("reduce", m) for m in (1, 2, 16, 4096)] == [1, 0, 0, 0]
-    assert [use_kernel("reduce", m, groups=g) for m, g in ((2, 8), (2, 9), (3, 8), (2, 112))] == [1, 0, 0, 0]
+    got = [use_kernel("reduce", m, groups=g) for m, g in ((2, 8), (16, 8), (2, 9), (17, 8), (2, 112))]
+    assert got == [1, 1, 0, 0, 0]
     assert use_kernel("attn_decode", 4, context=8192) and use_kernel("attn_decode", 1, context=32768)
     assert not use_kernel("attn_decode", 1, context=8192) and not use_kernel("attn_decode", 2, context=16384)
     assert not use_kernel("attn_decode", 16, context=1024)
@@ -858,13 +859,14 @@ def test_decode_k_pack_default(monkeypatch):
 
 
 def test_reduce_variant_default(monkeypatch):
-    """The reduction packs 4 groups a step on a GPU up to 4 tokens (8 groups or fewer without a
-    list), the fused variant for the other decode sizes and in the interpreter, the loop beyond."""
+    """The reduction packs 4 groups a step on a GPU up to 4 tokens (8 groups or fewer: without a
+    list, at every decode size), the fused variant for the other decode sizes and in the
+    interpreter, the loop beyond."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     got = [tuning.reduce_variant(m, 112) for m in (1, 4, 5, 16, 17)]
     assert got == ["packed", "packed", "fused", "fused", "loop"]
-    assert [tuning.reduce_variant(m, g) for m, g in ((1, 8), (4, 2), (4, 9), (5, 8))] == [
-        "direct", "direct", "packed", "fused"
+    assert [tuning.reduce_variant(m, g) for m, g in ((1, 8), (4, 2), (4, 9), (16, 8), (5, 9), (17, 8))] == [
+        "direct", "direct", "packed", "direct", "fused", "loop"
     ]  # fmt: skip
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tuning.reduce_variant(1, 8) == "fused"
@@ -951,8 +953,8 @@ def test_auto_dispatch_follows_the_policy(monkeypatch):
     assert out(17, False) == out(1024, False) == "dense_masked_out_gemm"
     assert out(1024, False, backend="triton") == "triton_masked_out_gemm"
     calls.clear()
-    # 16 groups: the kernel at M = 1 only; 2 (8 or fewer, as o_proj's): up to M = 2
-    for m, groups, backend in ((1, 16, "auto"), (2, 16, "auto"), (2, 16, "triton"), (2, 2, "auto"), (3, 2, "auto")):
+    # 16 groups: the kernel at M = 1 only; 2 (8 or fewer, as o_proj's): at every decode size
+    for m, groups, backend in ((1, 16, "auto"), (2, 16, "auto"), (2, 16, "triton"), (16, 2, "auto"), (17, 2, "auto")):
         kernels.masked_reduce_gemm(
             torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool), backend=backend
         )

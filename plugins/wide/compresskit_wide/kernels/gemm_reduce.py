@@ -9,7 +9,9 @@ The Triton kernel is the decode path: each program owns a block of output channe
 branch-free, over the compacted list of groups some token needs (``active_groups``, ``n_active``
 from the routing layout, on the device: no host synchronisation), reading only those weight
 columns; up to 4 tokens the "packed" variant builds that list in each program and takes 4 active
-groups a step in one product (``triton_masked_reduce_gemm_packed_kernel``). For prefill the
+groups a step in one product (``triton_masked_reduce_gemm_packed_kernel``), and for few, wide groups
+(o_proj's) the "direct" one takes 4 consecutive groups a step without a list, not reading the
+weights of those no token needs. For prefill the
 masked dense product on the zero-filled input is exact and uses cuBLAS (``dense_masked_reduce_gemm``;
 on the output of the fused SwiGLU kernel, already zero where
 inactive, it is the plain dense product); the dispatcher picks by the benchmark.
@@ -489,7 +491,7 @@ def triton_masked_reduce_gemm(
     runtime loop over the share), "unrolled" (the share's group ids read at once, whole-group
     tiles unrolled; slower on the H200) or "fused" (the loop with the layout and the split sum
     folded in: one launch, ``layout`` unused; see ``zeroed_tickets`` for its one-stream limit);
-    default ``tuning.reduce_variant`` (up to 4 tokens direct for few groups, else packed; fused for
+    default ``tuning.reduce_variant`` (direct for few groups; else packed up to 4 tokens, fused for
     the other decode sizes, as measured; "unrolled" where
     ``w_group_major`` is given). ``w_group_major``: ``w`` in the layout ``group_major(w, G)`` (kept
     beside ``w``), read by the unrolled variant instead. ``swap_ab`` (loop and fused variants): the

@@ -60,10 +60,12 @@ def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0) -> bool:
       1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17; the packed loop since run 62: 1.71x
       / 1.82x GPU time, 1.94x / 2.33x in a graph, exact / i.i.d.); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product. With
-      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) up to 2 tokens, the "direct" variant
-      (run 65, GPU time: 1.68x / 1.44x at M = 1, 1.10x at 2 with i.i.d. masks whose union keeps 7
-      of 8 groups, 1.02x at 4, where it keeps all 8); the packed one with its list measured 0.93x at
-      M = 1 there (run 64)
+      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) at every decode size, the "direct"
+      variant (GPU time against cuBLAS's plain product, exact / i.i.d. masks, run 67: 1.71x / 1.49x
+      at M = 1, 1.16x at 2, 1.22x / 1.07x at 4, 1.01x at 8, 0.98x at 16), where the fallback on an
+      input that is not zero-filled yet (o_proj after a dense attention) measured 0.79x (its
+      select, then the product; run 67) and the packed variant with its list 0.93x at M = 1 (run
+      64)
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.44x-1.64x in a graph), any batch from
       32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
       batch 1 at 8192: 1.38x GPU time but 1.02x in a graph (batch 2-3 not measured), and below 8192
@@ -84,7 +86,7 @@ def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0) -> bool:
     if op == "out":
         return m <= DECODE_MAX_M or m >= 4096
     if op == "reduce":
-        return m == 1 or (m == 2 and 0 < groups <= FEW_GROUPS)
+        return m == 1 or (0 < groups <= FEW_GROUPS and m <= DECODE_MAX_M)
     if op == "attn_decode":
         return context >= 32768 or (m >= 4 and context >= 8192)
     if op == "router":
@@ -113,12 +115,13 @@ FEW_GROUPS = 8  # a reduction over at most this many input groups reads them wit
 
 def reduce_variant(m: int, groups: int) -> str:
     """The reduction kernel's default variant (``triton_masked_reduce_gemm``) for ``m`` tokens and
-    ``groups`` input groups: up to 4 tokens on a GPU "direct" for ``FEW_GROUPS`` or fewer (o_proj's
-    8 of 512 inputs: 4 consecutive groups a step in one product, no group list; run 65, GPU time,
-    M = 1: 9.07 us against 12.59 with the list and 9.36 for the fused one, exact masks, 10.58
-    against 16.48 and 11.17 i.i.d.; M = 2: 13.86 against 17.97 and 14.14), else "packed" (4 active
-    groups a step in one product, one program an output block; down's 112 groups: 20.96 us
-    against 25.52 direct, i.i.d., run 65), "fused"
+    ``groups`` input groups: on a GPU "direct" for ``FEW_GROUPS`` or fewer at every decode size
+    (o_proj's 8 of 512 inputs: 4 consecutive groups a step in one product, no group list; run 65,
+    GPU time, M = 1: 9.07 us against 12.59 with the list and 9.36 for the fused one, exact masks,
+    10.58 against 16.48 and 11.17 i.i.d.; M = 2: 13.86 against 17.97 and 14.14; run 67 against
+    cuBLAS: 1.01x at M = 8 and 0.98x at 16, where the fused one measured 0.67x-0.71x); else up to
+    4 tokens "packed" (4 active groups a step in one product, one program an output block; down's
+    112 groups: 20.96 us against 25.52 direct, i.i.d., run 65), "fused"
     (one launch: its own group list, the shares summed through tickets) for the other decode sizes
     and in the CPU interpreter, "loop" (the layout launch, the loop, the summing launch) beyond. On
     the H200, down at M = 1 (run 61, ``benchmarks/sweep_wide_decode.py``, GPU time): packed 22.62
@@ -126,8 +129,10 @@ def reduce_variant(m: int, groups: int) -> str:
     against 38.13; 8 groups a step 22.78 / 21.52, 2 slower than fused (27.76 / 25.39). Before (run
     16, split 4) the fused one measured 1.48x-1.68x of cuBLAS in GPU time and 1.60x-2.01x in a CUDA
     graph, the loop 1.51x-1.68x and 1.50x-1.87x; at M = 4 both 0.97x-1.01x."""
+    if m <= DECODE_MAX_M and groups <= FEW_GROUPS and not interpreted():
+        return "direct"
     if m <= 4 and not interpreted():
-        return "direct" if groups <= FEW_GROUPS else "packed"
+        return "packed"
     return "fused" if m <= DECODE_MAX_M else "loop"
 
 
