@@ -134,7 +134,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         ("down fused, 4 shares (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_fused_kernel, fused,
          {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6,
          "wgmma"),
-        ("o, 4 groups packed (a table tile; o unmeasured)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
+        ("o, 4 groups packed, listed (a table tile)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
          {**listed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("o, all 8 groups a step, no list (a table tile)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
          {**direct, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 8, "BLOCK_K": 128}, 4, 4, "wgmma"),
