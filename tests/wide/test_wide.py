@@ -389,6 +389,36 @@ def test_mark_input_zeroed_skips_the_masking_once():
     torch.testing.assert_close(run(False), base(masked))  # a new decision clears a stale mark
 
 
+def test_fast_product_replaces_mask_and_product_in_inference_only():
+    """An executor's ``fast_product`` gets the input, the decision and whether the input is zeroed
+    already (``mark_input_zeroed``), and its result is the projection's output, at inference;
+    training keeps the masker and the base layer (their gradients)."""
+    base = torch.nn.Linear(8, 3, bias=False)
+    proj = RoutedProjection(base, GroupRouter(8, 2, 4), kind="attention", layer_idx=0, macs_per_group=12)
+    x = torch.randn(1, 2, 8)
+    execute = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    calls = []
+
+    class Product(torch.nn.Module):
+        def forward(self, x, mask, zeroed):
+            calls.append((mask, zeroed))
+            return torch.full((*x.shape[:-1], 3), 7.0)
+
+    proj.fast_product = Product()
+    proj.eval()
+    for mark in (False, True):
+        proj._take(execute, None)
+        if mark:
+            proj.mark_input_zeroed()
+        with torch.no_grad():
+            assert torch.equal(proj(x), torch.full((1, 2, 3), 7.0))
+    assert [z for _, z in calls] == [False, True] and all(m is execute for m, _ in calls)
+    proj.train()
+    proj._take(execute, None)
+    torch.testing.assert_close(proj(x), base(x * execute.repeat_interleave(4, dim=-1)))
+    assert len(calls) == 2
+
+
 def test_group_fractions_are_reported_beside_mac_fractions():
     model = tiny_llama()
     pruner = wide(model)
