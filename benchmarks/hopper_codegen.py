@@ -1,6 +1,7 @@
 """What the decode kernels compile to on Hopper, checked on any machine: no GPU needed.
 
     python benchmarks/hopper_codegen.py [--json FILE]
+    python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
 
 Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
 (the H200) at Llama-3.1-8B's shapes, one token, with the tiles the H200's autotuner chose for it
@@ -16,6 +17,10 @@ It exits 1 when a kernel compiles to something else than expected (its MMA kind:
 for the products; a pipelined stream, shared memory within bounds, no spills), 0 otherwise. Run it
 in a process without TRITON_INTERPRET: the interpreter replaces the compiler.
 ``tests/wide/test_kernels.py`` runs it.
+
+``--reduce-tiles``: the packed reduction's shared memory instead, for every tile of its table (4
+groups a step), with its group list and without ("direct"), at o_proj's and down's group widths with
+4 and 16 tokens, beside whether the autotuner hook (``tuning.packed_pruner``) keeps the tile.
 """
 
 from __future__ import annotations
@@ -143,13 +148,56 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     ]  # fmt: skip
 
 
+def reduce_tiles() -> list[dict]:
+    """Every tile of the packed reduction's table (4 groups a step), listed and direct, at o's (512
+    inputs a group) and down's (128) widths with 4 and 16 tokens, and any tile the autotuner hook
+    (``tuning.packed_pruner``) makes of its own where none fits: its shared memory compiled for
+    sm_90, and whether the hook keeps it."""
+    import torch
+
+    from compresskit_wide.kernels import tuning
+
+    name, kernel, runtime, constexprs, *_ = next(c for c in cases() if c[0].startswith("o, 4 groups packed"))
+    table = tuning.configs(tuning.REDUCE_DECODE_PACKED[4])
+    key = lambda c: (tuple(c.kwargs.items()), c.num_warps, c.num_stages)  # noqa: E731
+    rows = []
+    for direct in (False, True):
+        for gw, tokens in ((512, 4), (512, 16), (128, 4), (128, 16)):
+            named = {"GW": gw, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
+            hook = tuning.packed_pruner("BLOCK_K", unrolled_group=not direct)
+            kept = hook(table, named, K_PACK=4, BLOCK_M=tokens)
+            in_table = {key(c) for c in table}
+            for c in table + [c for c in kept if key(c) not in in_table]:
+                meta = {**constexprs, **c.kwargs, "GW": gw, "BLOCK_M": tokens, "DIRECT": direct}
+                got = compile_for_hopper(kernel, runtime, meta, c.num_warps, c.num_stages)
+                row = {
+                    "variant": "direct" if direct else "listed", "group_width": gw, "tokens": tokens,
+                    "tile": c.kwargs, "warps": c.num_warps, "stages": c.num_stages, "shared": got["shared"],
+                    "in_table": key(c) in in_table, "kept": key(c) in {key(k) for k in kept},
+                }  # fmt: skip
+                rows.append(row)
+                status = ("kept" if row["kept"] else "pruned") + ("" if row["in_table"] else " (the hook's own)")
+                print(
+                    f"{row['variant']:6s} width {gw:3d} tokens {tokens:2d} {c.kwargs} w{c.num_warps} s{c.num_stages}"
+                    f"  shared {got['shared'] / 1024:6.1f} KB  {status}",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--reduce-tiles", action="store_true", help="the packed reduction's tiles' shared memory")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
+    if args.reduce_tiles:
+        rows = reduce_tiles()
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     rows, failed = [], 0
     for name, kernel, runtime, constexprs, warps, stages, mma in cases():
         got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)

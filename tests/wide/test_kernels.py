@@ -510,41 +510,33 @@ def test_benchmark_script_smoke(tmp_path):
     assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
 
 
-def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory():
+def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(tmp_path):
     """The listed packed reduction unrolls a group's K steps, each with its own buffers: every tile
     its autotuner hook keeps (bf16, 4 groups a step) compiles for sm_90 within the H200's shared
     memory at o_proj's 512 inputs a group and at down's 128, at 4 and 16 tokens (a tile of 256 KB
     got through at o's width and 16 tokens before the hook counted the steps, run 66), and at down's
-    width with 4 tokens the whole table is kept (the tiles measured there)."""
+    width with 4 tokens the whole table is kept (the tiles measured there). The direct variant's
+    flat loop keeps its whole table at both widths. (``hopper_codegen.py --reduce-tiles``.)"""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).parents[2] / "benchmarks" / "hopper_codegen.py"
-    code = (
-        "import json, runpy, sys, torch\n"
-        "from compresskit_wide.kernels import gemm_reduce, tuning\n"
-        "g = runpy.run_path(sys.argv[1])\n"
-        "name, kernel, args, consts, *_ = next(c for c in g['cases']() if c[0].startswith('o, 4'))\n"
-        "rows = []\n"
-        "for gw, m in ((512, 4), (512, 16), (128, 4), (128, 16)):\n"
-        "    named = {'GW': gw, 'x_ptr': torch.empty(1, dtype=torch.bfloat16)}\n"
-        "    table = tuning.configs(tuning.REDUCE_DECODE_PACKED[4])\n"
-        "    kept = tuning.packed_pruner('BLOCK_K', unrolled_group=True)(table, named, K_PACK=4, BLOCK_M=m)\n"
-        "    for c in kept:\n"
-        "        meta = {**consts, **c.kwargs, 'GW': gw, 'BLOCK_M': m}\n"
-        "        got = g['compile_for_hopper'](kernel, args, meta, c.num_warps, c.num_stages)\n"
-        "        rows.append([gw, m, len(table), len(kept), got['shared']])\n"
-        "print(json.dumps(rows))\n"
-    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
-    proc = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, env=env)
+    out = tmp_path / "tiles.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--reduce-tiles", "--json", str(out)], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(proc.stdout.splitlines()[-1])
-    assert {(gw, m) for gw, m, *_ in rows} == {(512, 4), (512, 16), (128, 4), (128, 16)}
-    assert all(shared <= 232448 for *_, shared in rows)
-    assert all(kept == table for gw, m, table, kept, _ in rows if (gw, m) == (128, 4))
+    rows = json.loads(out.read_text())
+    cases = {(r["variant"], r["group_width"], r["tokens"]) for r in rows}
+    assert cases == {(v, gw, m) for v in ("listed", "direct") for gw in (512, 128) for m in (4, 16)}
+    kept = [r for r in rows if r["kept"]]
+    assert {(r["variant"], r["group_width"], r["tokens"]) for r in kept} == cases  # something kept everywhere
+    assert all(r["shared"] <= 232448 for r in kept)
+    assert all(r["kept"] for r in rows if (r["variant"], r["group_width"], r["tokens"]) == ("listed", 128, 4))
+    assert all(r["kept"] for r in rows if r["variant"] == "direct")
 
 
 def test_decode_kernels_compile_for_hopper(tmp_path):

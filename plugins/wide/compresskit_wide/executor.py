@@ -250,11 +250,12 @@ class TritonExecutor(Executor):
                 replace_module(layer, "mlp", KernelMLP(layer.mlp, self.config.backend))
             attn = getattr(layer, "self_attn", None)
             o_proj = getattr(attn, "o_proj", None)
-            if self.config.attention and isinstance(o_proj, RoutedProjection) and self.config.backend != "torch":
-                base = o_proj.base_layer
-                if type(base) is nn.Linear and base.bias is None:  # else o stays the masked dense product
-                    o_proj.fast_product = KernelReduce(base, self.config.backend)
-            if self.config.attention and isinstance(o_proj, RoutedProjection) and o_proj.leader is None:
+            if not (self.config.attention and isinstance(o_proj, RoutedProjection)):
+                continue
+            base = o_proj.base_layer
+            if self.config.backend != "torch" and type(base) is nn.Linear and base.bias is None:
+                o_proj.fast_product = KernelReduce(base, self.config.backend)  # else the masked dense product
+            if o_proj.leader is None:
                 q = getattr(attn, "q_proj", None)
                 if type(q) is nn.Linear and q.bias is None:  # else q stays dense (exact either way)
                     replace_module(attn, "q_proj", KernelQ(q, o_proj, self.config.backend))

@@ -415,7 +415,7 @@ def _out_gemv_packed(x, w, w_up, mask, out, fuse, k_pack, gw, groups, block_n, b
         grid = (groups, tuning.cdiv(gw, bn))
         triton_masked_out_gemv_packed_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
     else:
-        tuning.packed_table(tuning.OUT_DECODE_PACKED, k_pack)
+        tuning.packed_table(tuning.OUT_DECODE_PACKED, k_pack)  # a clear error where the packing has no table
         grid = lambda meta: (groups, tuning.cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
         _tuned_out_gemv_packed[k_pack][grid](*args, **common, K_PACK=k_pack)
     return out

@@ -385,20 +385,22 @@ OUT_DECODE_SPLITK_SWAP = [
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 3),
 ]
-# the K-packed output-width decode kernel (``gemm_out.packed_output_tile``), per packing: the MMA's
-# rows are K_PACK x BLOCK_N (64 for 4 warps, 128 for 8), so a program holds 64 / K_PACK or
-# 128 / K_PACK output channels
-OUT_DECODE_PACKED = {
-    pack: [
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 4),
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 5),
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 64}, 4, 6),
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 256}, 4, 3),
-        ({"BLOCK_N": 128 // pack, "BLOCK_K": 64}, 8, 4),
-        ({"BLOCK_N": 128 // pack, "BLOCK_K": 128}, 8, 3),
-    ]
-    for pack in (2, 4, 8)
-}
+
+
+def per_packing(rows: list[tuple[int, int, int, int]], packs=(2, 4, 8)) -> dict:
+    """A K-packed kernel's tile tables, one per packing, from ``(MMA rows, BLOCK_K, warps, stages)``
+    rows: the MMA's rows are K_PACK x BLOCK_N (64 for 4 warps, 128 for 8), so a program holds
+    ``MMA rows / K_PACK`` output channels."""
+    return {
+        pack: [({"BLOCK_N": mma_rows // pack, "BLOCK_K": bk}, warps, stages) for mma_rows, bk, warps, stages in rows]
+        for pack in packs
+    }
+
+
+# the K-packed output-width decode kernel (``gemm_out.packed_output_tile``), per packing
+OUT_DECODE_PACKED = per_packing(
+    [(64, 128, 4, 4), (64, 128, 4, 5), (64, 64, 4, 6), (64, 256, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3)]
+)
 # output-width GEMM for prefill over the sorted tokens: tensor-core tiles (256-row tiles, 8 or 16
 # warps, were never chosen at T = 512..4096 on the H200, run 21)
 OUT_PREFILL = [
@@ -430,18 +432,11 @@ REDUCE_DECODE_SWAP = [
     ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
 ]
 
-# the packed reduction (``gemm_reduce.triton_masked_reduce_gemm_packed_kernel``), per packing: the
-# MMA's rows are K_PACK x BLOCK_N (64 for 4 warps, 128 for 8); BLOCK_K steps through one group
-REDUCE_DECODE_PACKED = {
-    pack: [
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 4),
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 128}, 4, 3),
-        ({"BLOCK_N": 64 // pack, "BLOCK_K": 64}, 4, 6),
-        ({"BLOCK_N": 128 // pack, "BLOCK_K": 64}, 8, 4),
-        ({"BLOCK_N": 128 // pack, "BLOCK_K": 128}, 8, 3),
-    ]
-    for pack in (2, 4, 8)
-}
+# the packed reduction (``gemm_reduce.triton_masked_reduce_gemm_packed_kernel``), per packing;
+# BLOCK_K steps through one group
+REDUCE_DECODE_PACKED = per_packing(
+    [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
+)
 
 # the unrolled variant of that loop (whole-group K tiles; no software pipeline to feed)
 REDUCE_UNROLLED = [
