@@ -57,6 +57,7 @@ from compresskit_wide.kernels.layout import (  # noqa: E402
     triton_decode_layout,
     triton_routing_layout,
 )
+from compresskit_wide.kernels.reference import zero_inactive_groups  # noqa: E402
 from compresskit_wide.kernels.router import router_fold  # noqa: E402
 from compresskit_wide.kernels.tuning import DECODE_MAX_M, l2_flush_buffer  # noqa: E402
 
@@ -299,7 +300,8 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
     a group: 512 at Llama-3.1-8B shapes, against down's 128) as the wide-triton executor runs it
     (the dispatch with backend="auto", on an input not zero-filled yet, as after a dense attention:
-    for 8 or fewer groups the kernel at every decode size, ``tuning.use_kernel``), beside the
+    for 8 or fewer groups the kernel at every decode size, ``tuning.use_kernel``; and on one the
+    routed attention has zero-filled: the kernel up to 8 tokens, then the plain product), beside the
     kernel's default variant (``tuning.reduce_variant``: "direct" for few groups), the direct one,
     the packed one with its group list, the fused one and cuBLAS's plain product."""
     from compresskit_wide import kernels
@@ -315,8 +317,13 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     def dense():
         return h @ wo.T
 
+    hz = zero_inactive_groups(h, mask)  # as the routed attention leaves it: the skipped heads are zero
     variants = (
         ("o (auto)", lambda: kernels.masked_reduce_gemm(h, wo, mask, backend=backend)),
+        (
+            "o (auto), zero-filled input",
+            lambda: kernels.masked_reduce_gemm(hz, wo, mask, input_is_masked=True, backend=backend),
+        ),
         ("o kernel default", lambda: triton_masked_reduce_gemm(h, wo, mask)),
         ("o direct", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="direct")),
         ("o packed, group list", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="packed")),

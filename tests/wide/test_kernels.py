@@ -810,6 +810,8 @@ def test_use_kernel_policy_ranges():
     assert [use_kernel("reduce", m) for m in (1, 2, 16, 4096)] == [1, 0, 0, 0]
     got = [use_kernel("reduce", m, groups=g) for m, g in ((2, 8), (16, 8), (2, 9), (17, 8), (2, 112))]
     assert got == [1, 1, 0, 0, 0]
+    got = [use_kernel("reduce", m, groups=g, zeroed=True) for m, g in ((1, 112), (2, 112), (8, 8), (9, 8), (16, 8))]
+    assert got == [1, 0, 1, 0, 0]
     assert use_kernel("attn_decode", 4, context=8192) and use_kernel("attn_decode", 1, context=32768)
     assert not use_kernel("attn_decode", 1, context=8192) and not use_kernel("attn_decode", 2, context=16384)
     assert not use_kernel("attn_decode", 16, context=1024)
@@ -945,13 +947,29 @@ def test_auto_dispatch_follows_the_policy(monkeypatch):
     assert out(17, False) == out(1024, False) == "dense_masked_out_gemm"
     assert out(1024, False, backend="triton") == "triton_masked_out_gemm"
     calls.clear()
-    # 16 groups: the kernel at M = 1 only; 2 (8 or fewer, as o_proj's): at every decode size
-    for m, groups, backend in ((1, 16, "auto"), (2, 16, "auto"), (2, 16, "triton"), (16, 2, "auto"), (17, 2, "auto")):
+    # 16 groups: the kernel at M = 1 only; 2 (8 or fewer, as o_proj's): at every decode size on an
+    # input not zero-filled yet, up to 8 tokens on a zero-filled one (its fallback is the plain product)
+    cases = (
+        (1, 16, "auto", False),
+        (2, 16, "auto", False),
+        (2, 16, "triton", False),
+        (16, 2, "auto", False),
+        (17, 2, "auto", False),
+        (8, 2, "auto", True),
+        (9, 2, "auto", True),
+        (9, 2, "triton", True),
+        (1, 16, "auto", True),
+    )
+    for m, groups, backend, zeroed in cases:
         kernels.masked_reduce_gemm(
-            torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool), backend=backend
+            torch.zeros(m, 16),
+            torch.zeros(8, 16),
+            torch.ones(m, groups, dtype=torch.bool),
+            input_is_masked=zeroed,
+            backend=backend,
         )
     kernel, dense = "triton_masked_reduce_gemm", "dense_masked_reduce_gemm"
-    assert calls == [kernel, dense, kernel, kernel, dense]
+    assert calls == [kernel, dense, kernel, kernel, dense, kernel, dense, kernel, kernel]
     calls.clear()
     q, kv = torch.zeros(4, 8, 16), torch.zeros(4, 2, 8192, 16)
     kernels.routed_attention_decode(q, kv, kv, torch.full((4,), 8192), torch.ones(4, 2, dtype=torch.bool))

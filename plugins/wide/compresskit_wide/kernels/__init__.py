@@ -83,13 +83,16 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     return reason is None and all(t.is_cuda for t in tensors)  # auto
 
 
-def _choose(backend: str, op: str, rows: int, *tensors: torch.Tensor, context: int = 0, groups: int = 0) -> str:
+def _choose(
+    backend: str, op: str, rows: int, *tensors: torch.Tensor, context: int = 0, groups: int = 0, zeroed: bool = False
+) -> str:
     """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
     measured faster, ``use_kernel``), "dense" (the dense fallback under "auto" on CUDA) or "torch"
     (the reference)."""
     if not _use_triton(backend, *tensors):
         return "torch"
-    return "triton" if backend == "triton" or use_kernel(op, rows, context=context, groups=groups) else "dense"
+    chosen = backend == "triton" or use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed)
+    return "triton" if chosen else "dense"
 
 
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -165,11 +168,11 @@ def masked_reduce_gemm(
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. "triton" takes the loop over the active groups (decode-sized M); "auto" on
-    CUDA takes it where ``tuning.use_kernel("reduce", M, groups=K/G)`` says it is faster, else the masked dense
+    CUDA takes it where ``tuning.use_kernel("reduce", M, groups=K/G, zeroed=input_is_masked)`` says it is faster, else the masked dense
     product through cuBLAS (``input_is_masked``: ``x`` is already zero in the inactive groups, as
     the fused SwiGLU kernel leaves it, so the product is the plain dense one); the reference on
     the CPU."""
-    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1])
+    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)
     if path == "dense":

@@ -36,10 +36,11 @@ def next_power_of_2(n: int) -> int:
 DECODE_MAX_M = 16  # at most this many tokens: the decode kernels (one 16-row tile, no token sort)
 
 
-def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0) -> bool:
+def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False) -> bool:
     """Whether ``backend="auto"`` takes the Triton kernel for ``op`` with ``m`` tokens (or, for
     decode attention, a batch of ``m`` with ``context`` cached positions; ``groups``: the reduction's
-    input groups, where known), on a GPU; otherwise the
+    input groups, where known; ``zeroed``: the reduction's input is already zero in its inactive
+    groups, so its fallback is the plain dense product), on a GPU; otherwise the
     dense fallback (``dense.py``). Measured on the H200 at Llama-3.1-8B shapes and 50% sparsity
     (docs/wide-kernels-h200.md, runs 6-19: GPU time with the L2 flushed, and CUDA-graph medians): the
     kernel is taken only where it beat the dense path in both. Other GPUs and shapes get the same
@@ -60,12 +61,13 @@ def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0) -> bool:
       1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17; the packed loop since run 62: 1.71x
       / 1.82x GPU time, 1.94x / 2.33x in a graph, exact / i.i.d.); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product. With
-      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) at every decode size, the "direct"
-      variant (GPU time against cuBLAS's plain product, exact / i.i.d. masks, run 67: 1.71x / 1.49x
-      at M = 1, 1.16x at 2, 1.22x / 1.07x at 4, 1.01x at 8, 0.98x at 16), where the fallback on an
-      input that is not zero-filled yet (o_proj after a dense attention) measured 0.79x (its
-      select, then the product; run 67) and the packed variant with its list 0.93x at M = 1 (run
-      64)
+      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) the "direct" variant (GPU time against cuBLAS's plain product, exact / i.i.d. masks, run 67: 1.71x / 1.49x
+      at M = 1, 1.16x at 2, 1.22x / 1.07x at 4, 1.01x at 8, 0.98x at 16; run 68 under ``auto``:
+      1.72x / 1.48x, 1.11x, 1.21x / 1.05x, 1.01x, 0.97x, and 0.91x / 0.96x in a CUDA graph at 16)
+      up to 8 tokens, and from 9 to 16 only where the input is not zero-filled yet (o_proj after a
+      dense attention), whose fallback measured 0.79x (its select, then the product; run 67); on a
+      zero-filled input (after the routed attention) the plain product is the dense op itself. The
+      packed variant with its list measured 0.93x at M = 1 (run 64)
     * ``"attn_decode"``: batch >= 4 with context >= 8192 (1.44x-1.64x in a graph), any batch from
       32768 positions (1.44x-1.80x; run 11, 64 KV positions per step, the group mask read directly);
       batch 1 at 8192: 1.38x GPU time but 1.02x in a graph (batch 2-3 not measured), and below 8192
@@ -86,7 +88,7 @@ def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0) -> bool:
     if op == "out":
         return m <= DECODE_MAX_M or m >= 4096
     if op == "reduce":
-        return m == 1 or (0 < groups <= FEW_GROUPS and m <= DECODE_MAX_M)
+        return m == 1 or (0 < groups <= FEW_GROUPS and m <= (FEW_GROUPS_ZEROED_MAX_M if zeroed else DECODE_MAX_M))
     if op == "attn_decode":
         return context >= 32768 or (m >= 4 and context >= 8192)
     if op == "router":
@@ -111,6 +113,7 @@ def out_decode_split_k(m: int, fused: bool) -> int:
 
 
 FEW_GROUPS = 8  # a reduction over at most this many input groups reads them without a list ("direct")
+FEW_GROUPS_ZEROED_MAX_M = 8  # beyond, on a zero-filled input, the plain product (run 68: direct 0.97x at 16)
 
 
 def reduce_variant(m: int, groups: int) -> str:
