@@ -168,10 +168,10 @@ def masked_reduce_gemm(
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. "triton" takes the loop over the active groups (decode-sized M); "auto" on
-    CUDA takes it where ``tuning.use_kernel("reduce", M, groups=K/G, zeroed=input_is_masked)`` says it is faster, else the masked dense
-    product through cuBLAS (``input_is_masked``: ``x`` is already zero in the inactive groups, as
-    the fused SwiGLU kernel leaves it, so the product is the plain dense one); the reference on
-    the CPU."""
+    CUDA takes it where ``tuning.use_kernel("reduce", M, groups=K/G, zeroed=input_is_masked)``
+    says it is faster, else the masked dense product through cuBLAS (``input_is_masked``: ``x`` is
+    already zero in the inactive groups, as the fused SwiGLU kernel and the routed attention leave
+    it, so the product is the plain dense one); the reference on the CPU."""
     path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
         return triton_masked_reduce_gemm(x, w, mask, layout=layout)

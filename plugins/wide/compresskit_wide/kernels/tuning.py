@@ -61,7 +61,8 @@ def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bo
       1.38x-1.68x GPU time, 1.44x-2.01x in a graph, runs 16-17; the packed loop since run 62: 1.71x
       / 1.82x GPU time, 1.94x / 2.33x in a graph, exact / i.i.d.); 0.8x-1.06x from M = 2,
       where the fallback on an input that is already zero-filled is the plain dense product. With
-      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) the "direct" variant (GPU time against cuBLAS's plain product, exact / i.i.d. masks, run 67: 1.71x / 1.49x
+      few groups (``FEW_GROUPS``: o_proj's 8 of 512 inputs) the "direct" variant (GPU time
+      against cuBLAS's plain product, exact / i.i.d. masks, run 67: 1.71x / 1.49x
       at M = 1, 1.16x at 2, 1.22x / 1.07x at 4, 1.01x at 8, 0.98x at 16; run 68 under ``auto``:
       1.72x / 1.48x, 1.11x, 1.21x / 1.05x, 1.01x, 0.97x, and 0.91x / 0.96x in a CUDA graph at 16)
       up to 8 tokens, and from 9 to 16 only where the input is not zero-filled yet (o_proj after a
