@@ -12,14 +12,10 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
-import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import torch
 
 from compresskit import artifacts
 from compresskit.data import DataModule
@@ -29,6 +25,7 @@ from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
+from compresskit.seeding import phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 
 RESULTS_VERSION = 1
@@ -40,34 +37,33 @@ class RunResult:
     results: dict[str, Any]
     prune_summary: PruneSummary | None = None
     train_summaries: list[TrainSummary] = field(default_factory=list)
+    reused: bool = False  # output_dir already held the finished run of this recipe: nothing ran
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def check_output_dir(resolved: ResolvedRecipe) -> Path:
-    """The output directory, after checking it holds nothing we would silently destroy."""
+def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | None]:
+    """The output directory and, when it already holds the finished run of this very recipe (and
+    ``output.overwrite`` is off), that run's results. Raises when the directory cannot be created or
+    holds something a run would silently destroy."""
     out = Path(resolved.recipe.output.dir)
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output.dir: {str(out)!r} exists and is not a directory")
+    artifacts.check_creatable(out, "output.dir")
     if out.is_dir() and any(out.iterdir()):
         results = out / "results.json"
         previous = None
         if results.is_file():
             try:
-                previous = json.loads(results.read_text()).get("recipe_hash")
+                previous = json.loads(results.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None
-        if previous != resolved.hash() and not resolved.recipe.output.overwrite:
-            what = "a run of a different recipe" if previous else "files that are not a compresskit run"
+        same = isinstance(previous, dict) and previous.get("recipe_hash") == resolved.hash()
+        if same and not resolved.recipe.output.overwrite:
+            return out, previous
+        if not same and not resolved.recipe.output.overwrite:
+            what = "a run of a different recipe" if isinstance(previous, dict) else "files that are not a run"
             raise OutputExistsError(
                 f"output.dir: {str(out)!r} already holds {what}; choose another output.dir, "
                 "or set output.overwrite: true (--overwrite) to replace it"
             )
-    return out
+    return out, None
 
 
 def _eval_summary(ev: EvalResult) -> dict[str, Any]:
@@ -117,7 +113,10 @@ def apply(
     rec = resolved.recipe
     # Everything a user can get wrong is checked before anything is written.
     resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-    out = check_output_dir(resolved)
+    out, finished = check_output_dir(resolved)
+    if finished is not None:
+        progress.log(f"{out}: already done (same recipe hash): nothing to do; --overwrite to redo")
+        return RunResult(out, finished, reused=True)
     recipe_hash = resolved.hash()
 
     staging = out.with_name(out.name + ".partial")
@@ -143,13 +142,17 @@ def apply(
 
 
 def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress) -> RunResult:
-    """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end."""
+    """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end.
+
+    Each phase that draws random numbers is seeded from the recipe's seed and its own name
+    (:func:`compresskit.seeding.phase_seed`), so that nothing a phase draws depends on what ran
+    before it (a dense reference computed here or found in the cache, for example).
+    """
     from compresskit.report import results_markdown
 
     rec = resolved.recipe
     recipe_hash = resolved.hash()
     marker = staging / "recipe.json"
-    seed_everything(rec.seed)
     model, tokenizer = load_model(
         rec.model.name_or_path,
         dtype=rec.model.dtype,
@@ -174,7 +177,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         tokenizer=tokenizer,
         device=param.device,
         dtype=param.dtype,
-        seed=rec.seed,
+        seed=phase_seed(rec.seed, "prepare"),
         progress=progress,
         work_dir=staging / "work",
     )
@@ -183,11 +186,14 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     train_summaries: list[TrainSummary] = []
     if resolved.pruner is not None:
         pruner = resolved.pruner.cls(resolved.pruner.config)
+        seed_everything(ctx.seed)
         targeted = pruner.prepare(model, ctx)
         progress.log(f"{resolved.pruner.name}: attached to {len(targeted)} modules")
         if pruner.requires_calibration:
             cal = rec.data.calibration
-            batches = data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=rec.seed)
+            cal_seed = phase_seed(rec.seed, "calibration")
+            batches = data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=cal_seed)
+            seed_everything(cal_seed)
             with progress.task("calibrating", total=len(batches)) as task:
 
                 def counted(bs=batches, t=task):
@@ -199,7 +205,11 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     stages = []
     for i, stage in enumerate(resolved.training):
         trainer = stage.cls(stage.config)
-        stage_ctx = dataclasses.replace(ctx, work_dir=staging / "work" / f"stage{i}-{stage.name}")
+        stage_ctx = dataclasses.replace(
+            ctx,
+            seed=phase_seed(rec.seed, f"training.{i}.{stage.name}"),
+            work_dir=staging / "work" / f"stage{i}-{stage.name}",
+        )
         summary = trainer.fit(model, pruner, data, stage_ctx)
         summary.stage = stage.name
         train_summaries.append(summary)
@@ -208,13 +218,28 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         model = pruner.finalize(model)
         prune_summary = pruner.summary(model)
 
+    # What the pruner and the training stages own is saved before the executor rewires the model
+    # for speed: the saved model never depends on the executor that evaluated it.
+    with progress.task("saving the model"):
+        artifacts.save(
+            staging / "model",
+            model,
+            tokenizer,
+            base_model=rec.model.name_or_path,
+            pruner_name=resolved.pruner.name if resolved.pruner else None,
+            pruner=pruner,
+            stages=stages,
+            recipe=resolved.to_dict(),
+        )
+    params_after = count_parameters(model)
+
     executor = resolved.executor.cls(resolved.executor.config)
     executor.check(model)
     model = executor.convert(model)
 
-    seed_everything(rec.seed)
+    seed_everything(phase_seed(rec.seed, "evaluation"))
     ev = evaluate(model, tokenizer, data, rec.evaluation, pruner=pruner, progress=progress)
-    sparsity = ev.sparsity or SparsityReport.dense(model.config if pruner is None else ctx.model_config)
+    sparsity = run_sparsity(ev, pruner, model.config)
 
     results = build_results(
         name=rec.name or out.name,
@@ -224,7 +249,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             "dtype": str(param.dtype).removeprefix("torch."),
             "device": str(param.device),
             "params_before": params_before,
-            "params_after": count_parameters(model),
+            "params_after": params_after,
         },
         pruner_name=resolved.pruner.name if resolved.pruner else None,
         ev=ev,
@@ -238,23 +263,25 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         prune_summary=vars(prune_summary) if prune_summary else None,
     )
 
-    with progress.task("saving"):
-        artifacts.save(
-            staging / "model",
-            model,
-            tokenizer,
-            base_model=rec.model.name_or_path,
-            pruner_name=resolved.pruner.name if resolved.pruner else None,
-            pruner=pruner,
-            stages=stages,
-            recipe=resolved.to_dict(),
-        )
+    with progress.task("saving the results"):
         artifacts.write_json(staging / "results.json", results)
         artifacts.write_text(staging / "results.md", results_markdown(results))
         shutil.rmtree(staging / "work", ignore_errors=True)
         marker.unlink(missing_ok=True)
         artifacts.replace_dir(staging, out)
     return RunResult(out, results, prune_summary, train_summaries)
+
+
+def run_sparsity(ev: EvalResult, pruner, model_config) -> SparsityReport | None:
+    """The sparsity a run reports: the dense model's (nothing skipped, by construction, for every
+    task) without a pruner; otherwise what the evaluator measured, None when the pruner or its
+    executor did not measure it."""
+    if pruner is not None:
+        return ev.sparsity
+    dense = SparsityReport.dense(model_config)
+    for task in ev.tasks.values():
+        task.sparsity = dense
+    return dense
 
 
 def build_results(
@@ -264,7 +291,7 @@ def build_results(
     model_info: dict[str, Any],
     pruner_name: str | None,
     ev: EvalResult,
-    sparsity: SparsityReport,
+    sparsity: SparsityReport | None,
     dense: dict[str, Any] | None,
     split: dict[str, Any],
     seeds: dict[str, int],
@@ -283,7 +310,10 @@ def build_results(
         "pruner": pruner_name,
         "metrics": ev.metrics(),
         "zero_shot_average": ev.zero_shot_average(),
-        "sparsity": {
+        # None: not measured (a pruner or executor that does not count it), never a made-up 0
+        "sparsity": None
+        if sparsity is None
+        else {
             **sparsity.to_dict(),
             "per_task": {task: t.sparsity.to_dict(per_layer=False) for task, t in ev.tasks.items() if t.sparsity},
         },
@@ -353,7 +383,7 @@ def eval_model(
         },
         pruner_name=pruner_name,
         ev=ev,
-        sparsity=ev.sparsity or SparsityReport.dense(model.config),
+        sparsity=run_sparsity(ev, pruner, model.config),
         dense=None,
         split=split,
         seeds={"evaluation": evaluation.seed, "split": data_section.split_seed},

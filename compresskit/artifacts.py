@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from compresskit import plugins
-from compresskit.errors import ArtifactError, CompressKitError
+from compresskit.errors import ArtifactError, CompressKitError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
 
 MANIFEST = "compresskit.json"
@@ -58,10 +58,19 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text(path: Path, text: str) -> None:
+    """Write text atomically (temp file in the same folder, then rename), with the mode a plain
+    ``open`` would give (0644 under the usual umask), not the temp file's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -80,11 +89,39 @@ def read_json(path: Path, *, what: str = "file") -> Any:
         raise ArtifactError(f"{path}: {what} is corrupt (not valid JSON: {exc})") from None
 
 
+def check_creatable(path: Path, field: str) -> None:
+    """Raise :class:`RecipeError` naming ``field`` unless ``path`` is a directory that exists or can
+    be created, in a parent where a run can stage its outputs beside it. Probes with a temporary
+    directory that is removed at once: nothing is left behind."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"{field}: {str(path)!r} exists and is not a directory")
+    probe = path.absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise RecipeError(f"{field}: cannot create {str(path)!r}: {str(probe)!r} is a file, not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".compresskit-probe-", dir=probe))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise RecipeError(
+            f"{field}: cannot create {str(path)!r} ({reason} in {str(probe)!r}); choose a writable directory"
+        ) from None
+
+
+def _make_dir(tmp_prefix: str, parent: Path) -> Path:
+    """``mkdtemp`` with the mode a plain ``mkdir`` would give (0755 under the usual umask)."""
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
+
+
 @contextlib.contextmanager
 def staged_dir(target: Path) -> Iterator[Path]:
     """Build a directory next to ``target`` and move it into place only when the block succeeds."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = _make_dir(f".{target.name}.", target.parent)
     try:
         yield tmp
         replace_dir(tmp, target)
@@ -97,7 +134,7 @@ def staged_files(target: Path) -> Iterator[Path]:
     """Build files in a folder next to ``target``; when the block succeeds, move each into
     ``target`` (one atomic rename per file), leaving every other file of ``target`` as it was."""
     target.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp = _make_dir(f".{target.name}.", target.parent)
     try:
         yield tmp
         for item in sorted(tmp.iterdir()):

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+from compresskit.interrupts import Interrupted, handle_signals
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -103,12 +104,15 @@ def cmd_apply(args, out: Console, err: Console) -> int:
         overrides.append("output.overwrite=true")
     resolved = load_recipe(args.recipe, overrides)
     result = apply(resolved, progress=_progress(err))
+    if result.reused:
+        _plain(err, f"{result.output_dir}: already done (same recipe hash): nothing to do; --overwrite to redo")
     _print_results(out, result.results)
     _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
     return EXIT_OK
 
 
 def cmd_validate(args, out: Console, err: Console) -> int:
+    from compresskit.artifacts import check_creatable
     from compresskit.modeling import resolve_model_source
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
 
@@ -118,6 +122,7 @@ def cmd_validate(args, out: Console, err: Console) -> int:
         resolved = load_recipe(path, list(args.set or []))
         rec = resolved.recipe
         resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+        check_creatable(Path(rec.output.dir), "output.dir")
         if args.print:
             out.print_json(json.dumps(resolved.to_dict()))
         stages = ", ".join(s.name for s in resolved.training) or "none"
@@ -375,16 +380,18 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "fn", None):
             build_parser().print_help()
             return EXIT_BAD_INPUT
-        return args.fn(args, out, err)
+        with handle_signals():
+            return args.fn(args, out, err)
     except CompressKitError as exc:
         if debug:
             traceback.print_exc()
         msg = " ".join(str(exc).split())  # one line
         err.print(f"error: {msg}", markup=False, highlight=False)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        err.print("interrupted; run the same command again to resume", markup=False)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGINT through handle_signals
+        why = f" ({exc})" if isinstance(exc, Interrupted) else ""
+        err.print(f"interrupted{why}; run the same command again to resume", markup=False)
+        return getattr(exc, "exit_code", 130)
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         if debug:
             traceback.print_exc()

@@ -8,7 +8,8 @@ from typing import Any
 
 def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     """Write a PNG with two panels: zero-shot average accuracy and held-out perplexity against
-    the realised fraction of projection MACs skipped; points of one pruner share a colour."""
+    the realised fraction of projection MACs skipped; points of one pruner share a colour. A run
+    whose sparsity was not measured has no place on the x axis and is left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +27,7 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
                 r["name"],
             )
             for r in runs
-            if (r.get("pruner") or "dense") == method
+            if (r.get("pruner") or "dense") == method and r.get("sparsity") is not None
         )
         for ax, idx in ((ax_acc, 1), (ax_ppl, 2)):
             shown = [p for p in pts if p[idx] is not None]

@@ -29,6 +29,9 @@ METRIC_COLUMNS = [
 ]
 
 
+NOT_MEASURED = "not measured"
+
+
 def _fmt(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -55,21 +58,18 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         dz = (results.get("dense") or {}).get("zero_shot_average")
         rows.append(("zero-shot avg acc", f"{zs:.4f}", _fmt(dz, "{:.4f}"), _fmt(zs / dz if dz else None, "{:.3f}")))
     sp = results["sparsity"]
-    kind = "measured" if sp.get("dynamic") else "static"
-    rows.append((f"sparsity attention ({kind})", f"{sp['attention']:.3f}", "0.000", "-"))
-    rows.append((f"sparsity ffn ({kind})", f"{sp['ffn']:.3f}", "0.000", "-"))
-    rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
-    for key, value in (sp.get("groups") or {}).items():
-        rows.append((f"skipped groups {key}", f"{value:.3f}", "0.000", "-"))
+    if sp is None:  # the pruner or its executor did not count it
+        rows += [(f"sparsity {b}", NOT_MEASURED, "0.000", "-") for b in ("attention", "ffn", "MACs")]
+    else:
+        kind = "measured" if sp.get("dynamic") else "static"
+        rows.append((f"sparsity attention ({kind})", f"{sp['attention']:.3f}", "0.000", "-"))
+        rows.append((f"sparsity ffn ({kind})", f"{sp['ffn']:.3f}", "0.000", "-"))
+        rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
+        for key, value in (sp.get("groups") or {}).items():
+            rows.append((f"skipped groups {key}", f"{value:.3f}", "0.000", "-"))
     m = results["model"]
-    rows.append(
-        (
-            "parameters",
-            f"{m['params_after']:,}",
-            f"{m['params_before']:,}",
-            f"{m['params_after'] / m['params_before']:.3f}",
-        )
-    )
+    # recovery is a quality ratio: a parameter count has none
+    rows.append(("parameters", f"{m['params_after']:,}", f"{m['params_before']:,}", "-"))
     return rows
 
 
@@ -94,6 +94,13 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _sparsity_note(sp: dict[str, Any] | None) -> str:
+    what = "Sparsity: fraction of the decoder layers' linear-projection multiply-adds skipped"
+    if sp is None:
+        return what + ": not measured in this run (its pruner or executor does not count it)."
+    return what + (" (measured while the evaluator ran)." if sp.get("dynamic") else ".")
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     ev = results["evaluation"]
     items = ", ".join(f"{k}: {v['n_items']}" for k, v in ev["tasks"].items())
@@ -115,8 +122,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"Data: {data['articles']} Wikipedia articles from the gensim test data, split by article "
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
-        "Sparsity: fraction of the decoder layers' linear-projection multiply-adds skipped"
-        + (" (measured while the evaluator ran)." if results["sparsity"].get("dynamic") else "."),
+        _sparsity_note(results["sparsity"]),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "",
@@ -133,13 +139,11 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     header += [c[0] for c in METRIC_COLUMNS] + ["zero-shot avg", "recovery (zero-shot)"]
     rows = []
     for r in runs:
-        sp = r["sparsity"]
+        sp = r["sparsity"] or {}
         row = [
             r["name"],
             r.get("pruner") or "dense",
-            f"{sp['macs']:.3f}",
-            f"{sp['attention']:.3f}",
-            f"{sp['ffn']:.3f}",
+            *(_fmt(sp.get(k), "{:.3f}") if sp else NOT_MEASURED for k in ("macs", "attention", "ffn")),
             f"{r['model']['params_after'] / 1e6:.1f}M",
         ]
         for _, task, metric, fmt in METRIC_COLUMNS:

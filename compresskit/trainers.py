@@ -35,9 +35,12 @@ from torch import nn
 from compresskit.data import DataModule
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
+from compresskit.interrupts import deferred
+from compresskit.seeding import seed_everything
 from compresskit.tokens import token_mask
 
 CHECKPOINT = "checkpoint.pt"
+HISTORY_POINTS = 1000  # entries of a stage's loss history kept in results.json (evenly spaced)
 
 
 class TrainStageConfig(PluginConfig):
@@ -52,7 +55,11 @@ class TrainStageConfig(PluginConfig):
     grad_clip: float | None = Field(1.0, gt=0.0, description="Max gradient norm (None: no clipping).")
     autocast_bf16: bool = Field(True, description="bf16 autocast on a GPU (ignored on the CPU).")
     checkpoint_every: int = Field(50, ge=1, description="Steps between resumable checkpoints.")
-    seed: int | None = Field(None, description="Data order and noise seed (None: the recipe's seed).")
+    seed: int | None = Field(
+        None,
+        description="Seed of this stage's initialisation, data order and noise (None: derived from the recipe's "
+        "seed and the stage's place and name).",
+    )
 
     @model_validator(mode="after")
     def _lr_range(self):
@@ -61,14 +68,26 @@ class TrainStageConfig(PluginConfig):
         return self
 
 
-def lr_factor(step: int, total: int, warmup_ratio: float, min_ratio: float) -> float:
-    """Linear warm-up over ``int(total * warmup_ratio)`` steps, then cosine to ``min_ratio``."""
-    warm = int(total * warmup_ratio)
-    if warm > 0 and step < warm:
-        return (step + 1) / warm
-    span = max(1, total - warm)
-    progress = min(1.0, (step - warm) / span)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def lr_schedule(optimizer: torch.optim.Optimizer, config: TrainStageConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``int(steps * warmup_ratio)`` steps, then a cosine decay to ``min_lr``
+    (transformers' ``get_cosine_with_min_lr_schedule_with_warmup``)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer,
+        num_warmup_steps=int(config.steps * config.warmup_ratio),
+        num_training_steps=config.steps,
+        min_lr_rate=config.min_lr / config.lr,
+    )
+
+
+def even_subsample(items: list, n: int) -> list:
+    """At most ``n`` items, evenly spaced, the first and the last included."""
+    if len(items) <= n:
+        return list(items)
+    if n == 1:
+        return [items[-1]]
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
 class RouterTrainer(Trainer):
@@ -94,6 +113,8 @@ class RouterTrainer(Trainer):
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
         c = self.config
+        seed = ctx.seed if c.seed is None else c.seed
+        seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
         trainable = {id(p) for p in params}
         for p in model.parameters():
@@ -101,11 +122,7 @@ class RouterTrainer(Trainer):
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         named = {names[id(p)]: p for p in params}
         optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
-        min_ratio = c.min_lr / c.lr
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, c.steps, c.warmup_ratio, min_ratio)
-        )
-        seed = ctx.seed if c.seed is None else c.seed
+        scheduler = lr_schedule(optimizer, c)
         work = Path(ctx.work_dir) if ctx.work_dir is not None else None
         start, history, done = 0, [], False
         ckpt = work / CHECKPOINT if work else None
@@ -113,13 +130,13 @@ class RouterTrainer(Trainer):
             start, history, done = self._load_checkpoint(ckpt, named, optimizer, scheduler)
             if ctx.progress is not None:
                 ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
-        else:
-            torch.manual_seed(seed)
         device = ctx.device
         use_autocast = c.autocast_bf16 and device.type == "cuda"
         batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * c.grad_accum)
         progress = ctx.progress
         t0, tokens = time.perf_counter(), 0
+        completed, saved = start, start  # steps finished, and the last step a checkpoint holds
+        rng = _rng_state()  # the random state at the start of the step in flight
         model.train()
         task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
         try:
@@ -127,6 +144,7 @@ class RouterTrainer(Trainer):
                 if task is not None and start:
                     task.advance(start)
                 for step in range(start, c.steps if not done else start):
+                    rng = _rng_state()
                     logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
                     optimizer.zero_grad(set_to_none=True)
                     total_loss = 0.0
@@ -147,22 +165,33 @@ class RouterTrainer(Trainer):
                         logs["lm_loss"] = float(out.loss.detach())
                     if not math.isfinite(total_loss):
                         raise FloatingPointError(f"{self.stage_name}: loss became {total_loss} at step {step}")
-                    if c.grad_clip is not None:
-                        torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-                    optimizer.step()
-                    scheduler.step()
-                    if pruner is not None:
-                        logs.update(pruner.train_metrics(model))
-                    logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
-                    history.append({k: float(v) for k, v in logs.items()})
+                    with deferred():  # a signal waits until the step and its bookkeeping are whole
+                        if c.grad_clip is not None:
+                            torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
+                        optimizer.step()
+                        scheduler.step()
+                        if pruner is not None:
+                            logs.update(pruner.train_metrics(model))
+                        logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
+                        history.append({k: float(v) for k, v in logs.items()})
+                        completed = step + 1
+                        if ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps):
+                            self._save_checkpoint(
+                                ckpt, completed, named, optimizer, scheduler, history, completed == c.steps
+                            )
+                            saved = completed
                     if task is not None:
                         task.advance(1)
                         shown = {k: logs[k] for k in ("loss", "lm_loss") if k in logs}
                         shown.update({k: v for k, v in logs.items() if k.startswith("sparsity")})
                         shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
                         task.update(**shown)
-                    if ckpt is not None and ((step + 1) % c.checkpoint_every == 0 or step + 1 == c.steps):
-                        self._save_checkpoint(ckpt, step + 1, named, optimizer, scheduler, history, step + 1 == c.steps)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished step for the resumed run
+            if ckpt is not None and completed > saved:
+                self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, rng=rng)
+                if progress is not None:
+                    progress.log(f"{self.stage_name}: interrupted; checkpoint at step {completed} of {c.steps}")
+            raise
         finally:
             model.eval()
         for p in params:
@@ -174,14 +203,17 @@ class RouterTrainer(Trainer):
             tokens=tokens,
             final_loss=history[-1]["loss"] if history else None,
             seconds=time.perf_counter() - t0,
-            history=history[-20:],
+            history=even_subsample(history, HISTORY_POINTS),
         )
 
     def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
         """Called after the last step (LoRA merges here)."""
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save_checkpoint(self, path: Path, step, named, optimizer, scheduler, history, done) -> None:
+    def _save_checkpoint(self, path: Path, step, named, optimizer, scheduler, history, done, rng=None) -> None:
+        """The stage after ``step`` finished steps. ``rng``: the random state to resume from (by
+        default the current one, which is the next step's when saved at a step's end)."""
+        rng = rng or _rng_state()
         state = {
             "step": step,
             "done": done,
@@ -189,8 +221,8 @@ class RouterTrainer(Trainer):
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "history": history,
-            "rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rng": rng[0],
+            "cuda_rng": rng[1],
             "config": self.config.model_dump(mode="json"),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,6 +257,10 @@ class RouterTrainer(Trainer):
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         return state["step"], state["history"], state["done"]
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +303,7 @@ class LoraTrainer(RouterTrainer):
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
         inject_lora(model, self.config)
-        params = [p for n, p in model.named_parameters() if "lora_" in n]
+        params = lora_parameters(model)
         if pruner is not None and self.config.train_pruner_params:
             params += pruner.trainable_parameters(model)
         return params
@@ -277,36 +313,55 @@ class LoraTrainer(RouterTrainer):
             merge_lora(model)
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """What a saved model needs to reproduce this stage: the adapter tensors, or after a
-        merge, the merged weights of the adapted layers."""
+        """What a saved model needs to reproduce this stage: the adapter tensors (peft's
+        ``get_peft_model_state_dict``), or after a merge, the merged weights of the adapted layers."""
         if self.config.merge:
             names = lora_target_names(model, self.config.target_modules)
             return {f"merged.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
-        return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
 
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Re-apply a saved stage to a freshly prepared model."""
         if self.config.merge:
             names = lora_target_names(model, self.config.target_modules)
             expected = {f"merged.{n}.weight" for n in names}
-        else:
-            inject_lora(model, self.config)
-            expected = {n for n, _ in model.named_parameters() if "lora_" in n}
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ArtifactError(
-                f"lora: saved tensors do not match the model: missing {missing[:2]} ({len(missing)}), "
-                f"unexpected {unexpected[:2]} ({len(unexpected)})"
-            )
-        with torch.no_grad():
-            if self.config.merge:
+            _check_keys(expected, state)
+            with torch.no_grad():
                 for key, value in state.items():
                     w = model.get_submodule(key[len("merged.") : -len(".weight")]).weight
                     w.copy_(value.to(w.device, w.dtype))
-            else:
-                params = dict(model.named_parameters())
-                for key, value in state.items():
-                    params[key].copy_(value.to(params[key].device, params[key].dtype))
+            return
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        inject_lora(model, self.config)
+        # files written before the adapter name was left out of the keys carry ".default."
+        state = {k.replace(".default.", "."): v for k, v in state.items()}
+        _check_keys(set(get_peft_model_state_dict(model)), state)
+        set_peft_model_state_dict(model, state)
+
+
+def _check_keys(expected: set[str], state: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ArtifactError(
+            f"lora: saved tensors do not match the model: missing {missing[:2]} ({len(missing)}), "
+            f"unexpected {unexpected[:2]} ({len(unexpected)})"
+        )
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters of every LoRA layer in ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, LoraLayer)
+        for name in LoraLayer.adapter_layer_names
+        for p in getattr(m, name).parameters()
+    ]
 
 
 def inject_lora(model: nn.Module, config: LoraStageConfig) -> None:
@@ -317,9 +372,8 @@ def inject_lora(model: nn.Module, config: LoraStageConfig) -> None:
         r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none", target_modules=names
     )
     inject_adapter_in_model(lora, model)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.data = p.data.float()  # fp32 adapters whatever the model dtype
+    for p in lora_parameters(model):
+        p.data = p.data.float()  # fp32 adapters whatever the model dtype
 
 
 def merge_lora(model: nn.Module) -> None:

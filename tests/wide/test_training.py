@@ -14,7 +14,14 @@ from compresskit.api import apply
 from compresskit.data import DataModule
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
-from compresskit.trainers import LoraStageConfig, LoraTrainer, RouterTrainer, TrainStageConfig, lr_factor
+from compresskit.trainers import (
+    LoraStageConfig,
+    LoraTrainer,
+    RouterTrainer,
+    TrainStageConfig,
+    even_subsample,
+    lr_schedule,
+)
 
 
 def recipe(tiny_model_dir, tmp_path, stages, **pruner_kw):
@@ -34,14 +41,28 @@ def stage(name, **kw):
     return {"name": name, "config": {**base, **kw}}
 
 
-def test_lr_schedule_warmup_then_cosine():
-    assert lr_factor(0, 100, 0.1, 0.0) == pytest.approx(0.1)
-    assert lr_factor(9, 100, 0.1, 0.0) == pytest.approx(1.0)
-    assert lr_factor(10, 100, 0.1, 0.0) == pytest.approx(1.0)
-    assert lr_factor(55, 100, 0.1, 0.0) == pytest.approx(0.5)
-    assert lr_factor(100, 100, 0.1, 0.2) == pytest.approx(0.2)
+def test_lr_schedule_warmup_then_cosine_to_the_floor():
+    config = TrainStageConfig(steps=100, lr=1.0, min_lr=0.2, warmup_ratio=0.1)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+    sched = lr_schedule(opt, config)
+    lrs = []
+    for _ in range(101):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[5] == pytest.approx(0.5)  # linear warm-up over 10 steps
+    assert lrs[10] == pytest.approx(1.0)  # the peak
+    assert lrs[55] == pytest.approx(0.2 + 0.8 * 0.5)  # half-way down the cosine
+    assert lrs[100] == pytest.approx(0.2)  # the floor
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     with pytest.raises(ValueError, match="min_lr"):
         TrainStageConfig(lr=1e-3, min_lr=1e-2)
+
+
+def test_history_is_subsampled_evenly_keeping_both_ends():
+    assert even_subsample(list(range(10)), 20) == list(range(10))
+    picked = even_subsample(list(range(2001)), 5)
+    assert picked == [0, 500, 1000, 1500, 2000]
 
 
 def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
@@ -177,3 +198,102 @@ def test_checkpoint_of_another_config_is_refused(tiny_model_dir, tmp_path):
     (tmp_path / "w" / "checkpoint.pt").write_bytes(b"torn")
     with pytest.raises(ArtifactError, match="corrupt training checkpoint"):
         RouterTrainer(TrainStageConfig(steps=2, batch_size=2, seq_len=32)).fit(model, pruner, data, ctx)
+
+
+def _saved_tensors(model_dir):
+    from safetensors.torch import load_file
+
+    return {f.name: load_file(str(f)) for f in sorted(model_dir.glob("*.safetensors"))}
+
+
+def _assert_same_tensors(a, b):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), (name, key)
+
+
+def test_cold_and_warm_dense_cache_give_identical_saved_tensors(tiny_model_dir, tmp_path, monkeypatch):
+    """Every random draw depends on the recipe only, not on whether the dense reference was computed
+    (lm-eval reseeds the global generators) or found in the cache."""
+    monkeypatch.setattr(api, "cache_dir", lambda: tmp_path / "cache")
+    stages = [stage("router", steps=4), stage("lora", steps=3, r=4, alpha=8)]
+    runs = []
+    for name in ("cold", "warm"):
+        r = recipe(tiny_model_dir, tmp_path / name, stages)
+        r["evaluation"]["compare_dense"] = True
+        runs.append(apply(r))
+        assert len(list((tmp_path / "cache" / "dense").glob("*.json"))) == 1
+    _assert_same_tensors(*(_saved_tensors(tmp_path / n / "run" / "model") for n in ("cold", "warm")))
+    assert runs[0].results["metrics"] == runs[1].results["metrics"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir, tmp_path, backend):
+    """The executor rewires the model for speed after the model is saved: the saved keys are the
+    pruner's own (no executor wrapper in their names), they equal a torch-executor run's, and the
+    reloaded model scores exactly what the run reported."""
+    stages = [stage("router", steps=4)]
+    r = recipe(tiny_model_dir, tmp_path / "triton", stages)
+    r["executor"] = {"name": "wide-triton", "config": {"backend": backend}}
+    res = apply(r)
+    ref = apply(recipe(tiny_model_dir, tmp_path / "torch", stages))
+    saved = _saved_tensors(tmp_path / "triton" / "run" / "model")
+    assert not any("base_layer" in k for k in saved["pruner.safetensors"])
+    _assert_same_tensors(saved, _saved_tensors(tmp_path / "torch" / "run" / "model"))
+    ev = api.eval_model(
+        str(tmp_path / "triton" / "run" / "model"),
+        evaluation=api.EvaluationSection(tasks=["piqa"], limit=4, batch_size=4, max_length=512),
+        dtype="float32",
+        device="cpu",
+    )
+    assert ev["metrics"] == res.results["metrics"] == ref.results["metrics"]
+
+
+def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path):
+    from compresskit.report import compare_markdown, results_markdown
+
+    r = recipe(tiny_model_dir, tmp_path, [stage("router", steps=2)])
+    r["executor"] = {"name": "wide-triton", "config": {"backend": "torch", "track_stats": False}}
+    res = apply(r)
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res.results["sparsity"] is None and saved["sparsity"] is None
+    md = results_markdown(saved)
+    assert "not measured" in md and "sparsity MACs" in md
+    assert "not measured" in compare_markdown([saved])
+
+
+def test_sigterm_checkpoints_the_last_finished_step_and_the_rerun_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """A SIGTERM (a scheduler's, a container's) stops a run as Ctrl-C does: exit 143, a checkpoint at
+    the last finished step, the staging directory kept; the same command then ends with exactly the
+    weights of an uninterrupted run."""
+    import os
+    import signal
+
+    import yaml
+
+    from compresskit.cli import main
+    from compresskit_wide.pruner import WidePruner
+
+    stages = [stage("router", steps=7, checkpoint_every=50)]
+    apply(recipe(tiny_model_dir, tmp_path / "a", stages))
+    path = tmp_path / "b.yaml"
+    path.write_text(yaml.safe_dump(recipe(tiny_model_dir, tmp_path / "b", stages)))
+    original = WidePruner.on_train_step
+
+    def terminate_at_step_3(self, step, total):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, step, total)
+
+    monkeypatch.setattr(WidePruner, "on_train_step", terminate_at_step_3)
+    assert main(["apply", str(path)]) == 143
+    ckpt = torch.load(tmp_path / "b" / "run.partial" / "work" / "stage0-router" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 3 and not ckpt["done"]  # steps 0-2 finished; checkpoint_every alone saves none
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the CLI put the handler back
+    monkeypatch.setattr(WidePruner, "on_train_step", original)
+    assert main(["apply", str(path)]) == 0
+    _assert_same_tensors(
+        _saved_tensors(tmp_path / "a" / "run" / "model"), _saved_tensors(tmp_path / "b" / "run" / "model")
+    )
