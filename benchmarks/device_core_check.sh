@@ -5,7 +5,7 @@
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . tests/fixtures/toy_plugin plugins/wide plugins/baselines
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -4,25 +4,32 @@ Public API::
 
     import compresskit
     result = compresskit.apply("recipes/quickstart.yaml", overrides=["evaluation.limit=50"])
-    model, tokenizer = compresskit.load("runs/quickstart/model")
+    model, tokenizer, pruner = compresskit.load("runs/quickstart/model")
+
+Every name is imported when first used, so that ``import compresskit`` (and the CLI's start) does
+not pay for torch or transformers before they are needed.
 """
 
-from compresskit.interfaces import Executor, PluginConfig, Pruner, Trainer
-from compresskit.recipe import load_recipe
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["Executor", "PluginConfig", "Pruner", "Trainer", "apply", "load", "load_recipe", "__version__"]
+_LAZY = {
+    "Executor": "compresskit.interfaces",
+    "PluginConfig": "compresskit.interfaces",
+    "Pruner": "compresskit.interfaces",
+    "Trainer": "compresskit.interfaces",
+    "load_recipe": "compresskit.recipe",
+    "apply": "compresskit.api",
+    "load": "compresskit.artifacts",
+}
+
+__all__ = [*_LAZY, "__version__"]
 
 
 def __getattr__(name: str):
-    # apply/load pull in transformers; import them only when asked for.
-    if name == "apply":
-        from compresskit.api import apply
-
-        return apply
-    if name == "load":
-        from compresskit.artifacts import load
-
-        return load
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'compresskit' has no attribute {name!r}")

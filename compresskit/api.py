@@ -339,14 +339,18 @@ def eval_model(
     device: str = "auto",
     output_dir: str | Path | None = None,
     progress: Progress | None = None,
+    field: str = "model_ref",
 ) -> dict[str, Any]:
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
-    shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``."""
+    shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
+    about ``model_ref`` name it as ``field`` (the CLI passes its argument's name)."""
     from compresskit.report import results_markdown
 
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
+    if output_dir is not None:
+        artifacts.check_creatable(Path(output_dir), "output directory (--output)")
     path = Path(model_ref).expanduser()
     if path.is_dir() and (path / artifacts.MANIFEST).is_file():
         model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)
@@ -354,8 +358,8 @@ def eval_model(
         base = manifest["base_model"]
         pruner_name = (manifest.get("pruner") or {}).get("name")
     else:
-        resolve_model_source(model_ref)
-        model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress)
+        resolve_model_source(model_ref, field=field)
+        model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
         pruner, pruner_name, base = None, None, model_ref
     seed_everything(evaluation.seed)
     with progress.task("preparing the embedded text"):

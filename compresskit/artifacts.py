@@ -117,6 +117,15 @@ def _make_dir(tmp_prefix: str, parent: Path) -> Path:
     return tmp
 
 
+def _umask_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open`` would (some writers, safetensors
+    among them, create 0600 files) and every folder a plain ``mkdir``'s."""
+    mask = _umask()
+    for path in (root, *root.rglob("*")):
+        if not path.is_symlink():
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def staged_dir(target: Path) -> Iterator[Path]:
     """Build a directory next to ``target`` and move it into place only when the block succeeds."""
@@ -124,6 +133,7 @@ def staged_dir(target: Path) -> Iterator[Path]:
     tmp = _make_dir(f".{target.name}.", target.parent)
     try:
         yield tmp
+        _umask_modes(tmp)
         replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

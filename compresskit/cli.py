@@ -1,7 +1,8 @@
 """``compresskit``: apply | eval | compare | plugins | validate | schema.
 
 Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and what is allowed),
-1 internal error (add ``--debug`` for the traceback), 130 interrupted.
+1 internal error (add ``--debug`` for the traceback), 130 interrupted (SIGINT), 143 stopped by
+SIGTERM; an interrupted ``apply`` resumes when run again.
 """
 
 from __future__ import annotations
@@ -43,37 +44,21 @@ def _progress(err: Console):
 
 
 def _quiet_libraries() -> None:
-    """Our progress bars and tables replace the libraries' tqdm bars and INFO logs. Runs before
-    lm-eval, datasets or transformers are imported, so that their ``from tqdm import tqdm`` gets
-    the silent class."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    """Our progress bars and tables replace the libraries' tqdm bars and INFO logs, through the
+    settings those libraries document (each can be overridden from the environment): tqdm's
+    ``TQDM_DISABLE`` (every tqdm bar of lm-eval, datasets, transformers), transformers' verbosity,
+    the hub's progress bars, and the standard loggers of the others. Nothing is imported here."""
     import logging
 
-    import tqdm
-    import tqdm.auto
-    import tqdm.std
-
-    if not getattr(tqdm.tqdm, "_compresskit_silent", False):
-
-        class _SilentTqdm(tqdm.std.tqdm):
-            _compresskit_silent = True
-
-            def __init__(self, *args, **kwargs):
-                kwargs["disable"] = True
-                super().__init__(*args, **kwargs)
-
-        tqdm.tqdm = tqdm.std.tqdm = tqdm.auto.tqdm = _SilentTqdm
-
-    for name in ("transformers", "lm_eval", "datasets", "huggingface_hub", "stevedore", "gensim", "smart_open"):
+    for key, value in (
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("TQDM_DISABLE", "1"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+    ):
+        os.environ.setdefault(key, value)
+    for name in ("lm_eval", "lm-eval", "datasets", "huggingface_hub", "stevedore", "gensim", "smart_open"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def _plain(out: Console, text: str) -> None:
@@ -213,6 +198,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
         device=args.device,
         output_dir=args.output,
         progress=_progress(err),
+        field="MODEL (compresskit eval's argument)",
     )
     _print_results(out, results)
     if args.output:
@@ -314,7 +300,13 @@ def cmd_compare(args, out: Console, err: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="compresskit", description=__doc__.split("\n")[0])
+    parser = _Parser(
+        prog="compresskit",
+        description="Compress an LLM with pluggable pruners; evaluate every method with one evaluator.",
+        epilog="Exit codes: 0 ok, 2 bad input (one line naming what was wrong), 1 internal error "
+        "(--debug shows the traceback), 130 interrupted (Ctrl-C), 143 stopped by SIGTERM; "
+        "an interrupted apply resumes when run again.",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -339,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=["pruner", "trainer", "executor"])
     p.set_defaults(fn=cmd_schema)
 
-    p = sub.add_parser("plugins", help="list installed plugins, or `plugins check NAME` to run the contract")
+    p = sub.add_parser("plugins", help="list installed plugins, or 'plugins check NAME' to run the contract")
     p.add_argument("action", nargs="?", choices=["list", "check"], default="list")
     p.add_argument("name", nargs="?")
     p.set_defaults(fn=cmd_plugins)

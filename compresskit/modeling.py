@@ -73,13 +73,17 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.sep in name.rstrip(os.sep) and not _HUB_ID.match(name)
 
 
-def resolve_model_source(name_or_path: str, *, allow_download: bool = False) -> ModelSource:
+def resolve_model_source(
+    name_or_path: str, *, allow_download: bool = False, field: str = "model.name_or_path"
+) -> ModelSource:
     """Find where the weights of ``name_or_path`` come from, without loading them.
+
+    Args:
+        field: how errors name where the value came from (the recipe key, or a CLI argument).
 
     Raises:
         ModelNotFoundError: with the field name, what was given and what is allowed.
     """
-    field = "model.name_or_path"
     if name_or_path in ALIASES:
         alias = ALIASES[name_or_path]
         spec = importlib.util.find_spec(alias.package)
@@ -197,21 +201,23 @@ def load_model(
     device: str = "auto",
     allow_download: bool = False,
     progress: Progress | None = None,
+    field: str = "model.name_or_path",
 ):
-    """Load ``(model, tokenizer)`` in eval mode on the resolved device and dtype."""
+    """Load ``(model, tokenizer)`` in eval mode on the resolved device and dtype; errors name
+    ``field``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    source = resolve_model_source(name_or_path, allow_download=allow_download)
+    source = resolve_model_source(name_or_path, allow_download=allow_download, field=field)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = local_model_dir(source, progress)
     local_only = not (source.kind == "hub" and allow_download)
-    with unreadable_checkpoint(path):
+    with unreadable_checkpoint(path, field):
         config = AutoConfig.from_pretrained(path, local_files_only=local_only)
-    check_supported(config)
+    check_supported(config, field)
     progress = progress or Progress()
     with progress.task(f"loading {name_or_path} ({str(torch_dtype).removeprefix('torch.')}, {dev})"):
-        with unreadable_checkpoint(path):
+        with unreadable_checkpoint(path, field):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=local_only)
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_only)
     if tokenizer.pad_token is None:
@@ -221,7 +227,7 @@ def load_model(
 
 
 @contextlib.contextmanager
-def unreadable_checkpoint(path: str):
+def unreadable_checkpoint(path: str, field: str = "model.name_or_path"):
     """What transformers raises for a model directory it cannot read (a config that is not JSON, a
     truncated or garbled safetensors file, a missing weight file) as the user's error: one line
     naming the field and the directory, exit code 2."""
@@ -231,15 +237,13 @@ def unreadable_checkpoint(path: str):
         yield
     except (OSError, ValueError, SafetensorError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ArtifactError(f"model.name_or_path: {path}: the checkpoint cannot be loaded: {reason}") from exc
+        raise ArtifactError(f"{field}: {path}: the checkpoint cannot be loaded: {reason}") from exc
 
 
-def check_supported(config) -> None:
+def check_supported(config, field: str = "model.name_or_path") -> None:
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise RecipeError(
-            f"model.name_or_path: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise RecipeError(f"{field}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 # ---------------------------------------------------------------------------------------------

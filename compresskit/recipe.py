@@ -145,6 +145,35 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
+_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _allowed_range(model: type[BaseModel], loc: tuple) -> str | None:
+    """``"allowed: 0 <= value < 1"`` for a numeric field with bounds (None when it has none)."""
+    current: Any = model
+    info = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
+            return None
+        info = current.model_fields[part]
+        current = _unwrap(info.annotation)
+    if info is None:
+        return None
+    lower = upper = ""
+    for meta in info.metadata:
+        for attr, sign in _BOUNDS.items():
+            bound = getattr(meta, attr, None)
+            if bound is None:
+                continue
+            if attr in ("ge", "gt"):
+                lower = f"{bound} {'<=' if attr == 'ge' else '<'} "
+            else:
+                upper = f" {sign} {bound}"
+    return f"allowed: {lower}value{upper}" if lower or upper else None
+
+
 def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
     """One line per problem: ``path: what is wrong (given: X; allowed: ...)``, joined with '; '."""
     parts = []
@@ -163,7 +192,12 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix
                 parts.append(f"{path}: {msg}")
                 continue
             given_s = json.dumps(given) if isinstance(given, (int, float, str, bool, type(None))) else repr(given)
-            parts.append(f"{path}: {msg} (given: {given_s[:80]})")
+            bounds = (
+                _allowed_range(model, loc)
+                if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+                else None
+            )
+            parts.append(f"{path}: {msg} (given: {given_s[:80]}" + (f"; {bounds})" if bounds else ")"))
     return "; ".join(parts)
 
 
@@ -191,7 +225,10 @@ def _read_yaml(path: Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
     if data is None:
-        return {}
+        raise RecipeError(
+            f"{path}: the file is empty (or holds only comments); a recipe needs at least model.name_or_path "
+            "and output.dir, e.g. recipes/quickstart.yaml"
+        )
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of keys, got {type(data).__name__}")
     return data

@@ -1,18 +1,60 @@
 """Shared fixtures: a tiny Llama checkpoint on disk (random init, built from a config) and a
-fresh working directory per test. Markers: ``slow`` (uses the real embedded model), ``gpu``."""
+fresh working directory per test. Markers: ``slow`` (uses the real embedded model), ``gpu``.
+
+The tests leave the user's environment and caches as they found them:
+
+* every cache they write (compresskit's dense references and conversions, stevedore's entry-point
+  cache, the HF and Triton caches) lives in a temporary folder removed when the session ends; the
+  user's converted embedded model and extracted text are only read from there (linked, never written);
+* the test-fixture plugin (``tests/fixtures/toy_plugin``, a third-party pruner and a broken one) is
+  registered in this process only, through its ``.dist-info`` on ``sys.path``, never installed.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+TESTS = Path(__file__).parent
+
+
+def _user_cache() -> Path:
+    root = os.environ.get("COMPRESSKIT_CACHE")
+    return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "compresskit"
+
+
+def _sandbox_caches() -> Path:
+    """Point every cache at a temporary folder (before compresskit, stevedore, transformers or triton
+    are imported, as they read these variables once)."""
+    sandbox = Path(tempfile.mkdtemp(prefix="compresskit-tests-"))
+    atexit.register(shutil.rmtree, sandbox, ignore_errors=True)
+    user, cache = _user_cache(), sandbox / "compresskit"
+    for sub in ("models", "data"):  # derived from packages, slow to rebuild: read the user's copies
+        (cache / sub).mkdir(parents=True)
+        if (user / sub).is_dir():
+            for entry in (user / sub).iterdir():
+                if not entry.name.startswith("."):
+                    (cache / sub / entry.name).symlink_to(entry)
+    os.environ["COMPRESSKIT_CACHE"] = str(cache)
+    os.environ["XDG_CACHE_HOME"] = str(sandbox / "xdg")
+    os.environ["HF_HOME"] = str(sandbox / "xdg" / "huggingface")
+    os.environ["TRITON_CACHE_DIR"] = str(sandbox / "triton")
+    return sandbox
+
+
+SANDBOX = _sandbox_caches()
+sys.path.append(str(TESTS / "fixtures" / "toy_plugin"))  # the package and its .dist-info (entry points)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter; set before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
-TESTS = Path(__file__).parent
 
 
 @pytest.fixture(autouse=True)

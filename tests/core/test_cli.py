@@ -45,7 +45,12 @@ def one_line_error(err):
     [
         ("evalution.limit=3", "evalution: unknown key 'evalution'. Did you mean: evaluation?"),
         ("pruner.name=toy-magnitud", "pruner.name: unknown pruner 'toy-magnitud'. Did you mean: toy-magnitude?"),
-        ("pruner.config.sparsity=1.5", "pruner.config.sparsity: Input should be less than 1 (given: 1.5)"),
+        (
+            "pruner.config.sparsity=1.5",
+            "pruner.config.sparsity: Input should be less than 1 (given: 1.5; allowed: 0.0 <= value < 1.0)",
+        ),
+        ("output.dir=/proc/compresskit-x", "output.dir: cannot create '/proc/compresskit-x'"),
+        ("output.dir=/sys/compresskit-x/run", "output.dir: cannot create '/sys/compresskit-x/run'"),
         ("model.name_or_path=./does/not/exist", "model.name_or_path: directory './does/not/exist' does not exist"),
         (
             "model.name_or_path=meta-llama/Llama-3.1-8B",
@@ -94,6 +99,40 @@ def test_corrupt_checkpoint_exit_2_one_line(capsys, tiny_model_dir, tmp_path, da
 def test_missing_recipe_file(capsys, tmp_path):
     code, _, err = run(capsys, "validate", str(tmp_path / "nope.yaml"))
     assert code == 2 and "recipe file not found" in one_line_error(err)
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_empty_recipe_file_says_it_is_empty(capsys, tmp_path, text):
+    (tmp_path / "empty.yaml").write_text(text)
+    code, _, err = run(capsys, "validate", str(tmp_path / "empty.yaml"))
+    assert code == 2 and f"{tmp_path / 'empty.yaml'}: the file is empty" in one_line_error(err)
+
+
+def test_eval_errors_name_the_argument_not_a_recipe_key(capsys, tmp_path):
+    code, _, err = run(capsys, "eval", str(tmp_path / "nonexistent"))
+    line = one_line_error(err)
+    assert code == 2 and line.startswith("error: MODEL (compresskit eval's argument): directory ")
+    assert "model.name_or_path" not in line
+    code, _, err = run(capsys, "eval", "smollm2-135m", "--output", "/proc/compresskit-x")
+    assert code == 2 and "output directory (--output): cannot create '/proc/compresskit-x'" in one_line_error(err)
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and "Exit codes" in out
+
+
+def test_cli_starts_without_importing_torch():
+    """``--help`` and ``--version`` answer at once: the package imports what a command needs, when it
+    needs it."""
+    import subprocess
+    import sys
+
+    code = "import sys; from compresskit.cli import main; main(['--version']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "False"
 
 
 def test_debug_shows_traceback(capsys, recipe_file):
@@ -202,6 +241,30 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     # a finished run of a different recipe is never silently replaced
     code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, "--set", "seed=7")
     assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
+
+
+def test_rerun_of_a_finished_recipe_does_nothing_and_files_get_the_umask(capsys, tiny_model_dir, tmp_path):
+    import os
+
+    out_dir = tmp_path / "run"
+    args = ["--set", "evaluation.tasks=[piqa]", "--set", "evaluation.compare_dense=false"]
+    code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, *args)
+    assert code == 0, err
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in ("results.json", "results.md", "model/compresskit.json", "model/pruner.safetensors"):
+        assert (out_dir / f).stat().st_mode & 0o777 == 0o666 & ~umask, f
+    for d in (out_dir, out_dir / "model"):
+        assert d.stat().st_mode & 0o777 == 0o777 & ~umask, d
+    before = {p: p.stat().st_mtime_ns for p in out_dir.rglob("*")}
+    code, out, err = apply_toy(capsys, tiny_model_dir, out_dir, *args)
+    assert code == 0 and "already done (same recipe hash): nothing to do; --overwrite to redo" in err
+    assert "PIQA acc" in out  # the finished run's table
+    assert {p: p.stat().st_mtime_ns for p in out_dir.rglob("*")} == before
+    assert not (tmp_path / "run.partial").exists()
+    code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, *args, "--overwrite")
+    assert code == 0 and "already done" not in err
+    assert {p: p.stat().st_mtime_ns for p in out_dir.rglob("*")} != before
 
 
 def test_interrupted_run_leaves_partial_and_resumes(capsys, tiny_model_dir, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,20 @@ def test_loading_one_plugin_imports_no_other():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="Did you mean: pruner"):
         plugins.names("pruners")
+
+
+def test_the_tests_keep_out_of_the_users_environment_and_caches():
+    """The fixture plugin is registered in this process only (not installed), and every cache the
+    tests write lives in the session's temporary folder."""
+    from importlib import metadata
+
+    from conftest import SANDBOX, TESTS
+
+    from compresskit.modeling import cache_dir
+
+    dist = metadata.distribution("ck-toy-pruner")
+    assert Path(str(dist.locate_file(""))).resolve() == (TESTS / "fixtures" / "toy_plugin").resolve()
+    assert cache_dir().resolve().is_relative_to(SANDBOX.resolve())
+    from stevedore import _cache
+
+    assert Path(_cache._c._dir).resolve().is_relative_to(SANDBOX.resolve())
