@@ -69,7 +69,10 @@ def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | N
 def _eval_summary(ev: EvalResult) -> dict[str, Any]:
     return {
         **ev.meta,
-        "tasks": {name: {"n_items": t.n_items, "seconds": round(t.seconds, 2)} for name, t in ev.tasks.items()},
+        "tasks": {
+            name: {"n_items": t.n_items, "seconds": round(t.seconds, 2), "batch_size": t.batch_size}
+            for name, t in ev.tasks.items()
+        },
     }
 
 

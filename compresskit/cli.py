@@ -189,7 +189,8 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     try:
         evaluation = EvaluationSection(**fields)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc, EvaluationSection, prefix="evaluation.")) from None
+        flags = {key: "--" + key.replace("_", "-") for key in fields}
+        raise RecipeError(format_validation_error(exc, EvaluationSection, names=flags)) from None
     results = eval_model(
         args.model,
         evaluation=evaluation,
@@ -300,6 +301,8 @@ def cmd_compare(args, out: Console, err: Console) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from compresskit import tasks
+
     parser = _Parser(
         prog="compresskit",
         description="Compress an LLM with pluggable pruners; evaluate every method with one evaluator.",
@@ -338,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
     p.add_argument("model")
-    p.add_argument("--tasks", help="comma-separated: perplexity,piqa,next_sentence")
+    p.add_argument("--tasks", help=f"comma-separated, from: {','.join(tasks.names())}")
     p.add_argument("--limit", type=int, help="items per zero-shot task")
     p.add_argument("--perplexity-docs", type=int, dest="perplexity_docs")
     p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")

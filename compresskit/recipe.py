@@ -31,12 +31,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from compresskit import plugins
+from compresskit import plugins, tasks
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 from compresskit.interfaces import PluginConfig
 
 SCHEMA_VERSION = 1
-TASKS = ("perplexity", "piqa", "next_sentence")
 
 
 class _Section(BaseModel):
@@ -71,10 +70,20 @@ class PluginSection(_Section):
 
 
 class EvaluationSection(_Section):
-    tasks: list[Literal["perplexity", "piqa", "next_sentence"]] = Field(default_factory=lambda: list(TASKS))
+    tasks: list[str] = Field(
+        default_factory=lambda: list(tasks.names()),
+        description="Tasks to run, in order; see compresskit.tasks.",
+        json_schema_extra={"items": {"enum": list(tasks.names())}},
+    )
     limit: int | None = Field(None, ge=1, description="Items per zero-shot task (None: all); a fixed prefix.")
     perplexity_docs: int | None = Field(None, ge=1, description="Held-out articles for perplexity (None: all).")
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="Most sequences lm-eval scores in one forward pass.")
+    logits_budget_mb: int = Field(
+        1024,
+        ge=16,
+        description="Memory one batch's full-vocabulary log-probabilities may take (fp32 logits and their "
+        "log-softmax, as lm-eval holds them): batches are made smaller than batch_size to fit.",
+    )
     max_length: int = Field(1024, ge=16, description="Context window of the rolling perplexity and of lm-eval.")
     next_sentence_items: int = Field(500, ge=1)
     compare_dense: bool = Field(True, description="Also evaluate the unpruned model (cached) and report recovery.")
@@ -82,12 +91,15 @@ class EvaluationSection(_Section):
 
     @field_validator("tasks")
     @classmethod
-    def _tasks_unique(cls, tasks: list[str]) -> list[str]:
-        if not tasks:
-            raise ValueError(f"name at least one task; allowed: {', '.join(TASKS)}")
-        if len(set(tasks)) != len(tasks):
-            raise ValueError(f"a task is listed twice: {tasks}")
-        return tasks
+    def _known_tasks(cls, names: list[str]) -> list[str]:
+        if not names:
+            raise ValueError(f"name at least one task; allowed: {', '.join(tasks.names())}")
+        for name in names:
+            if name not in tasks.REGISTRY:
+                raise ValueError(did_you_mean(name, tasks.names(), what="task"))
+        if len(set(names)) != len(names):
+            raise ValueError(f"a task is listed twice: {names}")
+        return names
 
 
 class OutputSection(_Section):
@@ -174,12 +186,18 @@ def _allowed_range(model: type[BaseModel], loc: tuple) -> str | None:
     return f"allowed: {lower}value{upper}" if lower or upper else None
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
-    """One line per problem: ``path: what is wrong (given: X; allowed: ...)``, joined with '; '."""
+def format_validation_error(
+    exc: ValidationError, model: type[BaseModel], prefix: str = "", names: dict[str, str] | None = None
+) -> str:
+    """One line per problem: ``path: what is wrong (given: X; allowed: ...)``, joined with '; '.
+    ``names`` renames a top-level field where the value came from elsewhere (a CLI flag)."""
     parts = []
     for err in exc.errors():
         loc = tuple(err["loc"])
-        path = (prefix + ".".join(str(p) for p in loc)).rstrip(".") or "recipe"
+        if names and loc and loc[0] in names:
+            path = names[str(loc[0])]
+        else:
+            path = (prefix + ".".join(str(p) for p in loc)).rstrip(".") or "recipe"
         if err["type"] == "extra_forbidden":
             allowed = _fields_at(model, loc[:-1]) or []
             parts.append(f"{path}: {did_you_mean(str(loc[-1]), allowed, what='key')}")

@@ -17,16 +17,10 @@ from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
 from compresskit.progress import Progress, Task
+from compresskit.tasks import table_columns
 
-# (column title, task, metric, format)
-METRIC_COLUMNS = [
-    ("held-out ppl", "perplexity", "token_perplexity", "{:.2f}"),
-    ("word ppl", "perplexity", "word_perplexity", "{:.2f}"),
-    ("PIQA acc", "piqa", "acc", "{:.4f}"),
-    ("PIQA acc_norm", "piqa", "acc_norm", "{:.4f}"),
-    ("next-sent acc", "next_sentence", "acc", "{:.4f}"),
-    ("next-sent acc_norm", "next_sentence", "acc_norm", "{:.4f}"),
-]
+# (column title, task, metric, format), from the task registry
+METRIC_COLUMNS = table_columns()
 
 
 NOT_MEASURED = "not measured"

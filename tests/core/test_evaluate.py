@@ -3,8 +3,9 @@ import math
 import pytest
 
 from compresskit.data import Article, DataModule
-from compresskit.evaluate import evaluate, next_sentence_docs, piqa_docs, recovery, sentences
+from compresskit.evaluate import evaluate, recovery
 from compresskit.recipe import EvaluationSection
+from compresskit.tasks import next_sentence_docs, piqa_docs, sentences
 
 
 def test_piqa_is_the_full_validation_split():
@@ -67,3 +68,45 @@ def test_evaluate_tiny_model_with_lm_eval(tiny_model_dir):
     assert res.zero_shot_average() == pytest.approx(
         (res.tasks["piqa"].metrics["acc"] + res.tasks["next_sentence"].metrics["acc"]) / 2
     )
+
+
+def test_logits_budget_lowers_the_batch_and_leaves_the_numbers(tiny_model_dir):
+    """A batch's full-vocabulary log-probabilities must fit the budget: the tiny model's 512-token
+    windows take 512 * vocab * 8 bytes a row, so a budget of two rows runs batches of two; the
+    metrics are those of the unbounded run."""
+    from compresskit.modeling import load_model
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    two_rows_mb = -(-2 * 512 * vocab * 8 // 2**20)
+    common = {"tasks": ["perplexity", "piqa"], "limit": 6, "max_length": 512, "batch_size": 16}
+    big = evaluate(model, tok, dm, EvaluationSection(**common))
+    small = evaluate(model, tok, dm, EvaluationSection(**common, logits_budget_mb=max(16, two_rows_mb)))
+    rows = max(1, max(16, two_rows_mb) * 2**20 // (512 * vocab * 8))
+    assert small.tasks["perplexity"].batch_size == min(16, rows) < big.tasks["perplexity"].batch_size == 16
+    for task in ("perplexity", "piqa"):
+        for metric, value in big.tasks[task].metrics.items():
+            assert small.tasks[task].metrics[metric] == pytest.approx(value, rel=1e-5), (task, metric)
+
+
+def test_lm_eval_padding_reaches_the_token_mask(tiny_model_dir, monkeypatch):
+    """lm-eval right-pads each batch and passes no attention mask; the evaluator records the true
+    lengths where lm-eval pads (the one place it reaches inside lm-eval). This fails when lm-eval stops
+    padding through ``lm_eval.models.huggingface.pad_and_concat``."""
+    import compresskit.evaluate as ev
+    from compresskit.modeling import load_model
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    seen = []
+    original = ev.token_mask
+
+    def spy(valid):
+        seen.append(None if valid is None else valid.sum(dim=1).tolist())
+        return original(valid)
+
+    monkeypatch.setattr(ev, "token_mask", spy)
+    dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
+    evaluate(model, tok, dm, EvaluationSection(tasks=["piqa"], limit=3, batch_size=8, max_length=512))
+    assert seen and all(lengths is not None for lengths in seen)
+    assert any(len(set(lengths)) > 1 for lengths in seen)  # rows of different true lengths in one batch

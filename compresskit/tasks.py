@@ -1,0 +1,289 @@
+"""The evaluation tasks: one registry that the recipe (allowed names), the evaluator (lm-eval task
+configs) and the reports (table columns) all read.
+
+Each task is an in-memory lm-eval task built here from data the package ships or the run's own
+held-out text, so that evaluation needs no network:
+
+* ``perplexity``: rolling log-likelihood over the held-out Wikipedia articles (lm-eval's
+  ``loglikelihood_rolling``, windows of ``evaluation.max_length`` tokens); token-, word- and
+  byte-level perplexity and bits per byte. Lower is better.
+* ``piqa``: PIQA validation (1,838 items, shipped in the package), scored exactly as lm-eval's
+  ``piqa`` task: "Question: {goal}\\nAnswer:" against the two solutions; acc and acc_norm.
+* ``next_sentence``: a 4-way choice of the sentence that follows a two-sentence context, built
+  deterministically from the held-out articles (one distractor from later in the same article,
+  two from other held-out articles); acc and acc_norm.
+
+A new task is one :class:`TaskSpec` added to :data:`REGISTRY`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from compresskit.errors import CompressKitError
+
+if TYPE_CHECKING:
+    from compresskit.data import Article, DataModule
+    from compresskit.recipe import EvaluationSection
+
+# metric -> True when higher is better (recovery and table arrows)
+HIGHER_IS_BETTER = {
+    "acc": True,
+    "acc_norm": True,
+    "token_perplexity": False,
+    "word_perplexity": False,
+    "byte_perplexity": False,
+    "bits_per_byte": False,
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    """A metric as tables show it."""
+
+    title: str
+    metric: str
+    fmt: str
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One evaluation task.
+
+    Args:
+        name: what recipes write in ``evaluation.tasks``.
+        description: one line for help texts.
+        columns: the metrics that result tables show, in order.
+        zero_shot: its ``acc`` counts in the zero-shot average.
+        limited: ``evaluation.limit`` applies (a fixed prefix of its items).
+        build: ``(data, tokenizer, section) -> lm-eval task config`` (a dict).
+    """
+
+    name: str
+    description: str
+    columns: tuple[Column, ...]
+    zero_shot: bool
+    limited: bool
+    build: Callable[[DataModule, Any, EvaluationSection], dict[str, Any]]
+
+
+def piqa_docs() -> list[dict[str, Any]]:
+    """PIQA validation with labels, in file order."""
+    root = resources.files("compresskit") / "resources" / "piqa"
+    rows = [json.loads(line) for line in (root / "valid.jsonl").read_text().splitlines() if line.strip()]
+    labels = [int(x) for x in (root / "valid-labels.lst").read_text().split()]
+    if len(rows) != len(labels):
+        raise RuntimeError(f"PIQA files disagree: {len(rows)} items, {len(labels)} labels")
+    return [
+        {"goal": r["goal"], "sol1": r["sol1"], "sol2": r["sol2"], "label": lab}
+        for r, lab in zip(rows, labels, strict=True)
+    ]
+
+
+_SENT_SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
+
+
+def sentences(paragraph: str) -> list[str]:
+    return [s.strip() for s in _SENT_SPLIT.split(paragraph) if s.strip()]
+
+
+def _usable(s: str) -> bool:
+    return 6 <= len(s.split()) <= 60
+
+
+def next_sentence_docs(articles: list[Article], n_items: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Deterministic 4-way next-sentence items from held-out articles.
+
+    Each item: two consecutive sentences of one paragraph as context, the sentence that follows
+    as the answer, one distractor from at least five sentences later in the same article and
+    two from other articles. The answer's position is drawn from the seeded generator.
+    """
+    rng = random.Random(seed)
+    per_article: list[list[list[str]]] = []  # article -> paragraphs -> sentences
+    for art in articles:
+        paras = [[s for s in sentences(p)] for p in art.text.split("\n\n")]
+        per_article.append([p for p in paras if len(p) >= 3])
+    flat = [(a, pi, si) for a, paras in enumerate(per_article) for pi, p in enumerate(paras) for si in range(len(p))]
+    candidates = [
+        (a, pi, si)
+        for a, pi, si in flat
+        if si + 2 < len(per_article[a][pi]) and all(_usable(x) for x in per_article[a][pi][si : si + 3])
+    ]
+    rng.shuffle(candidates)
+    docs = []
+    for a, pi, si in candidates:
+        if len(docs) >= n_items:
+            break
+        para = per_article[a][pi]
+        answer = para[si + 2]
+        later = [
+            s
+            for pj, p in enumerate(per_article[a])
+            for sj, s in enumerate(p)
+            if (pj > pi or (pj == pi and sj >= si + 7)) and _usable(s) and s != answer
+        ]
+        others = [x for x in range(len(per_article)) if x != a and per_article[x]]
+        if not later or len(others) < 2:
+            continue
+        distractors = [rng.choice(later)]
+        for b in rng.sample(others, 2):
+            pool = [s for p in per_article[b] for s in p if _usable(s)]
+            distractors.append(rng.choice(pool))
+        label = rng.randrange(4)
+        choices = distractors[:label] + [answer] + distractors[label:]
+        docs.append(
+            {"context": " ".join(para[si : si + 2]), "choices": choices, "label": label, "title": articles[a].title}
+        )
+    return docs
+
+
+def perplexity_docs(articles: list[Article], tokenizer) -> list[dict[str, Any]]:
+    return [
+        {"page": a.text, "title": a.title, "n_tokens": len(tokenizer(a.text, add_special_tokens=False)["input_ids"])}
+        for a in articles
+    ]
+
+
+def _perplexity_results(doc: dict, results: list) -> dict:
+    (loglikelihood,) = results
+    n_words = len(re.split(r"\s+", doc["page"]))
+    n_bytes = len(doc["page"].encode("utf-8"))
+    return {
+        "token_perplexity": (loglikelihood, doc["n_tokens"]),
+        "word_perplexity": (loglikelihood, n_words),
+        "byte_perplexity": (loglikelihood, n_bytes),
+        "bits_per_byte": (loglikelihood, n_bytes),
+    }
+
+
+def _dataset(docs: list[dict[str, Any]]):
+    def build(**_ignored):
+        import datasets
+
+        return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
+
+    return build
+
+
+_MC_METRICS = [
+    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+    {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+]
+
+
+def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+    docs = perplexity_docs(data.test, tokenizer)
+    if section.perplexity_docs is not None:
+        docs = docs[: section.perplexity_docs]
+    return {
+        "task": "ck_heldout_perplexity",
+        "custom_dataset": _dataset(docs),
+        "test_split": "test",
+        "output_type": "loglikelihood_rolling",
+        "doc_to_text": "",
+        "doc_to_target": "{{page}}",
+        "process_results": _perplexity_results,
+        "metric_list": [
+            {"metric": m, "aggregation": "weighted_perplexity", "higher_is_better": False}
+            for m in ("token_perplexity", "word_perplexity", "byte_perplexity")
+        ]
+        + [{"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False}],
+        "metadata": {"version": 1.0},
+    }
+
+
+def _piqa_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+    return {
+        "task": "ck_piqa",
+        "custom_dataset": _dataset(piqa_docs()),
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{goal}}\nAnswer:",
+        "doc_to_target": "label",
+        "doc_to_choice": "{{[sol1, sol2]}}",
+        "metric_list": _MC_METRICS,
+        "metadata": {"version": 1.0},
+    }
+
+
+def _next_sentence_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+    docs = next_sentence_docs(data.test, section.next_sentence_items, seed=data.split_seed)
+    if not docs:
+        raise CompressKitError(
+            f"evaluation.tasks: next_sentence found no items in the {len(data.test)} held-out articles "
+            "(it needs at least 3 articles with 3-sentence paragraphs); raise data.test_fraction or drop the task"
+        )
+    return {
+        "task": "ck_next_sentence",
+        "custom_dataset": _dataset(docs),
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{context}}",
+        "doc_to_target": "label",
+        "doc_to_choice": "{{choices}}",
+        "metric_list": _MC_METRICS,
+        "metadata": {"version": 1.0},
+    }
+
+
+_ACC = (Column("acc", "acc", "{:.4f}"), Column("acc_norm", "acc_norm", "{:.4f}"))
+
+REGISTRY: dict[str, TaskSpec] = {
+    t.name: t
+    for t in (
+        TaskSpec(
+            "perplexity",
+            "rolling log-likelihood over the held-out articles",
+            (
+                Column("held-out ppl", "token_perplexity", "{:.2f}"),
+                Column("word ppl", "word_perplexity", "{:.2f}"),
+            ),
+            zero_shot=False,
+            limited=False,
+            build=_perplexity_task,
+        ),
+        TaskSpec(
+            "piqa",
+            "PIQA validation, as lm-eval's piqa task",
+            tuple(Column(f"PIQA {c.title}", c.metric, c.fmt) for c in _ACC),
+            zero_shot=True,
+            limited=True,
+            build=_piqa_task,
+        ),
+        TaskSpec(
+            "next_sentence",
+            "4-way next-sentence choice from the held-out articles",
+            tuple(Column(f"next-sent {c.title}", c.metric, c.fmt) for c in _ACC),
+            zero_shot=True,
+            limited=True,
+            build=_next_sentence_task,
+        ),
+    )
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+def get(name: str) -> TaskSpec:
+    from compresskit.errors import RecipeError, did_you_mean
+
+    if name not in REGISTRY:
+        raise RecipeError(f"evaluation.tasks: {did_you_mean(name, REGISTRY, what='task')}")
+    return REGISTRY[name]
+
+
+def table_columns() -> list[tuple[str, str, str, str]]:
+    """(column title, task, metric, format) of every task's shown metrics, in registry order."""
+    return [(c.title, t.name, c.metric, c.fmt) for t in REGISTRY.values() for c in t.columns]
+
+
+def zero_shot_tasks() -> tuple[str, ...]:
+    return tuple(n for n, t in REGISTRY.items() if t.zero_shot)
