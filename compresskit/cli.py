@@ -232,35 +232,13 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
-def _with_dense_row(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Put the dense reference first when every compressed run was measured against the same one
-    and no dense run is in the list already."""
-    refs = [r.get("dense") for r in runs if r.get("pruner")]
-    if not refs or any(r is None for r in refs) or any(r.get("key") != refs[0].get("key") for r in refs):
-        return runs
-    if any(not r.get("pruner") for r in runs):
-        return runs
-    first = next(r for r in runs if r.get("pruner"))
-    zero = {"attention": 0.0, "ffn": 0.0, "macs": 0.0, "dynamic": False, "tokens": 0}
-    params = first["model"]["params_before"]
-    dense = {
-        "name": "dense",
-        "pruner": None,
-        "metrics": refs[0]["metrics"],
-        "zero_shot_average": refs[0].get("zero_shot_average"),
-        "sparsity": zero,
-        "model": {"params_before": params, "params_after": params, "name_or_path": first["model"]["name_or_path"]},
-        "dense": refs[0],
-    }
-    return [dense, *runs]
-
-
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
+    from compresskit.comparison import group_runs
+    from compresskit.recipe import is_comparison, load_comparison, load_recipe
+    from compresskit.report import compare_csv, compare_markdown, compare_tables
 
     # Expand comparison specs, then validate every recipe before running any of them.
-    from compresskit.recipe import is_comparison, load_comparison, load_recipe
-    from compresskit.report import compare_csv, compare_markdown, compare_table
 
     inputs: list[str] = []
     for ref in args.inputs:
@@ -279,20 +257,30 @@ def cmd_compare(args, out: Console, err: Console) -> int:
                 f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory"
             )
     progress = _progress(err)
-    runs = _with_dense_row([_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs])
+    groups = group_runs([_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs])
+    if len(groups) > 1:
+        _plain(
+            err,
+            f"warning: these runs were evaluated under {len(groups)} different settings; each group is shown "
+            "apart, with its own dense reference: compare numbers only within a group",
+        )
     if out.is_terminal:
-        out.print(compare_table(runs))
+        for table in compare_tables(groups):
+            out.print(table)
     else:
-        _plain(out, compare_markdown(runs))
+        _plain(out, compare_markdown(groups))
     if args.output:
         target = Path(args.output)
         with artifacts.staged_files(target) as tmp:  # the folder may hold the inputs: keep them
-            artifacts.write_text(tmp / "compare.md", compare_markdown(runs))
-            artifacts.write_text(tmp / "compare.csv", compare_csv(runs))
-            artifacts.write_json(tmp / "compare.json", runs)
+            artifacts.write_text(tmp / "compare.md", compare_markdown(groups))
+            artifacts.write_text(tmp / "compare.csv", compare_csv(groups))
+            artifacts.write_json(
+                tmp / "compare.json",
+                [{"group": g.label or "1", "settings": g.settings, "runs": g.runs} for g in groups],
+            )
             from compresskit.plot import quality_vs_sparsity
 
-            quality_vs_sparsity(runs, tmp / "compare.png")
+            quality_vs_sparsity([r for g in groups for r in g.runs], tmp / "compare.png")
         _plain(out, f"written: {target / 'compare.md'}, compare.csv, compare.json, compare.png")
     return EXIT_OK
 

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColu
 from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
+from compresskit.comparison import Group, group_runs
 from compresskit.progress import Progress, Task
 from compresskit.tasks import table_columns
 
@@ -149,28 +150,50 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     return header, rows
 
 
-def compare_table(runs: list[dict[str, Any]]) -> Table:
-    header, rows = compare_rows(runs)
-    table = Table(title="comparison (sparsity = realised fraction of prunable MACs skipped)")
-    for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i < 2 else "right")
-    for row in rows:
-        table.add_row(*row)
-    return table
+_TITLE = "comparison (sparsity = realised fraction of prunable MACs skipped)"
 
 
-def compare_markdown(runs: list[dict[str, Any]]) -> str:
-    header, rows = compare_rows(runs)
-    return _md_table(header, rows) + "\n"
+def compare_tables(groups: list[Group]) -> list[Table]:
+    """One rich table per evaluation group."""
+    tables = []
+    for group in groups:
+        header, rows = compare_rows(group.runs)
+        table = Table(title=_TITLE + (f"; {group.label}" if group.label else ""))
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i < 2 else "right")
+        for row in rows:
+            table.add_row(*row)
+        tables.append(table)
+    return tables
 
 
-def compare_csv(runs: list[dict[str, Any]]) -> str:
-    header, rows = compare_rows(runs)
+def compare_markdown(groups: list[Group] | list[dict[str, Any]]) -> str:
+    """Markdown tables, one per evaluation group (headed by what sets it apart when there are
+    several); a list of runs is grouped first."""
+    groups = _as_groups(groups)
+    parts = []
+    for group in groups:
+        header, rows = compare_rows(group.runs)
+        if group.label:
+            parts.append(f"### Evaluation {group.label}\n")
+        parts.append(_md_table(header, rows) + "\n")
+    return "\n".join(parts)
+
+
+def compare_csv(groups: list[Group]) -> str:
+    """One CSV of every run; the last column names its evaluation group."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(header)
-    writer.writerows(rows)
+    for i, group in enumerate(groups):
+        header, rows = compare_rows(group.runs)
+        if i == 0:
+            writer.writerow([*header, "evaluation group"])
+        writer.writerows([*row, group.label or "1"] for row in rows)
     return buf.getvalue()
+
+
+def _as_groups(items: list) -> list[Group]:
+    return group_runs(items) if items and not isinstance(items[0], Group) else items
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,8 +214,13 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     )
     assert code == 0, err
     csv_rows = (tmp_path / "cmp" / "compare.csv").read_text().splitlines()
-    # the eval results carry no dense reference, so no dense row is invented for the pair
-    assert len(csv_rows) == 3 and csv_rows[0].startswith("run,pruner,sparsity MACs")
+    # the eval ran on fewer items (limit 4, not 6): two groups, never side by side without a word; the
+    # run's group leads with its dense reference, the eval's carries none, so none is invented for it
+    assert "evaluated under 2 different settings" in err
+    assert len(csv_rows) == 4 and csv_rows[0].startswith("run,pruner,sparsity MACs")
+    assert [r.split(",")[0] for r in csv_rows[1:]] == ["dense", "tiny-toy", "model"]
+    assert csv_rows[1].endswith('"group 1: limit=6, next_sentence_items=6"') and "group 2: limit=4" in csv_rows[3]
+    assert "### Evaluation group 2: limit=4, next_sentence_items=4" in out
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out, err = run(capsys, "compare", str(out_dir), "--output", str(tmp_path / "cmp2"))
     rows = (tmp_path / "cmp2" / "compare.csv").read_text().splitlines()

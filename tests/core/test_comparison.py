@@ -1,0 +1,38 @@
+"""Runs evaluated on different items are never put side by side without a word."""
+
+from compresskit.comparison import group_runs
+from compresskit.report import compare_markdown
+
+
+def run(name, limit, *, pruner="wide", dense_key="k1", batch_size=16):
+    dense = {"key": {"evaluation": {"limit": limit}, "tag": dense_key}, "metrics": {"piqa": {"acc": 0.6}}}
+    return {
+        "name": name,
+        "pruner": pruner,
+        "metrics": {"piqa": {"acc": 0.5}},
+        "zero_shot_average": 0.5,
+        "sparsity": {"attention": 0.1, "ffn": 0.2, "macs": 0.15},
+        "model": {"name_or_path": "smollm2-135m", "params_before": 100, "params_after": 100},
+        "recipe": {
+            "evaluation": {"tasks": ["piqa"], "limit": limit, "batch_size": batch_size, "compare_dense": True},
+            "data": {"test_fraction": 0.25, "split_seed": 0},
+        },
+        "dense": dense if pruner else None,
+    }
+
+
+def test_runs_on_different_subsets_form_groups_each_with_its_dense_reference():
+    quick, full, other = run("quick", 100), run("full", 200), run("full-b", 200, batch_size=4)
+    groups = group_runs([quick, full, other])
+    assert [[r["name"] for r in g.runs] for g in groups] == [["dense", "quick"], ["dense", "full", "full-b"]]
+    assert [g.label for g in groups] == ["group 1: limit=100", "group 2: limit=200"]
+    assert groups[0].runs[0]["dense"]["key"]["evaluation"]["limit"] == 100  # each group's own dense run
+    md = compare_markdown(groups)
+    assert md.count("| run |") == 2 and "### Evaluation group 2: limit=200" in md
+
+
+def test_one_group_keeps_one_table_and_no_dense_row_is_invented():
+    groups = group_runs([run("a", 100), run("b", 100, dense_key="other")])
+    assert len(groups) == 1 and groups[0].label == ""
+    assert [r["name"] for r in groups[0].runs] == ["a", "b"]  # two different dense references: none shown
+    assert "###" not in compare_markdown(groups)
