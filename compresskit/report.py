@@ -99,6 +99,14 @@ def _sparsity_note(sp: dict[str, Any] | None) -> str:
 def results_markdown(results: dict[str, Any]) -> str:
     ev = results["evaluation"]
     items = ", ".join(f"{k}: {v['n_items']}" for k, v in ev["tasks"].items())
+    lowered = [
+        f"{k} {v['batch_size']}"
+        for k, v in ev["tasks"].items()
+        if v.get("batch_size") is not None and v["batch_size"] < ev["batch_size"]
+    ]
+    batch = f"batch size {ev['batch_size']}" + (
+        f" ({', '.join(lowered)} under the {ev.get('logits_budget_mb')} MB logits budget)" if lowered else ""
+    )
     data = results["data"]
     parts = [
         f"# {results['name']}",
@@ -112,7 +120,7 @@ def results_markdown(results: dict[str, Any]) -> str:
             [list(r[: _columns(results)]) for r in summary_rows(results)],
         ),
         "",
-        f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, batch size {ev['batch_size']}, "
+        f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, {batch}, "
         f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",
         f"Data: {data['articles']} Wikipedia articles from the gensim test data, split by article "
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "

@@ -349,22 +349,32 @@ def measured_sparsity(projections: list[RoutedProjection], model_config) -> Spar
     return rep
 
 
-def router_state_dict(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """Every router's tensors (fp32, CPU), keyed ``<prefix><projection name>.router.<tensor>``."""
+def router_state_dict(
+    model: nn.Module, prefix: str, named: list[tuple[str, RoutedProjection]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every router's tensors (fp32, CPU), keyed ``<prefix><projection name>.router.<tensor>``;
+    ``named``: the (name, projection) pairs to key by (default: the model's current names)."""
     return {
         f"{prefix}{name}.router.{k}": v.detach().float().cpu()
-        for name, proj in routed_projections(model)
+        for name, proj in (routed_projections(model) if named is None else named)
         if proj.router is not None
         for k, v in proj.router.state_dict().items()
     }
 
 
-def load_router_state_dict(model: nn.Module, state: dict[str, torch.Tensor], prefix: str, owner: str) -> None:
+def load_router_state_dict(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    prefix: str,
+    owner: str,
+    named: list[tuple[str, RoutedProjection]] | None = None,
+) -> None:
     """Load what :func:`router_state_dict` saved. A missing, unexpected or misshapen key is an
     :class:`~compresskit.errors.ArtifactError`, never a silently random router."""
     from compresskit.errors import ArtifactError
 
-    expected = router_state_dict(model, prefix)
+    named = routed_projections(model) if named is None else named
+    expected = router_state_dict(model, prefix, named)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -378,7 +388,7 @@ def load_router_state_dict(model: nn.Module, state: dict[str, torch.Tensor], pre
             raise ArtifactError(
                 f"{owner}: {key} has shape {tuple(state[key].shape)}, the model expects {tuple(value.shape)}"
             )
-    for name, proj in routed_projections(model):
+    for name, proj in named:
         if proj.router is not None:
             proj.router.load_state_dict({k: state[f"{prefix}{name}.router.{k}"] for k in proj.router.state_dict()})
 
@@ -398,7 +408,10 @@ class RoutedPruner(Pruner):
         from compresskit.sparsity import layer_linear_macs
 
         model.train(model.training)  # new wrappers take the model's current mode
-        self.__dict__["_projs"] = [p for _, p in routed_projections(model)]
+        # the names the pruner gave its projections: what it saves under, whatever an executor
+        # wraps around them later
+        self.__dict__["_named"] = routed_projections(model)
+        self.__dict__["_projs"] = [p for _, p in self._named]
         self._model_config = model.config
         self._total_macs = sum(layer_linear_macs(model.config).values()) * model.config.num_hidden_layers
 
@@ -439,10 +452,10 @@ class RoutedPruner(Pruner):
         return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return router_state_dict(model, self.router_prefix)
+        return router_state_dict(model, self.router_prefix, self.__dict__.get("_named"))
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        load_router_state_dict(model, state, self.router_prefix, type(self).__name__)
+        load_router_state_dict(model, state, self.router_prefix, type(self).__name__, self.__dict__.get("_named"))
 
     def reset_sparsity(self, model: nn.Module) -> None:
         for _, proj in routed_projections(model):

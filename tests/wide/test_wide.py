@@ -335,6 +335,22 @@ def test_state_dict_round_trip_and_key_checks():
         p2.load_state_dict(other, {**state, "wide.extra": torch.zeros(1)})
 
 
+def test_state_dict_keys_do_not_depend_on_the_executor():
+    """wide-triton wraps each MLP (``mlp.base_layer.down_proj``): the pruner still saves and loads under
+    the names it gave its projections."""
+    from compresskit_wide.executor import TritonExecutor
+
+    model = tiny_llama()
+    pruner = wide(model)
+    model = pruner.finalize(model)
+    before = pruner.state_dict(model)
+    model = TritonExecutor(TritonExecutor.Config(backend="torch")).convert(model)
+    assert any(".base_layer.down_proj" in n for n, _ in routed_projections(model))
+    after = pruner.state_dict(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    pruner.load_state_dict(model, before)
+
+
 # -- cached decoding ------------------------------------------------------------------------------
 
 
