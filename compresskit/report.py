@@ -20,10 +20,6 @@ from compresskit.comparison import Group, group_runs
 from compresskit.progress import Progress, Task
 from compresskit.tasks import table_columns
 
-# (column title, task, metric, format), from the task registry
-METRIC_COLUMNS = table_columns()
-
-
 NOT_MEASURED = "not measured"
 
 
@@ -36,7 +32,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows = []
     dense = (results.get("dense") or {}).get("metrics", {})
     rec = results.get("recovery") or {}
-    for title, task, metric, fmt in METRIC_COLUMNS:
+    for title, task, metric, fmt in table_columns():
         value = results["metrics"].get(task, {}).get(metric)
         if value is None:
             continue
@@ -139,7 +135,7 @@ def results_markdown(results: dict[str, Any]) -> str:
 
 def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
-    header += [c[0] for c in METRIC_COLUMNS] + ["zero-shot avg", "recovery (zero-shot)"]
+    header += [c[0] for c in table_columns()] + ["zero-shot avg", "recovery (zero-shot)"]
     rows = []
     for r in runs:
         sp = r["sparsity"] or {}
@@ -149,7 +145,7 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
             *(_fmt(sp.get(k), "{:.3f}") if sp else NOT_MEASURED for k in ("macs", "attention", "ffn")),
             f"{r['model']['params_after'] / 1e6:.1f}M",
         ]
-        for _, task, metric, fmt in METRIC_COLUMNS:
+        for _, task, metric, fmt in table_columns():
             row.append(_fmt(r["metrics"].get(task, {}).get(metric), fmt))
         zs = r.get("zero_shot_average")
         dz = (r.get("dense") or {}).get("zero_shot_average")

@@ -182,6 +182,8 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     assert len(results["recipe_hash"]) == 16
     assert (out_dir / "results.md").read_text().startswith("# tiny-toy")
     assert "held-out ppl" in out and "sparsity MACs" in out
+    params_row = next(ln for ln in (out_dir / "results.md").read_text().splitlines() if ln.startswith("| parameters"))
+    assert params_row.split("|")[-2].strip() == "-"  # a parameter count has no quality recovery
     assert not (tmp_path / "run.partial").exists()
 
     # the saved model reloads with identical logits, and `eval` evaluates it
@@ -246,6 +248,16 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     # a finished run of a different recipe is never silently replaced
     code, _, err = apply_toy(capsys, tiny_model_dir, out_dir, "--set", "seed=7")
     assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
+
+
+def test_dense_run_reports_its_sparsity_per_task_too(capsys, recipe_file):
+    code, _, err = run(capsys, "apply", str(recipe_file), "--set", "evaluation.tasks=[piqa, next_sentence]")
+    assert code == 0, err
+    import yaml
+
+    results = json.loads((Path(yaml.safe_load(recipe_file.read_text())["output"]["dir"]) / "results.json").read_text())
+    per_task = results["sparsity"]["per_task"]
+    assert set(per_task) == {"piqa", "next_sentence"} and all(t["macs"] == 0.0 for t in per_task.values())
 
 
 def test_rerun_of_a_finished_recipe_does_nothing_and_files_get_the_umask(capsys, tiny_model_dir, tmp_path):

@@ -110,3 +110,31 @@ def test_lm_eval_padding_reaches_the_token_mask(tiny_model_dir, monkeypatch):
     evaluate(model, tok, dm, EvaluationSection(tasks=["piqa"], limit=3, batch_size=8, max_length=512))
     assert seen and all(lengths is not None for lengths in seen)
     assert any(len(set(lengths)) > 1 for lengths in seen)  # rows of different true lengths in one batch
+
+
+def test_one_registry_decides_the_tasks_of_recipes_the_evaluator_and_the_tables(tiny_model_dir, monkeypatch):
+    """A task added to ``compresskit.tasks.REGISTRY`` is accepted by recipes, run by the evaluator and
+    shown by the reports, with no other list to edit."""
+    import dataclasses
+
+    from compresskit import tasks
+    from compresskit.modeling import load_model
+    from compresskit.report import compare_rows
+
+    piqa = tasks.REGISTRY["piqa"]
+
+    def build(data, tokenizer, section):
+        return {**piqa.build(data, tokenizer, section), "task": "ck_piqa_again"}
+
+    extra = dataclasses.replace(piqa, name="piqa_again", columns=(tasks.Column("PIQA again", "acc", "{:.4f}"),))
+    monkeypatch.setitem(tasks.REGISTRY, "piqa_again", dataclasses.replace(extra, build=build))
+    section = EvaluationSection(tasks=["piqa_again"], limit=3, batch_size=4, max_length=512)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    res = evaluate(model, tok, DataModule(tok, articles=_articles(8), test_fraction=0.5), section)
+    assert res.tasks["piqa_again"].n_items == 3
+    run = {"name": "r", "metrics": res.metrics(), "sparsity": None, "model": {"params_after": 1}}
+    header, rows = compare_rows([run])
+    assert rows[0][header.index("PIQA again")] == f"{res.tasks['piqa_again'].metrics['acc']:.4f}"
+    monkeypatch.delitem(tasks.REGISTRY, "piqa_again")
+    with pytest.raises(ValueError, match="unknown task 'piqa_again'. Did you mean: piqa?"):
+        EvaluationSection(tasks=["piqa_again"])

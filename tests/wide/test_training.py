@@ -76,6 +76,7 @@ def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
         pruner.prepare(m, ctx)
         data = DataModule(tok)
         summary = RouterTrainer(TrainStageConfig(steps=60, batch_size=2, seq_len=32, lr=2e-2)).fit(m, pruner, data, ctx)
+        assert len(summary.history) == 60  # every step's entry, not the last few
         last = summary.history[-5:]
         results[target] = sum((h["sparsity_attention"] + h["sparsity_ffn"]) / 2 for h in last) / len(last)
         assert not m.training and all(not p.requires_grad for p in m.parameters())
@@ -264,14 +265,22 @@ def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_pa
     assert "not measured" in compare_markdown([saved])
 
 
-def test_sigterm_checkpoints_the_last_finished_step_and_the_rerun_resumes(tiny_model_dir, tmp_path, monkeypatch):
-    """A SIGTERM (a scheduler's, a container's) stops a run as Ctrl-C does: exit 143, a checkpoint at
-    the last finished step, the staging directory kept; the same command then ends with exactly the
-    weights of an uninterrupted run."""
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_checkpoints_the_last_finished_step_and_the_rerun_resumes(
+    tiny_model_dir, tmp_path, monkeypatch, signame, code
+):
+    """A SIGTERM (a scheduler's, a container's), or a SIGINT to a process that inherited SIGINT as
+    ignored (a background job), stops a run as Ctrl-C does: exit 128 + the signal, a checkpoint at the
+    last finished step, the staging directory kept; the same command then ends with exactly the weights
+    of an uninterrupted run."""
     import os
     import signal
 
     import yaml
+
+    signum = getattr(signal, signame)
+    if signame == "SIGINT":  # as a shell starts a background job
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     from compresskit.cli import main
     from compresskit_wide.pruner import WidePruner
@@ -282,16 +291,21 @@ def test_sigterm_checkpoints_the_last_finished_step_and_the_rerun_resumes(tiny_m
     path.write_text(yaml.safe_dump(recipe(tiny_model_dir, tmp_path / "b", stages)))
     original = WidePruner.on_train_step
 
-    def terminate_at_step_3(self, step, total):
+    def signal_at_step_3(self, step, total):
         if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
         return original(self, step, total)
 
-    monkeypatch.setattr(WidePruner, "on_train_step", terminate_at_step_3)
-    assert main(["apply", str(path)]) == 143
+    monkeypatch.setattr(WidePruner, "on_train_step", signal_at_step_3)
+    try:
+        assert main(["apply", str(path)]) == code
+        # the CLI put the previous handler back
+        assert signal.getsignal(signum) is (signal.SIG_IGN if signame == "SIGINT" else signal.SIG_DFL)
+    finally:
+        if signame == "SIGINT":
+            signal.signal(signal.SIGINT, previous)
     ckpt = torch.load(tmp_path / "b" / "run.partial" / "work" / "stage0-router" / "checkpoint.pt", weights_only=False)
     assert ckpt["step"] == 3 and not ckpt["done"]  # steps 0-2 finished; checkpoint_every alone saves none
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the CLI put the handler back
     monkeypatch.setattr(WidePruner, "on_train_step", original)
     assert main(["apply", str(path)]) == 0
     _assert_same_tensors(
