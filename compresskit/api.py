@@ -117,12 +117,13 @@ def apply(
     # Everything a user can get wrong is checked before anything is written.
     resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
     out, finished = check_output_dir(resolved)
+    staging = out.with_name(out.name + ".partial")
     if finished is not None:
-        progress.log(f"{out}: already done (same recipe hash): nothing to do; --overwrite to redo")
+        if staging.is_dir():  # what an interrupted rerun of the finished recipe left behind
+            shutil.rmtree(staging)
         return RunResult(out, finished, reused=True)
     recipe_hash = resolved.hash()
 
-    staging = out.with_name(out.name + ".partial")
     marker = staging / "recipe.json"
     if staging.is_dir():
         try:

@@ -50,7 +50,7 @@ class RunContext:
     tokenizer: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
-    seed: int = 0
+    seed: int = 0  # this phase's seed, derived from the recipe's (compresskit.seeding.phase_seed)
     progress: Progress | None = None
     work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
 
@@ -196,7 +196,9 @@ class Pruner(abc.ABC):
         """Start measuring the realised sparsity afresh (dynamic methods)."""
 
     def sparsity(self, model: nn.Module) -> SparsityReport | None:
-        """The realised sparsity since the last :meth:`reset_sparsity` (None: nothing skipped)."""
+        """The realised sparsity since the last :meth:`reset_sparsity`. None means *not measured*:
+        results then say so (``sparsity: null``), never 0. A pruner that skips nothing returns a
+        report with nothing skipped."""
         return None
 
     def summary(self, model: nn.Module) -> PruneSummary:
