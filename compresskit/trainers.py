@@ -136,7 +136,7 @@ class RouterTrainer(Trainer):
         progress = ctx.progress
         t0, tokens = time.perf_counter(), 0
         completed, saved = start, start  # steps finished, and the last step a checkpoint holds
-        rng = _rng_state()  # the random state at the start of the step in flight
+        rng = _rng_state()  # the random state at the start of step `completed`
         model.train()
         task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
         try:
@@ -144,7 +144,6 @@ class RouterTrainer(Trainer):
                 if task is not None and start:
                     task.advance(start)
                 for step in range(start, c.steps if not done else start):
-                    rng = _rng_state()
                     logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
                     optimizer.zero_grad(set_to_none=True)
                     total_loss = 0.0
@@ -174,7 +173,7 @@ class RouterTrainer(Trainer):
                             logs.update(pruner.train_metrics(model))
                         logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
                         history.append({k: float(v) for k, v in logs.items()})
-                        completed = step + 1
+                        completed, rng = step + 1, _rng_state()
                         if ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps):
                             self._save_checkpoint(
                                 ckpt, completed, named, optimizer, scheduler, history, completed == c.steps
