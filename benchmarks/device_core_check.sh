@@ -2,6 +2,7 @@
 # Runs the core test suite on the device machine (H200): its own torch/transformers stack plus
 # the packages carried as wheels in .whl (see the device tool's README). Usage, from the repo root,
 # through the device tool with carry [".whl"]:   bash benchmarks/device_core_check.sh
+# (TESTS="tests/core tests/wide/test_wide.py" picks the test paths; default: all of tests/)
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site
@@ -11,4 +12,4 @@ export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
 python3 -m compresskit plugins
-python3 -m pytest -q -p no:cacheprovider -m "not slow" tests "$@" 2>&1 | tee "${OUT:-/tmp}/core-tests.log"
+python3 -m pytest -q -p no:cacheprovider -m "not slow" ${TESTS:-tests} "$@" 2>&1 | tee "${OUT:-/tmp}/core-tests.log"
