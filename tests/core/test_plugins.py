@@ -67,3 +67,15 @@ def test_the_tests_keep_out_of_the_users_environment_and_caches():
     from stevedore import _cache
 
     assert Path(_cache._c._dir).resolve().is_relative_to(SANDBOX.resolve())
+
+
+def test_the_fixture_dist_info_declares_the_entry_points_of_its_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    from importlib import metadata
+
+    from conftest import TESTS
+
+    project = tomllib.loads((TESTS / "fixtures" / "toy_plugin" / "pyproject.toml").read_text())["project"]
+    declared = {(g, n, v) for g, eps in project["entry-points"].items() for n, v in eps.items()}
+    registered = {(ep.group, ep.name, ep.value) for ep in metadata.distribution("ck-toy-pruner").entry_points}
+    assert registered == declared
