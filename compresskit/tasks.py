@@ -198,18 +198,22 @@ def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) ->
     }
 
 
-def _piqa_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+def _multiple_choice(task: str, docs: list[dict[str, Any]], text: str, choices: str) -> dict[str, Any]:
     return {
-        "task": "ck_piqa",
-        "custom_dataset": _dataset(piqa_docs()),
+        "task": task,
+        "custom_dataset": _dataset(docs),
         "test_split": "test",
         "output_type": "multiple_choice",
-        "doc_to_text": "Question: {{goal}}\nAnswer:",
+        "doc_to_text": text,
         "doc_to_target": "label",
-        "doc_to_choice": "{{[sol1, sol2]}}",
+        "doc_to_choice": choices,
         "metric_list": _MC_METRICS,
         "metadata": {"version": 1.0},
     }
+
+
+def _piqa_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+    return _multiple_choice("ck_piqa", piqa_docs(), "Question: {{goal}}\nAnswer:", "{{[sol1, sol2]}}")
 
 
 def _next_sentence_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
@@ -219,17 +223,7 @@ def _next_sentence_task(data: DataModule, tokenizer, section: EvaluationSection)
             f"evaluation.tasks: next_sentence found no items in the {len(data.test)} held-out articles "
             "(it needs at least 3 articles with 3-sentence paragraphs); raise data.test_fraction or drop the task"
         )
-    return {
-        "task": "ck_next_sentence",
-        "custom_dataset": _dataset(docs),
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{context}}",
-        "doc_to_target": "label",
-        "doc_to_choice": "{{choices}}",
-        "metric_list": _MC_METRICS,
-        "metadata": {"version": 1.0},
-    }
+    return _multiple_choice("ck_next_sentence", docs, "{{context}}", "{{choices}}")
 
 
 _ACC = (Column("acc", "acc", "{:.4f}"), Column("acc_norm", "acc_norm", "{:.4f}"))
