@@ -135,18 +135,26 @@ class Recipe(_Section):
 # error formatting
 
 
-def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
-    """Field names of the sub-model found by walking ``loc`` from ``model`` (None if unknown)."""
+def _walk(model: type[BaseModel], loc: tuple) -> tuple[Any, Any] | None:
+    """(annotation, FieldInfo) reached by walking ``loc`` from ``model`` (None if unknown); list
+    indices are skipped, the FieldInfo is None for an empty ``loc``."""
     current: Any = model
+    info = None
     for part in loc:
         if isinstance(part, int):
             continue
         if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
             return None
-        annotation = current.model_fields[part].annotation
-        current = _unwrap(annotation)
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return list(current.model_fields)
+        info = current.model_fields[part]
+        current = _unwrap(info.annotation)
+    return current, info
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
+    """Field names of the sub-model found by walking ``loc`` from ``model`` (None if unknown)."""
+    found = _walk(model, loc)
+    if found is not None and isinstance(found[0], type) and issubclass(found[0], BaseModel):
+        return list(found[0].model_fields)
     return None
 
 
@@ -157,32 +165,23 @@ def _unwrap(annotation: Any) -> Any:
     return annotation
 
 
-_BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_LOWER = {"ge": "<=", "gt": "<"}  # bound <= value
+_UPPER = {"le": "<=", "lt": "<"}  # value <= bound
 
 
 def _allowed_range(model: type[BaseModel], loc: tuple) -> str | None:
     """``"allowed: 0 <= value < 1"`` for a numeric field with bounds (None when it has none)."""
-    current: Any = model
-    info = None
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if not (isinstance(current, type) and issubclass(current, BaseModel)) or part not in current.model_fields:
-            return None
-        info = current.model_fields[part]
-        current = _unwrap(info.annotation)
-    if info is None:
+    found = _walk(model, loc)
+    if found is None or found[1] is None:
         return None
     lower = upper = ""
-    for meta in info.metadata:
-        for attr, sign in _BOUNDS.items():
-            bound = getattr(meta, attr, None)
-            if bound is None:
-                continue
-            if attr in ("ge", "gt"):
-                lower = f"{bound} {'<=' if attr == 'ge' else '<'} "
-            else:
-                upper = f" {sign} {bound}"
+    for meta in found[1].metadata:
+        for attr, sign in _LOWER.items():
+            if getattr(meta, attr, None) is not None:
+                lower = f"{getattr(meta, attr)} {sign} "
+        for attr, sign in _UPPER.items():
+            if getattr(meta, attr, None) is not None:
+                upper = f" {sign} {getattr(meta, attr)}"
     return f"allowed: {lower}value{upper}" if lower or upper else None
 
 
