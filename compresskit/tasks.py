@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from compresskit.errors import CompressKitError
+from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 
 if TYPE_CHECKING:
     from compresskit.data import Article, DataModule
@@ -267,8 +267,6 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str) -> TaskSpec:
-    from compresskit.errors import RecipeError, did_you_mean
-
     if name not in REGISTRY:
         raise RecipeError(f"evaluation.tasks: {did_you_mean(name, REGISTRY, what='task')}")
     return REGISTRY[name]
