@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from compresskit import artifacts
-from compresskit.data import DataModule
+from compresskit.data import DataModule, check_source, load_documents
 from compresskit.errors import CompressKitError, OutputExistsError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
@@ -83,6 +83,7 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
         "model": rec.model.model_dump(mode="json"),
         "data": rec.data.model_dump(mode="json"),
         "evaluation": rec.evaluation.model_dump(mode="json"),
+        "data_files": data.files,  # the files' contents (sha256), not only their names
         "device": str(next(model.parameters()).device),
         "dtype": str(next(model.parameters()).dtype),
     }
@@ -116,6 +117,7 @@ def apply(
     rec = resolved.recipe
     # Everything a user can get wrong is checked before anything is written.
     resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+    check_source(rec.data)
     out, finished = check_output_dir(resolved)
     staging = out.with_name(out.name + ".partial")
     if finished is not None:
@@ -157,6 +159,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     rec = resolved.recipe
     recipe_hash = resolved.hash()
     marker = staging / "recipe.json"
+    documents = load_documents(rec.data)  # a bad file is found before the model is loaded
     model, tokenizer = load_model(
         rec.model.name_or_path,
         dtype=rec.model.dtype,
@@ -166,8 +169,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     )
     param = next(model.parameters())
     params_before = count_parameters(model)
-    with progress.task("preparing the embedded text"):
-        data = DataModule(tokenizer, test_fraction=rec.data.test_fraction, split_seed=rec.data.split_seed)
+    with progress.task("preparing the text"):
+        data = DataModule.from_section(tokenizer, rec.data, documents)
         split = data.split_info()
 
     if resolved.pruner is not None:  # what only the model can tell, before any expensive step
@@ -366,8 +369,8 @@ def eval_model(
         model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
         pruner, pruner_name, base = None, None, model_ref
     seed_everything(evaluation.seed)
-    with progress.task("preparing the embedded text"):
-        dm = DataModule(tokenizer, test_fraction=data_section.test_fraction, split_seed=data_section.split_seed)
+    with progress.task("preparing the text"):
+        dm = DataModule.from_section(tokenizer, data_section)
         split = dm.split_info()
     ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, progress=progress)
     param = next(model.parameters())

@@ -98,6 +98,7 @@ def cmd_apply(args, out: Console, err: Console) -> int:
 
 def cmd_validate(args, out: Console, err: Console) -> int:
     from compresskit.artifacts import check_creatable
+    from compresskit.data import check_source
     from compresskit.modeling import resolve_model_source
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
 
@@ -107,6 +108,7 @@ def cmd_validate(args, out: Console, err: Console) -> int:
         resolved = load_recipe(path, list(args.set or []))
         rec = resolved.recipe
         resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+        check_source(rec.data)
         check_creatable(Path(rec.output.dir), "output.dir")
         if args.print:
             out.print_json(json.dumps(resolved.to_dict()))

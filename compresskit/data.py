@@ -1,9 +1,16 @@
-"""The embedded text: an English Wikipedia excerpt shipped inside the ``gensim`` wheel.
+"""Calibration/training text and held-out text for one run, from one of two sources:
 
-The articles are extracted once (markup removed with gensim's own wiki filter, redirects and
-stubs dropped) and cached as JSON. They are split *by article*, deterministically from
-``data.split_seed``, into a calibration/training part and a held-out part that calibration
-never sees; the held-out part feeds perplexity and the next-sentence task.
+* ``wiki`` (the default): an English Wikipedia excerpt shipped inside the ``gensim`` wheel. The
+  articles are extracted once (markup removed with gensim's own wiki filter, redirects and stubs
+  dropped) and cached as JSON.
+* local files (``data.source: {files: [corpus/*.txt, more.jsonl]}``): ``.txt`` files (one document
+  each), ``.jsonl`` (one document a line), ``.json`` (an array of documents) and ``.parquet`` (one
+  document a row), the text in ``text_field`` (default ``text``); paths and globs are relative to
+  the working directory.
+
+Documents are split *by document*, deterministically from ``data.split_seed``, into a
+calibration/training part and a held-out part that calibration never sees; the held-out part
+feeds perplexity and the next-sentence task.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compresskit.errors import CompressKitError
+from compresskit.errors import CompressKitError, RecipeError
 from compresskit.interfaces import Batch
+
+if TYPE_CHECKING:
+    from compresskit.recipe import DataSection, FilesSource
 
 WIKI_GLOB = "test/test_data/enwiki-latest-pages-articles1*.bz2"
 MIN_ARTICLE_CHARS = 2000
@@ -96,6 +107,129 @@ def load_wiki_articles() -> list[Article]:
     return articles
 
 
+# ---------------------------------------------------------------------------------------------
+# local files
+
+FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+_FIELD = "data.source.files"
+
+
+def resolve_files(source: FilesSource) -> list[Path]:
+    """The files of a ``files`` source, in a stable order: every pattern must match a supported file."""
+    found: list[Path] = []
+    for pattern in source.files:
+        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if m.is_file()]
+        if not matches:
+            raise RecipeError(f"{_FIELD}: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
+        for m in matches:
+            if m.suffix.lower() not in FILE_SUFFIXES:
+                raise RecipeError(
+                    f"{_FIELD}: {str(m)!r} is a {m.suffix or 'file without suffix'}; allowed: "
+                    f"{', '.join(FILE_SUFFIXES)}"
+                )
+            if m not in found:
+                found.append(m)
+    return found
+
+
+def check_source(section: DataSection) -> None:
+    """What can be checked of a ``data`` section without reading the text: the files exist."""
+    if section.source != "wiki":
+        resolve_files(section.source)
+
+
+def _text_of(record: Any, field: str, where: str) -> str:
+    if isinstance(record, str):
+        return record
+    if not isinstance(record, dict):
+        raise RecipeError(f"{_FIELD}: {where}: expected an object with a {field!r} field, got {type(record).__name__}")
+    if field not in record:
+        raise RecipeError(
+            f"{_FIELD}: {where}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'}); "
+            "set data.source.text_field"
+        )
+    value = record[field]
+    if not isinstance(value, str):
+        raise RecipeError(f"{_FIELD}: {where}: field {field!r} holds a {type(value).__name__}, not text")
+    return value
+
+
+def read_documents(path: Path, text_field: str) -> list[str]:
+    """The documents of one file (see the module docstring for the formats)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            return [path.read_text()]
+        if suffix == ".jsonl":
+            docs = []
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise RecipeError(f"{_FIELD}: {path} line {i}: not valid JSON ({exc.msg})") from None
+                    docs.append(_text_of(record, text_field, f"{path} line {i}"))
+            return docs
+        if suffix == ".json":
+            try:
+                records = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise RecipeError(f"{_FIELD}: {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            if not isinstance(records, list):
+                raise RecipeError(f"{_FIELD}: {path}: expected a JSON array of documents, got {type(records).__name__}")
+            return [_text_of(r, text_field, f"{path} item {i}") for i, r in enumerate(records)]
+        return _read_parquet(path, text_field)
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"{_FIELD}: {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise RecipeError(f"{_FIELD}: {path}: cannot be read ({exc})") from None
+
+
+def _read_parquet(path: Path, text_field: str) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(path)
+        if text_field not in schema.names:
+            raise RecipeError(
+                f"{_FIELD}: {path}: no column {text_field!r} (columns: {', '.join(schema.names)}); "
+                "set data.source.text_field"
+            )
+        column = pq.read_table(path, columns=[text_field]).column(0).to_pylist()
+    except pa.ArrowException as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RecipeError(f"{_FIELD}: {path}: not a readable parquet file ({reason})") from None
+    return [_text_of(v, text_field, f"{path} row {i}") for i, v in enumerate(column) if v is not None]
+
+
+def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[str, Any]]]:
+    """(documents as articles, one ``{path, sha256, documents}`` record per file). A document's
+    title is ``<path>#<index>``, which fixes its place in the split."""
+    articles: list[Article] = []
+    files = []
+    for path in resolve_files(source):
+        docs = [d for d in read_documents(path, source.text_field) if d.strip()]
+        files.append(
+            {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "documents": len(docs)}
+        )
+        articles += [Article(title=f"{path}#{i}", pageid=len(articles) + i, text=d.strip()) for i, d in enumerate(docs)]
+    if len(articles) < 2:
+        raise RecipeError(
+            f"{_FIELD}: {len(articles)} non-empty documents in {', '.join(source.files)}; "
+            "a run needs at least 2 (one to train on, one held out)"
+        )
+    return articles, files
+
+
+def load_documents(section: DataSection) -> tuple[list[Article], list[dict[str, Any]] | None]:
+    """(documents, the files they came from or None for the embedded wiki text) of a ``data`` section."""
+    if section.source == "wiki":
+        return load_wiki_articles(), None
+    return load_file_documents(section.source)
+
+
 def split_articles(articles: list[Article], test_fraction: float, seed: int) -> tuple[list[Article], list[Article]]:
     """Deterministic split by article: order by sha256(seed:title), the first share is held out."""
     ranked = sorted(articles, key=lambda a: hashlib.sha256(f"{seed}:{a.title}".encode()).hexdigest())
@@ -115,19 +249,42 @@ class DataModule:
     """
 
     def __init__(
-        self, tokenizer, *, test_fraction: float = 0.25, split_seed: int = 0, articles: list[Article] | None = None
+        self,
+        tokenizer,
+        *,
+        test_fraction: float = 0.25,
+        split_seed: int = 0,
+        articles: list[Article] | None = None,
+        files: list[dict[str, Any]] | None = None,
     ):
         self.tokenizer = tokenizer
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.articles = articles if articles is not None else load_wiki_articles()
+        self.files = files  # the local files the documents came from (None: the embedded wiki text)
         self.train, self.test = split_articles(self.articles, test_fraction, split_seed)
         self._train_ids: torch.Tensor | None = None
 
+    @classmethod
+    def from_section(
+        cls, tokenizer, section: DataSection, documents: tuple[list[Article], list[dict[str, Any]] | None] | None = None
+    ) -> DataModule:
+        """The data a recipe's ``data`` section names; ``documents``: what :func:`load_documents`
+        returned for it, when it was read already."""
+        articles, files = documents if documents is not None else load_documents(section)
+        return cls(
+            tokenizer,
+            test_fraction=section.test_fraction,
+            split_seed=section.split_seed,
+            articles=articles,
+            files=files,
+        )
+
     def split_info(self) -> dict:
-        """What results record about the split."""
+        """What results record about the source and the split."""
         return {
-            "source": "gensim enwiki excerpt",
+            "source": "gensim enwiki excerpt" if self.files is None else "files",
+            **({"files": self.files} if self.files is not None else {}),
             "articles": len(self.articles),
             "train_articles": len(self.train),
             "test_articles": len(self.test),

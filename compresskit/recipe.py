@@ -57,11 +57,44 @@ class CalibrationSection(_Section):
     batch_size: int = Field(8, ge=1)
 
 
+class FilesSource(_Section):
+    """Local text files: ``data: {source: {files: [corpus/*.txt, more.jsonl]}}``."""
+
+    files: list[str] = Field(
+        min_length=1,
+        description="Paths or glob patterns (relative to the working directory) of .txt (a document each), .jsonl "
+        "(a document a line), .json (an array of documents) or .parquet (a document a row) files.",
+    )
+    text_field: str = Field("text", description="The field or column that holds the text (.jsonl, .json, .parquet).")
+
+
 class DataSection(_Section):
-    source: Literal["wiki"] = Field("wiki", description="wiki: the English Wikipedia excerpt shipped in gensim.")
+    source: Literal["wiki"] | FilesSource = Field(
+        "wiki",
+        description="wiki: the English Wikipedia excerpt shipped in gensim; or {files: [...]} for local files.",
+    )
     test_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="Share of articles held out for evaluation.")
     split_seed: int = 0
     calibration: CalibrationSection = CalibrationSection()
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _source_kind(cls, value: Any) -> Any:
+        """One message for the kind of source given, rather than one per member of the union."""
+        if isinstance(value, str):
+            if value != "wiki":
+                raise ValueError(
+                    did_you_mean(value, ["wiki"], what="data source") + "; or local files: {files: [corpus/*.txt]}"
+                )
+            return value
+        if isinstance(value, dict):
+            try:
+                return FilesSource.model_validate(value)
+            except ValidationError as exc:
+                raise ValueError(format_validation_error(exc, FilesSource)) from None
+        if isinstance(value, FilesSource):
+            return value
+        raise ValueError("expected 'wiki' or local files ({files: [corpus/*.txt]})")
 
 
 class PluginSection(_Section):

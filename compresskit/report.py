@@ -85,6 +85,14 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _data_source(data: dict[str, Any]) -> str:
+    if data.get("source") == "files":
+        files = data["files"]
+        names = ", ".join(f["path"] for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return f"{data['articles']} documents from {len(files)} local file(s) ({names})"
+    return f"{data['articles']} Wikipedia articles from the gensim test data"
+
+
 def _sparsity_note(sp: dict[str, Any] | None) -> str:
     what = "Sparsity: fraction of the decoder layers' linear-projection multiply-adds skipped"
     if sp is None:
@@ -118,7 +126,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         "",
         f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, {batch}, "
         f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",
-        f"Data: {data['articles']} Wikipedia articles from the gensim test data, split by article "
+        f"Data: {_data_source(data)}, split by document "
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
         _sparsity_note(results["sparsity"]),

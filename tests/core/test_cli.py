@@ -50,6 +50,8 @@ def one_line_error(err):
             "pruner.config.sparsity: Input should be less than 1 (given: 1.5; allowed: 0.0 <= value < 1.0)",
         ),
         ("output.dir=/proc/compresskit-x", "output.dir: cannot create '/proc/compresskit-x'"),
+        ("data.source={files: [does/not/*.txt]}", "data.source.files: 'does/not/*.txt' matches no file"),
+        ("data.source=wikii", "data.source: unknown data source 'wikii'. Did you mean: wiki?"),
         ("output.dir=/sys/compresskit-x/run", "output.dir: cannot create '/sys/compresskit-x/run'"),
         ("model.name_or_path=./does/not/exist", "model.name_or_path: directory './does/not/exist' does not exist"),
         (
@@ -250,6 +252,30 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     assert code == 2 and "already holds a run of a different recipe" in one_line_error(err)
 
 
+def test_calibrate_and_evaluate_on_your_own_files(capsys, recipe_file, tmp_path):
+    import yaml
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"{i}.txt").write_text(f"My own text number {i}. It says something. " * 60)
+    code, out, err = run(
+        capsys,
+        "apply",
+        str(recipe_file),
+        "--set",
+        f"data.source={{files: ['{corpus}/*.txt']}}",
+        "--set",
+        "evaluation.tasks=[perplexity]",
+    )
+    assert code == 0, err
+    out_dir = Path(yaml.safe_load(recipe_file.read_text())["output"]["dir"])
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["data"]["source"] == "files" and results["data"]["test_articles"] == 1
+    assert [f["path"] for f in results["data"]["files"]] == [str(corpus / f"{i}.txt") for i in range(4)]
+    assert "4 documents from 4 local file(s)" in (out_dir / "results.md").read_text()
+
+
 def test_dense_run_reports_its_sparsity_per_task_too(capsys, recipe_file):
     code, _, err = run(capsys, "apply", str(recipe_file), "--set", "evaluation.tasks=[piqa, next_sentence]")
     assert code == 0, err
@@ -360,3 +386,13 @@ def test_error_found_after_loading_leaves_no_partial_output(capsys, tiny_model_d
     assert last.startswith("error: pruner.config.ffn_group_size: 100 does not divide intermediate_size 96; valid: ")
     assert not out_dir.exists() and not (tmp_path / "run.partial").exists()
     assert "dense reference" not in err  # checked before any expensive step
+
+
+def test_a_bad_line_in_your_files_stops_apply_before_the_model_loads(capsys, recipe_file, tmp_path, monkeypatch):
+    import compresskit.api as api
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine text here"}\n{"txt": "typo"}\n')
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, _, err = run(capsys, "apply", str(recipe_file), "--set", f"data.source={{files: ['{tmp_path}/a.jsonl']}}")
+    assert code == 2 and f"{tmp_path}/a.jsonl line 2: no field 'text' (fields: txt)" in one_line_error(err)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
