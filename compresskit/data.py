@@ -218,7 +218,8 @@ def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[s
     if len(articles) < 2:
         raise RecipeError(
             f"{_FIELD}: {len(articles)} non-empty documents in {', '.join(source.files)}; "
-            "a run needs at least 2 (one to train on, one held out)"
+            "a run needs at least 2 (one to train on, one held out): split the text into several .txt files, "
+            "or write it as .jsonl, a document a line"
         )
     return articles, files
 
