@@ -234,32 +234,62 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
+def _parse_seeds(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise CompressKitError(f"--seeds: {text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise CompressKitError(f"--seeds: {text!r}: give distinct integers, e.g. 0,1,2")
+    return seeds
+
+
+def _seed_overrides(ref: str, overrides: list[str], seed: int) -> list[str]:
+    """The overrides that run recipe ``ref`` with ``seed``, into ``<its output.dir>-seed<seed>``."""
+    from compresskit.recipe import load_recipe
+
+    out_dir = load_recipe(ref, overrides).recipe.output.dir.rstrip("/")
+    return [*overrides, f"seed={seed}", f"output.dir={out_dir}-seed{seed}"]
+
+
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
-    from compresskit.comparison import group_runs
+    from compresskit.comparison import aggregate_seeds, group_runs
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
     from compresskit.report import compare_csv, compare_markdown, compare_tables
 
     # Expand comparison specs, then validate every recipe before running any of them.
-
+    seeds = _parse_seeds(args.seeds)
     inputs: list[str] = []
     for ref in args.inputs:
         if is_comparison(ref):
-            members, spec_out = load_comparison(ref)
+            members, spec_out, spec_seeds = load_comparison(ref)
             inputs += [str(m) for m in members]
             args.output = args.output or str(spec_out)
+            seeds = seeds or spec_seeds
         else:
             inputs.append(ref)
-    args.inputs = inputs
-    for ref in args.inputs:
+    overrides = list(args.set or [])
+    for ref in inputs:
         if Path(ref).suffix in (".yaml", ".yml"):
-            load_recipe(ref, list(args.set or []))
+            load_recipe(ref, overrides)
         elif not Path(ref).exists():
             raise CompressKitError(
                 f"compare: {ref!r} is neither a recipe (.yaml) nor an existing results file or run directory"
             )
+        elif seeds:
+            raise CompressKitError(f"compare --seeds: {ref!r} is a finished run; seeds apply to recipes only")
     progress = _progress(err)
-    groups = group_runs([_load_run(ref, list(args.set or []), progress, err) for ref in args.inputs])
+    runs = []
+    for ref in inputs:
+        if seeds and Path(ref).suffix in (".yaml", ".yml"):
+            per_seed = [_load_run(ref, _seed_overrides(ref, overrides, s), progress, err) for s in seeds]
+            runs.append(aggregate_seeds(per_seed))
+        else:
+            runs.append(_load_run(ref, overrides, progress, err))
+    groups = group_runs(runs)
     if len(groups) > 1:
         _plain(
             err,
@@ -345,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="one table from several recipes (run or reused) and/or results files")
     p.add_argument("inputs", nargs="+")
     with_set(p)
+    p.add_argument(
+        "--seeds",
+        metavar="S1,S2,...",
+        help="run every recipe once per seed (into <output.dir>-seed<S>) and show mean ± standard deviation",
+    )
     p.add_argument("--output", help="directory for compare.md, compare.csv and compare.json")
     p.set_defaults(fn=cmd_compare)
     return parser

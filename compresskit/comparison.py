@@ -78,3 +78,44 @@ def group_runs(runs: list[dict[str, Any]]) -> list[Group]:
         for i, group in enumerate(groups, 1):
             group.label = f"group {i}: " + ", ".join(f"{k}={group.settings.get(k)}" for k in differing)
     return groups
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for the runs of one recipe over several seeds: every metric's mean, with its sample
+    standard deviation in ``spread`` (same shape as ``metrics``); the seeds and each run's recipe
+    hash are kept. Sparsity is averaged too (None when any run did not measure it)."""
+    first = runs[0]
+    metrics: dict[str, dict[str, float]] = {}
+    spread: dict[str, dict[str, float]] = {}
+    for task, values in first["metrics"].items():
+        for metric in values:
+            samples = [r["metrics"].get(task, {}).get(metric) for r in runs]
+            if any(v is None for v in samples):
+                continue
+            metrics.setdefault(task, {})[metric], spread.setdefault(task, {})[metric] = _mean_std(samples)
+    zero_shot = [r.get("zero_shot_average") for r in runs]
+    zs_mean, zs_std = _mean_std(zero_shot) if all(z is not None for z in zero_shot) else (None, None)
+    sparsity = None
+    if all(r.get("sparsity") is not None for r in runs):
+        sparsity = {**first["sparsity"]}
+        for key in ("attention", "ffn", "macs"):
+            sparsity[key] = _mean_std([r["sparsity"][key] for r in runs])[0]
+        sparsity.pop("per_layer", None)
+        sparsity.pop("per_task", None)
+    return {
+        **first,
+        "metrics": metrics,
+        "spread": spread,
+        "zero_shot_average": zs_mean,
+        "zero_shot_spread": zs_std,
+        "sparsity": sparsity,
+        "seeds": [(r.get("seeds") or {}).get("recipe") for r in runs],
+        "runs": [{"recipe_hash": r.get("recipe_hash"), "seed": (r.get("seeds") or {}).get("recipe")} for r in runs],
+    }

@@ -8,7 +8,8 @@ from typing import Any
 
 def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     """Write a PNG with two panels: zero-shot average accuracy and held-out perplexity against
-    the realised fraction of projection MACs skipped; points of one pruner share a colour. A run
+    the realised fraction of projection MACs skipped; points of one pruner share a colour, and a
+    point that averages seeds carries its standard deviation as an error bar. A run
     whose sparsity was not measured has no place on the x axis and is left out."""
     import matplotlib
 
@@ -25,6 +26,8 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
                 r.get("zero_shot_average"),
                 r["metrics"].get("perplexity", {}).get("token_perplexity"),
                 r["name"],
+                r.get("zero_shot_spread") or 0.0,  # over seeds (compare --seeds), else none
+                (r.get("spread") or {}).get("perplexity", {}).get("token_perplexity") or 0.0,
             )
             for r in runs
             if (r.get("pruner") or "dense") == method and r.get("sparsity") is not None
@@ -33,7 +36,16 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
             shown = [p for p in pts if p[idx] is not None]
             if not shown:
                 continue
-            ax.scatter([p[0] for p in shown], [p[idx] for p in shown], color=colours[method], label=method, zorder=3)
+            ax.errorbar(
+                [p[0] for p in shown],
+                [p[idx] for p in shown],
+                yerr=[p[idx + 3] for p in shown],
+                fmt="o",
+                capsize=3,
+                color=colours[method],
+                label=method,
+                zorder=3,
+            )
             for p in shown:  # each point is its own run: label it rather than join the points
                 ax.annotate(p[3], (p[0], p[idx]), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax_acc.set_xlabel("realised sparsity (fraction of projection MACs skipped)")

@@ -446,7 +446,17 @@ class Comparison(_Section):
     """A list of recipes compared on one table (``compresskit compare spec.yaml``)."""
 
     compare: list[str] = Field(min_length=1, description="Recipe paths, relative to this file.")
+    seeds: list[int] | None = Field(
+        None, min_length=1, description="Run every member once per recipe seed; the table shows mean ± spread."
+    )
     output: ComparisonOutput
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise ValueError(f"a seed is listed twice: {seeds}")
+        return seeds
 
 
 def is_comparison(path: str | Path) -> bool:
@@ -454,8 +464,9 @@ def is_comparison(path: str | Path) -> bool:
     return path.suffix in (".yaml", ".yml") and path.is_file() and "compare" in _read_yaml(path)
 
 
-def load_comparison(path: str | Path) -> tuple[list[Path], Path]:
-    """(member recipe paths, output directory) of a comparison spec; every member must exist."""
+def load_comparison(path: str | Path) -> tuple[list[Path], Path, list[int] | None]:
+    """(member recipe paths, output directory, seeds or None) of a comparison spec; every member
+    must exist."""
     path = Path(path)
     try:
         spec = Comparison.model_validate(_read_yaml(path))
@@ -465,4 +476,4 @@ def load_comparison(path: str | Path) -> tuple[list[Path], Path]:
     missing = [str(m) for m in members if not m.is_file()]
     if missing:
         raise RecipeError(f"{path}: compare: recipe files not found: {', '.join(missing)}")
-    return members, Path(spec.output.dir)
+    return members, Path(spec.output.dir), spec.seeds

@@ -141,9 +141,24 @@ def results_markdown(results: dict[str, Any]) -> str:
 # comparisons
 
 
+def _seeds(r: dict[str, Any]) -> str:
+    seeds = r.get("seeds")
+    if isinstance(seeds, list):  # several runs of one recipe (compare --seeds)
+        return ",".join(str(s) for s in seeds)
+    if isinstance(seeds, dict) and seeds.get("recipe") is not None:
+        return str(seeds["recipe"])
+    return "-"
+
+
+def _with_spread(value: Any, spread: Any, fmt: str) -> str:
+    """``value``, and ``± spread`` when the row averages several seeds."""
+    return _fmt(value, fmt) + (f" ± {fmt.format(spread)}" if value is not None and spread is not None else "")
+
+
 def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """One row a run; a row that averages seeds shows ``mean ± standard deviation``."""
     header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
-    header += [c[0] for c in table_columns()] + ["zero-shot avg", "recovery (zero-shot)"]
+    header += [c[0] for c in table_columns()] + ["zero-shot avg", "recovery (zero-shot)", "seeds"]
     rows = []
     for r in runs:
         sp = r["sparsity"] or {}
@@ -153,11 +168,16 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
             *(_fmt(sp.get(k), "{:.3f}") if sp else NOT_MEASURED for k in ("macs", "attention", "ffn")),
             f"{r['model']['params_after'] / 1e6:.1f}M",
         ]
+        spread = r.get("spread") or {}
         for _, task, metric, fmt in table_columns():
-            row.append(_fmt(r["metrics"].get(task, {}).get(metric), fmt))
+            row.append(_with_spread(r["metrics"].get(task, {}).get(metric), spread.get(task, {}).get(metric), fmt))
         zs = r.get("zero_shot_average")
         dz = (r.get("dense") or {}).get("zero_shot_average")
-        row += [_fmt(zs, "{:.4f}"), _fmt(zs / dz if zs is not None and dz else None, "{:.3f}")]
+        row += [
+            _with_spread(zs, r.get("zero_shot_spread"), "{:.4f}"),
+            _fmt(zs / dz if zs is not None and dz else None, "{:.3f}"),
+            _seeds(r),
+        ]
         rows.append(row)
     return header, rows
 

@@ -396,3 +396,34 @@ def test_a_bad_line_in_your_files_stops_apply_before_the_model_loads(capsys, rec
     code, _, err = run(capsys, "apply", str(recipe_file), "--set", f"data.source={{files: ['{tmp_path}/a.jsonl']}}")
     assert code == 2 and f"{tmp_path}/a.jsonl line 2: no field 'text' (fields: txt)" in one_line_error(err)
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
+
+
+def test_compare_over_seeds_shows_mean_and_spread_and_reuses_runs(capsys, tiny_model_dir, tmp_path):
+    """``compare --seeds 0,1`` runs a recipe once per seed (WIDE's routers start from each seed's draw),
+    then shows one row with mean ± standard deviation; a second call reuses the runs."""
+    import yaml
+
+    recipe = {
+        "name": "wide-tiny",
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 4}},
+        "training": [{"name": "router", "config": {"steps": 2, "batch_size": 2, "seq_len": 32}}],
+        "evaluation": {"tasks": ["perplexity", "piqa"], "limit": 4, "perplexity_docs": 1, "max_length": 512},
+        "output": {"dir": str(tmp_path / "wide")},
+    }
+    (tmp_path / "w.yaml").write_text(yaml.safe_dump(recipe))
+    code, out, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,1", "--output", str(tmp_path / "c"))
+    assert code == 0, err
+    runs = [json.loads((tmp_path / f"wide-seed{s}" / "results.json").read_text()) for s in (0, 1)]
+    assert [r["seeds"]["recipe"] for r in runs] == [0, 1]
+    ppl = [r["metrics"]["perplexity"]["token_perplexity"] for r in runs]
+    assert ppl[0] != ppl[1]  # the seeds drew different routers
+    rows = list(__import__("csv").reader((tmp_path / "c" / "compare.csv").read_text().splitlines()))
+    header, dense, wide = rows[0], rows[1], rows[2]
+    assert dense[0] == "dense" and wide[0] == "wide-tiny" and wide[header.index("seeds")] == "0,1"
+    mean, std = (sum(ppl) / 2), abs(ppl[0] - ppl[1]) / 2**0.5
+    assert wide[header.index("held-out ppl")] == f"{mean:.2f} ± {std:.2f}"
+    code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,1")
+    assert code == 0 and err.count("reusing") == 2
+    code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,x")
+    assert code == 2 and "--seeds: '0,x' is not a comma-separated list of integers" in one_line_error(err)

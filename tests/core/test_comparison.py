@@ -1,5 +1,7 @@
 """Runs evaluated on different items are never put side by side without a word."""
 
+import pytest
+
 from compresskit.comparison import group_runs
 from compresskit.report import compare_markdown
 
@@ -36,3 +38,23 @@ def test_one_group_keeps_one_table_and_no_dense_row_is_invented():
     assert len(groups) == 1 and groups[0].label == ""
     assert [r["name"] for r in groups[0].runs] == ["a", "b"]  # two different dense references: none shown
     assert "###" not in compare_markdown(groups)
+
+
+def test_seeds_average_into_one_row_with_the_sample_spread():
+    from compresskit.comparison import aggregate_seeds
+    from compresskit.report import compare_rows
+
+    runs = []
+    for seed, acc in ((0, 0.5), (1, 0.7), (2, 0.6)):
+        r = run(f"s{seed}", 100)
+        r["metrics"] = {"piqa": {"acc": acc}}
+        r["zero_shot_average"] = acc
+        r["seeds"] = {"recipe": seed}
+        runs.append(r)
+    runs[2]["sparsity"] = None  # one run did not measure it: the mean would be a guess
+    row = aggregate_seeds(runs)
+    assert row["metrics"]["piqa"]["acc"] == pytest.approx(0.6) and row["spread"]["piqa"]["acc"] == pytest.approx(0.1)
+    assert row["seeds"] == [0, 1, 2] and row["sparsity"] is None
+    header, rows = compare_rows([row])
+    assert rows[0][header.index("PIQA acc")] == "0.6000 ± 0.1000" and rows[0][header.index("seeds")] == "0,1,2"
+    assert rows[0][header.index("sparsity MACs")] == "not measured"
