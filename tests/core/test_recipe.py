@@ -141,7 +141,7 @@ def test_every_shipped_recipe_validates():
     hashes = {}
     for path in recipes:
         if is_comparison(path):
-            members, _ = load_comparison(path)
+            members = load_comparison(path)[0]
             assert members
             continue
         r = load_recipe(path)
@@ -155,8 +155,13 @@ def test_comparison_spec(tmp_path):
     write(tmp_path / "a.yaml", "model: {name_or_path: smollm2-135m}\noutput: {dir: x}\n")
     write(tmp_path / "c.yaml", "compare: [a.yaml]\noutput: {dir: out}\n")
     assert is_comparison(tmp_path / "c.yaml") and not is_comparison(tmp_path / "a.yaml")
-    members, out = load_comparison(tmp_path / "c.yaml")
-    assert members == [tmp_path / "a.yaml"] and out == Path("out")
+    members, out, seeds = load_comparison(tmp_path / "c.yaml")
+    assert members == [tmp_path / "a.yaml"] and out == Path("out") and seeds is None
+    write(tmp_path / "s.yaml", "compare: [a.yaml]\nseeds: [0, 1, 2]\noutput: {dir: out}\n")
+    assert load_comparison(tmp_path / "s.yaml")[2] == [0, 1, 2]
+    write(tmp_path / "s2.yaml", "compare: [a.yaml]\nseeds: [0, 0]\noutput: {dir: out}\n")
+    with pytest.raises(RecipeError, match="a seed is listed twice"):
+        load_comparison(tmp_path / "s2.yaml")
     write(tmp_path / "bad.yaml", "compare: [a.yaml, nope.yaml]\noutput: {dir: out}\n")
     with pytest.raises(RecipeError, match="recipe files not found: .*nope.yaml"):
         load_comparison(tmp_path / "bad.yaml")
