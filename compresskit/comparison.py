@@ -1,14 +1,15 @@
 """Putting runs side by side honestly: runs are compared only with runs evaluated on the same items.
 
 Two runs belong to one group when everything that decides *which* items were scored and how is the
-same: the base model, the evaluation settings (tasks, limit, context, item counts, seed) and the data
-split. Batch size and the logits budget change no item and are left out. Each group leads with its
-own dense reference (when all its compressed runs were measured against the same one and no dense
-run is in the group already).
+same: the base model, the evaluation settings (tasks, limit, context, item counts, seed), the text
+(the embedded wiki excerpt, or local files by content) and its split. Batch size and the logits
+budget change no item and are left out. Each group leads with its own dense reference (when all its
+compressed runs were measured against the same one and no dense run is in the group already).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +23,11 @@ def eval_settings(run: dict[str, Any]) -> dict[str, Any]:
     evaluation = {k: v for k, v in (recipe.get("evaluation") or {}).items() if k not in _NOT_SETTINGS}
     data = recipe.get("data") or {}
     model = run.get("model") or {}
+    files = (run.get("data") or {}).get("files")  # a files source: the held-out text is the files' contents
     return {
         "model": model.get("base_model") or model.get("name_or_path"),
         **evaluation,
+        "source": data.get("source", "wiki") if files is None else "files " + ",".join(f["sha256"][:12] for f in files),
         "test_fraction": data.get("test_fraction"),
         "split_seed": data.get("split_seed"),
     }
@@ -81,10 +84,8 @@ def group_runs(runs: list[dict[str, Any]]) -> list[Group]:
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:

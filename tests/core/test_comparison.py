@@ -33,6 +33,17 @@ def test_runs_on_different_subsets_form_groups_each_with_its_dense_reference():
     assert md.count("| run |") == 2 and "### Evaluation group 2: limit=200" in md
 
 
+def test_runs_on_different_files_are_different_groups():
+    a, b, c = run("a", 100), run("b", 100), run("c", 100)
+    a["data"] = {"source": "files", "files": [{"path": "x.txt", "sha256": "1" * 64}]}
+    b["data"] = {"source": "files", "files": [{"path": "x.txt", "sha256": "2" * 64}]}  # the same name, edited
+    assert [[r["name"] for r in g.runs] for g in group_runs([a, b, c])] == [
+        ["dense", "a"],
+        ["dense", "b"],
+        ["dense", "c"],
+    ]
+
+
 def test_one_group_keeps_one_table_and_no_dense_row_is_invented():
     groups = group_runs([run("a", 100), run("b", 100, dense_key="other")])
     assert len(groups) == 1 and groups[0].label == ""
