@@ -44,7 +44,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
 
 from compresskit.modeling import cache_kwargs  # noqa: E402
-from compresskit_wide.kernels.tuning import replay_ms  # noqa: E402
+from compresskit_wide.kernels.autotune import replay_ms  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # --rows: the WIDE rows after dense; name -> (wide-triton backend, track_stats), or None for the torch executor
@@ -160,7 +160,7 @@ def layer_check(converted, recorded) -> tuple[bool, float]:
     tolerance, the largest error relative to the layer output's largest magnitude). Tolerance:
     1e-4 in fp32; 2e-2 in bf16, where the residual stream's own rounding is about 4e-3 of it:
     a wiring error (a wrong mask, group or head) moves a layer's output by far more, while the
-    precision of each kernel is what tests/wide/test_kernels.py checks, with tight tolerances."""
+    precision of each kernel is what tests/wide/kernels/ checks, with tight tolerances."""
     from compresskit.routing import mask_for
 
     inputs, outputs, decisions = recorded

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import re
@@ -44,22 +43,16 @@ from compresskit_wide.kernels.attention_prefill import (  # noqa: E402
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
+from compresskit_wide.kernels.autotune import l2_flush_buffer  # noqa: E402
+from compresskit_wide.kernels.common import zero_inactive_groups  # noqa: E402
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
-    group_major,
-    split_count,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
-from compresskit_wide.kernels.layout import (  # noqa: E402
-    triton_batched_layout,
-    triton_decode_layout,
-    triton_routing_layout,
-)
-from compresskit_wide.kernels.reference import zero_inactive_groups  # noqa: E402
-from compresskit_wide.kernels.router import router_fold  # noqa: E402
-from compresskit_wide.kernels.tuning import DECODE_MAX_M, l2_flush_buffer  # noqa: E402
+from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
+from compresskit_wide.kernels.policy import DECODE_MAX_M  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -119,9 +112,7 @@ def gpu_time(fn, iters: int = 30) -> tuple[float, dict]:
 
 def seed_case(label: str, gen: torch.Generator) -> None:
     """Seed the mask generator ``gen`` and torch's own generator (the inputs) from the case's label:
-    a case draws the same masks and inputs whether it runs alone (``--only``) or among others. (Until
-    this was added, one generator ran through the cases in order, so an i.i.d. mask depended on
-    which cases ran before it: runs 49 and 51 drew lighter masks than the full runs.)"""
+    a case draws the same masks and inputs whether it runs alone (``--only``) or among others."""
     seed = zlib.crc32(label.encode())
     gen.manual_seed(seed)
     torch.manual_seed(seed)
@@ -187,19 +178,8 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
         err,
         decode,
     )
-    if decode:
-        return
-    note_prefill_tiles(results[-1])
-
-    def interleaved():  # beside the default: the launch order of runs 1-19 (the group fastest)
-        return triton_masked_out_gemm(x, wg, mask, wu, layout=triton_routing_layout(mask), tile_order="interleaved")
-
-    got = interleaved()
-    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    err = (got.float() - ref.float()).abs().max().item()
-    baselines = {"cuBLAS gate+up": dense_gemm, "cuBLAS + SiLU*mul": dense_swiglu}
-    add_row(results, "gate+up fused, interleaved order", m, mask_kind, mask, interleaved, baselines, ok, err, False)
-    note_prefill_tiles(results[-1])
+    if not decode:
+        note_prefill_tiles(results[-1])
 
 
 def note_prefill_tiles(row: dict, tuned=None) -> None:
@@ -207,7 +187,7 @@ def note_prefill_tiles(row: dict, tuned=None) -> None:
     the sorted-tile gate+up kernel)."""
     from compresskit_wide.kernels import gemm_out
 
-    tuned = tuned if tuned is not None else gemm_out._tuned_out_gemm
+    tuned = tuned if tuned is not None else gemm_out._tuned_prefill
     best = getattr(tuned, "best_config", None) if CUDA else None
     if best is not None:
         row["tiles"] = f"{best.kwargs} warps={best.num_warps} stages={best.num_stages}"
@@ -224,7 +204,7 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours():  # decode: the default (``tuning.reduce_variant``); prefill: the masked dense product
+    def ours():  # decode: the kernel with its defaults; prefill: the masked dense product
         if decode:
             return triton_masked_reduce_gemm(h, wd, mask)
         return dense_masked_reduce_gemm(h, wd, mask)
@@ -234,43 +214,12 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
     op = "down (incl. prep)" if decode else "down (masked dense)"
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
-    if not decode:
-        return
-    # the fused variant (its own group list, 4 shares summed through tickets: the default at M = 1
-    # until run 61)
-    got = triton_masked_reduce_gemm(h, wd, mask, variant="fused")
-    err = (got.float() - ref.float()).abs().max().item()
-    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    fused = lambda: triton_masked_reduce_gemm(h, wd, mask, variant="fused")  # noqa: E731
-    add_row(results, "down fused split=4", m, mask_kind, mask, fused, {"cuBLAS down": dense}, ok, err, True)
-    for split in (2, 4, 8):  # the loop variant (layout, loop, summing launch) at several splits
-        got = triton_masked_reduce_gemm(h, wd, mask, split=split, variant="loop")
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-
-        def fewer(split=split):
-            layout = triton_decode_layout(mask)
-            return triton_masked_reduce_gemm(h, wd, mask, layout=layout, split=split, variant="loop")
-
-        label = f"down loop split={split} (incl. prep)"
-        add_row(results, label, m, mask_kind, mask, fewer, {"cuBLAS down": dense}, ok, err, True)
-    wd_groups = group_major(wd, ffn // group)  # the variants side by side: unrolled, on either weight layout
-    for op, wg in (("down unrolled (incl. prep)", None), ("down unrolled group-major", wd_groups)):
-        got = triton_masked_reduce_gemm(h, wd, mask, variant="unrolled", w_group_major=wg)
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-
-        def unrolled(wg=wg):
-            layout = triton_decode_layout(mask)
-            return triton_masked_reduce_gemm(h, wd, mask, layout=layout, variant="unrolled", w_group_major=wg)
-
-        add_row(results, op, m, mask_kind, mask, unrolled, {"cuBLAS down": dense}, ok, err, True)
 
 
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     """The whole SwiGLU block as the wide-triton executor runs it: the dispatch with
     backend="auto" (gate+up with the fused SwiGLU; down by the measured policy, on the zero-filled h)."""
-    from compresskit_wide import kernels
+    from compresskit_wide.kernels import ops as kernels
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     wg = torch.randn(ffn, d, device=device, dtype=dtype) / d**0.5
@@ -299,12 +248,10 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
     """o_proj at decode: the reduction over the attention's head groups (attn_group x head_dim inputs
     a group: 512 at Llama-3.1-8B shapes, against down's 128) as the wide-triton executor runs it
-    (the dispatch with backend="auto", on an input not zero-filled yet, as after a dense attention:
-    for 8 or fewer groups the kernel at every decode size, ``tuning.use_kernel``; and on one the
-    routed attention has zero-filled: the kernel up to 8 tokens, then the plain product), beside the
-    kernel's default variant (``tuning.reduce_variant``: "direct" for few groups), the direct one,
-    the packed one with its group list, the fused one and cuBLAS's plain product."""
-    from compresskit_wide import kernels
+    (the dispatch with backend="auto", on an input not zero-filled yet, as after a dense attention,
+    and on one the routed attention has zero-filled), beside the kernel with its group list (its
+    default for 8 groups is "direct") and cuBLAS's plain product."""
+    from compresskit_wide.kernels import ops as kernels
 
     k = heads * head_dim
     h = torch.randn(m, k, device=device, dtype=dtype)
@@ -324,10 +271,7 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
             "o (auto), zero-filled input",
             lambda: kernels.masked_reduce_gemm(hz, wo, mask, input_is_masked=True, backend=backend),
         ),
-        ("o kernel default", lambda: triton_masked_reduce_gemm(h, wo, mask)),
-        ("o direct", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="direct")),
-        ("o packed, group list", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="packed")),
-        (f"o fused split={split_count(groups)}", lambda: triton_masked_reduce_gemm(h, wo, mask, variant="fused")),
+        ("o kernel, group list", lambda: triton_masked_reduce_gemm(h, wo, mask, direct=False)),
     )
     for op, ours in variants:
         got = ours()
@@ -354,33 +298,18 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         return x @ wq.T
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
-    # the default (up to 4 tokens: K packed into one product, ``tuning.decode_k_pack``) against the
-    # unpacked kernel with K over 4 programs (the sum folded in: the default until run 59), with a
-    # summing launch, and over 1
-    variants = [(4, True), (4, False), (1, True)] if decode else []
-    for split, fold in variants:
-        got = triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold, k_pack=1)
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-
-        def split_ours(split=split, fold=fold):
-            return triton_masked_out_gemm(x, wq, mask, split_k=split, fold_sum=fold, k_pack=1)
-
-        label = f"q unpacked, split-K {split}" + ("" if fold or split == 1 else " summing launch")
-        add_row(results, label, m, mask_kind, mask, split_ours, {"cuBLAS q": dense}, ok, err, True)
 
 
-def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, fold=None):
+def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
-    module's two products and the comparison: what every executor ran before it); ``split`` and
-    ``block_g`` other than their defaults for the sweep rows, ``fold`` other than ``router_fold``'s
-    choice (the shares summed by the last share or by a second launch) for the rows beside them."""
+    module's two products and the comparison); ``split`` and ``block_g`` other than their defaults
+    for the sweep rows."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
     w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    tiles = {k: v for k, v in {"split": split, "block_g": block_g, "fold": fold}.items() if v is not None}
+    tiles = {k: v for k, v in {"split": split, "block_g": block_g}.items() if v is not None}
     got, ref = triton_router_decide(x, *w, **tiles), torch_router_decide(x, *w)
     flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
     add_row(
@@ -443,7 +372,7 @@ def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mas
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
     def ours():
-        return triton_routed_attention_decode(q, k, v, lens, mask)  # the shipped defaults (tuning.py)
+        return triton_routed_attention_decode(q, k, v, lens, mask)  # the shipped defaults (policy.py)
 
     q4 = q[:, :, None, :]  # [B, Hq, 1, D]
     add_row(
@@ -454,13 +383,13 @@ def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mas
 def case_attention_decode_sweep(batch, ctx, heads, kv_heads, head_dim, attn_group, dtype, device, gen, results):
     """The decode attention's two launch settings against the shipped defaults: KV positions per
     loop step (``block_n``) and KV splits per (sequence, KV head), exact masks."""
-    from compresskit_wide.kernels import tuning
+    from compresskit_wide.kernels import policy
 
     q, k, v, lens, mask = decode_attention_inputs(
         batch, ctx, heads, kv_heads, head_dim, attn_group, "exact", dtype, device, gen
     )
     ref = torch_routed_attention_decode(q, k, v, lens, mask)
-    base = tuning.attention_decode_splits(ctx)
+    base = policy.attention_decode_splits(ctx)
     for block_n in (16, 64):
         for splits in (base, 2 * base, 4 * base):
             got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, block_n=block_n)
@@ -494,23 +423,14 @@ def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, 
     err = (got.float() - ref.float()).abs().max().item()
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
-    def ours(hp=None):  # including the layout; the shipped defaults unless hp is given
-        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_batched_layout(mask), heads_per_program=hp)
+    def ours():  # including the layout
+        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_routing_layout(mask))
 
     from compresskit_wide.kernels import attention_prefill
 
     baselines = sdpa_variants(q, k, v, True)
     add_row(results, "attn prefill causal", t, mask_kind, mask[0], ours, baselines, ok, err, False)
-    note_prefill_tiles(results[-1], attention_prefill._tuned_attn_prefill[None])
-    # beside the default: one query head a program (the kernel of runs 15-37), and the most that fit
-    shared = math.gcd(heads // kv_heads, attn_group)
-    for hp in sorted({1, max(n for n in (1, 2, 4) if shared % n == 0)}):
-        got = ours(hp)
-        err = (got.float() - ref.float()).abs().max().item()
-        ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-        label = f"attn prefill causal, {hp} head{'s' if hp > 1 else ''} a program"
-        add_row(results, label, t, mask_kind, mask[0], lambda hp=hp: ours(hp), baselines, ok, err, False)
-        note_prefill_tiles(results[-1], attention_prefill._tuned_attn_prefill[hp])
+    note_prefill_tiles(results[-1], attention_prefill._tuned)
 
 
 def add_row(results, op, m, mask_kind, mask, ours, baselines, ok, err, decode):
@@ -610,13 +530,6 @@ def main() -> int:
                 (
                     f"router M={m} G={groups}",
                     lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
-                )
-            )
-            other = not router_fold(m, groups)  # beside it, the shares summed the other way (run 35)
-            cases.append(
-                (
-                    f"router M={m} G={groups} fold={other}",
-                    lambda m=m, g=groups, f=other: case_router(m, d, g, 32, dtype, device, gen, results, fold=f),
                 )
             )
     for m in (1, 16):  # the sweep of the decode launch shape: shares of D, groups a program

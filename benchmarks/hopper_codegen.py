@@ -4,8 +4,8 @@
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
 
 Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
-(the H200) at Llama-3.1-8B's shapes, one token, with the tiles the H200's autotuner chose for it
-(docs/wide-kernels-h200.md, runs 59-62), its integer arguments specialised as Triton's launcher
+(the H200) at Llama-3.1-8B's shapes, one token, with a tile the H200's autotuner chose for it
+(``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher
 specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads
 the compiled kernel's TTGIR and reports, per kernel:
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
@@ -16,11 +16,11 @@ the compiled kernel's TTGIR and reports, per kernel:
 It exits 1 when a kernel compiles to something else than expected (its MMA kind: the warp-group MMA
 for the products; a pipelined stream, shared memory within bounds, no spills), 0 otherwise. Run it
 in a process without TRITON_INTERPRET: the interpreter replaces the compiler.
-``tests/wide/test_kernels.py`` runs it.
+``tests/wide/kernels/test_scripts.py`` runs it.
 
 ``--reduce-tiles``: the packed reduction's shared memory instead, for every tile of its table (4
 groups a step), with its group list and without ("direct"), at o_proj's and down's group widths with
-4 and 16 tokens, beside whether the autotuner hook (``tuning.packed_pruner``) keeps the tile.
+4 and 16 tokens, beside whether the autotuner hook (``autotune.packed_pruner``) keeps the tile.
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def registers(ptx: str) -> dict:
 def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
-    heads of a KV head are a 16-row tile: the older MMA, as measured in run 52)."""
+    heads of a KV head are a 16-row tile: the older MMA)."""
     from compresskit_wide.kernels import attention_decode, gemm_out, gemm_reduce
-    from compresskit_wide.kernels.flash import softmax_scale
+    from compresskit_wide.kernels.common import softmax_scale
 
     bf16, u8 = "*bf16", "*u8"
     q = dict(x_ptr=bf16, w_ptr=bf16, wu_ptr=bf16, out_ptr=bf16, mask_ptr=u8, M=1, N=HEADS * HEAD_DIM, K=D)
@@ -117,7 +117,6 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     down = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, out_ptr=bf16, list_ptr="*i32", M=1, N=D, G=FFN // GROUP)
     down.update(stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP, stride_om=D)
     o = {**down, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
-    fused = {**down, "ws_ptr": "*fp32", "ticket_ptr": "*i32", "SPLIT": 4}
     tf32 = {"DOT_PRECISION": "tf32"}
     packed = {**tf32, "BLOCK_M": 4, "K_PACK": 4}
     listed = {**packed, "DIRECT": False}
@@ -130,18 +129,15 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     attn.update(stride_mb=HEADS // ATTN_GROUP, HEADS_PER_GROUP=ATTN_GROUP)
     attn_meta = {**tf32, "REP": HEADS // kv_heads, "BLOCK_H": 16, "BLOCK_N": 64, "BLOCK_D": HEAD_DIM}
     return [
-        ("q, K packed 4 (run 59's tiles)", gemm_out.triton_masked_out_gemv_packed_kernel, q,
+        ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
-        ("gate+up fused, weight rows (run 59's tiles)", gemm_out.triton_masked_out_gemv_kernel, gate_up,
-         {**tf32, "FUSE_SWIGLU": True, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4, "wgmma"),
-        ("down, 4 groups packed (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, down,
+        ("gate+up fused, weight rows", gemm_out.triton_masked_out_gemv_kernel, gate_up,
+         {**tf32, "FUSE_SWIGLU": True, "K_PACK": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4, "wgmma"),
+        ("down, 4 groups packed, listed", gemm_reduce.triton_masked_reduce_gemm_kernel, down,
          {**listed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6, "wgmma"),
-        ("down fused, 4 shares (run 61's tiles)", gemm_reduce.triton_masked_reduce_gemm_fused_kernel, fused,
-         {**tf32, "GW": GROUP, "BLOCK_G": 128, "SWAP_AB": True, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 6,
-         "wgmma"),
-        ("o, 4 groups packed, listed (a table tile)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
+        ("o, 4 groups packed, listed (a table tile)", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
          {**listed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
-        ("o, all 8 groups a step, no list (a table tile)", gemm_reduce.triton_masked_reduce_gemm_packed_kernel, o,
+        ("o, all 8 groups a step, no list (a table tile)", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
          {**direct, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 8, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
@@ -151,20 +147,20 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
 def reduce_tiles() -> list[dict]:
     """Every tile of the packed reduction's table (4 groups a step), listed and direct, at o's (512
     inputs a group) and down's (128) widths with 4 and 16 tokens, and any tile the autotuner hook
-    (``tuning.packed_pruner``) makes of its own where none fits: its shared memory compiled for
+    (``autotune.packed_pruner``) makes of its own where none fits: its shared memory compiled for
     sm_90, and whether the hook keeps it."""
     import torch
 
-    from compresskit_wide.kernels import tuning
+    from compresskit_wide.kernels import autotune, policy
 
     name, kernel, runtime, constexprs, *_ = next(c for c in cases() if c[0].startswith("o, 4 groups packed"))
-    table = tuning.configs(tuning.REDUCE_DECODE_PACKED[4])
+    table = autotune.configs(policy.per_packing(policy.REDUCE_DECODE_ROWS, 4))
     key = lambda c: (tuple(c.kwargs.items()), c.num_warps, c.num_stages)  # noqa: E731
     rows = []
     for direct in (False, True):
         for gw, tokens in ((512, 4), (512, 16), (128, 4), (128, 16)):
             named = {"GW": gw, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
-            hook = tuning.packed_pruner("BLOCK_K", unrolled_group=not direct)
+            hook = autotune.packed_pruner("BLOCK_K", unrolled_group=not direct)
             kept = hook(table, named, K_PACK=4, BLOCK_M=tokens)
             in_table = {key(c) for c in table}
             for c in table + [c for c in kept if key(c) not in in_table]:

@@ -4,7 +4,7 @@ cudaProfilerStart/Stop. On the device machine, through the device tool (carry ["
 
     ncu --profile-from-start off --clock-control none --kernel-name regex:masked_out_gemm \
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        python3 benchmarks/ncu_gate_up.py [--tokens 4096] [--tile-order interleaved]
+        python3 benchmarks/ncu_gate_up.py [--tokens 4096]
 
 Prints the autotuned tiles; ncu prints where the kernel's time goes (what the benchmark's side
 by side rows cannot show)."""
@@ -25,7 +25,6 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--group", type=int, default=128)
-    parser.add_argument("--tile-order", default="group", choices=["group", "interleaved"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -37,13 +36,12 @@ def main() -> int:
     scores = torch.rand(m, ffn // args.group, device="cuda", generator=gen)
     mask = scores >= scores.median(dim=1, keepdim=True).values  # exactly half of the groups a token
     layout = triton_routing_layout(mask)
-    order = args.tile_order
-    gemm_out.triton_masked_out_gemm(x, wg, mask, wu, layout=layout, tile_order=order)  # autotunes
-    best = gemm_out._tuned_out_gemm.best_config
+    gemm_out.triton_masked_out_gemm(x, wg, mask, wu, layout=layout)  # autotunes
+    best = gemm_out._tuned_prefill.best_config
     print(f"tiles: {best.kwargs} warps={best.num_warps} stages={best.num_stages}", flush=True)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    gemm_out.triton_masked_out_gemm(x, wg, mask, wu, layout=layout, tile_order=order)
+    gemm_out.triton_masked_out_gemm(x, wg, mask, wu, layout=layout)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0

@@ -14,7 +14,7 @@ writes zeros for the others (so ``o_proj`` skips its masking); whatever it does 
 padding or static-cache mask, dropout, a sliding window, another scale) goes to transformers' SDPA
 function unchanged. ``o_proj`` reduces over the kept head groups through :class:`KernelReduce`. Under
 ``backend: auto`` each operator takes the Triton kernel only where the H200 benchmark measured it
-faster (``kernels.tuning.use_kernel``). The result equals the reference (``torch`` executor) up to
+faster (``kernels.policy.use_kernel``). The result equals the reference (``torch`` executor) up to
 floating-point rounding.
 """
 
@@ -30,7 +30,8 @@ from compresskit import Executor, PluginConfig
 from compresskit.errors import KernelUnavailableError
 from compresskit.modeling import decoder_layers, replace_module
 from compresskit.routing import RoutedProjection
-from compresskit_wide import kernels
+from compresskit_wide.kernels import ops
+from compresskit_wide.kernels.policy import use_kernel
 
 
 class TritonExecutorConfig(PluginConfig):
@@ -79,7 +80,7 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
     )
     if covered and backend == "auto":  # the routed kernel only where it was measured faster
         op, rows = ("attn_decode", b) if t == 1 else ("attn_prefill", t)
-        covered = query.is_cuda and kernels.use_kernel(op, rows, context=key.shape[2])
+        covered = query.is_cuda and use_kernel(op, rows, context=key.shape[2])
     if not covered:  # o_proj zeroes the heads its router skipped either way
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -87,10 +88,10 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
     heads_on = mask.bool()
     if t == 1:  # decode: every sequence sees the whole cache (no padding mask was needed)
         lens = torch.full((b,), key.shape[2], dtype=torch.int32, device=query.device)
-        out = kernels.routed_attention_decode(query[:, :, 0], key, value, lens, heads_on[:, 0], backend=backend)
+        out = ops.routed_attention_decode(query[:, :, 0], key, value, lens, heads_on[:, 0], backend=backend)
         out = out[:, None].contiguous()
     else:
-        out = kernels.routed_attention_prefill(query, key, value, heads_on, backend=backend)
+        out = ops.routed_attention_prefill(query, key, value, heads_on, backend=backend)
         out = out.transpose(1, 2).contiguous()
     proj.mark_input_zeroed()  # the routed operators write exact zeros for skipped heads: o_proj need not
     return out, None
@@ -106,9 +107,9 @@ def register_attention() -> None:
 
 
 class KernelRouter(nn.Module):
-    """A routed projection's inference decision through ``kernels.router_decide``: its router's
+    """A routed projection's inference decision through ``ops.router_decide``: its router's
     bottleneck, logits and comparison fused (one or two launches) under "triton" and "auto" on a GPU
-    (``tuning.use_kernel``); the reference's five or six launches otherwise. Holds
+    (``policy.use_kernel``); the reference's five or six launches otherwise. Holds
     a reference to the router (its weights stay where they are saved from)."""
 
     def __init__(self, router: nn.Module, backend: str) -> None:
@@ -119,7 +120,7 @@ class KernelRouter(nn.Module):
     def forward(self, x_raw: torch.Tensor) -> torch.Tensor:
         r = self.router
         x2 = x_raw.reshape(-1, x_raw.shape[-1])
-        execute = kernels.router_decide(
+        execute = ops.router_decide(
             x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend, as_bool=True
         )  # [M, G], bool: what the routed operators read (no cast launch in each of them)
         return execute.view(*x_raw.shape[:-1], execute.shape[-1])
@@ -142,7 +143,7 @@ class KernelQ(nn.Module):
         if mask is None or mask.shape[:2] != x.shape[:2]:  # no decision in flight: the dense q (exact)
             return self.base_layer(x)
         x2 = x.reshape(-1, x.shape[-1])
-        y = kernels.masked_out_gemm(
+        y = ops.masked_out_gemm(
             x2,
             self.base_layer.weight,
             mask.reshape(-1, mask.shape[-1]).bool(),
@@ -154,7 +155,7 @@ class KernelQ(nn.Module):
 
 class KernelReduce(nn.Module):
     """A routed ``o_proj``'s inference product (``RoutedProjection.fast_product``): the reduction over
-    the head groups its router kept through ``kernels.masked_reduce_gemm`` (at decode sizes the
+    the head groups its router kept through ``ops.masked_reduce_gemm`` (at decode sizes the
     kernel reads only those groups' weight columns; elsewhere the masked dense product, the plain
     one where the routed attention has zeroed the skipped heads already). Holds a reference to the
     projection's Linear (its weight stays where it is saved from)."""
@@ -167,7 +168,7 @@ class KernelReduce(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, zeroed: bool) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         m2 = mask.reshape(-1, mask.shape[-1]).bool()
-        y = kernels.masked_reduce_gemm(
+        y = ops.masked_reduce_gemm(
             x2, self.base_layer.weight, m2, input_is_masked=zeroed, backend=self.backend
         )  # fmt: skip
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -200,8 +201,8 @@ class KernelMLP(nn.Module):
         # gate/up with the fused SwiGLU leaves h exactly zero in every inactive group, so down may
         # take the plain dense product; each operator computes the routing layout it needs
         # (decode: none for gate/up, the active groups for the down loop; prefill: the sorted tokens)
-        h = kernels.masked_out_gemm(x2, mlp.gate_proj.weight, m2, mlp.up_proj.weight, backend=self.backend)
-        y = kernels.masked_reduce_gemm(h, proj.base_layer.weight, m2, input_is_masked=True, backend=self.backend)
+        h = ops.masked_out_gemm(x2, mlp.gate_proj.weight, m2, mlp.up_proj.weight, backend=self.backend)
+        y = ops.masked_reduce_gemm(h, proj.base_layer.weight, m2, input_is_masked=True, backend=self.backend)
         return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -210,7 +211,7 @@ class TritonExecutor(Executor):
 
     def check(self, model: nn.Module) -> None:
         if self.config.backend == "triton":
-            reason = kernels.triton_available()
+            reason = ops.triton_available()
             if reason:
                 raise KernelUnavailableError(f"executor wide-triton: {reason}")
         routed = 0

@@ -1,5 +1,5 @@
 """WIDE's routed layers: the core routing primitives (``compresskit.routing``) with WIDE's group
-masking dispatched to its kernels (``kernels.group_masked_input``, ``backend="auto"``).
+masking dispatched to its kernels (``kernels.ops.group_masked_input``, ``backend="auto"``).
 
 In a Llama-style decoder layer a :class:`~compresskit.routing.RouterTap` replaces
 ``input_layernorm`` (the attention router reads the residual entering the layer) and
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 
 from compresskit.routing import RoutedProjection, RouterTap, route_sublayer, routed_projections, unwrap
-from compresskit_wide.kernels import group_masked_input
+from compresskit_wide.kernels.ops import group_masked_input
 
 __all__ = ["RoutedProjection", "RouterTap", "kernel_masker", "route_sublayer", "routed_projections", "unwrap"]
 

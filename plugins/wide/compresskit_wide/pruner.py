@@ -1,5 +1,5 @@
 """The ``wide`` pruner: surgery and budget. Routers, routed layers and the shared training and
-measurement hooks are in ``compresskit.routing``; kernels dispatch through ``kernels``.
+measurement hooks are in ``compresskit.routing``; kernels dispatch through ``kernels.ops``.
 
 Sample YAML::
 

@@ -17,17 +17,24 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.flash import softmax_scale
-from compresskit_wide.kernels.layout import mask_bytes
-from compresskit_wide.kernels.reference import zero_inactive_groups
+from compresskit_wide.kernels import policy
+from compresskit_wide.kernels.common import (
+    cdiv,
+    dot_precision,
+    interpreted,
+    mask_bytes,
+    next_power_of_2,
+    softmax_scale,
+    zero_inactive_groups,
+)
 
 try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.flash import online_softmax_step
+    from compresskit_wide.kernels.common import online_softmax_step
 except ImportError:
     triton = None
 
@@ -46,6 +53,17 @@ def torch_routed_attention_decode(
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     out = torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), vv)
     return zero_inactive_groups(out.reshape(b, hq * d), mask).view(b, hq, d).to(q.dtype)
+
+
+def dense_routed_attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The dense fallback: SDPA with native GQA over each sequence's valid cache (no host
+    synchronisation), the inactive heads zeroed."""
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens.to(q.device)[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :], enable_gqa=True)
+    b, hq, d = q.shape
+    return zero_inactive_groups(out.reshape(b, hq * d), mask).view(b, hq, d)
 
 
 if triton is not None:
@@ -133,9 +151,9 @@ def triton_routed_attention_decode(
     splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits per
-    (sequence, KV head); default ``tuning.attention_decode_splits(S)``. ``block_n``: KV positions
-    per step; default ``tuning.attention_decode_block()``."""
+    """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits a (sequence,
+    KV head), default ``policy.attention_decode_splits(S)``; ``block_n``: KV positions a step,
+    default ``policy.ATTN_DECODE_BLOCK`` (16 in the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -145,27 +163,27 @@ def triton_routed_attention_decode(
             f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}"
         )
     rep = hq // hkv
-    splits = splits or tuning.attention_decode_splits(s)
-    block_n = block_n or tuning.attention_decode_block()
+    splits = splits or policy.attention_decode_splits(s)
+    block_n = block_n or (16 if interpreted() else policy.ATTN_DECODE_BLOCK)
     mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
-    split_len = tuning.cdiv(max(s, 1), splits)
-    split_len = tuning.cdiv(split_len, block_n) * block_n
+    split_len = cdiv(max(s, 1), splits)
+    split_len = cdiv(split_len, block_n) * block_n
     m_ws = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_h = max(16, tuning.next_power_of_2(rep))
-    block_d = max(16, tuning.next_power_of_2(d))
+    block_h = max(16, next_power_of_2(rep))
+    block_d = max(16, next_power_of_2(d))
     triton_attn_decode_split_kernel[(b, hkv, splits)](
         q, k, v, seq_lens.to(torch.int32).contiguous(), mask_u8, m_ws, l_ws, acc_ws,
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
-        DOT_PRECISION=tuning.dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
         mask_u8.stride(0), hq // mask.shape[-1],
-        BLOCK_S=max(16, tuning.next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_S=max(16, next_power_of_2(splits)), BLOCK_D=block_d,
     )  # fmt: skip
     return out

@@ -14,8 +14,8 @@ only write zeros and read neither Q, K nor V; the key loop stops at the last act
 and the key blocks at or before the tile's first active position (every active query sees all of
 them) run without the causal mask (nor its guards). The programs of a head take its busy tiles
 longest first (the last one first: the causal work grows with position), which keeps the GPU full
-to the end; the softmax is in base 2 (``flash.softmax_scale``). Tiles are autotuned on a GPU
-(``tuning.ATTN_PREFILL``, keyed on the power-of-two bucket of T).
+to the end; the softmax is in base 2 (``common.softmax_scale``). Tiles are autotuned on a GPU
+(``policy.ATTN_PREFILL``, keyed on the power-of-two bucket of T).
 """
 
 from __future__ import annotations
@@ -23,17 +23,26 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from compresskit_wide.kernels import tuning
-from compresskit_wide.kernels.flash import softmax_scale
-from compresskit_wide.kernels.layout import triton_batched_layout
-from compresskit_wide.kernels.reference import zero_inactive_heads
+from compresskit_wide.kernels import policy
+from compresskit_wide.kernels.common import (
+    cdiv,
+    dot_precision,
+    interpreted,
+    m_bucket,
+    next_power_of_2,
+    softmax_scale,
+    zero_inactive_heads,
+)
+from compresskit_wide.kernels.layout import triton_routing_layout
 
 try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.flash import online_softmax_step, online_softmax_step_all
+    from compresskit_wide.kernels.autotune import autotuned, prune_heads_per_program
+    from compresskit_wide.kernels.common import online_softmax_step, online_softmax_step_all
 except ImportError:
     triton = None
 
@@ -52,6 +61,20 @@ def torch_routed_attention_prefill(
     scores = scores.masked_fill(~causal, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vv  # [B, Hq, T, D]
     return zero_inactive_heads(out, mask).to(q.dtype)
+
+
+def dense_routed_attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The dense fallback: causal SDPA with native GQA (query t at position past + t), the inactive
+    (token, head) zeroed."""
+    t, s = q.shape[2], k.shape[2]
+    if s == t:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:  # SDPA's is_causal aligns top-left: the diagonal shifted by the past length
+        allowed = torch.arange(s, device=q.device)[None, :] <= (s - t + torch.arange(t, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    return zero_inactive_heads(out, mask)
 
 
 if triton is not None:
@@ -124,15 +147,13 @@ if triton is not None:
         res = tl.where(active[:, None], res, 0.0)
         tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    # autotuned over every heads-per-program count that fits (None), or over one count's tiles
-    _tuned_attn_prefill = {
-        hp: triton.autotune(
-            configs=tuning.configs([row for row in tuning.ATTN_PREFILL if hp in (None, row[0]["HP"])]),
-            key=["T_BUCKET", "D", "REP", "A"],
-            prune_configs_by={"early_config_prune": tuning.prune_heads_per_program},
-        )(triton_attn_prefill_kernel)
-        for hp in (None, 1, 2, 4)
-    }
+    _tuned = autotuned(
+        triton_attn_prefill_kernel,
+        policy.ATTN_PREFILL,
+        ["T_BUCKET", "D", "REP", "A"],
+        decode=False,
+        prune=prune_heads_per_program,
+    )
 
 
 def triton_routed_attention_prefill(
@@ -146,13 +167,11 @@ def triton_routed_attention_prefill(
     block_n: int | None = None,
     heads_per_program: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_prefill`. Tiles: ``block_m`` rows x
-    ``block_n`` keys, the rows ``heads_per_program`` query heads (of one group and one KV head) x
-    ``block_m / heads_per_program`` tokens. Fixed where ``block_m`` or ``block_n`` is given (the
-    other ``tuning.attention_prefill_block()``, one head a program unless given) and in the CPU
-    interpreter; else autotuned on a GPU, over ``tuning.ATTN_PREFILL`` (1, 2 or 4 heads a program,
-    those that divide the heads of a group and of a KV head), or that table's rows for
-    ``heads_per_program`` where it is given."""
+    """Triton version of :func:`torch_routed_attention_prefill`. ``layout``: the routing
+    layout of ``mask`` (computed here when not given). Tiles are autotuned on a GPU over
+    ``policy.ATTN_PREFILL``; ``block_m`` rows (``heads_per_program`` query heads of one group and
+    KV head x ``block_m / heads_per_program`` tokens) x ``block_n`` keys fix them (64, or 16 in the
+    CPU interpreter; one head a program unless given)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, t, d = q.shape
@@ -160,17 +179,17 @@ def triton_routed_attention_prefill(
     groups = mask.shape[-1]
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
-    order, counts = layout if layout is not None else triton_batched_layout(mask)
+    order, counts = layout if layout is not None else triton_routing_layout(mask)
     q = q.contiguous()
     out = torch.empty_like(q)
     args = (
-        q, k, v, out, order, counts, hq, t, s, d, groups, tuning.m_bucket(t), softmax_scale(d),
+        q, k, v, out, order, counts, hq, t, s, d, groups, m_bucket(t), softmax_scale(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
     )  # fmt: skip
     common = dict(
-        DOT_PRECISION=tuning.dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
-        BLOCK_D=max(16, tuning.next_power_of_2(d)),
+        DOT_PRECISION=dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
+        BLOCK_D=max(16, next_power_of_2(d)),
     )  # fmt: skip
     hp = heads_per_program
     if hp is not None and (math.gcd(common["REP"], common["A"]) % hp or hp not in (1, 2, 4)):
@@ -178,14 +197,16 @@ def triton_routed_attention_prefill(
             f"heads_per_program={hp} must be 1, 2 or 4 and divide the heads of a group ({common['A']}) "
             f"and of a KV head ({common['REP']})"
         )
-    if block_m is not None or block_n is not None or tuning.interpreted():
-        bm, bn = block_m or tuning.attention_prefill_block(), block_n or tuning.attention_prefill_block()
+    if block_m is not None or block_n is not None or interpreted():
+        bm, bn = block_m or (16 if interpreted() else 64), block_n or (16 if interpreted() else 64)
         hp = hp or 1
         if bm % hp:
             raise ValueError(f"heads_per_program={hp} must divide block_m ({bm})")
-        grid = (b, hq // hp, tuning.cdiv(t, bm // hp))
+        grid = (b, hq // hp, cdiv(t, bm // hp))
         triton_attn_prefill_kernel[grid](*args, **common, HP=hp, BLOCK_M=bm, BLOCK_N=bn)
     else:
-        grid = lambda meta: (b, hq // meta["HP"], tuning.cdiv(t, meta["BLOCK_M"] // meta["HP"]))  # noqa: E731
-        _tuned_attn_prefill[hp][grid](*args, **common)
+        grid = lambda meta: (b, hq // meta["HP"], cdiv(t, meta["BLOCK_M"] // meta["HP"]))  # noqa: E731
+        if hp is not None:
+            raise ValueError("heads_per_program is for fixed tiles; the autotuner picks it on a GPU")
+        _tuned[grid](*args, **common)
     return out

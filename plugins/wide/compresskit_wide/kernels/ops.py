@@ -1,0 +1,171 @@
+"""The routed operators, dispatched by backend: what the layers and the executor call.
+
+``backend``: "torch" runs the references (``torch_*``: the semantics, the CPU path, the autograd
+path); "triton" the Triton kernels (``triton_*``; an error naming the reason where they cannot
+run); "auto" on CUDA tensors the kernel where ``policy.use_kernel`` says it was measured faster
+and the op's dense fallback (``dense_*``: cuBLAS / SDPA in the input dtype, inactive outputs zeroed)
+elsewhere, and the references on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compresskit.errors import KernelUnavailableError
+from compresskit_wide.kernels import policy
+from compresskit_wide.kernels.attention_decode import (
+    dense_routed_attention_decode,
+    torch_routed_attention_decode,
+    triton_routed_attention_decode,
+)
+from compresskit_wide.kernels.attention_prefill import (
+    dense_routed_attention_prefill,
+    torch_routed_attention_prefill,
+    triton_routed_attention_prefill,
+)
+from compresskit_wide.kernels.common import interpreted
+from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
+from compresskit_wide.kernels.gemm_reduce import (
+    dense_masked_reduce_gemm,
+    torch_group_masked_input,
+    torch_masked_reduce_gemm,
+    triton_masked_reduce_gemm,
+)
+from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
+from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> str | None:
+    """None when Triton kernels can run here, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and not interpreted():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter)"
+    return None
+
+
+def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not available; allowed: {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return False
+    reason = triton_available()
+    if backend == "triton":
+        if reason:
+            raise KernelUnavailableError(f"backend 'triton': {reason}")
+        return True
+    return reason is None and all(t.is_cuda for t in tensors)  # auto
+
+
+def _choose(
+    backend: str, op: str, rows: int, *tensors: torch.Tensor, context: int = 0, groups: int = 0, zeroed: bool = False
+) -> str:
+    """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
+    measured faster), "dense" (the fallback under "auto" on CUDA) or "torch" (the reference)."""
+    if not _use_triton(backend, *tensors):
+        return "torch"
+    if backend == "triton":
+        return "triton"
+    policy.check_gpu(tensors[0].device)
+    return "triton" if policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed) else "dense"
+
+
+def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Zero the inactive groups of ``x``'s last axis: ``x: [B, T, K]``, ``mask: [B, T, K/G]``."""
+    _use_triton("torch" if backend == "auto" else backend, x)  # validates the name
+    return torch_group_masked_input(x, mask)
+
+
+def router_decide(
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    backend: str = "auto",
+    *,
+    as_bool: bool = False,
+) -> torch.Tensor:
+    """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1, or bool with ``as_bool``): a
+    ``GroupRouter``'s deterministic decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with
+    their biases)."""
+    if _choose(backend, "router", x.shape[0], x) == "triton":
+        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
+    # the reference is the dense path too
+    return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
+
+
+def routing_layout(mask: torch.Tensor, backend: str = "auto"):
+    """``(order, counts)`` for ``mask: [T, G]`` or ``[B, T, G]`` (``layout.py``)."""
+    if _use_triton(backend, mask):
+        return triton_routing_layout(mask)
+    return torch_routing_layout(mask)
+
+
+def masked_out_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    layout=None,
+    zero_inactive: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
+    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere.
+    ``zero_inactive=False``: the caller never reads the inactive groups' outputs (the routed
+    attention reads only the active heads' queries), so the dense fallback may leave its dense
+    product there and save the zeroing launch; the kernel and the reference write zeros anyway."""
+    path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
+    if path == "triton":
+        return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+    if path == "dense":
+        return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive)
+    return torch_masked_out_gemm(x, w, mask, w_up)
+
+
+def masked_reduce_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    input_is_masked: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
+    input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
+    fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
+    dense product."""
+    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    if path == "triton":
+        return triton_masked_reduce_gemm(x, w, mask)
+    if path == "dense":
+        return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
+    return torch_masked_reduce_gemm(x, w, mask)
+
+
+def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -> torch.Tensor:
+    """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
+    ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
+    path = _choose(backend, "attn_decode", q.shape[0], q, k, v, context=k.shape[2])
+    if path == "triton":
+        return triton_routed_attention_decode(q, k, v, seq_lens, mask)
+    if path == "dense":
+        return dense_routed_attention_decode(q, k, v, seq_lens, mask)
+    return torch_routed_attention_decode(q, k, v, seq_lens, mask)
+
+
+def routed_attention_prefill(q, k, v, mask, *, backend: str = "auto") -> torch.Tensor:
+    """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, Hq, T, D]``,
+    causal with the original positions; inactive (token, head) exactly 0."""
+    path = _choose(backend, "attn_prefill", q.shape[2], q, k, v)
+    if path == "triton":
+        return triton_routed_attention_prefill(q, k, v, mask)
+    if path == "dense":
+        return dense_routed_attention_prefill(q, k, v, mask)
+    return torch_routed_attention_prefill(q, k, v, mask)

@@ -1,0 +1,175 @@
+"""What ``backend="auto"`` runs, and the launch settings of the kernels: data, apart from the kernels.
+
+``KERNEL_RANGES`` lists where each op's Triton kernel beat its dense fallback (cuBLAS, SDPA) on the
+GPU named in ``MEASURED_ON``, in GPU time with the L2 flushed and in a CUDA graph; everywhere else
+"auto" runs the dense fallback. The reasons quote ``docs/wide-kernels-h200.md``, which has the
+commands and raw files. On another GPU the same ranges apply (they were not measured there):
+``check_gpu`` warns once, naming the benchmark that would measure them.
+
+The tile tables are the autotuner's search spaces on a GPU (it picks per shape on the first call);
+the CPU interpreter uses small fixed tiles instead (any tile is correct there).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+MEASURED_ON = "NVIDIA H200"  # the GPU the ranges and tile tables were measured on (sm_90, 141 GB HBM3e)
+SHAPES = "Llama-3.1-8B shapes (hidden 4096, FFN 14336 in groups of 128, 32 heads of 128 in groups of 4), bf16"
+
+DECODE_MAX_M = 16  # up to this many tokens: the decode kernels (all tokens in one 16-row tile, no sort)
+FEW_GROUPS = 8  # a reduction over this many input groups or fewer reads them without a group list
+
+
+@dataclass(frozen=True)
+class Range:
+    """The kernel runs for ``op`` where every given bound holds; ``why`` is the measurement."""
+
+    op: str
+    min_m: int = 1
+    max_m: int | None = None
+    min_context: int = 0
+    max_groups: int | None = None
+    zeroed: bool | None = None  # the reduction's input already zero in its inactive groups
+    why: str = ""
+
+    def covers(self, m: int, context: int, groups: int, zeroed: bool) -> bool:
+        return (
+            self.min_m <= m
+            and (self.max_m is None or m <= self.max_m)
+            and context >= self.min_context
+            and (self.max_groups is None or 0 < groups <= self.max_groups)
+            and (self.zeroed is None or zeroed == self.zeroed)
+        )
+
+
+# m: tokens (for attn_decode: the batch); context: cached positions; groups: a reduction's input groups
+KERNEL_RANGES = (
+    Range("swiglu", why="fused gate+up: 1.6x-1.8x of cuBLAS gate+up at M = 1, 1.2x-1.45x at T = 4096; >= 1.0x between"),
+    Range("out", max_m=DECODE_MAX_M, why="q, K packed into one product: 1.8x at M = 1, 1.06x at 8"),
+    Range("out", min_m=4096, why="q on sorted tiles: 1.16x-1.31x at T = 4096; 0.82x-0.98x at 2048, so dense below"),
+    Range("reduce", max_m=1, why="down / o, active groups packed 4 to a product: 1.7x of cuBLAS at M = 1"),
+    Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's 8 groups read directly: 1.16x at 2, 1.01x at 8"),
+    Range(
+        "reduce",
+        max_m=DECODE_MAX_M,
+        max_groups=FEW_GROUPS,
+        zeroed=False,
+        why="o after a dense attention: the fallback's select and product measured 0.79x of the kernel at 16",
+    ),
+    Range("attn_decode", min_context=32768, why="no K/V read for skipped head groups: 1.44x-1.80x of cuDNN"),
+    Range("attn_decode", min_m=4, min_context=8192, why="1.44x-1.64x in a graph; batch 1 at 8192 only 1.02x"),
+    Range("attn_prefill", min_m=1024, why="active queries only: 1.2x at T = 1024, 1.5x at 4096; 0.82x-0.91x at 512"),
+    Range("router", why="bottleneck, logits and decision in one or two launches: 1.2x-2.9x of the five or six"),
+)
+OPS = ("swiglu", "out", "reduce", "attn_decode", "attn_prefill", "router")
+
+
+def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False) -> bool:
+    """Whether ``backend="auto"`` takes ``op``'s Triton kernel for ``m`` tokens (the batch, for
+    ``attn_decode``), ``context`` cached positions, a reduction over ``groups`` input groups whose
+    input is (``zeroed``) or is not yet zero in the inactive ones. False: the dense fallback."""
+    if op not in OPS:
+        raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
+    return any(r.op == op and r.covers(m, context, groups, zeroed) for r in KERNEL_RANGES)
+
+
+_CHECKED: set = set()
+
+
+def check_gpu(device: torch.device) -> None:
+    """Warn once per device when ``KERNEL_RANGES`` were measured on another GPU model."""
+    if device.index in _CHECKED:
+        return
+    _CHECKED.add(device.index)
+    name = torch.cuda.get_device_name(device)
+    if MEASURED_ON not in name:
+        warnings.warn(
+            f"WIDE's backend='auto' ranges were measured on an {MEASURED_ON}, not on this {name}: they apply "
+            "unchanged here. To measure them: python benchmarks/bench_wide_kernels.py --out DIR",
+            stacklevel=3,
+        )
+
+
+# decode launch settings
+OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); M = 1: 8.45 us, unpacked 10.7
+SWIGLU_K_PACK = 1  # gate+up: packing K measured 1%-7% slower (it has twice the weight rows already)
+REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8: slower at M = 1)
+ATTN_DECODE_BLOCK = 64  # KV positions a step (16: 0.77x-0.87x of cuDNN at batch 1, 64: 1.16x-1.38x)
+ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64 splits (64 beat 32 at 32k)
+ATTN_DECODE_MAX_SPLITS = 64
+ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
+ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
+
+# tile tables: (meta-parameters, num_warps, num_stages)
+# the K-packed decode product (weights as the MMA's rows): (MMA rows, BLOCK_K, warps, stages); a program
+# holds MMA rows / K_PACK output channels; 64 rows per 4 warps is Hopper's warp-group MMA
+PACKED_DECODE_ROWS = [
+    (64, 128, 4, 4),
+    (64, 128, 4, 5),
+    (64, 64, 4, 6),
+    (64, 256, 4, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 3),
+]
+# gate+up at decode (K_PACK = 1): the same shape of tiles, plus 32-row ones (twice the programs)
+SWIGLU_DECODE = [
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 4),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 5),
+    ({"BLOCK_N": 64, "BLOCK_K": 128}, 4, 6),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 6),
+    ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 8),
+    ({"BLOCK_N": 64, "BLOCK_K": 256}, 4, 3),
+    ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+    ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 4),
+    ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 5),
+]
+# the reduction's K-packed product (BLOCK_K steps through one group)
+REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
+PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
+# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen at 512-4096)
+OUT_PREFILL = [
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+]
+# the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
+ATTN_PREFILL = [
+    ({"BLOCK_M": bm, "BLOCK_N": bn, "HP": hp}, warps, stages)
+    for hp in (1, 2, 4)
+    for (bm, bn), warps, stages in [
+        ((64, 64), 4, 3),
+        ((128, 64), 8, 3),
+        ((128, 64), 4, 3),
+        ((128, 128), 8, 3),
+        ((128, 128), 8, 2),
+        ((64, 128), 4, 3),
+        ((128, 64), 8, 4),
+        ((64, 64), 4, 4),
+    ]
+]
+
+
+def per_packing(rows: list[tuple[int, int, int, int]], pack: int) -> list:
+    """A K-packed kernel's tile table for one packing, from ``(MMA rows, BLOCK_K, warps, stages)``."""
+    return [({"BLOCK_N": mma_rows // pack, "BLOCK_K": bk}, warps, stages) for mma_rows, bk, warps, stages in rows]
+
+
+def out_k_pack(m: int, fused: bool) -> int:
+    """K chunks a product of the output-width decode kernel for ``m`` tokens (1: not packed)."""
+    if fused:
+        return SWIGLU_K_PACK
+    return next((pack for max_m, pack in OUT_K_PACK if m <= max_m), 1)
+
+
+def attention_decode_splits(context: int) -> int:
+    """KV splits a (sequence, KV head) of the routed decode attention."""
+    return max(1, min(ATTN_DECODE_MAX_SPLITS, context // ATTN_DECODE_POSITIONS_PER_SPLIT))

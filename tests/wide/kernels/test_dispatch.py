@@ -1,0 +1,214 @@
+"""The backend dispatch (``kernels.ops``), the "auto" policy, the autotuner's wiring and capture in a
+CUDA graph."""
+
+import warnings
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_helpers import DEVICE, random_mask  # noqa: E402
+
+from compresskit.errors import KernelUnavailableError  # noqa: E402
+from compresskit_wide.kernels import autotune, ops, policy  # noqa: E402
+from compresskit_wide.kernels.common import cdiv, next_power_of_2  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+def test_every_backend_gives_the_reference():
+    x, w, mask = torch.randn(5, 32, device=DEVICE), torch.randn(64, 32, device=DEVICE), random_mask(5, 4, 0.5)
+    ref = ops.torch_masked_out_gemm(x, w, mask)
+    for backend in ("torch", "triton", "auto"):
+        torch.testing.assert_close(ops.masked_out_gemm(x, w, mask, backend=backend), ref, rtol=1e-4, atol=1e-4)
+        reduce_mask = random_mask(5, 4, 0.5, seed=1)
+        got = ops.masked_reduce_gemm(x, w, reduce_mask, backend=backend)
+        torch.testing.assert_close(got, ops.torch_masked_reduce_gemm(x, w, reduce_mask), rtol=1e-4, atol=1e-4)
+    layout = ops.routing_layout(mask, backend="triton")
+    torch.testing.assert_close(ops.masked_out_gemm(x, w, mask, layout=layout, backend="triton"), ref)
+    with pytest.raises(ValueError, match="allowed: auto, torch, triton"):
+        ops.masked_out_gemm(x, w, mask, backend="cuda")
+
+
+def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(ops, "triton_available", lambda: "no CUDA device")
+    with pytest.raises(KernelUnavailableError, match="backend 'triton': no CUDA device"):
+        ops.routing_layout(torch.ones(2, 2, dtype=torch.bool), backend="triton")
+    assert ops.routing_layout(torch.ones(2, 2, dtype=torch.bool), backend="auto")[1].tolist() == [2, 2]
+
+
+def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
+    """On CUDA tensors "auto" runs an op's kernel where ``policy.use_kernel`` is true and its dense
+    fallback elsewhere; "triton" always the kernel (recorded by spies, here on the CPU)."""
+    calls = []
+    monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: backend != "torch")
+    monkeypatch.setattr(policy, "check_gpu", lambda device: None)
+    for impl in ("triton", "dense"):
+        for op in ("masked_out_gemm", "masked_reduce_gemm", "routed_attention_decode", "routed_attention_prefill"):
+            monkeypatch.setattr(ops, f"{impl}_{op}", lambda *a, impl=impl, **k: calls.append(impl))
+
+    def ran(op, *args, **kwargs):
+        calls.clear()
+        getattr(ops, op)(*args, **kwargs)
+        return calls[0] == "triton"
+
+    w = torch.zeros(8, 4)
+    for m in (1, 2, 8, 9, 16, 17, 1024, 4096):
+        x, mask = torch.zeros(m, 4), torch.ones(m, 2, dtype=torch.bool)
+        assert ran("masked_out_gemm", x, w, mask) == policy.use_kernel("out", m)
+        assert ran("masked_out_gemm", x, w, mask, w) == policy.use_kernel("swiglu", m)
+        for groups in (2, 8, 16):
+            x, wd, mask = torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool)
+            for zeroed in (False, True):
+                got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed)
+                assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed)
+                assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
+    for b, ctx in ((1, 8192), (4, 8192), (1, 32768)):
+        q, kv, lens = torch.zeros(b, 8, 16), torch.zeros(b, 2, ctx, 16), torch.full((b,), ctx)
+        got = ran("routed_attention_decode", q, kv, kv, lens, torch.ones(b, 2, dtype=torch.bool))
+        assert got == policy.use_kernel("attn_decode", b, context=ctx)
+    for t in (4, 1024):
+        q, kv = torch.zeros(1, 8, t, 16), torch.zeros(1, 2, t, 16)
+        got = ran("routed_attention_prefill", q, kv, kv, torch.ones(1, t, 2, dtype=torch.bool))
+        assert got == policy.use_kernel("attn_prefill", t)
+    # the policy is not trivially one way or the other
+    assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
+    assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
+
+
+def test_policy_is_data_with_a_reason_for_every_range():
+    assert {r.op for r in policy.KERNEL_RANGES} == set(policy.OPS)
+    assert all(len(r.why) > 20 for r in policy.KERNEL_RANGES)
+    with pytest.raises(ValueError, match="unknown operator 'gemm'; known: swiglu, out, reduce"):
+        policy.use_kernel("gemm", 1)
+
+
+def test_auto_warns_once_on_a_gpu_it_was_not_measured_on(monkeypatch):
+    monkeypatch.setattr(policy, "_CHECKED", set())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.warns(UserWarning, match="measured on an NVIDIA H200, not on this NVIDIA A100.*bench_wide_kernels"):
+        policy.check_gpu(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy.check_gpu(torch.device("cuda", 0))  # once per device
+    monkeypatch.setattr(policy, "_CHECKED", set())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        policy.check_gpu(torch.device("cuda", 0))
+
+
+def test_host_launch_arithmetic_equals_tritons():
+    for n in range(1, 3000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
+    for a in range(0, 200):
+        for b in range(1, 70):
+            assert cdiv(a, b) == triton.cdiv(a, b)
+
+
+def test_autotune_hooks_keep_tiles_that_fit():
+    """No block wider than a group (one candidate always left); the K-packed kernels' tiles fit
+    shared memory with all their stages (fp32 gate+up overflows: the tiles that fit, or the smallest
+    with fewer stages); a listed reduction over groups of 512 counts every unrolled K step."""
+    decode = autotune.configs(policy.SWIGLU_DECODE)
+    kept = autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 32})
+    assert kept and all(c.kwargs["BLOCK_N"] <= 32 for c in kept) and len(kept) < len(decode)
+    assert autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 512}) == decode
+    assert len(autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 4})) >= 1
+
+    def fits(c, elem, weights, pack, block_m, steps=1):
+        stage = steps * c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+        return c.num_stages * stage <= policy.PACKED_SMEM_BUDGET or c.num_stages == 1
+
+    bf16 = {"GW": 128, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
+    for pack in (2, 4, 8):
+        rows = autotune.configs(policy.per_packing(policy.PACKED_DECODE_ROWS, pack))
+        assert len(
+            autotune.packed_pruner("BLOCK_N")(rows, bf16, FUSE_SWIGLU=False, K_PACK=pack, BLOCK_M=16 // pack)
+        ) == len(rows)
+        fp32 = {"GW": 32, "x_ptr": torch.empty(1)}
+        kept = autotune.packed_pruner("BLOCK_N")(rows, fp32, FUSE_SWIGLU=True, K_PACK=pack, BLOCK_M=8)
+        assert kept and all(c.kwargs["BLOCK_N"] <= 32 and fits(c, 4, 2, pack, 8) for c in kept)
+        rows = autotune.configs(policy.per_packing(policy.REDUCE_DECODE_ROWS, pack))
+        wide = {**bf16, "GW": 512}
+        listed = autotune.packed_pruner("BLOCK_K", unrolled_group=True)(rows, wide, K_PACK=pack, BLOCK_M=16)
+        assert listed and all(fits(c, 2, 1, pack, 16, steps=512 // c.kwargs["BLOCK_K"]) for c in listed)
+        flat = autotune.packed_pruner("BLOCK_K")(rows, wide, K_PACK=pack, BLOCK_M=16)
+        assert len(flat) >= len(listed)
+
+
+def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():
+    """First made inside ``torch.inference_mode`` (a generation's first step), the flush buffer must
+    stay writable in place outside it (a later shape's autotuning)."""
+    autotune._FLUSH.pop("cpu", None)
+    with torch.inference_mode():
+        buf = autotune.l2_flush_buffer("cpu")
+    assert not buf.is_inference()
+    buf[:8].zero_()
+    with torch.inference_mode():
+        autotune.l2_flush_buffer("cpu")[:8].bitwise_not_()
+    assert autotune.l2_flush_buffer("cpu") is buf and int(buf[0]) == 255
+    autotune._FLUSH.pop("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_flushed_graph_bench_times_the_gpu_work():
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    one = autotune.flushed_graph_bench(lambda: a @ a)
+    q50, q20, q80 = autotune.flushed_graph_bench(lambda: a @ a, quantiles=(0.5, 0.2, 0.8))
+    eight = autotune.flushed_graph_bench(lambda: [a @ a for _ in range(8)])
+    assert 0 < q20 <= q50 <= q80 and one > 0 and eight > 3 * one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
+    """Every op runs inside a captured CUDA graph (no host synchronisation): replays on new inputs
+    and masks give the references' results."""
+    dt = torch.bfloat16
+    x = torch.randn(m, 256, device="cuda", dtype=dt)
+    wg, wu = (torch.randn(512, 256, device="cuda", dtype=dt) / 16 for _ in range(2))
+    wd = torch.randn(256, 512, device="cuda", dtype=dt) / 16
+    mask = random_mask(m, 4, 0.5, seed=1)
+    q = torch.randn(2, 8, 64, device="cuda", dtype=dt)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=dt) for _ in range(2))
+    lens = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    amask = random_mask(2, 4, 0.5, seed=2)
+    router = [torch.randn(8, 256, device="cuda") / 16, torch.zeros(8, device="cuda")]
+    router += [torch.randn(8, 8, device="cuda") / 3, torch.zeros(8, device="cuda")]  # 4 groups
+
+    def step():
+        h = ops.masked_out_gemm(x, wg, mask, wu, backend=backend)
+        y = ops.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
+        o = ops.masked_reduce_gemm(h, wd, mask, backend="triton")  # the kernel at every M
+        return (
+            y,
+            o,
+            ops.routed_attention_decode(q, k, v, lens, amask, backend=backend),
+            ops.router_decide(x, *router, backend=backend),
+        )
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # autotuning and compilation before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, o, att, decision = step()
+    for seed in (3, 4):  # new inputs and masks, same buffers
+        x.copy_(torch.randn_like(x))
+        mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
+        amask.copy_(random_mask(2, 4, 0.5, seed=seed))
+        lens.copy_(torch.tensor([seed * 50, 300], dtype=torch.int32))
+        graph.replay()
+        ref_y = ops.torch_masked_reduce_gemm(ops.torch_masked_out_gemm(x, wg, mask, wu), wd, mask)
+        torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(o.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
+        ref_att = ops.torch_routed_attention_decode(q, k, v, lens, amask)
+        torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
+        assert torch.equal(decision, ops.torch_router_decide(x, *router))

@@ -1,0 +1,100 @@
+"""The reduction-width masked GEMM (o, down) and the input-group masking against their references."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask  # noqa: E402
+
+from compresskit.routing import mask_input_groups  # noqa: E402
+from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
+    dense_masked_reduce_gemm,
+    torch_group_masked_input,
+    torch_masked_reduce_gemm,
+    triton_masked_reduce_gemm,
+)
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(
+    ("k_pack", "block_n", "groups"), [(2, 8, 3), (4, 16, 5), (8, None, 1), (4, None, 5), (1, 16, 2)]
+)
+@pytest.mark.parametrize("direct", [False, True])
+def test_matches_reference(m, sparsity, k_pack, block_n, groups, direct):
+    """From the program's list of needed groups and without it (``direct``): a count of groups that
+    is no multiple of the packing, a group of 32 inputs over two K steps, two token tiles at M = 17;
+    every output element written (zero where no group is active), nothing after it."""
+    gen = torch.Generator().manual_seed(m * 13 + k_pack)
+    x = torch.randn(m, 32 * groups, generator=gen).to(DEVICE)
+    w = torch.randn(40, 32 * groups, generator=gen).to(DEVICE)
+    mask = random_mask(m, groups, sparsity, seed=m + groups)
+    buf = poisoned(m, 40)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_n=block_n, block_k=16, k_pack=k_pack, direct=direct)
+    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
+    if sparsity == 1.0:
+        assert torch.count_nonzero(got) == 0
+
+
+def test_inactive_inputs_are_never_read():
+    """NaN in the inactive groups' inputs does not reach the output (a product would spread it)."""
+    x = torch.randn(3, 64, device=DEVICE)
+    w = torch.randn(16, 64, device=DEVICE)
+    mask = random_mask(3, 4, 0.5, seed=9)
+    x_nan = torch.where(mask.repeat_interleave(16, dim=-1), x, float("nan"))
+    for direct in (False, True):
+        got = triton_masked_reduce_gemm(x_nan, w, mask, block_n=16, block_k=16, direct=direct)
+        torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dense_masked_reduce_gemm(x_nan, w, mask), torch_masked_reduce_gemm(x, w, mask))
+
+
+def test_refuses_what_it_cannot_do():
+    x, w, mask = torch.randn(2, 64, device=DEVICE), torch.randn(16, 64, device=DEVICE), random_mask(2, 4, 0.5)
+    with pytest.raises(ValueError, match="k_pack must be a power of two, got 3"):
+        triton_masked_reduce_gemm(x, w, mask, k_pack=3)
+    with pytest.raises(ValueError, match="tl.dot needs 16 or more"):
+        triton_masked_reduce_gemm(x, w, mask, block_n=4, k_pack=2)
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        triton_masked_reduce_gemm(x, w, random_mask(2, 5, 0.5))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("k_pack", [2, 4, 8])
+@pytest.mark.parametrize(("direct", "groups"), [(False, 8), (True, 8), (True, 2), (None, 8)])
+def test_bf16_with_autotuned_tiles(m, k_pack, direct, groups):
+    """Groups of 128 inputs, and of 512 without the list (o_proj's width: several K steps a group)."""
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    mask = random_mask(m, groups, 0.5)
+    buf = poisoned(m, 384, torch.bfloat16)
+    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], direct=direct, k_pack=k_pack)
+    torch.testing.assert_close(got.float(), torch_masked_reduce_gemm(x, w, mask).float(), rtol=2e-2, atol=2e-2 * 16)
+    assert torch.isnan(buf[m:]).all()
+
+
+def test_dense_fallback_and_the_zero_filled_input():
+    """The fallback masks then multiplies; on an input that is zero-filled already, the plain dense
+    product is the same, and on one that is not, trusting it would be wrong."""
+    x, w, mask = torch.randn(40, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE), random_mask(40, 4, 0.5)
+    ref = torch_masked_reduce_gemm(x, w, mask)
+    torch.testing.assert_close(dense_masked_reduce_gemm(x, w, mask), ref, rtol=1e-4, atol=1e-4)
+    zero_filled = torch_group_masked_input(x, mask)
+    torch.testing.assert_close(dense_masked_reduce_gemm(zero_filled, w, mask, input_is_masked=True), ref)
+    assert not torch.allclose(dense_masked_reduce_gemm(x, w, mask, input_is_masked=True), ref)
+
+
+def test_input_masking_is_the_cores_and_passes_gradients():
+    """The kernels' own reference masking equals the core's (what training runs), gradients included."""
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    mask = (torch.rand(2, 5, 3) > 0.5).float().requires_grad_()
+    ours = torch_group_masked_input(x, mask)
+    torch.testing.assert_close(ours, mask_input_groups(x, mask), rtol=0, atol=0)
+    ours.sum().backward()
+    assert x.grad is not None and mask.grad is not None
+    with pytest.raises(ValueError, match="not divisible into 5 groups"):
+        torch_group_masked_input(x, torch.ones(2, 5, 5))

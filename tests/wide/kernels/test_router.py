@@ -1,0 +1,51 @@
+"""The fused routing decision against ``decide(GroupRouter(x))``."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_helpers import DEVICE  # noqa: E402
+
+from compresskit.routing import GroupRouter, decide  # noqa: E402
+from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 40])
+@pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
+@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
+@pytest.mark.parametrize(("split", "block_g"), [(None, None), (1, None), (3, 16), (3, 128)])
+def test_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g):
+    """D no multiple of the K step, a rank below tl.dot's 16 and above it, more groups than a
+    program's block; biases that make every group execute (+50), none (-50) or about half (0); in
+    one launch, with D in three shares, with the default split; 16 groups a program or 128."""
+    torch.manual_seed(m + d + groups)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
+    with torch.no_grad():
+        router.up.bias.view(groups, 2)[:, 0] = bias  # the execute logits
+    x = torch.randn(2, m, d, device=DEVICE)
+    ref = decide(router(x), sample=False, tau=1.0).reshape(2 * m, groups)
+    args = (x.reshape(2 * m, d), router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    assert torch.equal(torch_router_decide(*args), ref)
+    got = triton_router_decide(*args, split=split, block_g=block_g)
+    assert got.dtype == torch.float32 and torch.equal(got, ref)
+    if split is None:  # as a bool mask (what the executor asks for)
+        assert torch.equal(torch_router_decide(*args, as_bool=True), ref.bool())
+        as_bool = triton_router_decide(*args, block_g=block_g, as_bool=True)
+        assert as_bool.dtype == torch.bool and torch.equal(as_bool, ref.bool())
+    if bias:
+        assert torch.all(got == (1.0 if bias > 0 else 0.0))
+
+
+def test_validates_its_tensors():
+    x, wd, bd = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4)
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(5))
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide(x, wd.half(), bd, torch.zeros(6, 4), torch.zeros(6))
+    with pytest.raises(ValueError, match="split must be >= 1, got 0"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), split=0)
+    with pytest.raises(ValueError, match="block_g must be a power of two >= 16, got 24"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)

@@ -1,0 +1,163 @@
+"""The benchmark scripts run: on tiny shapes in the CPU interpreter here (on the GPU on the device),
+and the Hopper code-generation check, which needs no GPU."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.triton
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.slow
+def test_benchmark_script_smoke(tmp_path):
+    """The H200 benchmark script runs end to end on tiny shapes and checks every case; a case run
+    alone draws what it draws among the others."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_kernels.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["results"] and all(r["correct"] for r in data["results"])
+    assert (tmp_path / "bench.md").read_text().startswith("# WIDE kernels benchmark")
+    # a case alone (--only) draws the same masks and inputs as among all the others (seeded by its
+    # label): the same bound (the mask's) and, in the interpreter's fixed tiles, the same error (on a
+    # GPU the two processes may autotune other tiles, which round differently)
+    alone = tmp_path / "alone"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(alone), "--only", r"^(q|gate\+up) M=3 iid"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    key = lambda r: (r["op"], r["M"], r["mask"])  # noqa: E731
+    fields = ("bound", "max_abs_err") if DEVICE == "cpu" else ("bound",)
+    full = {key(r): [r[f] for f in fields] for r in data["results"]}
+    rows = json.loads((alone / "bench.json").read_text())["results"]
+    assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
+
+
+def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(tmp_path):
+    """The listed packed reduction unrolls a group's K steps, each with its own buffers: every tile
+    its autotuner hook keeps (bf16, 4 groups a step) compiles for sm_90 within the H200's shared
+    memory at o_proj's 512 inputs a group and at down's 128, at 4 and 16 tokens (a tile of 256 KB
+    got through at o's width and 16 tokens before the hook counted the steps, run 66), and at down's
+    width with 4 tokens the whole table is kept (the tiles measured there). The direct variant's
+    flat loop keeps its whole table at both widths. (``hopper_codegen.py --reduce-tiles``.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "hopper_codegen.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    out = tmp_path / "tiles.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--reduce-tiles", "--json", str(out)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    cases = {(r["variant"], r["group_width"], r["tokens"]) for r in rows}
+    assert cases == {(v, gw, m) for v in ("listed", "direct") for gw in (512, 128) for m in (4, 16)}
+    kept = [r for r in rows if r["kept"]]
+    assert {(r["variant"], r["group_width"], r["tokens"]) for r in kept} == cases  # something kept everywhere
+    assert all(r["shared"] <= 232448 for r in kept)
+    assert all(r["kept"] for r in rows if (r["variant"], r["group_width"], r["tokens"]) == ("listed", 128, 4))
+    assert all(r["kept"] for r in rows if r["variant"] == "direct")
+
+
+def test_decode_kernels_compile_for_hopper(tmp_path):
+    """benchmarks/hopper_codegen.py, on any machine: the decode defaults (q and down packed, gate+up,
+    down fused, o with its group list and without) compiled for sm_90 at Llama-3.1-8B's shapes and
+    the H200's tiles use the warp-group MMA (the decode attention's split kernel the older one),
+    stream their operands through a software pipeline, fit the H200's shared memory and spill no
+    registers. The check sees an unpipelined
+    kernel (one stage) as one."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "hopper_codegen.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
+    out = tmp_path / "codegen.json"
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["mma"] for r in rows] == ["wgmma"] * 5 + ["mma"]
+    assert all(r["async_copies"] > 0 and not r["problems"] for r in rows)
+    assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
+    one_stage = (
+        "import runpy, sys; g = runpy.run_path(sys.argv[1]); name, k, a, c, w, s, mma = g['cases']()[0]; "
+        "print(g['compile_for_hopper'](k, a, c, w, 1)['async_copies'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", one_stage, str(script)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stdout + proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env={**env, "TRITON_INTERPRET": "1"}
+    )
+    assert proc.returncode == 2 and "replaces Triton's compiler" in proc.stderr
+
+
+@pytest.mark.slow
+def test_host_overhead_script_runs():
+    """benchmarks/bench_wide_host.py: the four rows, dense first, WIDE's routed modules running
+    more operators per layer than dense."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_host.py"
+    cmd = [sys.executable, str(script), "--layers", "2", "--prompt", "5", "--repeats", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    extra = [float(x) for x in re.findall(r"\(\s*([+-][0-9.]+) a layer vs dense\)", proc.stdout)]
+    assert len(extra) == 4 and extra[0] == 0.0 and all(x > 0 for x in extra[1:]), proc.stdout
+
+
+def test_end_to_end_benchmark_script_smoke(tmp_path):
+    """The end-to-end script runs on tiny shapes: dense, WIDE masked dense, wide-triton auto and
+    triton (and auto without sparsity counting), each converted model checked layer by layer
+    against the masked dense reference, realised sparsity reported where counted, and the
+    static-cache decode steps and the prefill (eager on the CPU, CUDA graphs on a GPU) run without
+    error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_e2e.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    cmd = [sys.executable, str(script), "--smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    assert [r["model"] for r in rows] == [
+        "dense",
+        "WIDE, torch (masked dense)",
+        "WIDE, wide-triton auto",
+        "WIDE, wide-triton triton",
+        "WIDE, wide-triton auto, no stats",
+    ]
+    assert all(r["correct"] and r["graph_error"] is None and r["graph_prefill_error"] is None for r in rows)
+    # the converted layers against the masked dense reference: fp32 on the CPU, bf16 on a GPU (the
+    # script's own tolerances; a wiring error moves a layer by far more)
+    assert all(r["layer_max_rel_err_vs_masked_dense"] < (1e-4 if DEVICE == "cpu" else 2e-2) for r in rows[2:])
+    assert all(0.3 < r["sparsity"]["macs"] < 0.7 for r in rows[1:4])  # untrained routers: about half
+    assert rows[4]["sparsity"] is None  # not counted
+    # the prefill profile: wall time per prompt always; kernels only on a GPU
+    assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
+    assert all(r["prefill_profile"]["top_host_ops_self_us_per_call"] for r in rows)
+    assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
