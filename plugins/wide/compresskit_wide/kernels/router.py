@@ -7,9 +7,9 @@
                         (fp32; or True / False with ``as_bool``, which the kernels downstream read as it is)
 
 The reference is ``GroupRouter`` followed by the deterministic ``decide``: five or six small launches
-per routed sublayer and token. The kernels compute the same fp32 products in one launch (one program a
-block of tokens and of groups), or, for few tokens, two: the bottleneck spread over shares of D (one
-program each, partial sums in a workspace), then a launch that sums them in a fixed order and decides.
+per routed sublayer and token. The kernels compute the same fp32 products in two: the bottleneck over
+shares of D (one program each, partial sums in a workspace), then one that sums them in a fixed order
+and decides.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
 accuracy; a bf16 input is exact in TF32). Decisions equal the reference's except where a group's two
 logits tie within fp32 rounding (another summation order), as between two GEMM libraries.
@@ -91,36 +91,6 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
 
     @triton.jit
-    def triton_router_decide_kernel(
-        x_ptr, wd_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr,
-        M, D, R, G,
-        stride_xm, stride_om,
-        DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-    ):  # fmt: skip
-        # program (token block, group block), many tokens: the whole bottleneck, then the decision
-        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
-        z = _router_z(
-            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
-        )  # fmt: skip
-        _router_decide_store(
-            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
-            DOT_PRECISION, BLOCK_G,
-        )  # fmt: skip
-
-    @triton.jit
-    def _router_sum_shares(ws_ptr, M, R, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
-        # this token block's partial bottlenecks summed in share order (unrolled: the loads are
-        # independent and issued together)
-        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
-        z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        z_mask = row_ok[:, None] & r_ok[None, :]
-        for s in tl.static_range(SPLIT):
-            share = ws_ptr + (s * M + rows)[:, None] * R + rs[None, :]
-            z += tl.load(share, mask=z_mask, other=0.0)
-        return z
-
-    @triton.jit
     def triton_router_partial_kernel(
         x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -139,9 +109,13 @@ if triton is not None:
         ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, group block): the partial bottlenecks summed in share order, the decision
+        # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
+        # the loads are independent and issued together), then the decision
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
-        z = _router_sum_shares(ws_ptr, M, R, SPLIT, BLOCK_M, BLOCK_R)
+        z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            share = ws_ptr + (s * M + rows)[:, None] * R + rs[None, :]
+            z += tl.load(share, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         _router_decide_store(
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
             DOT_PRECISION, BLOCK_G,
@@ -152,7 +126,7 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     """Shares of D for the bottleneck product: at decode sizes one token block is one program,
     which alone would stream all of the fp32 ``w_down``, so D is spread over
     ``policy.ROUTER_DECODE_PROGRAMS``; from 64 token blocks, shares enough for about
-    ``policy.ROUTER_PREFILL_PROGRAMS`` programs; from that many token blocks, one launch."""
+    ``policy.ROUTER_PREFILL_PROGRAMS`` programs; from that many token blocks, one share."""
     m_blocks = cdiv(m, block_m)
     programs = policy.ROUTER_DECODE_PROGRAMS if m_blocks < 64 else policy.ROUTER_PREFILL_PROGRAMS
     return max(1, min(cdiv(d, block_k), programs // m_blocks))
@@ -175,11 +149,10 @@ def triton_router_decide(
     block_g: int | None = None,
     as_bool: bool = False,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_router_decide` for any M: one launch for many tokens; for few,
-    the bottleneck split over ``split`` shares of D (default ``router_split``) and a second launch
-    that adds them in a fixed order and decides. ``block_g``: groups a program (a power of two, at
-    least 16; default 32 after a split, up to 128 in one launch). ``as_bool``: the decision stored as
-    bytes and returned as a bool mask (what the routed operators read; no cast launch after it)."""
+    """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
+    D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
+    ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``as_bool``: the
+    decision stored as bytes and returned as a bool mask (what the routed operators read as it is)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -208,17 +181,10 @@ def triton_router_decide(
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = cdiv(cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = cdiv(d, chunk)  # no empty share
-    # after a split, more programs of fewer groups; in one launch each group block recomputes the bottleneck
-    block_g = block_g or min(32 if splits > 1 else 128, max(16, next_power_of_2(groups)))
+    block_g = block_g or min(32, max(16, next_power_of_2(groups)))
     m_blocks = cdiv(m, block_m)
     grid = (m_blocks, cdiv(groups, block_g))
     precision = router_precision(m)
-    if splits == 1:
-        triton_router_decide_kernel[grid](
-            x, w_down, b_down, w_up, b_up, out, m, d, r, groups, x.stride(0), out.stride(0),
-            DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, BLOCK_G=block_g,
-        )  # fmt: skip
-        return out.view(torch.bool) if as_bool else out
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
