@@ -10,7 +10,7 @@
 # with `git archive COMMIT compresskit plugins/wide benchmarks | tar -x -C DIR`, DIR carried too), so
 # that before and after are measured side by side on one machine: $OUT/before/ and $OUT/ hold the two,
 # E2E="args" also runs benchmarks/bench_wide_e2e.py with those arguments ("-" for its defaults),
-# leaving e2e.json / e2e.md / e2e.log in $OUT.
+# leaving e2e.json / e2e.md / e2e.log in $OUT (with BEFORE, DIR's copy of it first, into $OUT/before).
 set -uo pipefail
 OUT=${OUT:-/tmp/bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -25,7 +25,13 @@ if [ "${TESTS_K:-}" != none ]; then
 fi
 if [ -n "${BEFORE:-}" ]; then
   mkdir -p "$OUT/before"
-  python3 "$BEFORE/benchmarks/bench_wide_kernels.py" --out "$OUT/before" "$@" 2>&1 | tee "$OUT/before/bench.log"
+  if [ "${BENCH:-1}" != 0 ]; then
+    python3 "$BEFORE/benchmarks/bench_wide_kernels.py" --out "$OUT/before" "$@" 2>&1 | tee "$OUT/before/bench.log"
+  fi
+  if [ -n "${E2E:-}" ]; then
+    args=$E2E; [ "$args" = - ] && args=""
+    python3 "$BEFORE/benchmarks/bench_wide_e2e.py" --out "$OUT/before" $args 2>&1 | tee "$OUT/before/e2e.log"
+  fi
 fi
 if [ "${BENCH:-1}" != 0 ]; then
   python3 benchmarks/bench_wide_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"

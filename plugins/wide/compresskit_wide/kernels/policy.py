@@ -66,15 +66,20 @@ KERNEL_RANGES = (
     Range("router", why="bottleneck, logits and decision in one or two launches: 1.2x-2.9x of the five or six"),
 )
 OPS = ("swiglu", "out", "reduce", "attn_decode", "attn_prefill", "router")
+_RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 
 def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False) -> bool:
     """Whether ``backend="auto"`` takes ``op``'s Triton kernel for ``m`` tokens (the batch, for
     ``attn_decode``), ``context`` cached positions, a reduction over ``groups`` input groups whose
     input is (``zeroed``) or is not yet zero in the inactive ones. False: the dense fallback."""
-    if op not in OPS:
+    ranges = _RANGES.get(op)
+    if ranges is None:
         raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
-    return any(r.op == op and r.covers(m, context, groups, zeroed) for r in KERNEL_RANGES)
+    for r in ranges:
+        if r.covers(m, context, groups, zeroed):
+            return True
+    return False
 
 
 _CHECKED: set = set()
