@@ -52,7 +52,7 @@ def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(t
     """The listed packed reduction unrolls a group's K steps, each with its own buffers: every tile
     its autotuner hook keeps (bf16, 4 groups a step) compiles for sm_90 within the H200's shared
     memory at o_proj's 512 inputs a group and at down's 128, at 4 and 16 tokens (a tile of 256 KB
-    got through at o's width and 16 tokens before the hook counted the steps, run 66), and at down's
+    got through at o's width and 16 tokens before the hook counted the steps), and at down's
     width with 4 tokens the whole table is kept (the tiles measured there). The direct variant's
     flat loop keeps its whole table at both widths. (``hopper_codegen.py --reduce-tiles``.)"""
     import json
