@@ -27,6 +27,7 @@ from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
+from compresskit.tasks import check_lm_eval_tasks
 
 RESULTS_VERSION = 1
 
@@ -92,7 +93,9 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
     if path.is_file():
         return json.loads(path.read_text())
     with progress.task("dense reference (cached after the first run)"):
-        ev = evaluate(model, tokenizer, data, rec.evaluation, progress=progress)
+        ev = evaluate(
+            model, tokenizer, data, rec.evaluation, progress=progress, allow_download=rec.model.allow_download
+        )
     out = {"metrics": ev.metrics(), "zero_shot_average": ev.zero_shot_average(), "key": key_src}
     artifacts.write_json(path, out)
     return out
@@ -118,6 +121,7 @@ def apply(
     # Everything a user can get wrong is checked before anything is written.
     resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
     check_source(rec.data)
+    check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
     out, finished = check_output_dir(resolved)
     staging = out.with_name(out.name + ".partial")
     if finished is not None:
@@ -245,7 +249,15 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     model = executor.convert(model)
 
     seed_everything(phase_seed(rec.seed, "evaluation"))
-    ev = evaluate(model, tokenizer, data, rec.evaluation, pruner=pruner, progress=progress)
+    ev = evaluate(
+        model,
+        tokenizer,
+        data,
+        rec.evaluation,
+        pruner=pruner,
+        progress=progress,
+        allow_download=rec.model.allow_download,
+    )
     sparsity = run_sparsity(ev, pruner, model.config)
 
     results = build_results(
@@ -325,7 +337,7 @@ def build_results(
             "per_task": {task: t.sparsity.to_dict(per_layer=False) for task, t in ev.tasks.items() if t.sparsity},
         },
         "dense": dense,
-        "recovery": recovery(ev.metrics(), dense["metrics"]) if dense else None,
+        "recovery": recovery(ev.metrics(), dense["metrics"], ev.higher_is_better) if dense else None,
         "training": training or [],
         "prune_summary": prune_summary,
         "evaluation": _eval_summary(ev),
@@ -358,6 +370,7 @@ def eval_model(
     data_section = data or DataSection()
     if output_dir is not None:
         artifacts.check_creatable(Path(output_dir), "output directory (--output)")
+    check_lm_eval_tasks(evaluation)
     path = Path(model_ref).expanduser()
     if path.is_dir() and (path / artifacts.MANIFEST).is_file():
         model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)

@@ -101,6 +101,7 @@ def cmd_validate(args, out: Console, err: Console) -> int:
     from compresskit.data import check_source
     from compresskit.modeling import resolve_model_source
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
+    from compresskit.tasks import check_lm_eval_tasks
 
     # a comparison spec: every member, each as a recipe of its own
     paths = load_comparison(args.recipe)[0] if is_comparison(args.recipe) else [args.recipe]
@@ -109,6 +110,7 @@ def cmd_validate(args, out: Console, err: Console) -> int:
         rec = resolved.recipe
         resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
         check_source(rec.data)
+        check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
         check_creatable(Path(rec.output.dir), "output.dir")
         if args.print:
             out.print_json(json.dumps(resolved.to_dict()))
@@ -185,13 +187,21 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     fields: dict[str, Any] = {}
     if args.tasks:
         fields["tasks"] = args.tasks.split(",")
-    for key in ("limit", "batch_size", "perplexity_docs", "max_length", "next_sentence_items"):
+    for key in (
+        "limit",
+        "batch_size",
+        "perplexity_docs",
+        "max_length",
+        "next_sentence_items",
+        "num_fewshot",
+        "task_paths",
+    ):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
     try:
         evaluation = EvaluationSection(**fields)
     except ValidationError as exc:
-        flags = {key: "--" + key.replace("_", "-") for key in fields}
+        flags = {key: "--" + key.replace("_", "-").removesuffix("s" if key == "task_paths" else "") for key in fields}
         raise RecipeError(format_validation_error(exc, EvaluationSection, names=flags)) from None
     results = eval_model(
         args.model,
@@ -361,7 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
     p.add_argument("model")
-    p.add_argument("--tasks", help=f"comma-separated, from: {','.join(tasks.names())}")
+    p.add_argument(
+        "--tasks", help=f"comma-separated: built in ({','.join(tasks.names())}) or lm-eval task and group names"
+    )
+    p.add_argument("--num-fewshot", type=int, dest="num_fewshot", help="few-shot examples for the lm-eval tasks")
+    p.add_argument("--task-path", action="append", dest="task_paths", help="a folder of lm-eval task YAML files")
     p.add_argument("--limit", type=int, help="items per zero-shot task")
     p.add_argument("--perplexity-docs", type=int, dest="perplexity_docs")
     p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")

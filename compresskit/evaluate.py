@@ -1,7 +1,9 @@
 """The shared evaluator: one code path scores every method.
 
 It runs lm-eval in memory (``HFLM(pretrained=model)``, no network) on the tasks of
-:mod:`compresskit.tasks` (held-out perplexity, PIQA, next-sentence choice).
+:mod:`compresskit.tasks` (held-out perplexity, PIQA, next-sentence choice) and on any lm-eval task
+or group the recipe names (its data read from the local datasets cache unless
+``model.allow_download``).
 
 While it runs it measures the pruner's *realised* sparsity (fraction of prunable MACs skipped),
 per task and overall.
@@ -155,6 +157,7 @@ class EvalResult:
     tasks: dict[str, TaskResult] = field(default_factory=dict)
     sparsity: SparsityReport | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    higher_is_better: dict[str, dict[str, bool]] = field(default_factory=dict)  # lm-eval's, per task and metric
 
     def metrics(self) -> dict[str, dict[str, float]]:
         return {name: dict(t.metrics) for name, t in self.tasks.items()}
@@ -172,8 +175,10 @@ def evaluate(
     *,
     pruner: Pruner | None = None,
     progress: Progress | None = None,
+    allow_download: bool = False,
 ) -> EvalResult:
-    """Evaluate ``model`` on the recipe's tasks; measure realised sparsity while doing so."""
+    """Evaluate ``model`` on the recipe's tasks; measure realised sparsity while doing so. An lm-eval
+    task named by the recipe reports each of its (sub)tasks' metrics under its own name."""
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -183,6 +188,7 @@ def evaluate(
     with _quiet():
         lm = _progress_lm(model, tokenizer, section=section, progress=progress)
         manager = TaskManager(include_defaults=False)
+        external = task_registry.lm_eval_manager(section) if task_registry.lm_eval_names(section) else None
     result = EvalResult(
         meta={
             "lm_eval_version": getattr(lm_eval, "__version__", "unknown"),
@@ -191,26 +197,31 @@ def evaluate(
             "max_length": section.max_length,
             "limit": section.limit,
             "seed": section.seed,
-            "num_fewshot": 0,
+            "num_fewshot": section.num_fewshot,
             "device": str(next(model.parameters()).device),
         }
     )
-    configs = {name: task_registry.get(name).build(data, tokenizer, section) for name in section.tasks}
+    configs = {
+        name: task_registry.get(name).build(data, tokenizer, section)
+        for name in section.tasks
+        if task_registry.builtin(name)
+    }
     overall: SparsityReport | None = None
     for name in section.tasks:
-        cfg = configs[name]
+        builtin = task_registry.builtin(name)
         lm.label = f"eval {name}"
         lm.batch_sizes_used = set()
         if pruner is not None:
             pruner.reset_sparsity(model)
         t0 = time.perf_counter()
-        with torch.inference_mode(), _quiet(), _recording_pad_lengths(lm):
+        offline = task_registry.hub_offline(not allow_download)
+        with torch.inference_mode(), _quiet(), _recording_pad_lengths(lm), offline:
             out = simple_evaluate(
                 model=lm,
-                tasks=[cfg],
-                task_manager=manager,
-                limit=section.limit if task_registry.get(name).limited else None,
-                num_fewshot=0,
+                tasks=[configs[name] if builtin else name],
+                task_manager=manager if builtin else external,
+                limit=section.limit if not builtin or task_registry.get(name).limited else None,
+                num_fewshot=task_registry.fewshot(section, name),
                 batch_size=section.batch_size,
                 random_seed=section.seed,
                 numpy_random_seed=section.seed,
@@ -219,15 +230,23 @@ def evaluate(
                 bootstrap_iters=0,
                 log_samples=False,
             )
-        raw = out["results"][cfg["task"]]
-        metrics = {
-            k.split(",")[0]: float(v) for k, v in raw.items() if "," in k and not k.split(",")[0].endswith("_stderr")
-        }
-        n_items = int(out.get("n-samples", {}).get(cfg["task"], {}).get("effective", 0))
         rep = pruner.sparsity(model) if pruner is not None else None
-        result.tasks[name] = TaskResult(
-            name, metrics, n_items, time.perf_counter() - t0, rep, batch_size=max(lm.batch_sizes_used, default=None)
-        )
+        seconds = time.perf_counter() - t0
+        # a built-in task reports under its recipe name; an lm-eval group under each of its tasks too
+        names = {configs[name]["task"]: name} if builtin else {key: key for key in out["results"]}
+        for key, shown in names.items():
+            metrics = {
+                k.split(",")[0]: float(v)
+                for k, v in out["results"][key].items()
+                if "," in k and not k.split(",")[0].endswith("_stderr") and isinstance(v, int | float)
+            }
+            if not metrics:  # a group without an aggregate of its own
+                continue
+            n_items = int(out.get("n-samples", {}).get(key, {}).get("effective", 0))
+            batch = max(lm.batch_sizes_used, default=None)
+            result.tasks[shown] = TaskResult(shown, metrics, n_items, seconds, rep, batch_size=batch)
+            if not builtin:
+                result.higher_is_better[shown] = dict(out.get("higher_is_better", {}).get(key, {}))
         if rep is not None:
             overall = rep if overall is None or not rep.dynamic else overall.merge(rep)
     result.sparsity = overall
@@ -254,16 +273,22 @@ def _quiet():
 
 
 def recovery(
-    compressed: dict[str, dict[str, float]], dense: dict[str, dict[str, float]]
+    compressed: dict[str, dict[str, float]],
+    dense: dict[str, dict[str, float]],
+    higher_is_better: dict[str, dict[str, bool]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Compressed / dense per metric; for lower-is-better metrics dense / compressed, so that
-    1.0 means "as good as dense" for every metric."""
+    1.0 means "as good as dense" for every metric. ``higher_is_better``: lm-eval's word on its own
+    tasks' metrics (the built-in metrics' direction is known)."""
     out: dict[str, dict[str, float]] = {}
     for task, metrics in compressed.items():
         for metric, value in metrics.items():
             base = dense.get(task, {}).get(metric)
             if base is None or value == 0 or base == 0:
                 continue
-            ratio = value / base if task_registry.HIGHER_IS_BETTER.get(metric, True) else base / value
+            higher = (higher_is_better or {}).get(task, {}).get(metric)
+            if higher is None:
+                higher = task_registry.HIGHER_IS_BETTER.get(metric, True)
+            ratio = value / base if higher else base / value
             out.setdefault(task, {})[metric] = ratio
     return out

@@ -105,8 +105,16 @@ class PluginSection(_Section):
 class EvaluationSection(_Section):
     tasks: list[str] = Field(
         default_factory=lambda: list(tasks.names()),
-        description="Tasks to run, in order; see compresskit.tasks.",
-        json_schema_extra={"items": {"enum": list(tasks.names())}},
+        description="Tasks to run, in order: the built-in offline ones (perplexity, piqa, next_sentence) or any "
+        "lm-eval task or group name (its data must be available offline unless model.allow_download is set).",
+    )
+    num_fewshot: int | dict[str, int] = Field(
+        0,
+        description="Few-shot examples for the lm-eval tasks: one number for all, or {task: n}; the built-in "
+        "tasks are zero-shot.",
+    )
+    task_paths: list[str] = Field(
+        default_factory=list, description="Folders of lm-eval task YAML files (lm-eval's include_path)."
     )
     limit: int | None = Field(None, ge=1, description="Items per zero-shot task (None: all); a fixed prefix.")
     perplexity_docs: int | None = Field(None, ge=1, description="Held-out articles for perplexity (None: all).")
@@ -124,15 +132,25 @@ class EvaluationSection(_Section):
 
     @field_validator("tasks")
     @classmethod
-    def _known_tasks(cls, names: list[str]) -> list[str]:
+    def _named_tasks(cls, names: list[str]) -> list[str]:
+        # built-in names here; lm-eval's are resolved by tasks.check_lm_eval_tasks before the model loads
         if not names:
-            raise ValueError(f"name at least one task; allowed: {', '.join(tasks.names())}")
-        for name in names:
-            if name not in tasks.REGISTRY:
-                raise ValueError(did_you_mean(name, tasks.names(), what="task"))
+            raise ValueError(f"name at least one task: built in {', '.join(tasks.names())}, or lm-eval tasks")
         if len(set(names)) != len(names):
             raise ValueError(f"a task is listed twice: {names}")
         return names
+
+    @model_validator(mode="after")
+    def _fewshot_for_listed_lm_eval_tasks(self) -> EvaluationSection:
+        counts = self.num_fewshot if isinstance(self.num_fewshot, dict) else {"": self.num_fewshot}
+        for name, n in counts.items():
+            if n < 0:
+                raise ValueError(f"num_fewshot{'.' + name if name else ''} must be >= 0, got {n}")
+            if name and name not in self.tasks:
+                raise ValueError(f"num_fewshot names {name!r}, which is not in tasks {self.tasks}")
+            if name and tasks.builtin(name) and n:
+                raise ValueError(f"num_fewshot.{name}: the built-in task {name!r} is zero-shot")
+        return self
 
 
 class OutputSection(_Section):

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from compresskit.comparison import Group, group_runs
 from compresskit.progress import Progress, Task
-from compresskit.tasks import table_columns
+from compresskit.tasks import result_columns, table_columns
 
 NOT_MEASURED = "not measured"
 
@@ -32,7 +32,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows = []
     dense = (results.get("dense") or {}).get("metrics", {})
     rec = results.get("recovery") or {}
-    for title, task, metric, fmt in table_columns():
+    for title, task, metric, fmt in table_columns() + result_columns(results["metrics"]):
         value = results["metrics"].get(task, {}).get(metric)
         if value is None:
             continue
@@ -158,7 +158,10 @@ def _with_spread(value: Any, spread: Any, fmt: str) -> str:
 def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row a run; a row that averages seeds shows ``mean ± standard deviation``."""
     header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
-    header += [c[0] for c in table_columns()] + ["zero-shot avg", "recovery (zero-shot)", "seeds"]
+    columns = table_columns()  # the built-in tasks', then any lm-eval task's some run reported
+    for r in runs:
+        columns += [c for c in result_columns(r["metrics"]) if c not in columns]
+    header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "seeds"]
     rows = []
     for r in runs:
         sp = r["sparsity"] or {}
@@ -169,7 +172,7 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
             f"{r['model']['params_after'] / 1e6:.1f}M",
         ]
         spread = r.get("spread") or {}
-        for _, task, metric, fmt in table_columns():
+        for _, task, metric, fmt in columns:
             row.append(_with_spread(r["metrics"].get(task, {}).get(metric), spread.get(task, {}).get(metric), fmt))
         zs = r.get("zero_shot_average")
         dz = (r.get("dense") or {}).get("zero_shot_average")

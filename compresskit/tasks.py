@@ -13,17 +13,25 @@ held-out text, so that evaluation needs no network:
   deterministically from the held-out articles (one distractor from later in the same article,
   two from other held-out articles); acc and acc_norm.
 
-A new task is one :class:`TaskSpec` added to :data:`REGISTRY`.
+A new task is one :class:`TaskSpec` added to :data:`REGISTRY`. Any other name in
+``evaluation.tasks`` is an lm-eval task or group, resolved by lm-eval's task manager (its own
+index and the YAML files in ``evaluation.task_paths``); its data must be available offline
+(``check_lm_eval_tasks``, before any model is loaded) unless ``model.allow_download`` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
+import os
 import random
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
@@ -279,3 +287,133 @@ def table_columns() -> list[tuple[str, str, str, str]]:
 
 def zero_shot_tasks() -> tuple[str, ...]:
     return tuple(n for n, t in REGISTRY.items() if t.zero_shot)
+
+
+# ---------------------------------------------------------------------------------------------
+# lm-eval's own tasks, by name
+
+
+def builtin(name: str) -> bool:
+    """Whether ``name`` is one of compresskit's offline tasks (which take precedence over an lm-eval
+    task of the same name)."""
+    return name in REGISTRY
+
+
+def lm_eval_names(section: EvaluationSection) -> list[str]:
+    """The recipe's tasks that lm-eval resolves (task or group names)."""
+    return [name for name in section.tasks if not builtin(name)]
+
+
+@contextlib.contextmanager
+def hub_offline(offline: bool = True):
+    """No dataset download while lm-eval builds its tasks: the Hugging Face hub client and
+    ``datasets`` read only their local caches (``HF_HOME``), and a dataset not there fails at once
+    instead of waiting on the network. ``offline=False`` (``model.allow_download``) changes nothing."""
+    if not offline:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"))
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved[:2]
+        if saved[2] is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved[2]
+
+
+def lm_eval_manager(section: EvaluationSection, names: list[str] | None = None):
+    """lm-eval's ``TaskManager`` over ``evaluation.task_paths`` (folders of task YAML files), and over
+    lm-eval's own task index only where some of ``names`` are not found in those folders (indexing
+    lm-eval's ~15k task files takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(Path(p).expanduser()) for p in section.task_paths] or None
+    names = lm_eval_names(section) if names is None else names
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if all(n in local.all_tasks for n in names):
+            return local
+    return TaskManager(include_path=paths)
+
+
+def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = False) -> None:
+    """Before any model is loaded: every task that is not built in is an lm-eval task or group whose
+    data loads here (offline unless ``allow_download``), and ``task_paths`` are folders. One
+    :class:`RecipeError` naming the field and the task otherwise."""
+    names = lm_eval_names(section)
+    for path in section.task_paths:
+        if not Path(path).expanduser().is_dir():
+            raise RecipeError(f"evaluation.task_paths: {path!r} is not a folder (of lm-eval task YAML files)")
+    if not names:
+        return
+    with _quiet_lm_eval():
+        manager = lm_eval_manager(section, names)
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, [*REGISTRY, *known], n=3, cutoff=0.6)
+            hint = f" Did you mean: {', '.join(close)}?" if close else ""
+            raise RecipeError(
+                f"evaluation.tasks: unknown task {name!r}.{hint} Built in: {', '.join(REGISTRY)}; "
+                f"or one of lm-eval's {len(known):,} tasks and groups (lm-eval ls tasks), or a task YAML in "
+                "evaluation.task_paths"
+            )
+    with hub_offline(not allow_download), _quiet_lm_eval():
+        for name in names:
+            try:
+                manager.load([name])
+            except Exception as exc:  # lm-eval and datasets raise many kinds here
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                how = (
+                    "download failed"
+                    if allow_download
+                    else "not available offline (download it once into the datasets cache, HF_HOME, or set "
+                    "model.allow_download: true)"
+                )
+                raise RecipeError(f"evaluation.tasks: {name!r} cannot load its data: {how}: {first}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_lm_eval():
+    import logging
+
+    names = ("lm_eval", "lm-eval", "datasets")
+    saved = {n: logging.getLogger(n).level for n in names}
+    try:
+        for n in names:
+            logging.getLogger(n).setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for n, level in saved.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def fewshot(section: EvaluationSection, name: str) -> int:
+    """Few-shot examples for task ``name`` (0 for the built-in tasks, which are zero-shot)."""
+    if builtin(name):
+        return 0
+    n = section.num_fewshot
+    return n.get(name, 0) if isinstance(n, dict) else n
+
+
+def result_columns(metrics: dict[str, dict[str, float]]) -> list[tuple[str, str, str, str]]:
+    """Table columns for tasks outside the registry (lm-eval's), from the metrics a run reported:
+    acc and acc_norm first where present, then the other metrics by name."""
+    cols = []
+    for task, values in metrics.items():
+        if builtin(task):
+            continue
+        order = [m for m in ("acc", "acc_norm") if m in values] + sorted(
+            m for m in values if m not in ("acc", "acc_norm")
+        )
+        cols += [(f"{task} {m}", task, m, "{:.4f}") for m in order]
+    return cols
