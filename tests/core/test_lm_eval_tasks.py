@@ -110,3 +110,17 @@ def test_a_task_whose_data_is_not_here_fails_before_the_model_loads(capsys, tmp_
         assert code == 2 and len(lines) == 1, err
         assert lines[0].startswith("error: evaluation.tasks: 'arc_easy' cannot load its data: not available offline")
     assert loads == [] and not Path(recipe["output"]["dir"]).exists()
+
+
+def test_eval_command_takes_lm_eval_tasks_and_their_folder(capsys, tiny_model_dir, tmp_path):
+    folder = task_folder(tmp_path)
+    out = tmp_path / "out"
+    argv = ["eval", str(tiny_model_dir), "--tasks", "tiny_choice", "--task-path", str(folder), "--num-fewshot", "1"]
+    code = main(
+        [*argv, "--limit", "3", "--batch-size", "4", "--dtype", "float32", "--device", "cpu", "--output", str(out)]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    results = json.loads((out / "results.json").read_text())
+    assert results["metrics"]["tiny_choice"]["acc"] >= 0 and results["evaluation"]["num_fewshot"] == 1
+    assert "tiny_choice acc" in (out / "results.md").read_text()
