@@ -8,6 +8,7 @@ interrupted run resumes) and moved into ``output.dir`` only when everything succ
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 import hashlib
@@ -19,6 +20,7 @@ from typing import Any
 
 from compresskit import artifacts
 from compresskit.data import DataModule, check_source, load_documents
+from compresskit.distill import needs_copy
 from compresskit.errors import CompressKitError, OutputExistsError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
@@ -197,6 +199,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     train_summaries: list[TrainSummary] = []
     if resolved.pruner is not None:
         pruner = resolved.pruner.cls(resolved.pruner.config)
+        if any(getattr(s.config, "distill", None) is not None for s in resolved.training) and needs_copy(pruner):
+            # the pruner changes weights and cannot show the dense model: distill from a copy
+            ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         seed_everything(ctx.seed)
         targeted = pruner.prepare(model, ctx)
         progress.log(f"{resolved.pruner.name}: attached to {len(targeted)} modules")
@@ -225,6 +230,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         summary.stage = stage.name
         train_summaries.append(summary)
         stages.append((stage.name, trainer))
+    ctx.teacher = stage_ctx = None  # a dense copy kept for distillation is not needed past training
     if pruner is not None:
         model = pruner.finalize(model)
         prune_summary = pruner.summary(model)

@@ -14,6 +14,7 @@ The core never imports a plugin by name; it looks the name up through the entry 
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,6 +54,7 @@ class RunContext:
     seed: int = 0  # this phase's seed, derived from the recipe's (compresskit.seeding.phase_seed)
     progress: Progress | None = None
     work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
+    teacher: Any = None  # the dense model kept for distillation where the pruner cannot show it (or None)
 
 
 @dataclass
@@ -178,6 +180,14 @@ class Pruner(abc.ABC):
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """Parameters a training stage should optimise. Default: none."""
         return []
+
+    can_view_dense: bool = False  # dense_view is implemented (distillation needs no copy of the model)
+
+    def dense_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which ``model`` computes what the unpruned model does (the distillation
+        teacher, with no second copy in memory). Pruners that remove weights cannot: they leave
+        ``can_view_dense`` False and the run keeps a copy instead."""
+        raise NotImplementedError(f"{type(self).__name__} cannot show the dense model; keep a copy")
 
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
         """A loss term added to the LM loss during training (e.g. a sparsity budget). Default: none."""

@@ -16,7 +16,9 @@ The transformers layer code is left alone: in a Llama-style decoder layer the in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal
 
 import torch
@@ -207,6 +209,8 @@ class RoutedProjection(nn.Module):
             self._count(execute, valid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _DENSE.get():  # the dense model (dense_view): no decision was made, none is read
+            return self.base_layer(x)
         zeroed = self._input_zeroed  # (read before a follower takes its decision)
         _plain_set(self, "_input_zeroed", False)
         if self.leader is not None:
@@ -238,8 +242,23 @@ class RouterTap(nn.Module):
         self.__dict__["target"] = target  # a reference, not a submodule (it lives in the attention/MLP)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        self.target.route(x)
+        if not _DENSE.get():
+            self.target.route(x)
         return self.base_layer(x, *args, **kwargs)
+
+
+_DENSE: contextvars.ContextVar[bool] = contextvars.ContextVar("compresskit_dense_view", default=False)
+
+
+@contextlib.contextmanager
+def dense_view() -> Iterator[None]:
+    """Every routed sublayer runs whole inside this context (no router runs, nothing is counted):
+    the model computes what the model before routing did, e.g. as a distillation teacher."""
+    token = _DENSE.set(True)
+    try:
+        yield
+    finally:
+        _DENSE.reset(token)
 
 
 # kind -> (sublayer, projection whose input is grouped, norm whose input the router reads)
@@ -430,6 +449,11 @@ class RoutedPruner(Pruner):
     def unwrap(self, model: nn.Module) -> nn.Module:
         """Remove every router and wrapper: the dense model, exactly."""
         return unwrap(model)
+
+    can_view_dense = True
+
+    def dense_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return dense_view()
 
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return routers(model)

@@ -7,7 +7,8 @@
   the pruner's parameters (a recovery stage). ``merge: true`` folds them into the weights at the
   end of the stage.
 
-Both run on CPU or GPU (bf16 autocast on GPU), report progress (loss, realised sparsity,
+Either may also distill the dense model (``distill:``, :mod:`compresskit.distill`). Both run on
+CPU or GPU (bf16 autocast on GPU), report progress (loss, realised sparsity,
 tokens/s), checkpoint every ``checkpoint_every`` steps into the run's staging directory and
 resume from there after an interruption, seeing the same data and random numbers as an
 uninterrupted run.
@@ -33,6 +34,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compresskit.data import DataModule
+from compresskit.distill import DistillConfig, kl_loss, teacher_logits
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
@@ -59,6 +61,9 @@ class TrainStageConfig(PluginConfig):
         None,
         description="Seed of this stage's initialisation, data order and noise (None: derived from the recipe's "
         "seed and the stage's place and name).",
+    )
+    distill: DistillConfig | None = Field(
+        None, description="Also learn the dense model's next-token distributions (KL; see compresskit.distill)."
     )
 
     @model_validator(mode="after")
@@ -156,6 +161,14 @@ class RouterTrainer(Trainer):
                             out = model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False)
                             loss = out.loss
                             reg = pruner.regularization(model) if pruner is not None else None
+                            if c.distill is not None:  # after reg: the teacher's pass changes no routing state
+                                d = c.distill
+                                target = teacher_logits(model, pruner, ctx.teacher, batch.input_ids)
+                                kl = kl_loss(
+                                    out.logits, target, batch.attention_mask, temperature=d.temperature, top_k=d.top_k
+                                )
+                                loss = (1.0 - d.weight) * loss + d.weight * kl
+                                logs["kl"] = float(kl.detach())
                             if reg is not None:
                                 loss = loss + reg
                         (loss / c.grad_accum).backward()
@@ -181,7 +194,7 @@ class RouterTrainer(Trainer):
                             saved = completed
                     if task is not None:
                         task.advance(1)
-                        shown = {k: logs[k] for k in ("loss", "lm_loss") if k in logs}
+                        shown = {k: logs[k] for k in ("loss", "lm_loss", "kl") if k in logs}
                         shown.update({k: v for k, v in logs.items() if k.startswith("sparsity")})
                         shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
                         task.update(**shown)

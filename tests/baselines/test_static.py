@@ -199,3 +199,31 @@ def test_static_width_with_lora_recovery_saves_a_stock_model(tmp_path, tiny_mode
     assert any(k.endswith("down_proj.weight") for k in changed)  # the adapters were folded in
     with torch.no_grad():
         assert torch.isfinite(recovered(ids()).logits).all()
+
+
+def test_static_width_distills_from_a_kept_copy(tmp_path, tiny_model_dir, monkeypatch):
+    """A static pruner removes weights, so it cannot show the dense model: ``apply`` keeps a copy of
+    the model from before the pruner for a distilling stage, and the stage reports its KL."""
+    import copy as copy_module
+
+    from compresskit import distill
+    from compresskit.api import apply
+
+    assert distill.needs_copy(StaticWidthPruner(StaticWidthConfig(target_sparsity=0.4)))
+    copies = []
+    real = copy_module.deepcopy
+    monkeypatch.setattr(copy_module, "deepcopy", lambda m, *a: copies.append(type(m).__name__) or real(m, *a))
+    lora = {"steps": 4, "batch_size": 2, "seq_len": 32, "lr": 1e-2, "r": 4, "distill": {"weight": 0.5, "top_k": 20}}
+    recipe = {
+        "name": "distilled",
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"calibration": {"n_samples": 4, "seq_len": 32, "batch_size": 2}},
+        "pruner": {"name": "static-width", "config": {"target_sparsity": 0.4, "ffn_group_size": 16}},
+        "training": [{"name": "lora", "config": lora}],
+        "evaluation": {"tasks": ["piqa"], "limit": 4, "batch_size": 4, "max_length": 512, "compare_dense": False},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    res = apply(recipe).results
+    assert "LlamaForCausalLM" in copies  # the teacher, taken before the pruner
+    history = res["training"][0]["history"]
+    assert len(history) == 4 and all(h["kl"] >= 0 for h in history) and history[-1]["kl"] > 0, history

@@ -311,3 +311,52 @@ def test_a_signal_checkpoints_the_last_finished_step_and_the_rerun_resumes(
     _assert_same_tensors(
         _saved_tensors(tmp_path / "a" / "run" / "model"), _saved_tensors(tmp_path / "b" / "run" / "model")
     )
+
+
+def test_distillation_from_the_dense_view_reduces_the_kl(tiny_model_dir):
+    """WIDE shows the dense model without a copy (``dense_view``: every group runs, nothing is
+    counted); a LoRA stage distills from it, and steps on the KL bring it down."""
+    from compresskit.routing import routed_projections
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    ids = torch.randint(2, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = model(ids).logits
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    ctx = RunContext(model_config=model.config, tokenizer=tok, seed=0)
+    pruner.prepare(model, ctx)
+    model.eval()
+    with torch.no_grad():
+        routed = model(ids).logits
+        pruner.reset_sparsity(model)
+        with pruner.dense_view(model):
+            viewed = model(ids).logits
+    assert pruner.can_view_dense and not torch.allclose(routed, dense)
+    assert torch.equal(viewed, dense)
+    assert all(p.stat_tokens.item() == 0 for _, p in routed_projections(model) if p.router is not None)
+    # a stage that distills logs its KL
+    config = {"steps": 4, "batch_size": 2, "seq_len": 32, "r": 4, "alpha": 8, "lr": 1e-2}
+    summary = LoraTrainer(LoraStageConfig(**config, distill={"weight": 0.5})).fit(model, pruner, DataModule(tok), ctx)
+    assert len(summary.history) == 4 and all(h["kl"] > 0 for h in summary.history)
+    # the machinery on one batch: the teacher is the dense model (pruner and LoRA off), the KL's
+    # gradient reaches the student, and steps on it bring it down
+    from compresskit.distill import kl_loss, teacher_logits
+    from compresskit.trainers import lora_parameters
+
+    pruner.finalize(model)
+    model.eval()
+    target = teacher_logits(model, pruner, None, ids)
+    assert torch.equal(target, dense)
+    params = lora_parameters(model)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    kls = []
+    for _ in range(10):
+        loss = kl_loss(model(ids).logits, target)
+        kls.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert kls[-1] < 0.5 * kls[0], kls
