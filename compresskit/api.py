@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from compresskit import artifacts
-from compresskit.data import DataModule, check_source, load_documents
+from compresskit.data import DataModule, check_source, load_documents, write_generated
 from compresskit.distill import needs_copy
 from compresskit.errors import CompressKitError, OutputExistsError
 from compresskit.evaluate import EvalResult, evaluate, recovery
@@ -87,6 +87,7 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
         "data": rec.data.model_dump(mode="json"),
         "evaluation": rec.evaluation.model_dump(mode="json"),
         "data_files": data.files,  # the files' contents (sha256), not only their names
+        "data_fingerprint": data.fingerprint(),  # every source's contents (a dataset's fingerprint too)
         "device": str(next(model.parameters()).device),
         "dtype": str(next(model.parameters()).dtype),
     }
@@ -165,7 +166,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     rec = resolved.recipe
     recipe_hash = resolved.hash()
     marker = staging / "recipe.json"
-    documents = load_documents(rec.data)  # a bad file is found before the model is loaded
+    # a bad file, or a dataset that is not here, is found before the model is loaded
+    documents = load_documents(rec.data, allow_download=rec.model.allow_download)
     model, tokenizer = load_model(
         rec.model.name_or_path,
         dtype=rec.model.dtype,
@@ -175,6 +177,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     )
     param = next(model.parameters())
     params_before = count_parameters(model)
+    write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)  # dense model
     with progress.task("preparing the text"):
         data = DataModule.from_section(tokenizer, rec.data, documents)
         split = data.split_info()
@@ -387,9 +390,11 @@ def eval_model(
         resolve_model_source(model_ref, field=field)
         model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
         pruner, pruner_name, base = None, None, model_ref
+    documents = load_documents(data_section)
+    write_generated(documents, model, tokenizer, model_id=model_ref, progress=progress)
     seed_everything(evaluation.seed)
     with progress.task("preparing the text"):
-        dm = DataModule.from_section(tokenizer, data_section)
+        dm = DataModule.from_section(tokenizer, data_section, documents)
         split = dm.split_info()
     ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, progress=progress)
     param = next(model.parameters())

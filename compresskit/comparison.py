@@ -23,11 +23,18 @@ def eval_settings(run: dict[str, Any]) -> dict[str, Any]:
     evaluation = {k: v for k, v in (recipe.get("evaluation") or {}).items() if k not in _NOT_SETTINGS}
     data = recipe.get("data") or {}
     model = run.get("model") or {}
-    files = (run.get("data") or {}).get("files")  # a files source: the held-out text is the files' contents
+    split = run.get("data") or {}
+    files = split.get("files")  # a files source: the held-out text is the files' contents
+    if split.get("source") in ("hf", "mixture"):  # every source's kind, weight and contents
+        source = f"{split['source']} {split['fingerprint']}"
+    elif files is not None:
+        source = "files " + ",".join(f["sha256"][:12] for f in files)
+    else:
+        source = data.get("source", "wiki")
     return {
         "model": model.get("base_model") or model.get("name_or_path"),
         **evaluation,
-        "source": data.get("source", "wiki") if files is None else "files " + ",".join(f["sha256"][:12] for f in files),
+        "source": source,
         "test_fraction": data.get("test_fraction"),
         "split_seed": data.get("split_seed"),
     }

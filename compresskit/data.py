@@ -1,4 +1,4 @@
-"""Calibration/training text and held-out text for one run, from one of two sources:
+"""Calibration/training text and held-out text for one run, from one source or a weighted list of them:
 
 * ``wiki`` (the default): an English Wikipedia excerpt shipped inside the ``gensim`` wheel. The
   articles are extracted once (markup removed with gensim's own wiki filter, redirects and stubs
@@ -6,11 +6,17 @@
 * local files (``data.source: {files: [corpus/*.txt, more.jsonl]}``): ``.txt`` files (one document
   each), ``.jsonl`` (one document a line), ``.json`` (an array of documents) and ``.parquet`` (one
   document a row), the text in ``text_field`` (default ``text``); paths and globs are relative to
-  the working directory.
+  the working directory;
+* a Hugging Face dataset (``data.source: {hf: NAME, config: ..., split: train}``, read from the
+  local ``datasets`` cache unless ``model.allow_download``; or a folder written by
+  ``Dataset.save_to_disk``);
+* a list ``[{source: ..., weight: w}, ...]``: each source is split on its own, its training documents
+  enter the training text ``w`` times (a seeded share of them for the fraction), its held-out ones once.
 
-Documents are split *by document*, deterministically from ``data.split_seed``, into a
-calibration/training part and a held-out part that calibration never sees; the held-out part
-feeds perplexity and the next-sentence task.
+A document given as a list of chat messages (``[{role, content}, ...]`` in the text field) is
+formatted with the tokenizer's chat template. Documents are split *by document*, deterministically
+from ``data.split_seed``, into a calibration/training part and a held-out part that calibration
+never sees; the held-out part feeds perplexity and the next-sentence task.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from compresskit.errors import CompressKitError, RecipeError
 from compresskit.interfaces import Batch
 
 if TYPE_CHECKING:
-    from compresskit.recipe import DataSection, FilesSource
+    from compresskit.recipe import DataSection, FilesSource, HubSource
 
 WIKI_GLOB = "test/test_data/enwiki-latest-pages-articles1*.bz2"
 MIN_ARTICLE_CHARS = 2000
@@ -45,6 +51,18 @@ class Article:
     title: str
     pageid: int
     text: str
+    chat: bool = False  # text holds JSON chat messages, formatted with the tokenizer's chat template
+
+
+@dataclass
+class SourceDocuments:
+    """What one source gave: its documents, its weight in the training text and what identifies it."""
+
+    kind: str  # "wiki", "files", "hf" or "generated"
+    articles: list[Article]
+    weight: float = 1.0
+    info: dict[str, Any] | None = None  # files: [{path, sha256, documents}]; hf: name, split, fingerprint
+    pending: Any = None  # a generated source's Generation until write_generated has run
 
 
 def wiki_dump_path() -> Path:
@@ -133,29 +151,68 @@ def resolve_files(source: FilesSource) -> list[Path]:
     return found
 
 
+def sources(section: DataSection) -> list[tuple[Any, float]]:
+    """``(source, weight)`` of every source of a ``data`` section (one, of weight 1, unless it lists several)."""
+    if isinstance(section.source, list):
+        return [(m.source, m.weight) for m in section.source]
+    return [(section.source, 1.0)]
+
+
 def check_source(section: DataSection) -> None:
-    """What can be checked of a ``data`` section without reading the text: the files exist."""
-    if section.source != "wiki":
-        resolve_files(section.source)
+    """What can be checked of a ``data`` section without reading the text: the files and the
+    dataset folders exist."""
+    for source, _ in sources(section):
+        if getattr(source, "files", None) is not None:
+            resolve_files(source)
+        elif getattr(source, "hf", None) is not None and _looks_like_path(source.hf):
+            if not Path(source.hf).expanduser().is_dir():
+                raise RecipeError(f"data.source.hf: {source.hf!r} is not a folder (a Dataset.save_to_disk output)")
 
 
-def _text_of(record: Any, field: str, where: str) -> str:
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.sep in name and Path(name).expanduser().exists()
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def _text_of(record: Any, field: str, where: str, source_field: str = _FIELD) -> str | list:
+    """The text of one record, or its chat messages (a list of ``{role, content}``)."""
     if isinstance(record, str):
         return record
     if not isinstance(record, dict):
-        raise RecipeError(f"{_FIELD}: {where}: expected an object with a {field!r} field, got {type(record).__name__}")
+        raise RecipeError(
+            f"{source_field}: {where}: expected an object with a {field!r} field, got {type(record).__name__}"
+        )
     if field not in record:
         raise RecipeError(
-            f"{_FIELD}: {where}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'}); "
+            f"{source_field}: {where}: no field {field!r} (fields: {', '.join(map(str, record)) or 'none'}); "
             "set data.source.text_field"
         )
     value = record[field]
-    if not isinstance(value, str):
-        raise RecipeError(f"{_FIELD}: {where}: field {field!r} holds a {type(value).__name__}, not text")
+    if not isinstance(value, str) and not _is_chat(value):
+        raise RecipeError(
+            f"{source_field}: {where}: field {field!r} holds a {type(value).__name__}, not text or chat messages"
+        )
     return value
 
 
-def read_documents(path: Path, text_field: str) -> list[str]:
+def _article(title: str, pageid: int, doc: str | list) -> Article:
+    if isinstance(doc, list):
+        return Article(title=title, pageid=pageid, text=json.dumps(doc, ensure_ascii=False), chat=True)
+    return Article(title=title, pageid=pageid, text=doc.strip())
+
+
+def _non_empty(doc: str | list) -> bool:
+    return bool(doc) if isinstance(doc, list) else bool(doc.strip())
+
+
+def read_documents(path: Path, text_field: str) -> list[str | list]:
     """The documents of one file (see the module docstring for the formats)."""
     suffix = path.suffix.lower()
     try:
@@ -210,25 +267,205 @@ def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[s
     articles: list[Article] = []
     files = []
     for path in resolve_files(source):
-        docs = [d for d in read_documents(path, source.text_field) if d.strip()]
+        docs = [d for d in read_documents(path, source.text_field) if _non_empty(d)]
         files.append(
             {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "documents": len(docs)}
         )
-        articles += [Article(title=f"{path}#{i}", pageid=len(articles) + i, text=d.strip()) for i, d in enumerate(docs)]
-    if len(articles) < 2:
-        raise RecipeError(
-            f"{_FIELD}: {len(articles)} non-empty documents in {', '.join(source.files)}; "
-            "a run needs at least 2 (one to train on, one held out): split the text into several .txt files, "
-            "or write it as .jsonl, a document a line"
-        )
+        articles += [_article(f"{path}#{i}", len(articles) + i, d) for i, d in enumerate(docs)]
+    _at_least_two(articles, _FIELD, ", ".join(source.files))
     return articles, files
 
 
-def load_documents(section: DataSection) -> tuple[list[Article], list[dict[str, Any]] | None]:
-    """(documents, the files they came from or None for the embedded wiki text) of a ``data`` section."""
-    if section.source == "wiki":
-        return load_wiki_articles(), None
-    return load_file_documents(section.source)
+def _at_least_two(articles: list[Article], field: str, what: str) -> None:
+    if len(articles) < 2:
+        raise RecipeError(
+            f"{field}: {len(articles)} non-empty documents in {what}; "
+            "a run needs at least 2 (one to train on, one held out): split the text into several .txt files, "
+            "or write it as .jsonl, a document a line"
+        )
+
+
+def load_hub_documents(source: HubSource, *, allow_download: bool = False) -> tuple[list[Article], dict[str, Any]]:
+    """(documents, ``{hf, config, split, fingerprint, documents}``) of a Hugging Face dataset: a
+    ``save_to_disk`` folder, or a dataset name read from the local cache (offline unless
+    ``allow_download``). A document's title is ``<name>:<split>#<row>``."""
+    import datasets
+
+    from compresskit.tasks import hub_offline
+
+    field = "data.source.hf"
+    folder = Path(source.hf).expanduser()
+    try:
+        with hub_offline(not allow_download):
+            if folder.is_dir():
+                ds = datasets.load_from_disk(str(folder))
+                if isinstance(ds, datasets.DatasetDict):
+                    if source.split not in ds:
+                        raise RecipeError(f"{field}: {source.hf}: no split {source.split!r} (splits: {', '.join(ds)})")
+                    ds = ds[source.split]
+            else:
+                ds = datasets.load_dataset(source.hf, source.config, split=source.split)
+    except RecipeError:
+        raise
+    except Exception as exc:  # datasets raises many kinds here
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        how = "" if allow_download else "not available offline (or set model.allow_download: true): "
+        raise RecipeError(f"{field}: {source.hf!r} cannot be read: {how}{first}") from None
+    if source.text_field not in ds.column_names:
+        raise RecipeError(
+            f"{field}: {source.hf}: no column {source.text_field!r} (columns: {', '.join(ds.column_names)}); "
+            "set data.source.text_field"
+        )
+    if source.max_documents is not None:
+        ds = ds.select(range(min(source.max_documents, len(ds))))
+    docs = [_text_of(r, source.text_field, f"row {i}", field) for i, r in enumerate(ds)]
+    articles = [_article(f"{source.hf}:{source.split}#{i}", i, d) for i, d in enumerate(docs) if _non_empty(d)]
+    _at_least_two(articles, field, source.hf)
+    info = {
+        "hf": source.hf,
+        "config": source.config,
+        "split": source.split,
+        "fingerprint": getattr(ds, "_fingerprint", None),
+        "documents": len(articles),
+    }
+    return articles, info
+
+
+def load_documents(section: DataSection, *, allow_download: bool = False) -> list[SourceDocuments]:
+    """Every source of a ``data`` section, read: what :class:`DataModule` splits and mixes."""
+    out = []
+    for source, weight in sources(section):
+        if source == "wiki":
+            out.append(SourceDocuments("wiki", load_wiki_articles(), weight, {"extract_version": EXTRACT_VERSION}))
+        elif getattr(source, "files", None) is not None:
+            articles, files = load_file_documents(source)
+            out.append(SourceDocuments("files", articles, weight, {"files": files}))
+        elif getattr(source, "generated", None) is not None:  # written by the model: write_generated
+            out.append(SourceDocuments("generated", [], weight, None, pending=source.generated))
+        else:
+            articles, info = load_hub_documents(source, allow_download=allow_download)
+            out.append(SourceDocuments("hf", articles, weight, info))
+    return out
+
+
+def weighted_documents(train: list[Article], weight: float, seed: int) -> list[Article]:
+    """A source's training documents ``weight`` times: whole copies, then for the fraction a seeded
+    share of them (ordered by sha256(seed:weight:title)), in document order."""
+    whole = int(weight)
+    ranked = sorted(train, key=lambda a: hashlib.sha256(f"{seed}:weight:{a.title}".encode()).hexdigest())
+    extra = sorted(ranked[: round((weight - whole) * len(train))], key=lambda a: a.pageid)
+    return train * whole + extra
+
+
+def _format_chat(article: Article, tokenizer) -> Article:
+    """A chat document as the text its tokenizer's chat template makes of it."""
+    if not article.chat:
+        return article
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise RecipeError(
+            f"data.source: {article.title} is a list of chat messages, and this model's tokenizer has no chat "
+            "template to format them; give the documents as plain text"
+        )
+    text = tokenizer.apply_chat_template(json.loads(article.text), tokenize=False)
+    return Article(title=article.title, pageid=article.pageid, text=text)
+
+
+# ---------------------------------------------------------------------------------------------
+# text the dense model writes
+
+
+def shipped_prompts() -> list[str]:
+    """The varied openings shipped in ``compresskit/resources/prompts`` (``\\n``: a line break)."""
+    from importlib import resources
+
+    text = (resources.files("compresskit") / "resources" / "prompts" / "prompts.txt").read_text()
+    return [ln.replace("\\n", "\n") for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model_id: str, progress=None) -> None:
+    """Fill in every ``generated`` source of ``documents``: the dense ``model`` continues the openings
+    into documents, once; they are cached (``<cache>/generated/<key>.json``) by everything that
+    decides them: the model, its dtype and device type, the settings and openings, the transformers
+    version."""
+    import transformers
+
+    from compresskit import artifacts
+    from compresskit.modeling import cache_dir
+
+    for src in documents:
+        if src.pending is None:
+            continue
+        spec = src.pending
+        prompts = spec.prompts or shipped_prompts()
+        param = next(model.parameters())
+        key_src = {
+            "model": model_id,
+            "dtype": str(param.dtype),
+            "device": param.device.type,
+            "settings": spec.model_dump(mode="json", exclude={"prompts"}),
+            "prompts": hashlib.sha256("\n\n".join(prompts).encode()).hexdigest(),
+            "transformers": transformers.__version__,
+        }
+        key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
+        path = cache_dir() / "generated" / f"{key}.json"
+        if path.is_file():
+            texts = json.loads(path.read_text())["documents"]
+        else:
+            texts = _generate(model, tokenizer, spec, prompts, progress)
+            artifacts.write_json(path, {"key": key_src, "documents": texts})
+        src.articles = [Article(f"generated:{key}#{i}", i, t.strip()) for i, t in enumerate(texts) if t.strip()]
+        _at_least_two(src.articles, "data.source.generated", f"{len(texts)} written documents")
+        src.info = {"generated": key, "documents": len(src.articles), "model": model_id}
+        src.pending = None
+
+
+def _generate(model, tokenizer, spec, prompts: list[str], progress) -> list[str]:
+    """``spec.documents`` continuations of the openings, in turn, sampled in seeded batches."""
+    import contextlib
+
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    side, pad = tokenizer.padding_side, tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+    pad_id = pad if pad is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts: list[str] = []
+    task_cm = (
+        progress.task("writing the generated text", total=spec.documents) if progress else contextlib.nullcontext()
+    )
+    try:
+        with task_cm as task:
+            for start in range(0, spec.documents, spec.batch_size):
+                batch = [prompts[i % len(prompts)] for i in range(start, min(spec.documents, start + spec.batch_size))]
+                if chat:
+                    inputs = [
+                        tokenizer.apply_chat_template(
+                            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                        )
+                        for p in batch
+                    ]
+                else:
+                    inputs = batch
+                enc = tokenizer(inputs, return_tensors="pt", padding=True, add_special_tokens=not chat).to(device)
+                torch.manual_seed(spec.seed * 1_000_003 + start)  # each batch its own stream: reproducible
+                with torch.inference_mode():
+                    out = model.generate(
+                        **enc,
+                        do_sample=True,
+                        temperature=spec.temperature,
+                        top_p=spec.top_p,
+                        max_new_tokens=spec.max_new_tokens,
+                        pad_token_id=pad_id,
+                    )
+                written = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                texts += [f"{p}{w}" for p, w in zip(inputs if chat else batch, written, strict=True)]
+                if task is not None:
+                    task.advance(len(batch))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return texts
 
 
 def split_articles(articles: list[Article], test_fraction: float, seed: int) -> tuple[list[Article], list[Article]]:
@@ -245,8 +482,10 @@ class DataModule:
 
     Args:
         tokenizer: an HF tokenizer.
-        test_fraction, split_seed: the article split (see :func:`split_articles`).
-        articles: override the embedded articles (tests).
+        test_fraction, split_seed: the split of each source (see :func:`split_articles`).
+        articles: one source's documents instead of the embedded wiki text (tests); ``files``: where
+            they came from.
+        sources: what :func:`load_documents` read (several sources, weighted).
     """
 
     def __init__(
@@ -257,35 +496,62 @@ class DataModule:
         split_seed: int = 0,
         articles: list[Article] | None = None,
         files: list[dict[str, Any]] | None = None,
+        sources: list[SourceDocuments] | None = None,
     ):
         self.tokenizer = tokenizer
         self.test_fraction = test_fraction
         self.split_seed = split_seed
-        self.articles = articles if articles is not None else load_wiki_articles()
-        self.files = files  # the local files the documents came from (None: the embedded wiki text)
-        self.train, self.test = split_articles(self.articles, test_fraction, split_seed)
+        if sources is None:
+            if articles is None:
+                articles = load_wiki_articles()
+            kind, info = ("files", {"files": files}) if files is not None else ("wiki", {})
+            sources = [SourceDocuments(kind, articles, 1.0, info)]
+        self.sources = sources
+        self.articles, self.train, self.test, self._shares = [], [], [], []
+        for src in sources:
+            if src.pending is not None:
+                raise RuntimeError("a generated source is not written yet: call data.write_generated first")
+            arts = [_format_chat(a, tokenizer) for a in src.articles]
+            train, test = split_articles(arts, test_fraction, split_seed)
+            weighted = weighted_documents(train, src.weight, split_seed)
+            self.articles += arts
+            self.train += weighted
+            self.test += test
+            self._shares.append((len(arts), len(weighted), len(test)))
+        found = [f for src in sources for f in (src.info or {}).get("files", [])]
+        self.files = found or None  # the local files the documents came from (None: none)
         self._train_ids: torch.Tensor | None = None
 
     @classmethod
     def from_section(
-        cls, tokenizer, section: DataSection, documents: tuple[list[Article], list[dict[str, Any]] | None] | None = None
+        cls, tokenizer, section: DataSection, documents: list[SourceDocuments] | None = None
     ) -> DataModule:
         """The data a recipe's ``data`` section names; ``documents``: what :func:`load_documents`
         returned for it, when it was read already."""
-        articles, files = documents if documents is not None else load_documents(section)
         return cls(
             tokenizer,
             test_fraction=section.test_fraction,
             split_seed=section.split_seed,
-            articles=articles,
-            files=files,
+            sources=documents if documents is not None else load_documents(section),
         )
 
+    def fingerprint(self) -> str:
+        """What identifies the text of the run: each source's kind, weight and contents (file
+        hashes, a dataset's fingerprint, the wiki extract's version)."""
+        ids = [(s.kind, s.weight, s.info or {}) for s in self.sources]
+        return hashlib.sha256(json.dumps(ids, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def split_info(self) -> dict:
-        """What results record about the source and the split."""
+        """What results record about the sources and the split."""
+        kinds = {"wiki": "gensim enwiki excerpt", "files": "files", "hf": "hf", "generated": "generated"}
         return {
-            "source": "gensim enwiki excerpt" if self.files is None else "files",
+            "source": kinds[self.sources[0].kind] if len(self.sources) == 1 else "mixture",
             **({"files": self.files} if self.files is not None else {}),
+            "sources": [
+                {"kind": s.kind, "weight": s.weight, "documents": n, "train": tr, "test": te, **(s.info or {})}
+                for s, (n, tr, te) in zip(self.sources, self._shares, strict=True)
+            ],
+            "fingerprint": self.fingerprint(),
             "articles": len(self.articles),
             "train_articles": len(self.train),
             "test_articles": len(self.test),

@@ -65,36 +65,125 @@ class FilesSource(_Section):
         description="Paths or glob patterns (relative to the working directory) of .txt (a document each), .jsonl "
         "(a document a line), .json (an array of documents) or .parquet (a document a row) files.",
     )
-    text_field: str = Field("text", description="The field or column that holds the text (.jsonl, .json, .parquet).")
+    text_field: str = Field(
+        "text",
+        description="The field or column that holds the text (.jsonl, .json, .parquet); a list of chat messages "
+        "({role, content}) there is formatted with the tokenizer's chat template.",
+    )
+
+
+class HubSource(_Section):
+    """A Hugging Face dataset: ``data: {source: {hf: wikitext, config: wikitext-2-raw-v1, split: train}}``, or a
+    folder written by ``Dataset.save_to_disk``."""
+
+    hf: str = Field(
+        min_length=1,
+        description="A dataset name (read from the local datasets cache unless model.allow_download) or a folder "
+        "saved with Dataset.save_to_disk.",
+    )
+    config: str | None = Field(None, description="The dataset's configuration (load_dataset's second argument).")
+    split: str = Field("train", description="The split to read (a name, or a slice such as train[:2000]).")
+    text_field: str = Field("text", description="The column that holds the text (or a list of chat messages).")
+    max_documents: int | None = Field(None, ge=2, description="Read at most this many documents (None: all).")
+
+
+class Generation(_Section):
+    """How the dense model writes the ``generated`` source's documents."""
+
+    documents: int = Field(256, ge=2, description="How many documents to write.")
+    max_new_tokens: int = Field(256, ge=8, description="Tokens the model writes after each opening.")
+    temperature: float = Field(0.8, gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(0.95, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    batch_size: int = Field(16, ge=1, description="Documents written at once.")
+    prompts: list[str] | None = Field(
+        None,
+        description="Openings the model continues, in turn (None: the 59 varied ones shipped in "
+        "compresskit/resources/prompts).",
+    )
+    seed: int = Field(0, description="Seed of the sampling.")
+
+
+class GeneratedSource(_Section):
+    """Text the dense model writes itself: ``data: {source: {generated: {documents: 256}}}``. Written once,
+    then read from the cache (keyed by the model and everything above)."""
+
+    generated: Generation = Generation()
+
+
+SingleSource = Literal["wiki"] | FilesSource | HubSource | GeneratedSource
+
+
+class WeightedSource(_Section):
+    """One member of a list of sources: ``{source: wiki, weight: 1.0}``."""
+
+    source: SingleSource
+    weight: float = Field(
+        1.0,
+        gt=0.0,
+        description="How many times this source's training documents enter the training text (2: twice; 0.5: a "
+        "seeded half of them); the held-out documents are kept once whatever the weight.",
+    )
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _one_source(cls, value: Any) -> Any:
+        return _single_source(value)
+
+
+def _single_source(value: Any) -> Any:
+    """One message for the kind of source given, rather than one per member of the union."""
+    if isinstance(value, str):
+        if value != "wiki":
+            raise ValueError(
+                did_you_mean(value, ["wiki"], what="data source")
+                + "; or local files {files: [corpus/*.txt]}, or a Hugging Face dataset {hf: NAME}"
+            )
+        return value
+    if isinstance(value, dict):
+        kinds = {"files": FilesSource, "hf": HubSource, "generated": GeneratedSource}
+        kind = next((k for key, k in kinds.items() if key in value), None)
+        if kind is None:
+            key = str(next(iter(value), ""))
+            raise ValueError(f"{key}: " + did_you_mean(key, list(kinds), what="key") + " (or the source 'wiki')")
+        try:
+            return kind.model_validate(value)
+        except ValidationError as exc:
+            raise ValueError(format_validation_error(exc, kind)) from None
+    if isinstance(value, FilesSource | HubSource | GeneratedSource):
+        return value
+    raise ValueError("expected 'wiki', local files ({files: [corpus/*.txt]}) or a Hugging Face dataset ({hf: NAME})")
 
 
 class DataSection(_Section):
-    source: Literal["wiki"] | FilesSource = Field(
+    source: SingleSource | list[WeightedSource] = Field(
         "wiki",
-        description="wiki: the English Wikipedia excerpt shipped in gensim; or {files: [...]} for local files.",
+        description="wiki: the English Wikipedia excerpt shipped in gensim; {files: [...]}: local files; "
+        "{hf: NAME}: a Hugging Face dataset; {generated: {...}}: text the dense model writes; or a list of "
+        "{source: ..., weight: w} to mix several.",
     )
-    test_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="Share of articles held out for evaluation.")
+    test_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="Share of documents held out for evaluation.")
     split_seed: int = 0
     calibration: CalibrationSection = CalibrationSection()
 
     @field_validator("source", mode="before")
     @classmethod
     def _source_kind(cls, value: Any) -> Any:
-        """One message for the kind of source given, rather than one per member of the union."""
-        if isinstance(value, str):
-            if value != "wiki":
-                raise ValueError(
-                    did_you_mean(value, ["wiki"], what="data source") + "; or local files: {files: [corpus/*.txt]}"
-                )
-            return value
-        if isinstance(value, dict):
+        if not isinstance(value, list):
+            return _single_source(value)
+        if not value:
+            raise ValueError("a list of sources needs at least one {source: ..., weight: w}")
+        members = []
+        for i, item in enumerate(value):
+            if isinstance(item, WeightedSource):
+                members.append(item)
+                continue
+            if not isinstance(item, dict) or "source" not in item:
+                raise ValueError(f"item {i}: expected {{source: ..., weight: w}}, got {item!r}")
             try:
-                return FilesSource.model_validate(value)
+                members.append(WeightedSource.model_validate(item))
             except ValidationError as exc:
-                raise ValueError(format_validation_error(exc, FilesSource)) from None
-        if isinstance(value, FilesSource):
-            return value
-        raise ValueError("expected 'wiki' or local files ({files: [corpus/*.txt]})")
+                raise ValueError(f"item {i}: " + format_validation_error(exc, WeightedSource)) from None
+        return members
 
 
 class PluginSection(_Section):

@@ -126,3 +126,132 @@ def test_a_data_source_other_than_wiki_or_files_is_named():
         DataSection(source="wikii")
     with pytest.raises(ValidationError, match="file: unknown key 'file'. Did you mean: files?"):
         DataSection(source={"file": ["a.txt"]})
+
+
+# -- Hugging Face datasets, chat documents, weighted mixtures ------------------------------------
+
+
+def _saved_dataset(root, n=8, field="text", splits=False):
+    import datasets
+
+    rows = {field: [f"Dataset row {i}. " * 30 for i in range(n)], "n": list(range(n))}
+    ds = datasets.Dataset.from_dict(rows)
+    if splits:
+        ds = datasets.DatasetDict({"train": ds, "validation": ds.select(range(2))})
+    ds.save_to_disk(str(root / "ds"))
+    return root / "ds"
+
+
+def test_a_saved_dataset_is_read_split_and_fingerprinted(tmp_path):
+    from compresskit.recipe import DataSection
+
+    folder = _saved_dataset(tmp_path, splits=True)
+    section = DataSection(source={"hf": str(folder), "split": "train", "max_documents": 6})
+    dm = DataModule.from_section(tiny_tokenizer(), section)
+    assert len(dm.articles) == 6 and len(dm.test) == 2 and dm.articles[0].text.startswith("Dataset row 0.")
+    info = dm.split_info()
+    assert info["source"] == "hf" and info["sources"][0]["fingerprint"] and info["sources"][0]["documents"] == 6
+    again = DataModule.from_section(tiny_tokenizer(), section)
+    assert [a.title for a in again.test] == [a.title for a in dm.test] and again.fingerprint() == dm.fingerprint()
+    other = DataModule.from_section(tiny_tokenizer(), DataSection(source={"hf": str(folder), "split": "validation"}))
+    assert other.fingerprint() != dm.fingerprint()
+
+
+def test_dataset_errors_are_one_line(tmp_path):
+    from compresskit.data import check_source
+    from compresskit.errors import RecipeError
+    from compresskit.recipe import DataSection
+
+    folder = _saved_dataset(tmp_path, field="body", splits=True)
+    cases = [
+        ({"hf": str(folder), "split": "test"}, "data.source.hf: .*: no split 'test' \\(splits: train, validation\\)"),
+        (
+            {"hf": str(folder)},
+            "data.source.hf: .*: no column 'text' \\(columns: body, n\\); set data.source.text_field",
+        ),
+        ({"hf": "no-such-org/no-such-dataset"}, "data.source.hf: 'no-such-org/no-such-dataset' cannot be read: not "),
+    ]
+    for source, expect in cases:
+        with pytest.raises(RecipeError, match=expect):
+            DataModule.from_section(tiny_tokenizer(), DataSection(source=source))
+    with pytest.raises(RecipeError, match="data.source.hf: '.*nowhere' is not a folder"):
+        check_source(DataSection(source={"hf": str(tmp_path / "nowhere")}))
+
+
+def test_weighted_sources_mix_the_training_text_and_keep_each_held_out_part(tmp_path, monkeypatch):
+    import json
+
+    from compresskit.recipe import DataSection
+
+    folder = _saved_dataset(tmp_path, n=8)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"File doc {i}. " * 30}) + "\n" for i in range(8)))
+    monkeypatch.chdir(tmp_path)
+    one = DataModule.from_section(tiny_tokenizer(), DataSection(source={"files": ["a.jsonl"]}))
+    mix = [{"source": {"files": ["a.jsonl"]}, "weight": 2.0}, {"source": {"hf": str(folder)}, "weight": 0.5}]
+    dm = DataModule.from_section(tiny_tokenizer(), DataSection(source=mix))
+    file_train = [a for a in dm.train if a.title.startswith("a.jsonl")]
+    hf_train = [a for a in dm.train if not a.title.startswith("a.jsonl")]
+    assert len(file_train) == 2 * 6 and len(hf_train) == 3  # twice the 6 training docs; half of the dataset's 6
+    assert len(dm.test) == 2 + 2  # each source's own held-out part, once
+    assert {a.title for a in dm.test if a.title.startswith("a.jsonl")} == {a.title for a in one.test}
+    info = dm.split_info()
+    assert info["source"] == "mixture" and [s["weight"] for s in info["sources"]] == [2.0, 0.5]
+    assert [(s["train"], s["test"]) for s in info["sources"]] == [(12, 2), (3, 2)]
+    again = DataModule.from_section(tiny_tokenizer(), DataSection(source=mix))
+    assert [a.title for a in again.train] == [a.title for a in dm.train]
+
+
+def test_chat_documents_use_the_tokenizers_chat_template(tmp_path, monkeypatch):
+    import json
+
+    from compresskit.errors import RecipeError
+    from compresskit.recipe import DataSection
+
+    chats = [
+        [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
+        for i in range(4)
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    monkeypatch.chdir(tmp_path)
+    section = DataSection(source={"files": ["chat.jsonl"], "text_field": "messages"})
+    tok = tiny_tokenizer()
+    with pytest.raises(RecipeError, match="list of chat messages, and this model's tokenizer has no chat template"):
+        DataModule.from_section(tok, section)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    dm = DataModule.from_section(tok, section)
+    assert [a.text for a in dm.articles] == [f"<user>Question {i}?\n<assistant>Answer {i}.\n" for i in range(4)]
+    assert dm.train_token_ids().numel() > 0
+
+
+def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model_dir, monkeypatch):
+    """The ``generated`` source: the model continues the openings in turn, reproducibly (seeded
+    batches), the documents are cached by the model and the settings, and a second read writes
+    nothing; other settings write other text."""
+    from compresskit.data import load_documents, write_generated
+    from compresskit.modeling import load_model
+    from compresskit.recipe import DataSection
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    spec = {"documents": 5, "max_new_tokens": 8, "batch_size": 2, "prompts": ["Alpha says", "Beta writes"]}
+    section = DataSection(source=[{"source": {"generated": spec}, "weight": 1}, {"source": "wiki", "weight": 0.1}])
+    docs = load_documents(section)
+    assert docs[0].pending is not None and docs[0].articles == []
+    calls = []
+    real = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    write_generated(docs, model, tok, model_id=str(tiny_model_dir))
+    texts = [a.text for a in docs[0].articles]
+    assert len(calls) == 3 and len(texts) == 5  # batches of 2, 2 and 1
+    assert [t.split()[0] for t in texts] == ["Alpha", "Beta", "Alpha", "Beta", "Alpha"]
+    assert all(len(t) > len("Alpha says") for t in texts)
+    dm = DataModule.from_section(tok, section, docs)
+    info = dm.split_info()
+    assert info["source"] == "mixture" and info["sources"][0]["kind"] == "generated"
+    again = load_documents(section)
+    write_generated(again, model, tok, model_id=str(tiny_model_dir))
+    assert len(calls) == 3 and [a.text for a in again[0].articles] == texts  # from the cache
+    other = load_documents(DataSection(source={"generated": {**spec, "seed": 1}}))
+    write_generated(other, model, tok, model_id=str(tiny_model_dir))
+    assert len(calls) == 6 and [a.text for a in other[0].articles] != texts
+    with pytest.raises(RuntimeError, match="not written yet"):
+        DataModule.from_section(tok, section, load_documents(section))

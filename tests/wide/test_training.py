@@ -360,3 +360,33 @@ def test_distillation_from_the_dense_view_reduces_the_kl(tiny_model_dir):
         loss.backward()
         opt.step()
     assert kls[-1] < 0.5 * kls[0], kls
+
+
+def test_recipe_with_generated_text_and_distillation_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
+    """Files plus text the dense model writes, mixed; WIDE's router and LoRA stages distilling from the
+    dense view; the run records its sources and each step's KL."""
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": f"Plain document {i}. " * 40}) + "\n" for i in range(6))
+    )
+    monkeypatch.chdir(tmp_path)
+    distill = {"weight": 0.5, "temperature": 2.0}
+    rec = recipe(
+        tiny_model_dir,
+        tmp_path,
+        [stage("router", steps=3, distill=distill), stage("lora", steps=3, r=4, alpha=8, distill=distill)],
+    )
+    generated = {"documents": 6, "max_new_tokens": 16, "batch_size": 3}
+    rec["data"] = {
+        "source": [
+            {"source": {"files": ["docs.jsonl"]}, "weight": 1},
+            {"source": {"generated": generated}, "weight": 2},
+        ]
+    }
+    res = apply(rec).results
+    kinds = [s["kind"] for s in res["data"]["sources"]]
+    assert kinds == ["files", "generated"] and res["data"]["source"] == "mixture"
+    assert (
+        res["data"]["sources"][1]["train"]
+        == 2 * res["data"]["sources"][1]["documents"] - 2 * res["data"]["sources"][1]["test"]
+    )
+    assert all("kl" in h for t in res["training"] for h in t["history"])
