@@ -400,6 +400,7 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
         param = next(model.parameters())
         key_src = {
             "model": model_id,
+            "model_files": _files_identity(model_id),  # a local model folder: its files as they are now
             "dtype": str(param.dtype),
             "device": param.device.type,
             "settings": spec.model_dump(mode="json", exclude={"prompts"}),
@@ -417,6 +418,14 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
         _at_least_two(src.articles, "data.source.generated", f"{len(texts)} written documents")
         src.info = {"generated": key, "documents": len(src.articles), "model": model_id}
         src.pending = None
+
+
+def _files_identity(model_id: str) -> list[tuple[str, int, int]] | None:
+    """(name, size, mtime) of each file of a local model folder; None for a hub id or an alias."""
+    folder = Path(model_id).expanduser()
+    if not folder.is_dir():
+        return None
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()]
 
 
 def _generate(model, tokenizer, spec, prompts: list[str], progress) -> list[str]:
