@@ -221,6 +221,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
                         t.advance(1)
 
                 pruner.calibrate(model, counted())
+        if pruner.prunes_before_training:  # what training recovers is the pruned model
+            model = pruner.finalize(model)
     stages = []
     for i, stage in enumerate(resolved.training):
         trainer = stage.cls(stage.config)
@@ -235,7 +237,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         stages.append((stage.name, trainer))
     ctx.teacher = stage_ctx = None  # a dense copy kept for distillation is not needed past training
     if pruner is not None:
-        model = pruner.finalize(model)
+        if pruner.state != "finalized":
+            model = pruner.finalize(model)
         prune_summary = pruner.summary(model)
 
     # What the pruner and the training stages own is saved before the executor rewires the model

@@ -100,7 +100,8 @@ class Pruner(abc.ABC):
         calibrate(model, batches)                   # if requires_calibration
         trainable_parameters(model) / regularization(model) / on_train_step(step, total)
                                                     # handed to each training stage
-        finalize(model) -> model                    # bake decisions, remove hooks
+        finalize(model) -> model                    # bake decisions, remove hooks (before the
+                                                    # training stages if prunes_before_training)
         state_dict(model) / load_state_dict(model, sd)   # plugin-owned tensors only
         summary(model) -> PruneSummary
         reset_sparsity(model) / sparsity(model) -> SparsityReport  # measured while evaluating
@@ -111,6 +112,9 @@ class Pruner(abc.ABC):
         saves_full_model: True when the finalized model is a plain (smaller) transformers model,
             saved with ``save_pretrained`` and loadable with no compresskit code; False when the
             pruner saves its own tensors and is re-applied to the base model on load.
+        prunes_before_training: finalize right after calibration, so that the training stages
+            (LoRA recovery, distillation) train the pruned model (the static pruners).
+        can_view_dense: ``dense_view`` shows the unpruned model (the distillation teacher).
         contract_config: config kwargs that suit the tiny test model of
             :func:`compresskit.testing.tiny_llama` (used by ``compresskit plugins check``).
     """
@@ -181,7 +185,8 @@ class Pruner(abc.ABC):
         """Parameters a training stage should optimise. Default: none."""
         return []
 
-    can_view_dense: bool = False  # dense_view is implemented (distillation needs no copy of the model)
+    can_view_dense: ClassVar[bool] = False
+    prunes_before_training: ClassVar[bool] = False
 
     def dense_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which ``model`` computes what the unpruned model does (the distillation

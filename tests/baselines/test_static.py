@@ -210,6 +210,13 @@ def test_static_width_distills_from_a_kept_copy(tmp_path, tiny_model_dir, monkey
     from compresskit.api import apply
 
     assert distill.needs_copy(StaticWidthPruner(StaticWidthConfig(target_sparsity=0.4)))
+    from compresskit.trainers import LoraTrainer
+
+    widths = []  # the FFN width the LoRA stage trains: the pruned one
+    real_setup = LoraTrainer.setup
+    monkeypatch.setattr(
+        LoraTrainer, "setup", lambda self, m, *a: widths.append(m.config.intermediate_size) or real_setup(self, m, *a)
+    )
     copies = []
     real = copy_module.deepcopy
     monkeypatch.setattr(copy_module, "deepcopy", lambda m, *a: copies.append(type(m).__name__) or real(m, *a))
@@ -225,5 +232,7 @@ def test_static_width_distills_from_a_kept_copy(tmp_path, tiny_model_dir, monkey
     }
     res = apply(recipe).results
     assert "LlamaForCausalLM" in copies  # the teacher, taken before the pruner
+    assert len(widths) == 1 and widths[0] < 96  # the tiny model's FFN is 96 wide: LoRA trained the pruned one
     history = res["training"][0]["history"]
-    assert len(history) == 4 and all(h["kl"] >= 0 for h in history) and history[-1]["kl"] > 0, history
+    # the pruner prunes before training, so the student starts pruned and the teacher dense
+    assert len(history) == 4 and all(h["kl"] > 0 for h in history), history

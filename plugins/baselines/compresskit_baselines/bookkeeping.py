@@ -69,6 +69,7 @@ class StaticPruner(Pruner):
 
     requires_calibration = True
     saves_full_model = True
+    prunes_before_training = True  # recovery stages train the smaller model
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {}
