@@ -11,9 +11,12 @@
 #   3. `... run RECIPE...`  .gpu_carry/ holds the second half; joins, installs, runs each recipe
 #                    and copies its results.json / results.md to $OUT.
 #      `... compare SPEC`  the same, for the members of a comparison spec (recipes/compare-smollm2.yaml),
-#                    spread round-robin over the machine's GPUs (one queue per GPU), then
-#                    `compresskit compare SPEC` (reusing them all); results, table, plot and logs
-#                    come back in $OUT/compare.tar.gz.
+#                    each once per seed where the spec lists seeds (into <output.dir>-seed<S>, as
+#                    `compresskit compare` names them), spread round-robin over PER_GPU queues on each of
+#                    the machine's GPUs (PER_GPU=1 by default; a 135M model leaves an H200 mostly idle,
+#                    so 3-4 suit it), then `compresskit compare SPEC` (reusing them all); results, table,
+#                    plot and logs come back in $OUT/compare.tar.gz. Self-generated text a member names is
+#                    written once first, so that parallel runs do not write it each.
 set -euo pipefail
 step=${1:?usage: device_wide_smollm2.sh wheels|part|run RECIPE...}
 shift
@@ -41,14 +44,47 @@ case "$step" in
       spec=${1:?usage: device_wide_smollm2.sh compare SPEC}
       # convert the embedded model once, before parallel runs would race for its cache entry
       python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-      mapfile -t members < <(python3 -c "from compresskit.recipe import load_comparison; print(*load_comparison('$spec')[0], sep='\n')")
+      # one job a member and seed: "recipe<TAB>seed<TAB>output dir" (seed and dir empty without seeds)
+      mapfile -t jobs < <(python3 - "$spec" <<'PY'
+import sys
+from compresskit.recipe import load_comparison, load_recipe
+members, _, seeds = load_comparison(sys.argv[1])
+for m in members:
+    out = load_recipe(m).recipe.output.dir
+    for s in seeds or [None]:
+        print(f"{m}\t\t" if s is None else f"{m}\t{s}\t{out}-seed{s}")
+PY
+)
+      # self-generated text, written once on GPU 0 before the parallel runs
+      CUDA_VISIBLE_DEVICES=0 python3 - "$spec" <<'PY'
+import sys
+from compresskit.data import load_documents, write_generated
+from compresskit.modeling import load_model
+from compresskit.recipe import load_comparison, load_recipe
+done = set()
+for m in load_comparison(sys.argv[1])[0]:
+    rec = load_recipe(m).recipe
+    docs = load_documents(rec.data)
+    key = (rec.model.name_or_path, rec.model.dtype, repr(rec.data.source))
+    if key in done or not any(d.pending is not None for d in docs):
+        continue
+    model, tok = load_model(rec.model.name_or_path, dtype=rec.model.dtype, device=rec.model.device)
+    write_generated(docs, model, tok, model_id=rec.model.name_or_path)
+    done.add(key)
+    print(f"generated text for {m.name} written")
+PY
       ngpu=$(nvidia-smi -L | wc -l)
+      queues=$((ngpu * ${PER_GPU:-1}))
       mkdir -p /tmp/logs
-      for ((g = 0; g < ngpu; g++)); do
-        (for ((i = g; i < ${#members[@]}; i += ngpu)); do
-          r=${members[$i]}; name=$(basename "$r" .yaml)
-          echo "GPU $g: $name"
-          CUDA_VISIBLE_DEVICES=$g python3 -m compresskit apply "$r" --overwrite >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
+      for ((q = 0; q < queues; q++)); do
+        (for ((i = q; i < ${#jobs[@]}; i += queues)); do
+          IFS=$'\t' read -r r seed dir <<<"${jobs[$i]}"
+          name=$(basename "$r" .yaml)${seed:+-seed$seed}
+          sets=()
+          [ -n "$seed" ] && sets=(--set "seed=$seed" --set "output.dir=$dir")
+          echo "GPU $((q % ngpu)), queue $q: $name"
+          CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" --overwrite \
+            >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
           tail -n 3 "/tmp/logs/$name.log"
         done) &
       done
