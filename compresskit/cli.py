@@ -178,6 +178,59 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def cmd_generate(args, out: Console, err: Console) -> int:
+    import time
+
+    from compresskit import artifacts
+    from compresskit.modeling import load_model, resolve_model_source
+    from compresskit.runtime import Runtime
+
+    if args.max_new_tokens < 1:
+        raise CompressKitError(f"--max-new-tokens: {args.max_new_tokens}; give 1 or more")
+    path = Path(args.model).expanduser()
+    field = "MODEL (compresskit generate's argument)"
+    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
+        model, tokenizer, _ = artifacts.load(path, dtype=args.dtype, device=args.device, progress=_progress(err))
+    else:
+        resolve_model_source(args.model, field=field)
+        model, tokenizer = load_model(
+            args.model, dtype=args.dtype, device=args.device, progress=_progress(err), field=field
+        )
+    runtime = Runtime(model)
+    prompt = tokenizer(args.prompt, add_special_tokens=True)["input_ids"]
+    written: list[int] = []
+    shown = ""
+    out.file.write(args.prompt)
+
+    def stream(row: int, token: int) -> None:
+        nonlocal shown
+        written.append(token)
+        text = tokenizer.decode(written, skip_special_tokens=True)
+        out.file.write(text[len(shown) :])
+        out.file.flush()
+        shown = text
+
+    t0 = time.perf_counter()
+    res = runtime.generate(
+        [prompt],
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=args.seed,
+        on_token=stream,
+    )
+    out.file.write("\n")
+    err.print(
+        f"{res.new_tokens} tokens in {time.perf_counter() - t0:.2f} s: first token after "
+        f"{res.prefill_seconds * 1e3:.0f} ms, then {(res.new_tokens - 1) / max(res.decode_seconds, 1e-9):.1f} "
+        f"tokens/s (compresskit runtime, eager, {runtime.device.type})",
+        markup=False,
+        highlight=False,
+    )
+    return EXIT_OK
+
+
 def cmd_eval(args, out: Console, err: Console) -> int:
     from pydantic import ValidationError
 
@@ -368,6 +421,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["list", "check"], default="list")
     p.add_argument("name", nargs="?")
     p.set_defaults(fn=cmd_plugins)
+
+    p = sub.add_parser("generate", help="stream text from a saved run, an HF directory or an alias (the runtime)")
+    p.add_argument("model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, dest="top_p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
     p.add_argument("model")

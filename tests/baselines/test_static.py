@@ -236,3 +236,25 @@ def test_static_width_distills_from_a_kept_copy(tmp_path, tiny_model_dir, monkey
     history = res["training"][0]["history"]
     # the pruner prunes before training, so the student starts pruned and the teacher dense
     assert len(history) == 4 and all(h["kl"] > 0 for h in history), history
+
+
+@pytest.mark.parametrize("kind", ["depth", "width"])
+def test_static_models_run_unchanged_on_the_runtime(kind):
+    """A static-depth model (fewer layers) and a static-width one (fewer heads and FFN channels)
+    give the runtime transformers' logits, prefill and decode."""
+    from compresskit.runtime import Runtime
+
+    model = tiny_llama(num_hidden_layers=4).eval()
+    if kind == "depth":
+        pruner = StaticDepthPruner(StaticDepthConfig(n_layers=1, keep_first=0, keep_last=0))
+    else:
+        pruner = StaticWidthPruner(StaticWidthConfig(target_sparsity=0.4, ffn_group_size=16))
+    model = run(pruner, model)
+    rt = Runtime(model)
+    x = ids()
+    cache = rt.new_cache(x.shape[0], x.shape[1] + 1)
+    nxt = torch.full((x.shape[0], 1), 7)
+    with torch.no_grad():
+        torch.testing.assert_close(rt.forward(x, cache), model(x).logits, rtol=1e-5, atol=1e-5)
+        full = model(torch.cat([x, nxt], dim=1)).logits[:, -1:]
+        torch.testing.assert_close(rt.forward(nxt, cache), full, rtol=1e-5, atol=1e-5)

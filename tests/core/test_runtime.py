@@ -1,0 +1,84 @@
+"""The runtime against transformers on the tiny model: the same logits at prefill and decode, the
+same greedy tokens with left padding, seeded sampling, the generate command."""
+
+import pytest
+import torch
+
+from compresskit.cli import main
+from compresskit.errors import CompressKitError
+from compresskit.modeling import load_model
+from compresskit.runtime import Runtime
+from compresskit.runtime.llama import _pick
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+
+
+def test_prefill_and_decode_logits_are_transformers(tiny):
+    model, _ = tiny
+    rt = Runtime(model)
+    ids = torch.randint(2, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = rt.new_cache(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(rt.forward(ids, cache), model(ids).logits, rtol=1e-5, atol=1e-5)
+        for _ in range(3):  # one token at a time from the cache
+            nxt = torch.randint(2, 300, (2, 1))
+            ids = torch.cat([ids, nxt], dim=1)
+            torch.testing.assert_close(rt.forward(nxt, cache), model(ids).logits[:, -1:], rtol=1e-5, atol=1e-5)
+    with pytest.raises(CompressKitError, match="13 tokens do not fit the cache of 12 slots"):
+        rt.forward(torch.ones(2, 1, dtype=torch.long), cache)
+
+
+def test_greedy_generation_with_left_padding_is_transformers(tiny):
+    model, _ = tiny
+    rt = Runtime(model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (7, 3, 5)]
+    streamed = []
+    res = rt.generate(prompts, max_new_tokens=5, on_token=lambda row, tok: streamed.append((row, tok)))
+    for row, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert res.tokens[row] == ref[0, len(p) :].tolist()
+    assert sorted(streamed) == sorted((r, t) for r, toks in enumerate(res.tokens) for t in toks)
+    assert res.new_tokens == 15 and res.prefill_seconds > 0 and res.tokens_per_second > 0
+
+
+def test_sampling_is_seeded_and_stops_at_eos(tiny):
+    model, _ = tiny
+    rt = Runtime(model)
+    prompt = [[5, 6, 7, 8]]
+    a = rt.generate(prompt, max_new_tokens=8, temperature=1.0, seed=3).tokens
+    assert a == rt.generate(prompt, max_new_tokens=8, temperature=1.0, seed=3).tokens
+    assert a != rt.generate(prompt, max_new_tokens=8, temperature=1.0, seed=4).tokens
+    eos = a[0][2]
+    stopped = rt.generate(prompt, max_new_tokens=8, temperature=1.0, seed=3, eos_token_id=eos).tokens[0]
+    assert stopped == a[0][: a[0].index(eos) + 1]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    assert {int(_pick(logits, 1.0, 0.4, gen)) for _ in range(50)} == {0}
+    assert {int(_pick(logits, 1.0, 0.7, gen)) for _ in range(200)} == {0, 1}
+    assert int(_pick(logits, 0.0, 1.0, gen)) == 0
+
+
+def test_unsupported_models_and_empty_prompts_are_refused(tiny):
+    model, _ = tiny
+    with pytest.raises(CompressKitError, match="every prompt needs at least one token"):
+        Runtime(model).generate([[1], []])
+    model.config.model_type = "gpt2"
+    with pytest.raises(CompressKitError, match="model type 'gpt2' is not supported; supported: llama"):
+        Runtime(model)
+
+
+def test_generate_command_streams_text(capsys, tiny_model_dir):
+    code = main(["generate", str(tiny_model_dir), "--prompt", "The cat", "--max-new-tokens", "4", "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("The cat")
+    assert "4 tokens in" in err and "tokens/s (compresskit runtime, eager, cpu)" in err
+    code = main(["generate", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "0"])
+    assert code == 2 and "--max-new-tokens: 0; give 1 or more" in capsys.readouterr().err
