@@ -181,21 +181,11 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
 def cmd_generate(args, out: Console, err: Console) -> int:
     import time
 
-    from compresskit import artifacts
-    from compresskit.modeling import load_model, resolve_model_source
     from compresskit.runtime import Runtime
 
     if args.max_new_tokens < 1:
         raise CompressKitError(f"--max-new-tokens: {args.max_new_tokens}; give 1 or more")
-    path = Path(args.model).expanduser()
-    field = "MODEL (compresskit generate's argument)"
-    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
-        model, tokenizer, _ = artifacts.load(path, dtype=args.dtype, device=args.device, progress=_progress(err))
-    else:
-        resolve_model_source(args.model, field=field)
-        model, tokenizer = load_model(
-            args.model, dtype=args.dtype, device=args.device, progress=_progress(err), field=field
-        )
+    model, tokenizer, _, _ = _load_for_runtime(args.model, args, err, "MODEL (compresskit generate's argument)")
     runtime = Runtime(model)
     prompt = tokenizer(args.prompt, add_special_tokens=True)["input_ids"]
     written: list[int] = []
@@ -228,6 +218,96 @@ def cmd_generate(args, out: Console, err: Console) -> int:
         markup=False,
         highlight=False,
     )
+    return EXIT_OK
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,4") from None
+    if not values or min(values) < 1:
+        raise CompressKitError(f"{flag}: {text!r}: give integers of 1 or more, e.g. 1,4")
+    return values
+
+
+def _load_for_runtime(ref: str, args, err: Console, field: str):
+    """(model, tokenizer, pruner or None, base model name) of a saved run, an HF directory or an alias."""
+    from compresskit import artifacts
+    from compresskit.modeling import load_model, resolve_model_source
+
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
+        model, tokenizer, pruner = artifacts.load(path, dtype=args.dtype, device=args.device, progress=_progress(err))
+        return model, tokenizer, pruner, artifacts.read_manifest(path)["base_model"]
+    resolve_model_source(ref, field=field)
+    model, tokenizer = load_model(ref, dtype=args.dtype, device=args.device, progress=_progress(err), field=field)
+    return model, tokenizer, None, ref
+
+
+def cmd_bench(args, out: Console, err: Console) -> int:
+    import datetime
+    import platform
+
+    import torch
+    from rich.table import Table
+
+    from compresskit import artifacts
+    from compresskit.modeling import load_model
+    from compresskit.runtime.bench import bench, markdown, speedups
+
+    batches = _int_list(args.batch, "--batch")
+    prompts = _int_list(args.prompt, "--prompt")
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise CompressKitError(f"--new-tokens {args.new_tokens} / --repeats {args.repeats}: give 2 or more / 1 or more")
+    if args.output is not None:
+        artifacts.check_creatable(Path(args.output), "output directory (--output)")
+    field = "MODEL (compresskit bench's argument)"
+    model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max(prompts) + args.new_tokens > limit:
+        raise CompressKitError(
+            f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
+        )
+    dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
+    rows = bench(
+        model,
+        dense,
+        pruner=pruner,
+        batches=batches,
+        prompts=prompts,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        progress=_progress(err),
+    )
+    records = speedups(rows)
+    device = next(model.parameters()).device
+    meta = {
+        "model": args.model,
+        "base": base,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "runtime": "eager",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+    }
+    table = Table(title=f"{args.model}: TTFT and TPOT against {base} (medians of {args.repeats})")
+    for col in ("model", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for r in records:
+        sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
+        table.add_row(
+            r["model"], str(r["batch"]), str(r["prompt"]), f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}",
+            f"{r['ttft_speedup']:.2f}x", f"{r['tpot_speedup']:.2f}x", sp,
+        )  # fmt: skip
+    out.print(table)
+    if args.output is not None:
+        with artifacts.staged_dir(Path(args.output)) as tmp:
+            artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
+            artifacts.write_text(tmp / "bench.md", markdown(records, meta))
+        _plain(out, f"results: {Path(args.output) / 'bench.json'}")
     return EXIT_OK
 
 
@@ -432,6 +512,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="TTFT and TPOT of a saved run beside its dense base, on the runtime")
+    p.add_argument("model")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=32, dest="new_tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--output", help="directory for bench.json and bench.md")
+    p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
     p.add_argument("model")

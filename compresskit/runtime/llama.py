@@ -118,6 +118,10 @@ class Runtime:
         return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     # -- generation ----------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -145,8 +149,10 @@ class Runtime:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out: list[list[int]] = [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        self._sync()
         t0 = time.perf_counter()
         logits = self.forward(ids, cache, new_valid=real)[:, -1]
+        self._sync()  # the GPU's work is done when the clock is read
         first = time.perf_counter()
         for step in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, gen)  # [B]
@@ -160,6 +166,7 @@ class Runtime:
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             logits = self.forward(token[:, None], cache)[:, -1]
+        self._sync()
         end = time.perf_counter()
         return GenerationResult(out, first - t0, end - first, sum(len(o) for o in out))
 

@@ -82,3 +82,29 @@ def test_generate_command_streams_text(capsys, tiny_model_dir):
     assert "4 tokens in" in err and "tokens/s (compresskit runtime, eager, cpu)" in err
     code = main(["generate", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "0"])
     assert code == 2 and "--max-new-tokens: 0; give 1 or more" in capsys.readouterr().err
+
+
+def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_dir, tmp_path):
+    import json
+
+    out = tmp_path / "bench"
+    argv = ["bench", str(tiny_model_dir), "--batch", "1,2", "--prompt", "8", "--new-tokens", "3", "--repeats", "1"]
+    code = main([*argv, "--dtype", "float32", "--output", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 0, err
+    data = json.loads((out / "bench.json").read_text())
+    rows = data["results"]
+    assert [(r["model"], r["batch"]) for r in rows] == [
+        (m, b) for b in (1, 2) for m in ("compressed", "dense", "dense (transformers)")
+    ]
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
+    assert all(r["tpot_speedup"] == 1.0 for r in rows if r["model"] == "dense")
+    assert data["meta"]["runtime"] == "eager" and "TTFT x dense" in (out / "bench.md").read_text()
+    assert "TTFT and TPOT" in printed
+    for bad, expect in (
+        (["--batch", "0"], "--batch: '0': give integers of 1 or more"),
+        (["--prompt", "a"], "--prompt: 'a' is not a comma-separated list of integers"),
+        (["--prompt", "100000"], "--prompt 100000 + --new-tokens 32 exceed the model's"),
+    ):
+        code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
+        assert code == 2 and expect in capsys.readouterr().err
