@@ -1,4 +1,4 @@
-"""``compresskit``: apply | eval | compare | plugins | validate | schema.
+"""``compresskit``: apply | eval | compare | generate | bench | plugins | validate | schema.
 
 Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and what is allowed),
 1 internal error (add ``--debug`` for the traceback), 130 interrupted (SIGINT), 143 stopped by
