@@ -192,7 +192,7 @@ class Pruner(abc.ABC):
         """A context in which ``model`` computes what the unpruned model does (the distillation
         teacher, with no second copy in memory). Pruners that remove weights cannot: they leave
         ``can_view_dense`` False and the run keeps a copy instead."""
-        raise NotImplementedError(f"{type(self).__name__} cannot show the dense model; keep a copy")
+        raise RuntimeError(f"{type(self).__name__} cannot show the dense model (can_view_dense is False): keep a copy")
 
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
         """A loss term added to the LM loss during training (e.g. a sparsity budget). Default: none."""

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -347,6 +346,8 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
     """Before any model is loaded: every task that is not built in is an lm-eval task or group whose
     data loads here (offline unless ``allow_download``), and ``task_paths`` are folders. One
     :class:`RecipeError` naming the field and the task otherwise."""
+    from compresskit.evaluate import _quiet as _quiet_lm_eval
+
     names = lm_eval_names(section)
     for path in section.task_paths:
         if not Path(path).expanduser().is_dir():
@@ -378,23 +379,6 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
                     "model.allow_download: true)"
                 )
                 raise RecipeError(f"evaluation.tasks: {name!r} cannot load its data: {how}: {first}") from exc
-
-
-@contextlib.contextmanager
-def _quiet_lm_eval():
-    import logging
-
-    names = ("lm_eval", "lm-eval", "datasets")
-    saved = {n: logging.getLogger(n).level for n in names}
-    try:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for n, level in saved.items():
-            logging.getLogger(n).setLevel(level)
 
 
 def fewshot(section: EvaluationSection, name: str) -> int:

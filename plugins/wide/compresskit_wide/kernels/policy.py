@@ -46,24 +46,31 @@ class Range:
         )
 
 
-# m: tokens (for attn_decode: the batch); context: cached positions; groups: a reduction's input groups
+# m: tokens (for attn_decode: the batch); context: cached positions; groups: a reduction's input groups.
+# Each range is where the kernel measured faster than its dense fallback in GPU time and in a CUDA graph
+# (docs/wide-kernels-h200.md; the boundary measurements are recorded at tag kernels-variants-2026-12-01).
 KERNEL_RANGES = (
-    Range("swiglu", why="fused gate+up: 1.6x-1.8x of cuBLAS gate+up at M = 1, 1.2x-1.45x at T = 4096; >= 1.0x between"),
-    Range("out", max_m=DECODE_MAX_M, why="q, K packed into one product: 1.8x at M = 1, 1.06x at 8"),
-    Range("out", min_m=4096, why="q on sorted tiles: 1.16x-1.31x at T = 4096; 0.82x-0.98x at 2048, so dense below"),
-    Range("reduce", max_m=1, why="down / o, active groups packed 4 to a product: 1.7x of cuBLAS at M = 1"),
-    Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's 8 groups read directly: 1.16x at 2, 1.01x at 8"),
+    Range("swiglu", why="the fused gate+up beats cuBLAS gate+up at every token count measured, decode to 4k"),
+    Range("out", max_m=DECODE_MAX_M, why="q at decode: K packed into one product, no layout to build"),
+    Range("out", min_m=4096, why="q on sorted tiles from 4k tokens; below that, down to 17, cuBLAS was faster"),
+    Range("reduce", max_m=1, why="down / o at one token: the active groups packed four to a product"),
+    Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's few wide groups read directly, up to 8 tokens"),
     Range(
         "reduce",
         max_m=DECODE_MAX_M,
         max_groups=FEW_GROUPS,
         zeroed=False,
-        why="o after a dense attention: the fallback's select and product measured 0.79x of the kernel at 16",
+        why="o after a dense attention, up to 16 tokens: the fallback must also zero the skipped heads first",
     ),
-    Range("attn_decode", min_context=32768, why="no K/V read for skipped head groups: 1.44x-1.80x of cuDNN"),
-    Range("attn_decode", min_m=4, min_context=8192, why="1.44x-1.64x in a graph; batch 1 at 8192 only 1.02x"),
-    Range("attn_prefill", min_m=1024, why="active queries only: 1.2x at T = 1024, 1.5x at 4096; 0.82x-0.91x at 512"),
-    Range("router", why="bottleneck, logits and decision in one or two launches: 1.2x-2.9x of the five or six"),
+    Range("attn_decode", min_context=32768, why="from 32k positions the K/V the skipped heads need not read dominate"),
+    Range(
+        "attn_decode",
+        min_m=4,
+        min_context=8192,
+        why="batch 4 or more from 8k positions; batch 1 at 8k was at par in a CUDA graph",
+    ),
+    Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
+    Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
 )
 OPS = ("swiglu", "out", "reduce", "attn_decode", "attn_prefill", "router")
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
@@ -100,10 +107,10 @@ def check_gpu(device: torch.device) -> None:
 
 
 # decode launch settings
-OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); M = 1: 8.45 us, unpacked 10.7
-SWIGLU_K_PACK = 1  # gate+up: packing K measured 1%-7% slower (it has twice the weight rows already)
-REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8: slower at M = 1)
-ATTN_DECODE_BLOCK = 64  # KV positions a step (16: 0.77x-0.87x of cuDNN at batch 1, 64: 1.16x-1.38x)
+OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the fastest packing measured
+SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)
+REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
+ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
 ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64 splits (64 beat 32 at 32k)
 ATTN_DECODE_MAX_SPLITS = 64
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
@@ -136,7 +143,7 @@ SWIGLU_DECODE = [
 # the reduction's K-packed product (BLOCK_K steps through one group)
 REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
-# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen at 512-4096)
+# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen from 512 to 4k tokens)
 OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
