@@ -346,14 +346,14 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
     """Before any model is loaded: every task that is not built in is an lm-eval task or group whose
     data loads here (offline unless ``allow_download``), and ``task_paths`` are folders. One
     :class:`RecipeError` naming the field and the task otherwise."""
-    from compresskit.evaluate import _quiet as _quiet_lm_eval
-
     names = lm_eval_names(section)
     for path in section.task_paths:
         if not Path(path).expanduser().is_dir():
             raise RecipeError(f"evaluation.task_paths: {path!r} is not a folder (of lm-eval task YAML files)")
     if not names:
         return
+    from compresskit.evaluate import _quiet as _quiet_lm_eval
+
     with _quiet_lm_eval():
         manager = lm_eval_manager(section, names)
     known = set(manager.all_tasks)
