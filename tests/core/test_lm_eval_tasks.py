@@ -124,3 +124,47 @@ def test_eval_command_takes_lm_eval_tasks_and_their_folder(capsys, tiny_model_di
     results = json.loads((out / "results.json").read_text())
     assert results["metrics"]["tiny_choice"]["acc"] >= 0 and results["evaluation"]["num_fewshot"] == 1
     assert "tiny_choice acc" in (out / "results.md").read_text()
+
+
+PPL_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+  - metric: byte_perplexity
+  - metric: bits_per_byte
+metadata:
+  version: 1.0
+"""
+
+
+def test_perplexity_on_text_of_another_domain_through_a_task_yaml(tiny_model_dir, tmp_path):
+    """Held-out perplexity on any text (a domain the model was not trained on) is a task YAML of
+    one's own: lm-eval's rolling log-likelihood on a local file, reported lower-is-better."""
+    from test_evaluate import _articles
+
+    from compresskit.data import DataModule
+    from compresskit.modeling import load_model
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    data = tmp_path / "recipes.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"Step {i}: whisk two eggs with flour. " * 5}) + "\n" for i in range(3))
+    )
+    (folder / "cooking_ppl.yaml").write_text(PPL_YAML.format(name="cooking_ppl", data=data))
+    section = EvaluationSection(tasks=["cooking_ppl"], task_paths=[str(folder)], batch_size=2, max_length=64)
+    check_lm_eval_tasks(section)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    res = evaluate(model, tok, DataModule(tok, articles=_articles(8), test_fraction=0.5), section)
+    ppl = res.tasks["cooking_ppl"].metrics
+    assert ppl["word_perplexity"] > 1 and ppl["byte_perplexity"] > 1
+    assert res.higher_is_better["cooking_ppl"]["word_perplexity"] is False
+    worse = {"cooking_ppl": {"word_perplexity": 2 * ppl["word_perplexity"]}}
+    assert recovery(worse, res.metrics(), res.higher_is_better)["cooking_ppl"]["word_perplexity"] == pytest.approx(0.5)
