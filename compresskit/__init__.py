@@ -4,7 +4,8 @@ Public API::
 
     import compresskit
     result = compresskit.apply("recipes/quickstart.yaml", overrides=["evaluation.limit=50"])
-    model, tokenizer, pruner = compresskit.load("runs/quickstart/model")
+    model, tokenizer, pruner = compresskit.load("runs/quickstart/model")   # transformers: evaluate, train
+    text = compresskit.generator("runs/quickstart/model").generate("Once")   # the runtime: generate
 
 Every name is imported when first used, so that ``import compresskit`` (and the CLI's start) does
 not pay for torch or transformers before they are needed.
@@ -24,6 +25,7 @@ _LAZY = {
     "load_recipe": "compresskit.recipe",
     "apply": "compresskit.api",
     "load": "compresskit.artifacts",
+    "generator": "compresskit.runtime",
 }
 
 __all__ = [*_LAZY, "__version__"]

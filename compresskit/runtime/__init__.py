@@ -3,10 +3,54 @@ readable forward per block with a static KV cache, in the manner of gpt-fast. It
 Hugging Face model's weights (no copy) and knows nothing of any pruning method: a dense model, a
 static-width or a static-depth one (smaller shapes, fewer layers) runs on it unchanged.
 
-``Runtime(model)`` then ``runtime.generate(prompts, max_new_tokens=...)``; ``compresskit generate``
-streams text from it. On a CPU it runs eagerly.
+``compresskit.generator(path).generate("text")`` from Python, ``compresskit generate`` from the
+shell; ``Runtime(model).generate(token_ids, ...)`` underneath. It runs eagerly for now.
 """
 
 from compresskit.runtime.llama import Runtime, StaticCache
 
-__all__ = ["Runtime", "StaticCache"]
+__all__ = ["Runtime", "StaticCache", "TextGenerator", "generator"]
+
+
+class TextGenerator:
+    """Text in, text out, through the runtime: what ``compresskit.generator(path)`` returns.
+
+    ``generate("Once upon a time", max_new_tokens=32)`` -> the continuation; a list of prompts gives
+    a list. ``runtime``, ``tokenizer`` and ``pruner`` (or None) are there for finer use."""
+
+    def __init__(self, model, tokenizer, pruner=None) -> None:
+        self.runtime = Runtime(model)
+        self.tokenizer = tokenizer
+        self.pruner = pruner
+
+    def generate(
+        self, prompt: str | list[str], *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, seed=0
+    ) -> str | list[str]:
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids = [self.tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+        res = self.runtime.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=self.tokenizer.eos_token_id,
+            seed=seed,
+        )
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in res.tokens]
+        return texts[0] if isinstance(prompt, str) else texts
+
+
+def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGenerator:
+    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias.
+    The runtime runs eagerly for now; ``compresskit.load`` gives the transformers model (for
+    evaluation and training)."""
+    from pathlib import Path
+
+    from compresskit import artifacts
+    from compresskit.modeling import load_model, resolve_model_source
+
+    folder = Path(path).expanduser()
+    if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():
+        return TextGenerator(*artifacts.load(folder, device=device, dtype=dtype))
+    resolve_model_source(path)
+    return TextGenerator(*load_model(path, device=device, dtype=dtype))

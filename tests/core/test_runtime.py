@@ -108,3 +108,14 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err
+
+
+def test_generator_from_the_python_api(tiny_model_dir):
+    import compresskit
+
+    gen = compresskit.generator(str(tiny_model_dir), dtype="float32", device="cpu")
+    one = gen.generate("The cat", max_new_tokens=4)
+    both = gen.generate(["The cat", "A dog sat"], max_new_tokens=4)
+    assert isinstance(one, str) and isinstance(both, list) and len(both) == 2
+    assert both[0] == one  # greedy: the same continuation alone or in a padded batch
+    assert gen.pruner is None
