@@ -62,6 +62,12 @@ class Runtime:
 
     # -- the cache -----------------------------------------------------------------------------
     def new_cache(self, batch: int, slots: int) -> StaticCache:
+        window = getattr(self.config, "sliding_window", None)
+        if window and slots > window and getattr(self.config, "use_sliding_window", True):
+            raise CompressKitError(
+                f"runtime: this model attends over a sliding window of {window} tokens, which the runtime does not "
+                f"implement; keep the prompt and the new tokens within {window} (asked: {slots})"
+            )
         keys, values = [], []
         for layer in self.layers:
             hkv = layer.self_attn.k_proj.out_features // self.head_dim

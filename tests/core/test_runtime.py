@@ -70,6 +70,9 @@ def test_unsupported_models_and_empty_prompts_are_refused(tiny):
     model, _ = tiny
     with pytest.raises(CompressKitError, match="every prompt needs at least one token"):
         Runtime(model).generate([[1], []])
+    model.config.sliding_window = 8
+    with pytest.raises(CompressKitError, match="sliding window of 8 tokens, which the runtime does not implement"):
+        Runtime(model).generate([[1, 2, 3]], max_new_tokens=10)
     model.config.model_type = "gpt2"
     with pytest.raises(CompressKitError, match="model type 'gpt2' is not supported; supported: llama"):
         Runtime(model)
