@@ -221,28 +221,11 @@ def cmd_generate(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,4") from None
-    if not values or min(values) < 1:
-        raise CompressKitError(f"{flag}: {text!r}: give integers of 1 or more, e.g. 1,4")
-    return values
-
-
 def _load_for_runtime(ref: str, args, err: Console, field: str):
     """(model, tokenizer, pruner or None, base model name) of a saved run, an HF directory or an alias."""
-    from compresskit import artifacts
-    from compresskit.modeling import load_model, resolve_model_source
+    from compresskit.runtime import load_for_runtime
 
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
-        model, tokenizer, pruner = artifacts.load(path, dtype=args.dtype, device=args.device, progress=_progress(err))
-        return model, tokenizer, pruner, artifacts.read_manifest(path)["base_model"]
-    resolve_model_source(ref, field=field)
-    model, tokenizer = load_model(ref, dtype=args.dtype, device=args.device, progress=_progress(err), field=field)
-    return model, tokenizer, None, ref
+    return load_for_runtime(ref, device=args.device, dtype=args.dtype, field=field, progress=_progress(err))
 
 
 def cmd_bench(args, out: Console, err: Console) -> int:
@@ -377,14 +360,24 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
+def _int_list(text: str, flag: str, minimum: int | None = 1) -> list[int]:
+    """A comma-separated list of integers (each at least ``minimum``), or one line naming ``flag``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of integers, e.g. 1,2") from None
+    if not values:
+        raise CompressKitError(f"{flag}: {text!r}: give at least one integer, e.g. 1,2")
+    if minimum is not None and min(values) < minimum:
+        raise CompressKitError(f"{flag}: {text!r}: give integers of {minimum} or more, e.g. 1,2")
+    return values
+
+
 def _parse_seeds(text: str | None) -> list[int] | None:
     if text is None:
         return None
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise CompressKitError(f"--seeds: {text!r} is not a comma-separated list of integers, e.g. 0,1,2") from None
-    if not seeds or len(set(seeds)) != len(seeds):
+    seeds = _int_list(text, "--seeds", minimum=None)
+    if len(set(seeds)) != len(seeds):
         raise CompressKitError(f"--seeds: {text!r}: give distinct integers, e.g. 0,1,2")
     return seeds
 

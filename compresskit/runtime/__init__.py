@@ -9,7 +9,7 @@ shell; ``Runtime(model).generate(token_ids, ...)`` underneath. It runs eagerly f
 
 from compresskit.runtime.llama import Runtime, StaticCache
 
-__all__ = ["Runtime", "StaticCache", "TextGenerator", "generator"]
+__all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime"]
 
 
 class TextGenerator:
@@ -40,10 +40,9 @@ class TextGenerator:
         return texts[0] if isinstance(prompt, str) else texts
 
 
-def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGenerator:
-    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias.
-    The runtime runs eagerly for now; ``compresskit.load`` gives the transformers model (for
-    evaluation and training)."""
+def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", field: str = "model", progress=None):
+    """``(model, tokenizer, pruner or None, base model)`` of a saved run's ``model/`` directory, an HF
+    directory or an alias; errors about ``path`` name it as ``field``."""
     from pathlib import Path
 
     from compresskit import artifacts
@@ -51,6 +50,16 @@ def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGe
 
     folder = Path(path).expanduser()
     if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():
-        return TextGenerator(*artifacts.load(folder, device=device, dtype=dtype))
-    resolve_model_source(path)
-    return TextGenerator(*load_model(path, device=device, dtype=dtype))
+        model, tokenizer, pruner = artifacts.load(folder, device=device, dtype=dtype, progress=progress)
+        return model, tokenizer, pruner, artifacts.read_manifest(folder)["base_model"]
+    resolve_model_source(path, field=field)
+    model, tokenizer = load_model(path, device=device, dtype=dtype, progress=progress, field=field)
+    return model, tokenizer, None, path
+
+
+def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGenerator:
+    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias.
+    The runtime runs eagerly for now; ``compresskit.load`` gives the transformers model (for
+    evaluation and training)."""
+    model, tokenizer, pruner, _ = load_for_runtime(path, device=device, dtype=dtype)
+    return TextGenerator(model, tokenizer, pruner)

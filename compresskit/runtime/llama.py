@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from compresskit.errors import CompressKitError
 from compresskit.modeling import decoder_layers
@@ -110,7 +111,7 @@ class Runtime:
         v = attn.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head's queries and keys
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own (cos, sin: [B, T, D])
         cache.keys[i][:, :, start:stop] = k
         cache.values[i][:, :, start:stop] = v
         out = F.scaled_dot_product_attention(
@@ -187,14 +188,6 @@ class GenerationResult:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding: ``x: [B, H, T, D]``, ``cos, sin: [B, T, D]`` (halves rotated)."""
-    cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
