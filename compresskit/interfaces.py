@@ -117,12 +117,15 @@ class Pruner(abc.ABC):
         can_view_dense: ``dense_view`` shows the unpruned model (the distillation teacher).
         contract_config: config kwargs that suit the tiny test model of
             :func:`compresskit.testing.tiny_llama` (used by ``compresskit plugins check``).
+        runtime_executor: the executor (by plugin name) whose blocks run this pruner's models on the
+            inference runtime, or None for the runtime's own blocks.
     """
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     requires_calibration: ClassVar[bool] = False
     saves_full_model: ClassVar[bool] = False
     contract_config: ClassVar[dict[str, Any]] = {}
+    runtime_executor: ClassVar[str | None] = None
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -262,3 +265,13 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def convert(self, model: nn.Module) -> nn.Module:
         """Cheap structural runtime swap; returns the model to evaluate."""
+
+    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int) -> tuple[nn.Module | None, nn.Module | None]:
+        """The ``(attention, mlp)`` blocks the inference runtime (``compresskit.runtime``) runs decoder
+        layer ``index`` with, or None for either to take the runtime's dense block. A block follows
+        the contract of ``compresskit.runtime.blocks``: ``attention(x, step, keys, values)`` and
+        ``mlp(x, step)`` read the residual stream ``x: [B, T, hidden]`` and return what they add; every
+        decision is a tensor made in the forward (so the block compiles and replays in a CUDA
+        graph). Blocks that count what they skip expose ``stat_tokens`` / ``stat_skipped`` (with
+        ``layer_idx``, ``kind``, ``groups``, ``macs_per_group``, as the routed projections do)."""
+        return None, None

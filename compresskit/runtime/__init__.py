@@ -3,13 +3,31 @@ readable forward per block with a static KV cache, in the manner of gpt-fast. It
 Hugging Face model's weights (no copy) and knows nothing of any pruning method: a dense model, a
 static-width or a static-depth one (smaller shapes, fewer layers) runs on it unchanged.
 
+A pruning method's own layers run on it as blocks its executor supplies
+(``Executor.runtime_blocks``; ``runtime_for`` picks the pruner's). On a GPU the decode steps are
+compiled with ``torch.compile`` and replayed as CUDA graphs; on a CPU everything runs eagerly.
+
 ``compresskit.generator(path).generate("text")`` from Python, ``compresskit generate`` from the
-shell; ``Runtime(model).generate(token_ids, ...)`` underneath. It runs eagerly for now.
+shell; ``runtime_for(model, pruner).generate(token_ids, ...)`` underneath.
 """
 
 from compresskit.runtime.llama import Runtime, StaticCache
 
-__all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime"]
+__all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime", "runtime_for"]
+
+
+def runtime_for(model, pruner=None, **options) -> Runtime:
+    """The runtime for ``model`` as ``pruner`` left it: with the blocks of the pruner's
+    ``runtime_executor`` (its default configuration), the runtime's own blocks otherwise.
+    ``options`` go to :class:`Runtime` (``compile``, ``graphs``, ``dense``)."""
+    executor = None
+    name = getattr(pruner, "runtime_executor", None)
+    if name is not None:
+        from compresskit import plugins
+
+        cls = plugins.load("executor", name)
+        executor = cls(cls.Config())
+    return Runtime(model, executor=executor, **options)
 
 
 class TextGenerator:
@@ -19,7 +37,7 @@ class TextGenerator:
     a list. ``runtime``, ``tokenizer`` and ``pruner`` (or None) are there for finer use."""
 
     def __init__(self, model, tokenizer, pruner=None) -> None:
-        self.runtime = Runtime(model)
+        self.runtime = runtime_for(model, pruner)
         self.tokenizer = tokenizer
         self.pruner = pruner
 
@@ -58,8 +76,8 @@ def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", fi
 
 
 def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGenerator:
-    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias.
-    The runtime runs eagerly for now; ``compresskit.load`` gives the transformers model (for
-    evaluation and training)."""
+    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias,
+    on the runtime (compiled, with CUDA graphs, on a GPU); ``compresskit.load`` gives the transformers model (for
+    evaluation and training; it is not the fast path)."""
     model, tokenizer, pruner, _ = load_for_runtime(path, device=device, dtype=dtype)
     return TextGenerator(model, tokenizer, pruner)

@@ -1,5 +1,6 @@
-"""The runtime's forward: embedding, then per decoder layer ``x += attention(norm(x))`` and
-``x += mlp(norm(x))``, a final norm and the LM head, over a static KV cache.
+"""The runtime's forward: embedding, then per decoder layer ``x = x + attention(x)`` and
+``x = x + mlp(x)`` (blocks that apply their own norm: ``blocks.py``), a final norm and the LM head,
+over a static KV cache. A prompt runs eagerly; decode steps run compiled and as CUDA graphs on a GPU.
 
 Shapes: ``B`` sequences, ``T`` new tokens, ``S`` cache slots, ``H`` / ``Hkv`` query / KV heads of
 ``D`` each (read per layer from the projections, so pruned models need no other config).
@@ -16,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from compresskit.errors import CompressKitError
 from compresskit.modeling import decoder_layers
+from compresskit.runtime.blocks import MLP, Attention, Step, base_module
 from compresskit.tokens import token_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -30,23 +30,72 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 @dataclass
 class StaticCache:
     """Keys and values of every layer, ``[B, Hkv, S, D]`` each, preallocated; ``valid``: ``[B, S]``
-    (True where a slot holds a real token); ``end``: the first free slot."""
+    (True where a slot holds a real token); ``pad``: ``[B]`` each sequence's left padding; ``end``:
+    the first free slot; ``cos, sin``: ``[S, D]`` the rotary tables of positions ``0..S-1``;
+    ``slot_ids``: ``arange(S)``. A decode graph, once captured, is kept with the cache it writes."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     valid: torch.Tensor
-    pad: torch.Tensor  # [B] left padding of each sequence
+    pad: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_ids: torch.Tensor
     end: int = 0
+    padded: bool = False
+    graph: _DecodeGraph | None = None
 
     @property
     def size(self) -> int:
         return self.valid.shape[1]
 
+    def reset(self) -> None:
+        """Empty the cache for a new batch of the same size (the keys need no clearing: unwritten
+        slots are never seen)."""
+        self.valid.zero_()
+        self.pad.zero_()
+        self.end, self.padded = 0, False
+
+
+@dataclass
+class _DecodeGraph:
+    """One decode step captured as a CUDA graph: write the token into ``ids``, its slot into ``slot``,
+    replay, read ``logits``."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B, 1]
+    slot: torch.Tensor  # [1]
+    logits: torch.Tensor  # [B, V]
+
+
+def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool, why: str) -> bool:
+    if flag == "auto":
+        return device.type == "cuda" and graphable
+    if flag and device.type != "cuda" and name == "graphs":
+        raise CompressKitError("runtime: CUDA graphs need a CUDA device; this model is on the CPU (graphs: false)")
+    if flag and not graphable:
+        raise CompressKitError(f"runtime: {name} asked, but {why}")
+    return bool(flag)
+
 
 class Runtime:
-    """The runtime over a loaded Llama-family ``model`` (its modules are used as they are)."""
+    """The runtime over a loaded Llama-family ``model``: its weights are used where they are.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``executor``: a plugin executor whose ``runtime_blocks`` supply the blocks of the layers it
+    runs (the runtime's dense blocks elsewhere). ``dense``: run the model's base computation (routing
+    wrappers looked through), e.g. the dense reference of a routed model. ``compile`` / ``graphs``:
+    decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
+    every block allows it; the prompt's prefill always runs eagerly)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        executor=None,
+        dense: bool = False,
+        compile: bool | str = "auto",
+        graphs: bool | str = "auto",
+    ) -> None:
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
             raise CompressKitError(
@@ -60,6 +109,35 @@ class Runtime:
         self.rotary = model.model.rotary_emb
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.blocks: list[tuple[nn.Module, nn.Module]] = []
+        for i, layer in enumerate(self.layers):
+            attn, mlp = executor.runtime_blocks(layer, i, self.head_dim) if executor is not None else (None, None)
+            self.blocks.append(
+                (attn or Attention(layer, self.head_dim, dense=dense), mlp or MLP(layer, dense=dense))
+            )  # fmt: skip
+        graphable = all(b.graphable for pair in self.blocks for b in pair)
+        why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
+        self.compiled = _resolve(compile, "compile", self.device, graphable, why)
+        self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
+        self._caches: dict[tuple[int, int], StaticCache] = {}
+        self._steps = self.blocks
+        self._finish = self._head
+        if self.compiled:
+            self._steps = [
+                (torch.compile(a, fullgraph=True, dynamic=False), torch.compile(m, fullgraph=True, dynamic=False))
+                for a, m in self.blocks
+            ]
+            self._finish = torch.compile(self._head, fullgraph=True, dynamic=False)
+
+    @property
+    def mode(self) -> str:
+        """How decode steps run: "eager", "compiled", "CUDA graphs" or "compiled + CUDA graphs"."""
+        parts = [p for p, on in (("compiled", self.compiled), ("CUDA graphs", self.graphs)) if on]
+        return " + ".join(parts) or "eager"
+
+    def stat_blocks(self) -> list[nn.Module]:
+        """The blocks that count what they skip (``stat_tokens`` / ``stat_skipped``)."""
+        return [b for pair in self.blocks for b in pair if hasattr(b, "stat_skipped")]
 
     # -- the cache -----------------------------------------------------------------------------
     def new_cache(self, batch: int, slots: int) -> StaticCache:
@@ -71,58 +149,115 @@ class Runtime:
             )
         keys, values = [], []
         for layer in self.layers:
-            hkv = layer.self_attn.k_proj.out_features // self.head_dim
+            hkv = base_module(layer.self_attn.k_proj).out_features // self.head_dim
             shape = (batch, hkv, slots, self.head_dim)
             keys.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
             values.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
         valid = torch.zeros(batch, slots, dtype=torch.bool, device=self.device)
-        return StaticCache(keys, values, valid, torch.zeros(batch, dtype=torch.long, device=self.device))
+        slot_ids = torch.arange(slots, device=self.device)
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        with torch.inference_mode(False), torch.no_grad():
+            cos, sin = self.rotary(probe, slot_ids[None])  # [1, S, D]
+        pad = torch.zeros(batch, dtype=torch.long, device=self.device)
+        return StaticCache(keys, values, valid, pad, cos[0], sin[0], slot_ids)
+
+    def _cache_for(self, batch: int, slots: int) -> StaticCache:
+        """A cache of at least ``slots`` slots, reused (with its decode graph) between calls of one
+        size: with graphs the size is rounded up to a multiple of 256, so few graphs serve many lengths."""
+        if self.graphs:
+            rounded = -(-slots // 256) * 256
+            limit = getattr(self.config, "max_position_embeddings", None) or rounded
+            window = getattr(self.config, "sliding_window", None) or rounded
+            slots = max(slots, min(rounded, limit, window))
+        key = (batch, slots)
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = self._caches[key] = self.new_cache(batch, slots)
+        cache.reset()
+        return cache
 
     # -- the forward ---------------------------------------------------------------------------
+    def _layers(self, x: torch.Tensor, step: Step, cache: StaticCache, blocks) -> torch.Tensor:
+        for i, (attn, mlp) in enumerate(blocks):
+            x = x + attn(x, step, cache.keys[i], cache.values[i])  # [B, T, hidden]
+            x = x + mlp(x, step)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(x))
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, *, new_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of ``ids: [B, T]`` written at cache slots ``[end, end + T)``;
+        """Logits ``[B, T, V]`` of ``ids: [B, T]`` written at cache slots ``[end, end + T)``, eagerly;
         ``new_valid: [B, T]`` marks their padding (default: all real)."""
         b, t = ids.shape
         start, stop = cache.end, cache.end + t
         if stop > cache.size:
             raise CompressKitError(f"runtime: {stop} tokens do not fit the cache of {cache.size} slots")
         cache.valid[:, start:stop] = True if new_valid is None else new_valid
-        slots = torch.arange(start, stop, device=ids.device)
+        slots = cache.slot_ids[start:stop]
         positions = (slots[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, T]
-        # query t (slot start + t) sees the valid slots up to its own: [B, 1, T, stop]
-        keys = torch.arange(stop, device=ids.device)
-        allowed = (keys[None, :] <= slots[:, None])[None] & cache.valid[:, None, :stop]
-        allowed = allowed[:, None]
+        mask = None  # a fresh unpadded prompt: plain causal
+        if start or cache.padded:  # query t (slot start + t) sees the valid slots up to its own: [B, 1, T, stop]
+            allowed = (cache.slot_ids[None, :stop] <= slots[:, None])[None] & cache.valid[:, None, :stop]
+            mask = allowed[:, None]
+        step = Step(cache.cos[positions], cache.sin[positions], slots, mask, new_valid, cache.padded)
         x = self.model.model.embed_tokens(ids)  # [B, T, hidden]
-        cos, sin = self.rotary(x, positions)
-        with token_mask(new_valid):  # a dynamic pruner counts (and routes) the real tokens only
-            for i, layer in enumerate(self.layers):
-                x = x + self._attention(layer, layer.input_layernorm(x), cos, sin, cache, i, start, stop, allowed)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        with token_mask(new_valid):  # a routed model's own modules count (and route) the real tokens only
+            x = self._layers(x, step, cache, self.blocks)
         cache.end = stop
-        return self.model.lm_head(self.model.model.norm(x))
+        return self._head(x)
 
-    def _attention(self, layer, x, cos, sin, cache, i, start, stop, allowed) -> torch.Tensor:
-        attn = layer.self_attn
-        b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = attn.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = attn.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head's queries and keys
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # transformers' own (cos, sin: [B, T, D])
-        cache.keys[i][:, :, start:stop] = k
-        cache.values[i][:, :, start:stop] = v
-        out = F.scaled_dot_product_attention(
-            q,
-            cache.keys[i][:, :, :stop],
-            cache.values[i][:, :, :stop],
-            attn_mask=allowed,
-            scale=getattr(attn, "scaling", None),
-            enable_gqa=True,
-        )  # [B, H, T, D]
-        return attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    def _decode_step(self, cache: StaticCache, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """One decode step of ``ids: [B, 1]`` at cache slot ``slot: [1]`` -> logits ``[B, V]``, with
+        every index a tensor (what a CUDA graph replays)."""
+        cache.valid.index_fill_(1, slot, True)
+        positions = (slot[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, 1]
+        allowed = (cache.slot_ids[None, :] <= slot[:, None]) & cache.valid  # [B, S]
+        step = Step(cache.cos[positions], cache.sin[positions], slot, allowed[:, None, None], None, cache.padded)
+        x = self._layers(self.model.model.embed_tokens(ids), step, cache, self._steps)
+        return self._finish(x)[:, -1]
+
+    @torch.inference_mode()
+    def decode(self, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """Logits ``[B, V]`` of one new token per sequence (``token: [B]``) at the cache's end."""
+        if cache.end >= cache.size:
+            raise CompressKitError(f"runtime: {cache.end + 1} tokens do not fit the cache of {cache.size} slots")
+        if not (self.graphs or self.compiled):
+            return self.forward(token[:, None], cache)[:, -1]
+        if not self.graphs:
+            slot = cache.slot_ids[cache.end : cache.end + 1]
+            logits = self._decode_step(cache, token[:, None], slot)
+        else:
+            if cache.graph is None:
+                cache.graph = self._capture(cache, token)
+            g = cache.graph
+            g.ids.copy_(token[:, None])
+            g.slot.fill_(cache.end)
+            g.graph.replay()
+            logits = g.logits
+        cache.end += 1
+        return logits
+
+    def _capture(self, cache: StaticCache, token: torch.Tensor) -> _DecodeGraph:
+        """Capture the decode step at the cache's end. The warm-up runs (compilation, autotuning)
+        compute that same step, so they write what the step writes; the blocks' counters are put
+        back after them, so only replays are counted."""
+        ids = token[:, None].clone()
+        slot = cache.slot_ids[cache.end : cache.end + 1].clone()
+        counters = [(buf, buf.clone()) for b in self.stat_blocks() for buf in b.buffers()]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._decode_step(cache, ids, slot)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._decode_step(cache, ids, slot)
+        for buf, saved in counters:
+            buf.copy_(saved)
+        return _DecodeGraph(graph, ids, slot, logits)
 
     # -- generation ----------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -146,33 +281,33 @@ class Runtime:
         if not prompts or any(not p for p in prompts):
             raise CompressKitError("runtime: every prompt needs at least one token")
         b, longest = len(prompts), max(len(p) for p in prompts)
-        cache = self.new_cache(b, longest + max_new_tokens)
+        cache = self._cache_for(b, longest + max_new_tokens)
         ids = torch.zeros(b, longest, dtype=torch.long, device=self.device)
         real = torch.zeros(b, longest, dtype=torch.bool, device=self.device)
         for row, p in enumerate(prompts):
             ids[row, longest - len(p) :] = torch.tensor(p, device=self.device)
             real[row, longest - len(p) :] = True
             cache.pad[row] = longest - len(p)
+        cache.padded = any(len(p) < longest for p in prompts)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out: list[list[int]] = [[] for _ in range(b)]
-        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        done = [False] * b
         self._sync()
         t0 = time.perf_counter()
-        logits = self.forward(ids, cache, new_valid=real)[:, -1]
+        logits = self.forward(ids, cache, new_valid=real if cache.padded else None)[:, -1]
         self._sync()  # the GPU's work is done when the clock is read
         first = time.perf_counter()
         for step in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, gen)  # [B]
-            for row in range(b):
+            for row, value in enumerate(token.tolist()):  # one synchronisation a step
                 if not done[row]:
-                    out[row].append(int(token[row]))
+                    out[row].append(value)
                     if on_token is not None:
-                        on_token(row, int(token[row]))
-            if eos_token_id is not None:
-                done |= token == eos_token_id
-            if step == max_new_tokens - 1 or bool(done.all()):
+                        on_token(row, value)
+                    done[row] = value == eos_token_id
+            if step == max_new_tokens - 1 or all(done):
                 break
-            logits = self.forward(token[:, None], cache)[:, -1]
+            logits = self.decode(token, cache)
         self._sync()
         end = time.perf_counter()
         return GenerationResult(out, first - t0, end - first, sum(len(o) for o in out))

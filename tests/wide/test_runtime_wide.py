@@ -52,3 +52,128 @@ def test_bench_of_a_saved_wide_run_reports_its_realised_sparsity(capsys, tiny_mo
     rows = json.loads((tmp_path / "b" / "bench.json").read_text())["results"]
     assert [r["model"] for r in rows] == ["compressed", "dense", "dense (transformers)"]
     assert 0.2 < rows[0]["sparsity_macs"] < 0.8 and rows[1]["sparsity_macs"] is None  # untrained routers: about half
+
+
+def _wide_model(tiny_model_dir, ffn_group_size=16):
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=ffn_group_size, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+    return pruner.finalize(model).eval(), pruner
+
+
+def _routing_counts(rt, model):
+    from compresskit.routing import measured_sparsity
+
+    return measured_sparsity(rt.stat_blocks(), model.config)
+
+
+def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir):
+    """WIDE's runtime blocks (routers, masked products and routed attention as custom ops, decisions
+    as tensors) give the logits of the model's own routed modules, with padding and without."""
+    from compresskit.runtime import runtime_for
+    from compresskit_wide.blocks import WideAttention, WideMLP
+
+    model, pruner = _wide_model(tiny_model_dir)
+    fast = runtime_for(model, pruner)
+    assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
+    assert fast.mode == "eager"  # on the CPU
+    ref = Runtime(model)  # the routed modules as they are
+    gen = torch.Generator().manual_seed(1)
+    for prompts in ([[5, 6, 7, 8, 9, 10, 11]], [[5, 6, 7, 8, 9], [5, 6]]):
+        b, longest = len(prompts), max(map(len, prompts))
+        caches = [rt.new_cache(b, longest + 3) for rt in (fast, ref)]
+        ids = torch.zeros(b, longest, dtype=torch.long)
+        real = torch.zeros(b, longest, dtype=torch.bool)
+        for row, p in enumerate(prompts):
+            ids[row, longest - len(p) :] = torch.tensor(p)
+            real[row, longest - len(p) :] = True
+            for c in caches:
+                c.pad[row] = longest - len(p)
+        for c in caches:
+            c.padded = b > 1
+        valid = real if b > 1 else None
+        got, want = (rt.forward(ids, c, new_valid=valid) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+        for _ in range(3):
+            token = torch.randint(2, 300, (b,), generator=gen)
+            got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir):
+    from compresskit.runtime import runtime_for
+
+    model, pruner = _wide_model(tiny_model_dir)
+    fast = runtime_for(model, pruner)
+    pruner.reset_sparsity(model)
+    fast.generate([[5, 6, 7, 8, 9], [5, 6]], max_new_tokens=3)
+    got = _routing_counts(fast, model)
+    Runtime(model).generate([[5, 6, 7, 8, 9], [5, 6]], max_new_tokens=3)
+    want = pruner.sparsity(model)
+    assert got.tokens == want.tokens == 5 + 2 + 2 * 2
+    assert abs(got.macs - want.macs) < 1e-9 and 0.2 < got.macs < 0.8
+
+
+def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
+    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules."""
+    from peft import LoraConfig, get_peft_model
+
+    from compresskit.runtime import runtime_for
+    from compresskit_wide.blocks import WideMLP
+
+    model, pruner = _wide_model(tiny_model_dir)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"])).base_model.model
+    rt = runtime_for(model, pruner)
+    assert not any(isinstance(m, WideMLP) for _, m in rt.blocks) and rt.mode == "eager"
+    ids = torch.randint(2, 300, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(rt.forward(ids, rt.new_cache(1, 6)), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    """The registered ops' fake implementations agree with the real ones (shapes, dtypes, no aliasing)."""
+    from compresskit_wide.kernels import library  # noqa: F401
+
+    gen = torch.Generator().manual_seed(0)
+    m, d, n, g = 5, 16, 32, 4
+    x, w, wu = (torch.randn(*s, generator=gen) for s in ((m, d), (n, d), (n, d)))
+    mask = torch.rand(m, g, generator=gen) > 0.5
+    ops = torch.ops.compresskit_wide
+    r = (torch.randn(3, d, generator=gen), torch.randn(3, generator=gen), torch.randn(2 * g, 3, generator=gen))
+    torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), "torch"))
+    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, wu, True, "torch"))
+    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, None, False, "torch"))
+    h, w_down = torch.randn(m, n, generator=gen), torch.randn(d, n, generator=gen)
+    torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask, False, "torch"))
+    q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    heads = torch.rand(2, 2, generator=gen) > 0.5
+    lens = torch.tensor([6, 4], dtype=torch.int32)
+    torch.library.opcheck(ops.routed_attention_decode, (q, k, v, lens, heads, "torch"))
+    qp = torch.randn(2, 8, 6, 4)
+    torch.library.opcheck(ops.routed_attention_prefill, (qp, k, v, torch.rand(2, 6, 2) > 0.5, "torch"))
+
+
+def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
+    """``torch.compile`` traces whole blocks (``fullgraph``: the WIDE ops are custom ops, every index a
+    tensor); the compiled decode steps give the eager logits. (CUDA graphs need a GPU: the GPU tests.)"""
+    from compresskit.runtime import runtime_for
+
+    model, pruner = _wide_model(tiny_model_dir)
+    pairs = [
+        (Runtime(model, dense=True, compile=True), Runtime(model, dense=True)),
+        (runtime_for(model, pruner, compile=True), runtime_for(model, pruner)),
+    ]
+    for fast, eager in pairs:
+        assert fast.mode == "compiled"
+        caches = [rt.new_cache(2, 9) for rt in (fast, eager)]
+        ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 5, 6]])
+        real = ids > 0
+        for c in caches:
+            c.pad[1], c.padded = 3, True
+        for rt, c in zip((fast, eager), caches, strict=True):
+            rt.forward(ids, c, new_valid=real)
+        for token in ([3, 4], [7, 8], [11, 12]):
+            token = torch.tensor(token)
+            got, want = (rt.decode(token, c) for rt, c in zip((fast, eager), caches, strict=True))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -239,6 +239,14 @@ class TritonExecutor(Executor):
                 "executor wide-triton: the model has no WIDE-routed FFN or attention (pruner: wide)"
             )
 
+    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int):
+        """WIDE's routed blocks (``blocks.py``) for the inference runtime."""
+        from compresskit_wide.blocks import wide_blocks
+
+        return wide_blocks(
+            layer, head_dim, self.config.backend, attention=self.config.attention, count=self.config.track_stats
+        )
+
     def convert(self, model: nn.Module) -> nn.Module:
         routed_attention = False
         for module in list(model.modules()):  # (a list: fast_decide adds modules)

@@ -49,6 +49,7 @@ class WidePruner(RoutedPruner):
     Config = WidePrunerConfig
     router_prefix = PREFIX
     contract_config = {"ffn_group_size": 16, "router_rank": 4}
+    runtime_executor = "wide-triton"
 
     # -- surgery ------------------------------------------------------------------------------
     def check(self, model_config) -> None:

@@ -1,0 +1,152 @@
+"""The runtime's blocks. A decoder layer is ``x = x + attention(x, step, keys, values)`` then
+``x = x + mlp(x, step)``: each block reads the residual stream ``x: [B, T, hidden]`` (it applies its
+own norm) and returns what it adds. Everything a block needs travels in its arguments as tensors
+(``Step``), so a block compiles with ``torch.compile`` and replays in a CUDA graph.
+
+These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (WIDE's
+routed blocks route, then project only the kept groups); the helpers here (:func:`rope`,
+:func:`write_cache`, :func:`attend`) are theirs to use too.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+class Step(NamedTuple):
+    """What every block of one forward reads.
+
+    ``cos, sin``: ``[B, T, D]`` rotary tables at each token's position; ``slots``: ``[T]`` (long) the
+    cache slots the tokens are written to; ``mask``: ``[B, 1, T, S]`` bool, which of the first ``S``
+    cache slots each token sees, or None for a prompt that starts at slot 0 without padding (plain
+    causal over the first ``T`` slots); ``valid``: ``[B, T]`` the real (non-padding) tokens, or None
+    when all are; ``padded``: whether any sequence of the batch is left-padded."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+    valid: torch.Tensor | None
+    padded: bool
+
+
+def base_module(module: nn.Module) -> nn.Module:
+    """The module under any routing wrapper (``RouterTap``, ``RoutedProjection``): what the model
+    computed before it was routed. Other wrappers (a LoRA layer) are kept."""
+    from compresskit.routing import RoutedProjection, RouterTap
+
+    while isinstance(module, (RoutedProjection, RouterTap)):
+        module = module.base_layer
+    return module
+
+
+def is_routed(module: nn.Module) -> bool:
+    from compresskit.routing import RoutedProjection, RouterTap
+
+    return isinstance(module, (RoutedProjection, RouterTap))
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``q: [B, H, T, D]``, ``k: [B, Hkv, T, D]`` rotated by ``cos, sin: [B, T, D]`` (transformers'
+    own rotation for the Llama family)."""
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def write_cache(keys: torch.Tensor, values: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """Write ``k, v: [B, Hkv, T, D]`` at cache slots ``slots: [T]`` of ``keys, values: [B, Hkv, S, D]``
+    (in place; the slots are a tensor, so one captured graph serves every decode step)."""
+    keys.index_copy_(2, slots, k)
+    values.index_copy_(2, slots, v)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
+    """``q: [B, H, T, D]`` over the cache ``keys, values: [B, Hkv, S, D]`` (GQA: ``H`` a multiple of
+    ``Hkv``) -> ``[B, H, T, D]``, seeing what ``step.mask`` allows."""
+    t = q.shape[2]
+    if step.mask is None:  # a fresh, unpadded prompt: causal over its own slots (flash attention's case)
+        return F.scaled_dot_product_attention(
+            q, keys[:, :, :t], values[:, :, :t], is_causal=True, scale=scale, enable_gqa=True
+        )
+    s = step.mask.shape[-1]
+    keys, values = keys[:, :, :s], values[:, :, :s]
+    if t == 1:  # decode: each KV head's query group as one small product, K and V read once
+        b, h, _, d = q.shape
+        hkv = keys.shape[1]
+        qg = q.reshape(b, hkv, h // hkv, d)  # [B, Hkv, A, D]
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, A, S]
+        scores = scores.masked_fill(~step.mask.view(b, 1, 1, s), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(b, h, 1, d)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scale, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    """A Llama-family self-attention: norm, q / k / v, (Qwen3's per-head norms), RoPE, cache write,
+    attention, o. ``dense=True`` reads the modules under any routing wrapper (the base model);
+    ``False`` calls the layer's modules as they are (a routed model's own eager path)."""
+
+    def __init__(self, layer: nn.Module, head_dim: int, *, dense: bool = True) -> None:
+        super().__init__()
+        attn = layer.self_attn
+        pick = base_module if dense else (lambda m: m)
+        self.norm = pick(layer.input_layernorm)
+        self.q_proj, self.k_proj, self.v_proj = pick(attn.q_proj), pick(attn.k_proj), pick(attn.v_proj)
+        self.o_proj = pick(attn.o_proj)
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.head_dim = head_dim
+        self.scale = float(getattr(attn, "scaling", None) or head_dim**-0.5)
+        # a routed model's modules keep their decision between calls: eager only
+        self.graphable = not any(is_routed(m) for m in (self.norm, self.q_proj, self.o_proj))
+
+    def keys_values(self, h: torch.Tensor, q: torch.Tensor, step: Step):
+        """``h: [B, T, hidden]`` (normed), ``q: [B, T, H * D]`` -> rotated ``q: [B, H, T, D]``,
+        ``k, v: [B, Hkv, T, D]``."""
+        b, t, _ = h.shape
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, step.cos, step.sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm(x)
+        q, k, v = self.keys_values(h, self.q_proj(h), step)
+        write_cache(keys, values, k, v, step.slots)
+        out = attend(q, keys, values, step, self.scale)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """A Llama-family MLP after its norm (``mlp(norm(x))``; SwiGLU in the model's own module)."""
+
+    def __init__(self, layer: nn.Module, *, dense: bool = True) -> None:
+        super().__init__()
+        pick = base_module if dense else (lambda m: m)
+        self.norm = pick(layer.post_attention_layernorm)
+        mlp = layer.mlp
+        if dense and hasattr(mlp, "down_proj") and is_routed(mlp.down_proj):
+            self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, base_module(mlp.down_proj)
+            self.act = mlp.act_fn
+            self.mlp = None
+        else:
+            self.mlp = mlp
+        self.graphable = not is_routed(self.norm) and not (self.mlp is not None and _has_routed(self.mlp))
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = self.norm(x)
+        if self.mlp is not None:
+            return self.mlp(h)
+        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+
+
+def _has_routed(module: nn.Module) -> bool:
+    return any(is_routed(m) for m in module.modules())

@@ -1,0 +1,155 @@
+"""WIDE's blocks for the inference runtime (``compresskit.runtime``): each block routes, then runs
+only what its router kept, with the decision a plain tensor of its own forward.
+
+Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head groups only ->
+k, v, RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
+batch is unpadded: only the kept heads, zeros for the rest; else the runtime's attention over all
+heads) -> o over the kept head groups. MLP: router -> gate+up for the kept channel groups with the
+SwiGLU fused -> down over them. The ops are the custom ops of ``kernels.library``, so
+``torch.compile`` traces a whole step. Each block counts the real tokens it routed and the groups it
+ran (``stat_tokens`` / ``stat_skipped``, as ``compresskit.routing.measured_sparsity`` reads them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compresskit.routing import RoutedProjection
+from compresskit.runtime.blocks import Attention, Step, attend, base_module, write_cache
+from compresskit_wide.kernels import library  # noqa: F401 - registers torch.ops.compresskit_wide
+from compresskit_wide.kernels.policy import use_kernel
+
+wide_ops = torch.ops.compresskit_wide
+
+
+def plain_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight of a plain bias-free ``nn.Linear`` (what the kernels read), else None."""
+    return module.weight if type(module) is nn.Linear and module.bias is None else None
+
+
+class _Routing:
+    """Routing with counters, for a block: ``stat_tokens`` real tokens routed and ``stat_executed``
+    (token, group) pairs run, both on the device and added inside the forward (so a CUDA graph
+    counts its replays)."""
+
+    def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
+        router = proj.router
+        self.router_down, self.router_up = router.down, router.up
+        self.backend = backend
+        self.count = count
+        self.groups, self.kind = proj.groups, proj.kind
+        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
+        dev = proj.base_layer.weight.device
+        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+
+    @property
+    def stat_skipped(self) -> torch.Tensor:
+        return self.stat_tokens * self.groups - self.stat_executed
+
+    def reset_stats(self) -> None:
+        self.stat_tokens.zero_()
+        self.stat_executed.zero_()
+
+    def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
+        d, r = self.router_down, self.router_up
+        execute = wide_ops.router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
+        if self.count:
+            if valid is None:
+                self.stat_tokens.add_(execute.shape[0])
+                self.stat_executed.add_(execute.sum(dtype=torch.float64))
+            else:
+                real = valid.reshape(-1, 1)
+                self.stat_tokens.add_(real.sum(dtype=torch.float64))
+                self.stat_executed.add_((execute & real).sum(dtype=torch.float64))
+        return execute
+
+
+class WideAttention(Attention, _Routing):
+    def __init__(self, layer: nn.Module, head_dim: int, backend: str, count: bool = True) -> None:
+        super().__init__(layer, head_dim, dense=True)
+        self._setup_routing(layer.self_attn.o_proj, backend, count)
+        self.wq, self.wo = plain_weight(self.q_proj), plain_weight(self.o_proj)
+
+    def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> bool:
+        """Whether the routed attention runs: an unpadded batch, the standard scale, and under
+        ``auto`` on a GPU only where it was measured faster (the runtime's attention otherwise)."""
+        if step.padded or abs(self.scale * self.head_dim**0.5 - 1.0) > 1e-6 or (t > 1 and step.mask is not None):
+            return False
+        if self.backend != "auto" or device.type != "cuda":
+            return True
+        return use_kernel("attn_decode", rows, context=context) if t == 1 else use_kernel("attn_prefill", t)
+
+    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        execute = self.decide(x, step.valid)  # [B * T, G]
+        h = self.norm(x)
+        h2 = h.reshape(b * t, -1)
+        if self.wq is not None:  # the kept head groups' queries only (the others are never read)
+            q = wide_ops.masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
+        else:
+            q = self.q_proj(h2)
+        q, k, v = self.keys_values(h, q.view(b, t, -1), step)
+        write_cache(keys, values, k, v, step.slots)
+        context = keys.shape[2] if step.mask is None else step.mask.shape[-1]
+        routed = self._routed_attention(b, t, context, step, x.device)
+        if routed and t == 1:
+            lens = (step.slots[-1:] + 1).to(torch.int32).expand(b)
+            out = wide_ops.routed_attention_decode(q[:, :, 0], keys, values, lens, execute, self.backend)
+        elif routed:  # [B, T, H, D]
+            mask = execute.view(b, t, -1)
+            out = wide_ops.routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend)
+        else:  # all heads; o reads the kept ones
+            out = attend(q, keys, values, step, self.scale).transpose(1, 2)
+        out = out.reshape(b * t, -1)  # [M, H * D]
+        if self.wo is not None:
+            y = wide_ops.masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
+        else:
+            y = self.o_proj(_zero_groups(out, execute))
+        return y.view(b, t, -1)
+
+
+class WideMLP(nn.Module, _Routing):
+    graphable = True
+
+    def __init__(self, layer: nn.Module, backend: str, count: bool = True) -> None:
+        super().__init__()
+        mlp = layer.mlp
+        self._setup_routing(mlp.down_proj, backend, count)
+        self.norm = base_module(layer.post_attention_layernorm)  # under the router tap
+        self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
+        self.wd = mlp.down_proj.base_layer.weight
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        b, t, _ = x.shape
+        execute = self.decide(x, step.valid)  # [B * T, G]
+        h = self.norm(x).reshape(b * t, -1)
+        # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
+        g = wide_ops.masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
+        return wide_ops.masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
+
+
+def _zero_groups(x: torch.Tensor, execute: torch.Tensor) -> torch.Tensor:
+    groups = execute.shape[-1]
+    return (x.unflatten(-1, (groups, -1)) * execute[..., None].to(x.dtype)).flatten(-2)
+
+
+def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):
+    """``(attention, mlp)`` WIDE blocks for a decoder layer's routed sublayers (None where it is not
+    routed, or, for the MLP, where its projections are not plain Linears: the runtime then runs the
+    layer's modules as they are)."""
+    attn_block = mlp_block = None
+    o_proj = getattr(layer.self_attn, "o_proj", None)
+    if attention and isinstance(o_proj, RoutedProjection) and o_proj.router is not None:
+        attn_block = WideAttention(layer, head_dim, backend, count)
+    mlp = layer.mlp
+    down = getattr(mlp, "down_proj", None)
+    if (
+        isinstance(down, RoutedProjection)
+        and down.router is not None
+        and all(plain_weight(m) is not None for m in (mlp.gate_proj, mlp.up_proj, down.base_layer))
+    ):
+        mlp_block = WideMLP(layer, backend, count)
+    return attn_block, mlp_block
