@@ -237,26 +237,39 @@ def cmd_bench(args, out: Console, err: Console) -> int:
 
     from compresskit import artifacts
     from compresskit.modeling import load_model
-    from compresskit.runtime.bench import bench, markdown, speedups
+    from compresskit.runtime import Runtime, runtime_for
+    from compresskit.runtime.bench import SHAPES, Member, bench, markdown, speedups
 
     batches = _int_list(args.batch, "--batch")
     prompts = _int_list(args.prompt, "--prompt")
     if args.new_tokens < 2 or args.repeats < 1:
         raise CompressKitError(f"--new-tokens {args.new_tokens} / --repeats {args.repeats}: give 2 or more / 1 or more")
+    if (args.model is None) == (args.shape is None):
+        raise CompressKitError("compresskit bench: give a MODEL (a saved run, an HF directory or an alias) or --shape")
+    if args.shape is not None and args.shape not in SHAPES:
+        raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
+    if not 0.0 <= args.sparsity < 1.0:
+        raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
     if args.output is not None:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
-    field = "MODEL (compresskit bench's argument)"
-    model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
+    options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
+    if args.shape is not None:
+        members, model, base = _shape_members(args, options)
+    else:
+        field = "MODEL (compresskit bench's argument)"
+        model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
+        dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
+        members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+        members.append(Member("dense", dense, Runtime(dense, **options)))
+        if args.transformers:
+            members.append(Member("dense (transformers)", dense, transformers=True))
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and max(prompts) + args.new_tokens > limit:
         raise CompressKitError(
             f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
         )
-    dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
     rows = bench(
-        model,
-        dense,
-        pruner=pruner,
+        members,
         batches=batches,
         prompts=prompts,
         new_tokens=args.new_tokens,
@@ -266,23 +279,28 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     records = speedups(rows)
     device = next(model.parameters()).device
     meta = {
-        "model": args.model,
+        "model": args.model or f"--shape {args.shape} (random weights)",
         "base": base,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "runtime": "eager",
         "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "command": "compresskit " + " ".join(args.argv),
     }
-    table = Table(title=f"{args.model}: TTFT and TPOT against {base} (medians of {args.repeats})")
-    for col in ("model", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs"):
-        table.add_column(col, justify="left" if col == "model" else "right")
+    if args.shape is not None:
+        meta["routers"] = f"untrained, biases calibrated to skip {args.sparsity} of each router's groups"
+    table = Table(title=f"{meta['model']}: TTFT and TPOT against {base} (medians of {args.repeats})")
+    cols = ("model", "decode", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("model", "decode") else "right")
     for r in records:
         sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
         table.add_row(
-            r["model"], str(r["batch"]), str(r["prompt"]), f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}",
+            r["model"], r["mode"], str(r["batch"]), str(r["prompt"]), f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}",
             f"{r['ttft_speedup']:.2f}x", f"{r['tpot_speedup']:.2f}x", sp,
         )  # fmt: skip
     out.print(table)
@@ -292,6 +310,47 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             artifacts.write_text(tmp / "bench.md", markdown(records, meta))
         _plain(out, f"results: {Path(args.output) / 'bench.json'}")
     return EXIT_OK
+
+
+def _shape_members(args, options):
+    """The bench's members for ``--shape``: WIDE at ``--sparsity`` (calibrated untrained routers), the
+    same weights dense, the ideal half-width model where the shape has one, and (``--transformers``)
+    the dense model through transformers."""
+    import torch
+
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.runtime import Runtime, runtime_for
+    from compresskit.runtime.bench import Member, calibrate_routers, shape_model
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+    model = shape_model(args.shape, device=device, dtype=dtype)
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(target_sparsity=0.5))
+    pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
+    model = pruner.finalize(model)
+    calibrate_routers(model, args.sparsity)
+    members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+    members.append(Member("dense", model, Runtime(model, dense=True, **options)))  # the same weights, dense
+    try:
+        half = shape_model(args.shape, device=device, dtype=dtype, half=True)
+        members.append(Member("ideal half-width", half, Runtime(half, **options)))
+    except ValueError:
+        pass  # no half-width model of this shape (odd heads per KV head)
+    if args.transformers:  # the routed model seen dense through transformers: the same weights, no copy
+        members.append(Member("dense (transformers)", model, transformers=True))
+    return members, model, args.shape
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def cmd_eval(args, out: Console, err: Console) -> int:
@@ -507,7 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("bench", help="TTFT and TPOT of a saved run beside its dense base, on the runtime")
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", help="a saved run's model/ directory, an HF directory or an alias")
+    p.add_argument("--shape", help="instead of MODEL: a known configuration with random weights (speed only)")
+    p.add_argument("--sparsity", type=float, default=0.5, help="with --shape: the fraction of groups the routers skip")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="decode compiled and replayed as CUDA graphs (auto: on a GPU)",
+    )
+    p.add_argument(
+        "--transformers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the dense model through transformers' generate (eager)",
+    )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=32, dest="new_tokens")
@@ -554,6 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         args = build_parser().parse_args(argv)
+        args.argv = argv  # the command as given (recorded by bench)
         if args.version:
             from compresskit import __version__
 

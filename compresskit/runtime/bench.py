@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
-from compresskit.runtime.llama import Runtime
-
 
 @dataclass
 class Row:
-    model: str  # "compressed", "dense" or "dense (transformers)"
+    model: str  # "compressed", "dense", "ideal half-width" or "dense (transformers)"
     batch: int
     prompt: int
     ttft_ms: float
@@ -31,14 +29,101 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, length), generator=gen).tolist()
 
 
-def time_runtime(model, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0) -> tuple[float, float]:
-    """Median TTFT and TPOT (ms) of greedy generation on the runtime (one warm-up first)."""
-    rt = Runtime(model)
-    prompts = _prompts(batch, prompt, model.config.vocab_size, seed)
-    rt.generate(prompts, max_new_tokens=min(new_tokens, 2))  # warm-up: allocator, kernels
+# --shape: known configurations, built with random weights for speed-only runs
+SHAPES = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_hidden_layers=32, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        num_hidden_layers=16, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+        num_hidden_layers=30, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+        num_hidden_layers=2, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096,
+    ),
+}  # fmt: skip
+
+
+def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
+    """A Llama model of the known configuration ``name`` with random weights; ``half``: the ideal
+    half-width model (half the query heads and FFN channels, K/V heads kept), the bound of width
+    pruning at 50% on the same runtime."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = dict(SHAPES[name])
+    if half:
+        heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+        if heads % 2 or (heads // 2) % kv:
+            raise ValueError(f"--shape {name}: {heads} query heads over {kv} KV heads have no half-width model")
+        shape["num_attention_heads"] = heads // 2
+        shape["intermediate_size"] = shape["intermediate_size"] // 2
+    config = LlamaConfig(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 0) -> None:
+    """Give every router of a routed ``model`` the skip-logit biases with which each group is skipped on
+    a ``sparsity`` fraction of the tokens of a random prompt (for speed runs of untrained routers:
+    each router reads its real input, the residual stream, and its decisions vary by token)."""
+    from compresskit.routing import RouterTap, dense_view
+
+    taps = [m for m in model.modules() if isinstance(m, RouterTap)]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [t.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0])) for i, t in enumerate(taps)]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=gen).to(next(model.parameters()).device)
+    try:
+        with dense_view():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, tap in enumerate(taps):
+        router = tap.target.router
+        logits = router(seen[i]).reshape(-1, router.groups, 2).float()  # [tokens, G, 2]
+        margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
+        shift = -torch.quantile(margin, 1.0 - sparsity, dim=0)  # [G]: P(margin + shift > 0) = sparsity
+        router.up.bias.data.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
+
+
+def _sparsity(runtime, model, pruner) -> float | None:
+    """The realised fraction of projection MACs skipped since the last reset: from the runtime's
+    counting blocks, else the pruner's own count (a routed model's modules)."""
+    from compresskit.routing import measured_sparsity
+
+    blocks = runtime.stat_blocks()
+    if blocks:
+        return measured_sparsity(blocks, model.config).macs
+    if pruner is not None:
+        return pruner.sparsity(model).macs
+    return None
+
+
+def _reset(runtime, model, pruner) -> None:
+    for b in runtime.stat_blocks():
+        b.reset_stats()
+    if pruner is not None:
+        pruner.reset_sparsity(model)
+
+
+def time_runtime(runtime, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0):
+    """Median TTFT and TPOT (ms) of greedy generation on ``runtime`` (one warm-up first: compilation,
+    graph capture, autotuning)."""
+    prompts = _prompts(batch, prompt, runtime.config.vocab_size, seed)
+    runtime.generate(prompts, max_new_tokens=new_tokens)
     ttft, tpot = [], []
     for _ in range(repeats):
-        res = rt.generate(prompts, max_new_tokens=new_tokens)
+        res = runtime.generate(prompts, max_new_tokens=new_tokens)
         ttft.append(res.prefill_seconds * 1e3)
         steps = max(1, len(res.tokens[0]) - 1)
         tpot.append(res.decode_seconds * 1e3 / steps)
@@ -46,15 +131,18 @@ def time_runtime(model, batch: int, prompt: int, new_tokens: int, repeats: int, 
 
 
 def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0):
-    """The same through transformers' ``generate`` (greedy, its default cache): TTFT is a one-token
-    call, TPOT the rest of a ``new_tokens`` call per token."""
+    """The same through transformers' ``generate`` (greedy, its default cache, eager), of the dense
+    model (a routed one seen dense): TTFT is a one-token call, TPOT the rest of a ``new_tokens`` call
+    per token."""
+    from compresskit.routing import dense_view
+
     ids = torch.tensor(_prompts(batch, prompt, model.config.vocab_size, seed), device=next(model.parameters()).device)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
 
     def run(n: int) -> float:
         sync()
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), dense_view():  # a routed model runs its base computation
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
         sync()
         return (time.perf_counter() - t0) * 1e3
@@ -65,38 +153,42 @@ def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: 
     return ttft, (total - ttft) / max(1, new_tokens - 1)
 
 
+@dataclass
+class Member:
+    """One row kind of the bench: ``runtime`` times the model, ``model`` / ``pruner`` count its sparsity;
+    ``transformers``: time ``model`` through transformers' ``generate`` instead."""
+
+    name: str
+    model: Any
+    runtime: Any = None
+    pruner: Any = None
+    transformers: bool = False
+
+
 def bench(
-    model,
-    dense,
-    *,
-    pruner=None,
-    batches: list[int],
-    prompts: list[int],
-    new_tokens: int,
-    repeats: int,
-    progress=None,
+    members: list[Member], *, batches: list[int], prompts: list[int], new_tokens: int, repeats: int, progress=None
 ) -> list[Row]:
-    """Rows for the compressed ``model`` (with its ``pruner``, whose realised sparsity is read per
-    run), its ``dense`` base on the runtime and through transformers, for each batch and prompt."""
+    """A row per member for each batch and prompt, the members timed one after another per case."""
     import contextlib
 
     rows = []
     cases = [(b, p) for b in batches for p in prompts]
-    task_cm = progress.task("benchmarking", total=len(cases) * 3) if progress else contextlib.nullcontext()
+    task_cm = progress.task("benchmarking", total=len(cases) * len(members)) if progress else contextlib.nullcontext()
     with task_cm as task:
         for b, p in cases:
-            if pruner is not None:
-                pruner.reset_sparsity(model)
-            ttft, tpot = time_runtime(model, b, p, new_tokens, repeats)
-            report = pruner.sparsity(model) if pruner is not None else None
-            rows.append(Row("compressed", b, p, ttft, tpot, None if report is None else report.macs))
-            for name, fn in (("dense", time_runtime), ("dense (transformers)", time_transformers)):
+            for m in members:
+                if m.transformers:
+                    ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats)
+                    sparsity = None
+                else:
+                    _reset(m.runtime, m.model, m.pruner)
+                    ttft, tpot = time_runtime(m.runtime, b, p, new_tokens, repeats)
+                    sparsity = _sparsity(m.runtime, m.model, m.pruner)
+                rows.append(
+                    Row(m.name, b, p, ttft, tpot, sparsity, {"mode": "eager" if m.transformers else m.runtime.mode})
+                )
                 if task is not None:
                     task.advance(1)
-                ttft, tpot = fn(dense, b, p, new_tokens, repeats)
-                rows.append(Row(name, b, p, ttft, tpot))
-            if task is not None:
-                task.advance(1)
     return rows
 
 
@@ -116,6 +208,7 @@ def speedups(rows: list[Row]) -> list[dict[str, Any]]:
                 "ttft_speedup": round(d.ttft_ms / r.ttft_ms, 3),
                 "tpot_speedup": round(d.tpot_ms / r.tpot_ms, 3),
                 "sparsity_macs": None if r.sparsity is None else round(r.sparsity, 4),
+                "mode": r.extra.get("mode"),
             }
         )
     return out
@@ -127,13 +220,13 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         " ".join(f"{k}: {v};" for k, v in meta.items()),
         "",
-        "| model | batch | prompt | TTFT ms | TPOT ms | TTFT x dense | TPOT x dense | sparsity MACs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | decode | batch | prompt | TTFT ms | TPOT ms | TTFT x dense | TPOT x dense | sparsity MACs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['prompt']} | {r['ttft_ms']:.2f} | {r['tpot_ms']:.2f} | "
+            f"| {r['model']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['ttft_ms']:.2f} | {r['tpot_ms']:.2f} | "
             f"{r['ttft_speedup']:.2f}x | {r['tpot_speedup']:.2f}x | {sp} |"
         )
     return "\n".join(lines) + "\n"

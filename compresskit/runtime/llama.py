@@ -68,6 +68,10 @@ class _DecodeGraph:
     logits: torch.Tensor  # [B, V]
 
 
+def _compile(block: nn.Module):
+    return torch.compile(block, fullgraph=True, dynamic=False)
+
+
 def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool, why: str) -> bool:
     if flag == "auto":
         return device.type == "cuda" and graphable
@@ -120,14 +124,9 @@ class Runtime:
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        self._steps = self.blocks
-        self._finish = self._head
-        if self.compiled:
-            self._steps = [
-                (torch.compile(a, fullgraph=True, dynamic=False), torch.compile(m, fullgraph=True, dynamic=False))
-                for a, m in self.blocks
-            ]
-            self._finish = torch.compile(self._head, fullgraph=True, dynamic=False)
+        self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
+        if self.compiled:  # one compilation per block class and shape, shared by every layer
+            self._steps = [(_compile(a), _compile(m)) for a, m in self.blocks]
 
     @property
     def mode(self) -> str:
@@ -216,7 +215,7 @@ class Runtime:
         allowed = (cache.slot_ids[None, :] <= slot[:, None]) & cache.valid  # [B, S]
         step = Step(cache.cos[positions], cache.sin[positions], slot, allowed[:, None, None], None, cache.padded)
         x = self._layers(self.model.model.embed_tokens(ids), step, cache, self._steps)
-        return self._finish(x)[:, -1]
+        return self._head(x)[:, -1]
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:

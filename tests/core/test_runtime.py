@@ -102,15 +102,34 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
     ]
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
     assert all(r["tpot_speedup"] == 1.0 for r in rows if r["model"] == "dense")
-    assert data["meta"]["runtime"] == "eager" and "TTFT x dense" in (out / "bench.md").read_text()
+    assert all(r["mode"] == "eager" for r in rows)  # on the CPU
+    assert data["meta"]["command"].startswith("compresskit bench") and "TTFT x dense" in (out / "bench.md").read_text()
     assert "TTFT and TPOT" in printed
     for bad, expect in (
         (["--batch", "0"], "--batch: '0': give integers of 1 or more"),
         (["--prompt", "a"], "--prompt: 'a' is not a comma-separated list of integers"),
         (["--prompt", "100000"], "--prompt 100000 + --new-tokens 32 exceed the model's"),
+        (["--shape", "tiny"], "give a MODEL (a saved run, an HF directory or an alias) or --shape"),
+        (["--compile", "on"], "CUDA graphs need a CUDA device"),
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err
+
+
+def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
+    """``--shape``: random weights of a known configuration; WIDE's untrained routers calibrated to the
+    asked sparsity, the same weights dense, and the ideal half-width model, on one runtime."""
+    import json
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--prompt", "24", "--new-tokens", "3", "--repeats", "1", "--sparsity", "0.25"]
+    code = main([*argv, "--no-transformers", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"]
+    assert 0.1 < rows[0]["sparsity_macs"] < 0.4  # a quarter of the groups, on tokens it was not calibrated on
+    code = main(["bench", "--shape", "llama-8b"])
+    assert code == 2 and "Did you mean: llama-3.1-8b" in capsys.readouterr().err
 
 
 def test_generator_from_the_python_api(tiny_model_dir):

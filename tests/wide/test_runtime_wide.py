@@ -1,6 +1,7 @@
 """A WIDE model on the runtime: its routed modules run as they are (the masked dense reference), so
 the runtime gives the model's own logits, and the realised sparsity is counted on real tokens only."""
 
+import pytest
 import torch
 
 from compresskit import plugins
@@ -177,3 +178,43 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
             token = torch.tensor(token)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, eager), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["dense", "wide"])
+def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
+    """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
+    step by step (the WIDE kernels inside, under ``auto``), and the same greedy tokens; the counts of a
+    graph-replayed run equal the eager run's (warm-up runs are not counted)."""
+    from compresskit.routing import measured_sparsity
+    from compresskit.runtime import runtime_for
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
+    pruner = None
+    if method == "wide":
+        cls = plugins.load("pruner", "wide")
+        pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+        pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0, device=torch.device("cuda")))
+        model = pruner.finalize(model).eval()
+    fast, eager = runtime_for(model, pruner), runtime_for(model, pruner, compile=False, graphs=False)
+    assert fast.mode == "compiled + CUDA graphs" and eager.mode == "eager"
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7]]
+    results = []
+    for rt in (fast, eager):
+        for b in rt.stat_blocks():
+            b.reset_stats()
+        results.append(rt.generate(prompts, max_new_tokens=8))
+        if method == "wide":
+            results[-1].sparsity = measured_sparsity(rt.stat_blocks(), model.config).macs
+    assert results[0].tokens == results[1].tokens
+    if method == "wide":
+        assert abs(results[0].sparsity - results[1].sparsity) < 1e-9
+    caches = [rt.new_cache(2, 12) for rt in (fast, eager)]
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 5, 6, 7]], device="cuda")
+    for rt, c in zip((fast, eager), caches, strict=True):
+        c.pad[1], c.padded = 3, True
+        rt.forward(ids, c, new_valid=ids > 0)
+    for token in ([3, 4], [7, 8], [11, 12], [13, 14]):
+        token = torch.tensor(token, device="cuda")
+        got, want = (rt.decode(token, c).clone() for rt, c in zip((fast, eager), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The runtime on the device machine (H200), in one call: its GPU tests (CUDA-graph decode against
+# eager, dense and WIDE), then `compresskit bench --shape` rows (dense, WIDE, the ideal half-width
+# model, dense through transformers) with the results under $OUT. Usage, from the repo root, through
+# the device tool with carry [".whl"]:
+#   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
+#   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
+export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH
+export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
+if [ "${1:-all}" != bench ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/wide/test_runtime_wide.py tests/core/test_runtime.py 2>&1 \
+    | tee "$out/runtime-gpu-tests.log" | tail -15
+fi
+run() {  # one bench case: its arguments; results in $out/bench-N
+  local n=$1; shift
+  echo "== compresskit bench $*"
+  timeout "${CASE_TIMEOUT:-240}" python3 -m compresskit bench "$@" --output "$out/bench-$n" 2>&1 | tail -30
+}
+if [ -n "${BENCH:-}" ]; then
+  run custom $BENCH
+else
+  run 8b-decode --shape llama-3.1-8b --prompt 1024 --batch 1 --new-tokens 64 --repeats 5 --no-transformers
+  run 8b-prefill --shape llama-3.1-8b --prompt 4096 --batch 1 --new-tokens 16 --repeats 3
+fi
