@@ -27,6 +27,7 @@ from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
+from compresskit.runtime.bench import measure_speed
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks
@@ -255,6 +256,18 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             recipe=resolved.to_dict(),
         )
     params_after = count_parameters(model)
+    speed = measure_speed(
+        model,
+        pruner,
+        rec.evaluation.speed,
+        load_dense=lambda: load_model(
+            rec.model.name_or_path,
+            dtype=rec.model.dtype,
+            device=str(param.device),
+            allow_download=rec.model.allow_download,
+        )[0],
+        progress=progress,
+    )  # on the runtime, with the pruner's own blocks: before the executor rewires the model for evaluation
 
     executor = resolved.executor.cls(resolved.executor.config)
     executor.check(model)
@@ -292,6 +305,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         overrides=resolved.overrides,
         training=[vars(s) for s in train_summaries],
         prune_summary=vars(prune_summary) if prune_summary else None,
+        speed=speed,
     )
 
     with progress.task("saving the results"):
@@ -330,6 +344,7 @@ def build_results(
     overrides: list[str],
     training: list[dict[str, Any]] | None = None,
     prune_summary: dict[str, Any] | None = None,
+    speed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``results.json`` document (see the README for its fields)."""
     return {
@@ -350,6 +365,8 @@ def build_results(
         },
         "dense": dense,
         "recovery": recovery(ev.metrics(), dense["metrics"], ev.higher_is_better) if dense else None,
+        # TTFT / TPOT on the runtime against the dense base, or {"measured": false, "reason": ...}
+        "speed": speed,
         "training": training or [],
         "prune_summary": prune_summary,
         "evaluation": _eval_summary(ev),

@@ -181,12 +181,12 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
 def cmd_generate(args, out: Console, err: Console) -> int:
     import time
 
-    from compresskit.runtime import Runtime
+    from compresskit.runtime import runtime_for
 
     if args.max_new_tokens < 1:
         raise CompressKitError(f"--max-new-tokens: {args.max_new_tokens}; give 1 or more")
-    model, tokenizer, _, _ = _load_for_runtime(args.model, args, err, "MODEL (compresskit generate's argument)")
-    runtime = Runtime(model)
+    model, tokenizer, pruner, _ = _load_for_runtime(args.model, args, err, "MODEL (compresskit generate's argument)")
+    runtime = runtime_for(model, pruner)
     prompt = tokenizer(args.prompt, add_special_tokens=True)["input_ids"]
     written: list[int] = []
     shown = ""
@@ -214,7 +214,7 @@ def cmd_generate(args, out: Console, err: Console) -> int:
     err.print(
         f"{res.new_tokens} tokens in {time.perf_counter() - t0:.2f} s: first token after "
         f"{res.prefill_seconds * 1e3:.0f} ms, then {(res.new_tokens - 1) / max(res.decode_seconds, 1e-9):.1f} "
-        f"tokens/s (compresskit runtime, eager, {runtime.device.type})",
+        f"tokens/s (compresskit runtime, {runtime.mode}, {runtime.device.type})",
         markup=False,
         highlight=False,
     )

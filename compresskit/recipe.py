@@ -191,6 +191,20 @@ class PluginSection(_Section):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
+class SpeedSection(_Section):
+    """Time to first token and per output token on the inference runtime, beside the dense base."""
+
+    measure: bool | Literal["auto"] = Field(
+        "auto",
+        description="auto: on a GPU (compiled decode, CUDA graphs), 'not measured' on a CPU; true: wherever the "
+        "model runs (eagerly on a CPU); false: never",
+    )
+    prompt: int = Field(512, ge=1, description="Prompt tokens (random ids) of each timed generation.")
+    new_tokens: int = Field(32, ge=2, description="Tokens generated after the prompt (TPOT is their mean).")
+    batch: int = Field(1, ge=1, description="Sequences generated together.")
+    repeats: int = Field(3, ge=1, description="Timed generations after one warm-up; medians are reported.")
+
+
 class EvaluationSection(_Section):
     tasks: list[str] = Field(
         default_factory=lambda: list(tasks.names()),
@@ -217,6 +231,9 @@ class EvaluationSection(_Section):
     max_length: int = Field(1024, ge=16, description="Context window of the rolling perplexity and of lm-eval.")
     next_sentence_items: int = Field(500, ge=1)
     compare_dense: bool = Field(True, description="Also evaluate the unpruned model (cached) and report recovery.")
+    speed: SpeedSection = Field(
+        default_factory=SpeedSection, description="TTFT / TPOT on the runtime against the dense base (a GPU's)."
+    )
     seed: int = 1234
 
     @field_validator("tasks")

@@ -58,10 +58,42 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
         for key, value in (sp.get("groups") or {}).items():
             rows.append((f"skipped groups {key}", f"{value:.3f}", "0.000", "-"))
+    rows += speed_rows(results.get("speed"))
     m = results["model"]
     # recovery is a quality ratio: a parameter count has none
     rows.append(("parameters", f"{m['params_after']:,}", f"{m['params_before']:,}", "-"))
     return rows
+
+
+def speed_rows(speed: dict[str, Any] | None) -> list[tuple[str, str, str, str]]:
+    """(metric, value, dense, speedup) rows of a run's speed; the recovery column holds the speedup."""
+    if not speed:  # a results.json from before speed was reported
+        return []
+    if not speed.get("measured"):
+        return [(f"{k} ms", NOT_MEASURED, NOT_MEASURED, "-") for k in ("TTFT", "TPOT")]
+    what = {"TTFT": f"batch {speed['batch']}, prompt {speed['prompt']}", "TPOT": speed["mode"]}
+    return [
+        (
+            f"{k} ms ({what[k]})",
+            f"{speed[f'{k.lower()}_ms']:.2f}",
+            f"{speed[f'dense_{k.lower()}_ms']:.2f}",
+            f"{speed[f'{k.lower()}_speedup']:.2f}x",
+        )
+        for k in ("TTFT", "TPOT")
+    ]
+
+
+def _speed_note(speed: dict[str, Any] | None) -> str:
+    if not speed:
+        return ""
+    if not speed.get("measured"):
+        return f"Speed: not measured ({speed.get('reason')})."
+    return (
+        f"Speed: time to first token (TTFT) and per output token (TPOT), medians of {speed['repeats']} greedy "
+        f"generations of {speed['new_tokens']} tokens after a random {speed['prompt']}-token prompt, batch "
+        f"{speed['batch']}, on the compresskit runtime ({speed['mode']}, {speed['device']}), the dense base on the "
+        "same runtime in the same process; the recovery column holds the speedup over dense."
+    )
 
 
 def _columns(results: dict[str, Any]) -> int:
@@ -130,6 +162,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
         _sparsity_note(results["sparsity"]),
+        _speed_note(results.get("speed")),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()),
         "",
@@ -155,13 +188,20 @@ def _with_spread(value: Any, spread: Any, fmt: str) -> str:
     return _fmt(value, fmt) + (f" ± {fmt.format(spread)}" if value is not None and spread is not None else "")
 
 
+def _speedups(speed: dict[str, Any] | None) -> list[str]:
+    if not speed or not speed.get("measured"):
+        return [NOT_MEASURED] * 2
+    return [f"{speed['ttft_speedup']:.2f}x", f"{speed['tpot_speedup']:.2f}x"]
+
+
 def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row a run; a row that averages seeds shows ``mean ± standard deviation``."""
     header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
     columns = table_columns()  # the built-in tasks', then any lm-eval task's some run reported
     for r in runs:
         columns += [c for c in result_columns(r["metrics"]) if c not in columns]
-    header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "seeds"]
+    header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "TTFT x dense", "TPOT x dense"]
+    header += ["seeds"]
     rows = []
     for r in runs:
         sp = r["sparsity"] or {}
@@ -179,6 +219,7 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         row += [
             _with_spread(zs, r.get("zero_shot_spread"), "{:.4f}"),
             _fmt(zs / dz if zs is not None and dz else None, "{:.3f}"),
+            *_speedups(r.get("speed")),
             _seeds(r),
         ]
         rows.append(row)

@@ -230,3 +230,62 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{r['ttft_speedup']:.2f}x | {r['tpot_speedup']:.2f}x | {sp} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str, Any]:
+    """What a run reports as its speed (``evaluation.speed``, a ``SpeedSection``): TTFT and TPOT of
+    ``model`` on the runtime (with its pruner's blocks) and of its dense base on the same runtime, one
+    after the other in this process; or why it was not measured. The dense base is the same weights
+    seen dense where the pruner only routes, else ``load_dense()``."""
+    import contextlib
+
+    from compresskit.runtime import Runtime, runtime_for
+    from compresskit.runtime.blocks import is_routed
+
+    device = next(model.parameters()).device
+    if cfg.measure is False:
+        return {"measured": False, "reason": "evaluation.speed.measure is false"}
+    if cfg.measure == "auto" and device.type != "cuda":
+        return {
+            "measured": False,
+            "reason": "no GPU: speed is measured on a GPU (evaluation.speed.measure: true measures it here, eagerly)",
+        }
+    limit = getattr(model.config, "max_position_embeddings", None) or cfg.prompt + cfg.new_tokens
+    prompt = max(1, min(cfg.prompt, limit - cfg.new_tokens))
+    task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()
+    with task_cm as task:
+        rt = runtime_for(model, pruner)
+        _reset(rt, model, pruner)
+        ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
+        sparsity = _sparsity(rt, model, pruner) if pruner is not None else 0.0
+        if pruner is not None:
+            pruner.reset_sparsity(model)  # what the evaluator counts next starts from zero
+        if task is not None:
+            task.advance(1)
+        if pruner is None:
+            dense_ttft, dense_tpot = ttft, tpot
+        else:
+            routed_only = any(is_routed(m) for m in model.modules())
+            dense = model if routed_only else load_dense()
+            dense_ttft, dense_tpot = time_runtime(
+                Runtime(dense, dense=routed_only), cfg.batch, prompt, cfg.new_tokens, cfg.repeats
+            )
+            del dense
+        if task is not None:
+            task.advance(1)
+    return {
+        "measured": True,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "mode": rt.mode,
+        "batch": cfg.batch,
+        "prompt": prompt,
+        "new_tokens": cfg.new_tokens,
+        "repeats": cfg.repeats,
+        "ttft_ms": round(ttft, 3),
+        "tpot_ms": round(tpot, 3),
+        "dense_ttft_ms": round(dense_ttft, 3),
+        "dense_tpot_ms": round(dense_tpot, 3),
+        "ttft_speedup": round(dense_ttft / ttft, 3),
+        "tpot_speedup": round(dense_tpot / tpot, 3),
+        "sparsity_macs": None if sparsity is None else round(sparsity, 4),
+    }

@@ -141,3 +141,47 @@ def test_generator_from_the_python_api(tiny_model_dir):
     assert isinstance(one, str) and isinstance(both, list) and len(both) == 2
     assert both[0] == one  # greedy: the same continuation alone or in a padded batch
     assert gen.pruner is None
+
+
+def test_apply_reports_speed_beside_quality(tiny_recipe, tmp_path):
+    """``evaluation.speed``: on a CPU "auto" says not measured (and why); ``measure: true`` times the
+    pruned model on the runtime against its dense base, and the report and comparison show both."""
+    import copy
+
+    from compresskit.api import apply
+    from compresskit.report import compare_rows, results_markdown
+
+    recipe = copy.deepcopy(tiny_recipe)
+    recipe["evaluation"].update(tasks=["perplexity"], compare_dense=False)
+    recipe["pruner"] = {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}}
+    res = apply(recipe).results
+    assert res["speed"] == {"measured": False, "reason": res["speed"]["reason"]} and "no GPU" in res["speed"]["reason"]
+    assert "Speed: not measured (no GPU" in results_markdown(res)
+    header, rows = compare_rows([res])
+    assert rows[0][header.index("TPOT x dense")] == "not measured"
+
+    recipe["evaluation"]["speed"] = {"measure": True, "prompt": 16, "new_tokens": 3, "repeats": 1}
+    recipe["output"] = {"dir": str(tmp_path / "timed")}
+    res = apply(recipe).results
+    speed = res["speed"]
+    assert speed["measured"] and speed["mode"] == "eager" and speed["prompt"] == 16
+    assert speed["ttft_ms"] > 0 and speed["dense_tpot_ms"] > 0 and 0.2 < speed["sparsity_macs"] < 0.8
+    assert abs(speed["tpot_speedup"] - speed["dense_tpot_ms"] / speed["tpot_ms"]) < 0.01
+    assert res["sparsity"]["macs"] > 0  # the evaluator's own count, not mixed with the timed runs'
+    assert "TPOT ms (eager)" in results_markdown(res)
+    header, rows = compare_rows([res])
+    assert rows[0][header.index("TPOT x dense")] == f"{speed['tpot_speedup']:.2f}x"
+
+
+def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe):
+    """A pruner that changes the weights cannot show its dense base: the base is loaded to be timed."""
+    import copy
+
+    from compresskit.api import apply
+
+    recipe = copy.deepcopy(tiny_recipe)
+    recipe["evaluation"].update(tasks=["perplexity"], compare_dense=False)
+    recipe["evaluation"]["speed"] = {"measure": True, "prompt": 16, "new_tokens": 3, "repeats": 1}
+    recipe["pruner"] = {"name": "static-width", "config": {"target_sparsity": 0.3, "ffn_group_size": 16}}
+    speed = apply(recipe).results["speed"]
+    assert speed["measured"] and speed["dense_ttft_ms"] > 0 and abs(speed["sparsity_macs"] - 0.3) < 0.05
