@@ -25,6 +25,7 @@ from compresskit.runtime.blocks import MLP, Attention, Step, base_module
 from compresskit.tokens import token_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+KEPT_CACHES = 4  # caches (with their decode graphs) a runtime keeps for reuse, by batch and size
 
 
 @dataclass
@@ -162,16 +163,20 @@ class Runtime:
 
     def _cache_for(self, batch: int, slots: int) -> StaticCache:
         """A cache of at least ``slots`` slots, reused (with its decode graph) between calls of one
-        size: with graphs the size is rounded up to a multiple of 256, so few graphs serve many lengths."""
+        size (the ``KEPT_CACHES`` most recently used are kept): with graphs the size is rounded up to a
+        multiple of 256, so few graphs serve many lengths."""
         if self.graphs:
             rounded = -(-slots // 256) * 256
             limit = getattr(self.config, "max_position_embeddings", None) or rounded
             window = getattr(self.config, "sliding_window", None) or rounded
             slots = max(slots, min(rounded, limit, window))
         key = (batch, slots)
-        cache = self._caches.get(key)
+        cache = self._caches.pop(key, None)
         if cache is None:
-            cache = self._caches[key] = self.new_cache(batch, slots)
+            while len(self._caches) >= KEPT_CACHES:  # the least recently used goes, with its graph
+                self._caches.pop(next(iter(self._caches)))
+            cache = self.new_cache(batch, slots)
+        self._caches[key] = cache  # (most recently used last)
         cache.reset()
         return cache
 

@@ -185,3 +185,17 @@ def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe
     recipe["pruner"] = {"name": "static-width", "config": {"target_sparsity": 0.3, "ffn_group_size": 16}}
     speed = apply(recipe).results["speed"]
     assert speed["measured"] and speed["dense_ttft_ms"] > 0 and abs(speed["sparsity_macs"] - 0.3) < 0.05
+
+
+def test_runtime_reuses_its_caches_and_keeps_a_few(tiny_model_dir):
+    from compresskit.runtime.llama import KEPT_CACHES
+
+    model, _ = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    rt = Runtime(model)
+    first = rt.generate([[5, 6, 7]], max_new_tokens=2)
+    cache = rt._caches[(1, 5)]
+    again = rt.generate([[5, 6, 7]], max_new_tokens=2)
+    assert rt._caches[(1, 5)] is cache and again.tokens == first.tokens  # reset, reused, same result
+    for n in range(KEPT_CACHES + 2):
+        rt.generate([[5] * (n + 1)], max_new_tokens=2)
+    assert len(rt._caches) == KEPT_CACHES and (1, KEPT_CACHES + 3) in rt._caches
