@@ -4,11 +4,7 @@
 # through the device tool with carry [".whl"]:   bash benchmarks/device_core_check.sh
 # (TESTS="tests/core tests/wide/test_wide.py" picks the test paths; default: all of tests/)
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
-export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
 python3 -m compresskit plugins
