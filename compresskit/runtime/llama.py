@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ class StaticCache:
     """Keys and values of every layer, ``[B, Hkv, S, D]`` each, preallocated; ``valid``: ``[B, S]``
     (True where a slot holds a real token); ``pad``: ``[B]`` each sequence's left padding; ``end``:
     the first free slot; ``cos, sin``: ``[S, D]`` the rotary tables of positions ``0..S-1``;
-    ``slot_ids``: ``arange(S)``. A decode graph, once captured, is kept with the cache it writes."""
+    ``slot_ids``: ``arange(S)``. A decode graph, once captured, is kept with the cache it writes (one
+    for padded batches, one for unpadded: a block may choose its path by ``Step.padded``)."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -44,7 +45,7 @@ class StaticCache:
     slot_ids: torch.Tensor
     end: int = 0
     padded: bool = False
-    graph: _DecodeGraph | None = None
+    graphs: dict[bool, _DecodeGraph] = field(default_factory=dict)  # by ``padded`` (blocks may branch on it)
 
     @property
     def size(self) -> int:
@@ -117,9 +118,8 @@ class Runtime:
         self.blocks: list[tuple[nn.Module, nn.Module]] = []
         for i, layer in enumerate(self.layers):
             attn, mlp = executor.runtime_blocks(layer, i, self.head_dim) if executor is not None else (None, None)
-            self.blocks.append(
-                (attn or Attention(layer, self.head_dim, dense=dense), mlp or MLP(layer, dense=dense))
-            )  # fmt: skip
+            attn = attn if attn is not None else Attention(layer, self.head_dim, dense=dense)
+            self.blocks.append((attn, mlp if mlp is not None else MLP(layer, dense=dense)))
         graphable = all(b.graphable for pair in self.blocks for b in pair)
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
@@ -233,9 +233,9 @@ class Runtime:
             slot = cache.slot_ids[cache.end : cache.end + 1]
             logits = self._decode_step(cache, token[:, None], slot)
         else:
-            if cache.graph is None:
-                cache.graph = self._capture(cache, token)
-            g = cache.graph
+            g = cache.graphs.get(cache.padded)
+            if g is None:
+                g = cache.graphs[cache.padded] = self._capture(cache, token)
             g.ids.copy_(token[:, None])
             g.slot.fill_(cache.end)
             g.graph.replay()
@@ -249,7 +249,7 @@ class Runtime:
         back after them, so only replays are counted."""
         ids = token[:, None].clone()
         slot = cache.slot_ids[cache.end : cache.end + 1].clone()
-        counters = [(buf, buf.clone()) for b in self.stat_blocks() for buf in b.buffers()]
+        counters = [(buf, buf.clone()) for b in self.stat_blocks() for n, buf in b.named_buffers() if "stat_" in n]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
