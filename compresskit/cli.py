@@ -88,11 +88,76 @@ def cmd_apply(args, out: Console, err: Console) -> int:
     if args.overwrite:
         overrides.append("output.overwrite=true")
     resolved = load_recipe(args.recipe, overrides)
+    if args.nproc is not None and args.nproc < 1:
+        raise CompressKitError(f"--nproc: {args.nproc}; give 1 or more")
+    if args.dry_run:
+        return _dry_run(resolved, args, out)
     result = apply(resolved, progress=_progress(err))
     if result.reused:
         _plain(err, f"{result.output_dir}: already done (same recipe hash): nothing to do; --overwrite to redo")
     _print_results(out, result.results)
     _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
+    return EXIT_OK
+
+
+def _dry_run(resolved, args, out: Console) -> int:
+    """Print what the recipe's training needs per GPU, for ``--nproc`` ranks, without loading weights."""
+    import torch
+    from rich.table import Table
+    from transformers import AutoConfig
+
+    from compresskit.memory import CONTEXT_BYTES, plan, size
+    from compresskit.modeling import (
+        check_supported,
+        local_model_dir,
+        resolve_dtype,
+        resolve_model_source,
+        unreadable_checkpoint,
+    )
+
+    rec = resolved.recipe
+    source = resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+    path = local_model_dir(source)
+    with unreadable_checkpoint(path):
+        config = AutoConfig.from_pretrained(
+            path, local_files_only=not (source.kind == "hub" and rec.model.allow_download)
+        )
+    check_supported(config)
+    world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
+    device = "cuda" if rec.model.device == "auto" else rec.model.device  # the plan is for the GPUs
+    dtype = resolve_dtype(rec.model.dtype, torch.device(device))
+    autocast = any(getattr(s.config, "autocast_bf16", False) for s in resolved.training) and device == "cuda"
+    compute = torch.bfloat16 if autocast else dtype
+    p = plan(resolved, world=world, config=config, dtype=compute)
+    how = "sharded (FSDP2)" if p.sharded else "whole on each GPU"
+    _plain(
+        out,
+        f"{p.model}: {p.params:,} parameters, computing in {p.dtype}, {world} rank(s), weights {how}; "
+        f"estimates per GPU (compresskit/memory.py says how they are made; {size(CONTEXT_BYTES)} of it CUDA context)",
+    )
+    table = Table(title="compresskit apply --dry-run")
+    cols = (
+        "stage",
+        "steps",
+        "tokens/step",
+        "trained params",
+        "weights",
+        "trained state",
+        "activations",
+        "logits",
+        "peak/GPU",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for st in p.stages:
+        table.add_row(
+            st.stage, str(st.steps), f"{st.tokens_per_step:,}", f"{st.trainable_params:,}", size(st.weights),
+            size(st.trainable_state), size(st.activations), size(st.logits), size(st.peak),
+        )  # fmt: skip
+    if not p.stages:
+        _plain(out, "no training stage: nothing is trained")
+    else:
+        out.print(table)
     return EXIT_OK
 
 
@@ -536,6 +601,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe")
     with_set(p)
     p.add_argument("--overwrite", action="store_true", help="replace output.dir even if it holds another run")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        dest="dry_run",
+        help="print each training stage's steps, tokens per step and expected peak memory per GPU; load nothing",
+    )
+    p.add_argument(
+        "--nproc", type=int, help="ranks (GPUs of this host) to train on: launches the run under torchrun (FSDP2)"
+    )
     p.set_defaults(fn=cmd_apply)
 
     p = sub.add_parser("validate", help="check a recipe (both stages) without loading weights")

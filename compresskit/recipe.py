@@ -264,6 +264,20 @@ class OutputSection(_Section):
     overwrite: bool = Field(False, description="Replace a finished run of a different recipe in dir.")
 
 
+class DistributedSection(_Section):
+    """Training on several GPUs of one host (launched by ``compresskit apply --nproc N`` or torchrun)."""
+
+    strategy: Literal["none", "fsdp2"] = Field(
+        "none",
+        description="fsdp2: the backbone sharded over the ranks (torch.distributed.fsdp.fully_shard, one unit per "
+        "decoder layer), each rank training on its share of every step's micro-batches; none: one process "
+        "(a launch on several ranks then uses fsdp2 anyway)",
+    )
+    timeout_s: int = Field(
+        1800, ge=10, description="A collective that waits longer than this fails the run instead of hanging."
+    )
+
+
 class Recipe(_Section):
     schema_version: int = SCHEMA_VERSION
     name: str | None = None
@@ -274,6 +288,7 @@ class Recipe(_Section):
     training: list[PluginSection] = Field(default_factory=list)
     executor: PluginSection = PluginSection(name="torch")
     evaluation: EvaluationSection = EvaluationSection()
+    distributed: DistributedSection = DistributedSection()
     output: OutputSection
 
     @model_validator(mode="after")

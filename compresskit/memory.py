@@ -1,0 +1,117 @@
+"""What a recipe's training will need, before anything is loaded: ``compresskit apply --dry-run``.
+
+The model is built on the meta device from its config (no weights read), the pruner attached to it
+and each stage's trainable parameters set up as in the real run, so the parameter counts are exact.
+The peak memory per GPU is an estimate, the sum of:
+
+- **weights**: every parameter in the model's dtype, divided over the ranks when sharded (FSDP2),
+  plus two decoder layers gathered whole (the one running and the one prefetched);
+- **trainable state**: the trained parameters in fp32 with their gradient and AdamW's two moments
+  (16 bytes a parameter), divided over the ranks when sharded;
+- **activations**: what backward keeps per token and layer of a micro-batch with the backbone frozen
+  (the norms' inputs, q / k / v, the attention output, the FFN's gate, up, activation and product
+  in the compute dtype, and each router's fp32 input), without recomputation;
+- **logits**: the micro-batch's logits in the compute dtype, their fp32 copy for the loss and its
+  gradient (and with distillation the teacher's fp32 logits and the KL's two distributions);
+- a fixed 0.5 GiB for the CUDA context and workspaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+CONTEXT_BYTES = 512 * 2**20
+
+
+@dataclass
+class StagePlan:
+    stage: str
+    steps: int
+    tokens_per_step: int  # over all ranks
+    trainable_params: int
+    weights: int  # bytes per GPU
+    trainable_state: int
+    activations: int
+    logits: int
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.trainable_state + self.activations + self.logits + CONTEXT_BYTES
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    dtype: str
+    world: int
+    sharded: bool
+    stages: list[StagePlan]
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
+    """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
+    computing in ``dtype``."""
+    from compresskit.interfaces import RunContext
+    from compresskit.modeling import count_parameters, decoder_layers
+    from compresskit.trainers import inject_lora
+
+    rec = resolved.recipe
+    sharded = world > 1 or rec.distributed.strategy == "fsdp2"
+    model = _meta_model(config).to(dtype)
+    pruner = None
+    if resolved.pruner is not None:
+        pruner = resolved.pruner.cls(resolved.pruner.config)
+        if not pruner.requires_calibration:  # (a calibrated pruner needs data to attach: its count is left out)
+            pruner.prepare(model, RunContext(model_config=config, device=torch.device("meta"), dtype=dtype))
+    params = count_parameters(model)
+    layers = decoder_layers(model)
+    layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    d, f = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    elem = torch.finfo(dtype).bits // 8
+    routers = sum(1 for n, _ in model.named_modules() if n.endswith(".router"))
+    per_token_layer = (9 * d + 2 * kv + 4 * f) * elem
+    per_token_router = routers * d * 4
+    stages = []
+    for stage in resolved.training:
+        c = stage.config
+        if stage.name == "none":
+            continue
+        trainable = 0
+        if pruner is not None and pruner.state != "new" and (stage.name != "lora" or c.train_pruner_params):
+            trainable += sum(p.numel() for p in pruner.trainable_parameters(model))
+        if stage.name == "lora":
+            before = count_parameters(model)
+            inject_lora(model, c)
+            trainable += count_parameters(model) - before
+        tokens = c.batch_size * c.seq_len
+        logit_bytes = tokens * config.vocab_size * (elem + 8 + (12 if c.distill is not None else 0))
+        stages.append(
+            StagePlan(
+                stage=stage.name,
+                steps=c.steps,
+                tokens_per_step=tokens * c.grad_accum * world,
+                trainable_params=trainable,
+                weights=(params * elem) // world + (2 * layer_bytes if sharded else 0),
+                trainable_state=(16 * trainable) // (world if sharded else 1),
+                activations=tokens * (per_token_layer * len(layers) + per_token_router),
+                logits=logit_bytes,
+            )
+        )
+    return Plan(rec.model.name_or_path, params, str(dtype).removeprefix("torch."), world, sharded, stages)
+
+
+def size(n: int) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

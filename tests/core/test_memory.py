@@ -1,0 +1,66 @@
+"""``compresskit apply --dry-run``: exact parameter counts from a meta-device model, memory estimates
+that follow the rank count, and nothing loaded."""
+
+import pytest
+import torch
+
+from compresskit.cli import main
+from compresskit.memory import CONTEXT_BYTES, plan
+from compresskit.recipe import load_recipe
+
+
+@pytest.fixture
+def recipe(tiny_model_dir, tmp_path):
+    return {
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}},
+        "training": [
+            {"name": "router", "config": {"steps": 10, "batch_size": 2, "seq_len": 64}},
+            {"name": "lora", "config": {"steps": 5, "batch_size": 2, "seq_len": 64, "r": 4, "grad_accum": 3}},
+        ],
+        "output": {"dir": str(tmp_path / "run")},
+    }
+
+
+def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.modeling import load_model
+    from compresskit.trainers import LoraStageConfig, inject_lora, lora_parameters
+
+    resolved = load_recipe(recipe)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok))
+    routers = sum(p.numel() for p in pruner.trainable_parameters(model))
+    inject_lora(model, LoraStageConfig(r=4))
+    lora = sum(p.numel() for p in lora_parameters(model))
+
+    one = plan(resolved, world=1, config=model.config, dtype=torch.float32)
+    two = plan(resolved, world=2, config=model.config, dtype=torch.float32)
+    assert [s.trainable_params for s in one.stages] == [routers, routers + lora]
+    assert [s.tokens_per_step for s in one.stages] == [2 * 64, 2 * 64 * 3]
+    assert [s.tokens_per_step for s in two.stages] == [2 * 2 * 64, 2 * 2 * 64 * 3]  # each rank its share
+    assert not one.sharded and two.sharded
+    layer = max(sum(p.numel() * 4 for n, p in lay.named_parameters() if "lora_" not in n) for lay in model.model.layers)
+    assert two.stages[0].weights == one.stages[0].weights // 2 + 2 * layer  # halved, plus two whole layers
+    assert two.stages[1].trainable_state * 2 == one.stages[1].trainable_state
+    assert two.stages[0].activations == one.stages[0].activations  # a micro-batch per rank either way
+    assert all(s.peak > CONTEXT_BYTES for s in one.stages)
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    import compresskit.modeling as modeling
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("--dry-run loaded the model"))
+    code = main(["apply", str(path), "--dry-run", "--nproc", "2"])
+    out = capsys.readouterr().out
+    assert code == 0 and "2 rank(s), weights sharded (FSDP2)" in out and "router" in out and "lora" in out
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
+    code = main(["apply", str(path), "--dry-run", "--nproc", "0"])
+    assert code == 2 and "--nproc: 0; give 1 or more" in capsys.readouterr().err
