@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from compresskit import artifacts
+from compresskit import artifacts, distributed
 from compresskit.data import DataModule, check_source, load_documents, write_generated
 from compresskit.distill import needs_copy
-from compresskit.errors import CompressKitError, OutputExistsError
+from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
@@ -42,6 +42,7 @@ class RunResult:
     prune_summary: PruneSummary | None = None
     train_summaries: list[TrainSummary] = field(default_factory=list)
     reused: bool = False  # output_dir already held the finished run of this recipe: nothing ran
+    rank: int = 0  # with several ranks, this process's: only rank 0's result holds the run's results
 
 
 def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | None]:
@@ -119,43 +120,53 @@ def apply(
         progress: where long steps report (the CLI passes a rich one).
     """
 
-    progress = progress or Progress()
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else load_recipe(recipe, overrides)
     rec = resolved.recipe
+    ranks = distributed.init(rec.distributed.timeout_s, rec.model.device) if distributed.launched() else None
+    main = ranks is None or ranks.main
+    progress = (progress or Progress()) if main else Progress()  # progress and logs from rank 0 only
     # Everything a user can get wrong is checked before anything is written.
+    unshardable = [s.name for s in resolved.training if not getattr(s.cls, "shardable", False)]
+    if ranks is not None and unshardable:
+        raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
     resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
     check_source(rec.data)
     check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
     out, finished = check_output_dir(resolved)
     staging = out.with_name(out.name + ".partial")
     if finished is not None:
-        if staging.is_dir():  # what an interrupted rerun of the finished recipe left behind
+        if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
             shutil.rmtree(staging)
-        return RunResult(out, finished, reused=True)
+        distributed.close()
+        return RunResult(out, finished, reused=True, rank=ranks.rank if ranks else 0)
     recipe_hash = resolved.hash()
 
     marker = staging / "recipe.json"
-    if staging.is_dir():
-        try:
-            same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            same = False
-        if same:
-            progress.log(f"resuming the interrupted run in {staging}")
-        else:
-            shutil.rmtree(staging)
-    staging.mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
+    if main:
+        if staging.is_dir():
+            try:
+                same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                same = False
+            if same:
+                progress.log(f"resuming the interrupted run in {staging}")
+            else:
+                shutil.rmtree(staging)
+        staging.mkdir(parents=True, exist_ok=True)
+        artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
+    distributed.barrier()
 
     try:
-        return _run_staged(resolved, staging, out, progress)
+        return _run_staged(resolved, staging, out, progress, ranks)
     except CompressKitError:
-        if not (staging / "work").exists():  # nothing to resume: leave no partial output behind
+        if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        distributed.close()
 
 
-def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress) -> RunResult:
+def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:
     """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end.
 
     Each phase that draws random numbers is seeded from the recipe's seed and its own name
@@ -169,16 +180,21 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     marker = staging / "recipe.json"
     # a bad file, or a dataset that is not here, is found before the model is loaded
     documents = load_documents(rec.data, allow_download=rec.model.allow_download)
+    main = ranks is None or ranks.main
+    device = rec.model.device if ranks is None else str(ranks.device)
     model, tokenizer = load_model(
         rec.model.name_or_path,
         dtype=rec.model.dtype,
-        device=rec.model.device,
+        device=device,
         allow_download=rec.model.allow_download,
         progress=progress,
     )
     param = next(model.parameters())
     params_before = count_parameters(model)
-    write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)  # dense model
+    for turn in (True, False):  # rank 0 writes the generated text's cache, then the others read it
+        if turn == main:
+            write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)
+        distributed.barrier()
     with progress.task("preparing the text"):
         data = DataModule.from_section(tokenizer, rec.data, documents)
         split = data.split_info()
@@ -186,7 +202,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     if resolved.pruner is not None:  # what only the model can tell, before any expensive step
         resolved.pruner.cls(resolved.pruner.config).check(model.config)
     dense = None
-    if resolved.pruner is not None and rec.evaluation.compare_dense:
+    if resolved.pruner is not None and rec.evaluation.compare_dense and main:
         dense = dense_reference(resolved, model, tokenizer, data, progress)
 
     ctx = RunContext(
@@ -198,14 +214,12 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         progress=progress,
         work_dir=staging / "work",
     )
-    pruner = None
-    prune_summary = None
-    train_summaries: list[TrainSummary] = []
-    if resolved.pruner is not None:
+
+    def attach(model):
+        """The pruner attached to ``model`` (calibrated, and finalized where it prunes before training)."""
+        if resolved.pruner is None:
+            return model, None
         pruner = resolved.pruner.cls(resolved.pruner.config)
-        if any(getattr(s.config, "distill", None) is not None for s in resolved.training) and needs_copy(pruner):
-            # the pruner changes weights and cannot show the dense model: distill from a copy
-            ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         seed_everything(ctx.seed)
         targeted = pruner.prepare(model, ctx)
         progress.log(f"{resolved.pruner.name}: attached to {len(targeted)} modules")
@@ -224,18 +238,44 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
                 pruner.calibrate(model, counted())
         if pruner.prunes_before_training:  # what training recovers is the pruned model
             model = pruner.finalize(model)
-    stages = []
+        return model, pruner
+
+    prune_summary = None
+    train_summaries: list[TrainSummary] = []
+    if resolved.pruner is not None and any(getattr(s.config, "distill", None) is not None for s in resolved.training):
+        if needs_copy(resolved.pruner.cls(resolved.pruner.config)):
+            # the pruner changes weights and cannot show the dense model: distill from a copy
+            ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+    model, pruner = attach(model)
+    trainers = []
     for i, stage in enumerate(resolved.training):
-        trainer = stage.cls(stage.config)
         stage_ctx = dataclasses.replace(
             ctx,
             seed=phase_seed(rec.seed, f"training.{i}.{stage.name}"),
             work_dir=staging / "work" / f"stage{i}-{stage.name}",
+            ranks=ranks,
         )
+        trainers.append((stage.cls(stage.config), stage_ctx))
+    if ranks is not None and resolved.training:
+        for trainer, stage_ctx in trainers:
+            trainer.prepare_for_sharding(model, pruner, stage_ctx)
+        distributed.shard(model, ranks)  # the backbone over the ranks, one unit per decoder layer
+    stages = []
+    for stage, (trainer, stage_ctx) in zip(resolved.training, trainers, strict=True):
         summary = trainer.fit(model, pruner, data, stage_ctx)
         summary.stage = stage.name
         train_summaries.append(summary)
-        stages.append((stage.name, trainer))
+        stages.append((stage.name, trainer, stage_ctx))
+    if ranks is not None:
+        # the trained state to rank 0, which rebuilds the model whole and runs the rest alone
+        state = distributed.full_state_dict(model) if distributed.is_sharded(model) else None
+        distributed.close()
+        if not main:
+            return RunResult(out, {}, rank=ranks.rank)
+        if state is not None:
+            model, pruner = _rebuild(resolved, attach, state, stages, device, progress)
+            param = next(model.parameters())
+    stages = [(name, trainer) for name, trainer, _ in stages]
     ctx.teacher = stage_ctx = None  # a dense copy kept for distillation is not needed past training
     if pruner is not None:
         if pruner.state != "finalized":
@@ -315,6 +355,32 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         marker.unlink(missing_ok=True)
         artifacts.replace_dir(staging, out)
     return RunResult(out, results, prune_summary, train_summaries)
+
+
+def _rebuild(resolved: ResolvedRecipe, attach, state: dict, stages: list, device: str, progress: Progress):
+    """Rank 0 after sharded training: the model loaded whole again, the pruner attached as before, each
+    stage's structure set up (LoRA adapters), the trained ``state`` loaded, and each stage finished (LoRA
+    merged where asked). Returns ``(model, pruner)``."""
+    rec = resolved.recipe
+    model, _ = load_model(
+        rec.model.name_or_path,
+        dtype=rec.model.dtype,
+        device=device,
+        allow_download=rec.model.allow_download,
+        progress=progress,
+    )
+    model, pruner = attach(model)
+    for _, trainer, stage_ctx in stages:
+        trainer.setup(model, pruner, stage_ctx)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    stored = {p.data_ptr() for n, p in model.state_dict().items() if n in state}
+    missing = [n for n in missing if model.state_dict()[n].data_ptr() not in stored]  # tied weights are there
+    if missing or unexpected:
+        raise RuntimeError(f"the sharded model's state does not fit the rebuilt one: {missing[:3]} {unexpected[:3]}")
+    model.requires_grad_(False)
+    for _, trainer, stage_ctx in stages:
+        trainer.finish(model, pruner, stage_ctx)
+    return model.eval(), pruner
 
 
 def run_sparsity(ev: EvalResult, pruner, model_config) -> SparsityReport | None:

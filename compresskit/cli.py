@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 
+from compresskit import distributed
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 from compresskit.interrupts import Interrupted, handle_signals
 
@@ -92,12 +93,34 @@ def cmd_apply(args, out: Console, err: Console) -> int:
         raise CompressKitError(f"--nproc: {args.nproc}; give 1 or more")
     if args.dry_run:
         return _dry_run(resolved, args, out)
+    if args.nproc is not None and args.nproc > 1 and not distributed.launched():
+        return _launch(args, err)
     result = apply(resolved, progress=_progress(err))
+    if result.rank:  # another rank than 0: rank 0 reports the run
+        return EXIT_OK
     if result.reused:
         _plain(err, f"{result.output_dir}: already done (same recipe hash): nothing to do; --overwrite to redo")
     _print_results(out, result.results)
     _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
     return EXIT_OK
+
+
+def _launch(args, err: Console) -> int:
+    """``apply --nproc N``: the same command on N ranks of this host under torchrun (FSDP2); its exit
+    status. A failing rank stops the others, and its error is printed with its rank."""
+    import subprocess
+
+    argv = [a for a in args.argv]
+    i = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
+    del argv[i : i + (1 if "=" in argv[i] else 2)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
+    cmd += ["-m", "compresskit", *argv]
+    _plain(err, f"launching {args.nproc} ranks: {' '.join(cmd[1:])}")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+        _plain(err, f"error: the run on {args.nproc} ranks failed (exit {code}); each failing rank's error is above")
+    return code
 
 
 def _dry_run(resolved, args, out: Console) -> int:
@@ -716,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         msg = " ".join(str(exc).split())  # one line
-        err.print(f"error: {msg}", markup=False, highlight=False)
+        err.print(f"{_rank_prefix()}error: {msg}", markup=False, highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGINT through handle_signals
         why = f" ({exc})" if isinstance(exc, Interrupted) else ""
@@ -726,11 +749,18 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         err.print(
-            f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            f"{_rank_prefix()}internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
             markup=False,
             highlight=False,
         )
         return EXIT_INTERNAL
+
+
+def _rank_prefix() -> str:
+    """``rank R of N: `` in a process launched on several ranks, else nothing."""
+    if not distributed.launched():
+        return ""
+    return f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE')}: "
 
 
 if __name__ == "__main__":

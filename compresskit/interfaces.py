@@ -55,6 +55,7 @@ class RunContext:
     progress: Progress | None = None
     work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
     teacher: Any = None  # the dense model kept for distillation where the pruner cannot show it (or None)
+    ranks: Any = None  # compresskit.distributed.Ranks when training on several ranks (the model sharded), else None
 
 
 @dataclass
@@ -234,6 +235,9 @@ class Trainer(abc.ABC):
     """
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
+    # trains a model sharded over several ranks (``ctx.ranks``): its ``fit`` splits the micro-batches
+    # and leaves ``finish`` to the run, and ``setup(model, pruner, ctx)`` rebuilds its structure
+    shardable: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -242,9 +246,22 @@ class Trainer(abc.ABC):
     def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
         """Train in place and report."""
 
+    def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
+        """Add what this stage trains to ``model`` (e.g. adapters) and return the parameters it trains."""
+        return []
+
+    def prepare_for_sharding(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:  # noqa: B027
+        """Before a model is sharded (all stages, before the first trains): add, switched off, what
+        ``setup`` would add, since a sharded model takes no new parameters."""
+
+    def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:  # noqa: B027
+        """Called after the last step (e.g. merge adapters)."""
+
 
 class NoopTrainer(Trainer):
     """The ``none`` training stage: trains nothing (one-shot methods)."""
+
+    shardable = True
 
     def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
         return TrainSummary(stage="none")

@@ -33,15 +33,17 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
+from compresskit import distributed
 from compresskit.data import DataModule
 from compresskit.distill import DistillConfig, kl_loss, teacher_logits
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
-from compresskit.seeding import seed_everything
+from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
 CHECKPOINT = "checkpoint.pt"
+CHECKPOINT_DIR = "checkpoint"  # a sharded checkpoint (torch.distributed.checkpoint), with several ranks
 HISTORY_POINTS = 1000  # entries of a stage's loss history kept in results.json (evenly spaced)
 
 
@@ -100,6 +102,7 @@ class RouterTrainer(Trainer):
 
     Config = TrainStageConfig
     stage_name = "router"
+    shardable = True
 
     # -- what is trained ----------------------------------------------------------------------
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
@@ -129,15 +132,18 @@ class RouterTrainer(Trainer):
         optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
         scheduler = lr_schedule(optimizer, c)
         work = Path(ctx.work_dir) if ctx.work_dir is not None else None
+        ranks = ctx.ranks  # several ranks: the model is sharded (compresskit.distributed)
+        world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
+        per_step = c.grad_accum * world  # micro-batches of one optimiser step, over all ranks
         start, history, done = 0, [], False
-        ckpt = work / CHECKPOINT if work else None
-        if ckpt is not None and ckpt.is_file():
-            start, history, done = self._load_checkpoint(ckpt, named, optimizer, scheduler)
+        ckpt = (work / (CHECKPOINT_DIR if ranks else CHECKPOINT)) if work else None
+        if ckpt is not None and ckpt.exists():
+            start, history, done = self._load_checkpoint(ckpt, named, optimizer, scheduler, model, ranks)
             if ctx.progress is not None:
                 ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
         device = ctx.device
         use_autocast = c.autocast_bf16 and device.type == "cuda"
-        batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * c.grad_accum)
+        batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * per_step)
         progress = ctx.progress
         t0, tokens = time.perf_counter(), 0
         completed, saved = start, start  # steps finished, and the last step a checkpoint holds
@@ -152,8 +158,13 @@ class RouterTrainer(Trainer):
                     logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
                     optimizer.zero_grad(set_to_none=True)
                     total_loss = 0.0
-                    for _ in range(c.grad_accum):
-                        batch = next(batches).to(device)
+                    for k in range(per_step):  # this rank's micro-batches: k = rank, rank + world, ...
+                        batch = next(batches)
+                        if k % world != rank:
+                            continue
+                        batch = batch.to(device)
+                        # each micro-batch's own noise (Gumbel, dropout): the same whatever the rank count
+                        seed_everything(phase_seed(seed, f"step {step} micro-batch {k}"))
                         with (
                             token_mask(batch.attention_mask),
                             torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_autocast),
@@ -175,6 +186,8 @@ class RouterTrainer(Trainer):
                         total_loss += float(loss.detach()) / c.grad_accum
                         tokens += int(batch.attention_mask.sum())
                         logs["lm_loss"] = float(out.loss.detach())
+                    if ranks is not None:  # the step's loss over all ranks (each rank's is a mean of its share)
+                        total_loss = distributed.mean(total_loss)
                     if not math.isfinite(total_loss):
                         raise FloatingPointError(f"{self.stage_name}: loss became {total_loss} at step {step}")
                     with deferred():  # a signal waits until the step and its bookkeeping are whole
@@ -188,9 +201,13 @@ class RouterTrainer(Trainer):
                         history.append({k: float(v) for k, v in logs.items()})
                         completed, rng = step + 1, _rng_state()
                         if ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps):
-                            self._save_checkpoint(
-                                ckpt, completed, named, optimizer, scheduler, history, completed == c.steps
-                            )
+                            if ranks is not None:
+                                meta = self._checkpoint_meta(completed, scheduler, history, completed == c.steps)
+                                distributed.save_checkpoint(ckpt, model, optimizer, meta, ranks)
+                            else:
+                                self._save_checkpoint(
+                                    ckpt, completed, named, optimizer, scheduler, history, completed == c.steps
+                                )
                             saved = completed
                     if task is not None:
                         task.advance(1)
@@ -199,7 +216,8 @@ class RouterTrainer(Trainer):
                         shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
                         task.update(**shown)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished step for the resumed run
-            if ckpt is not None and completed > saved:
+            # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
+            if ckpt is not None and completed > saved and ranks is None:
                 self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, rng=rng)
                 if progress is not None:
                     progress.log(f"{self.stage_name}: interrupted; checkpoint at step {completed} of {c.steps}")
@@ -208,7 +226,10 @@ class RouterTrainer(Trainer):
             model.eval()
         for p in params:
             p.requires_grad_(False)
-        self.finish(model, pruner, ctx)
+        if ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model
+            self.finish(model, pruner, ctx)
+        else:
+            tokens = round(distributed.mean(tokens) * world)
         return TrainSummary(
             stage=self.stage_name,
             steps=c.steps,
@@ -242,7 +263,24 @@ class RouterTrainer(Trainer):
         torch.save(state, tmp)
         os.replace(tmp, path)
 
-    def _load_checkpoint(self, path: Path, named, optimizer, scheduler):
+    def _checkpoint_meta(self, step, scheduler, history, done) -> dict:
+        return {
+            "step": step,
+            "done": done,
+            "scheduler": scheduler.state_dict(),
+            "history": history,
+            "config": self.config.model_dump(mode="json"),
+        }
+
+    def _load_checkpoint(self, path: Path, named, optimizer, scheduler, model=None, ranks=None):
+        if ranks is not None:
+            meta = distributed.load_checkpoint(path, model, optimizer, ranks)
+            if meta.get("config") != self.config.model_dump(mode="json"):
+                raise ArtifactError(
+                    f"{path}: checkpoint of a different {self.stage_name!r} configuration; delete it to restart"
+                )
+            scheduler.load_state_dict(meta["scheduler"])
+            return meta["step"], meta["history"], meta["done"]
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # a torn or foreign file: say which and why
@@ -314,11 +352,20 @@ class LoraTrainer(RouterTrainer):
     stage_name = "lora"
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
-        inject_lora(model, self.config)
+        if not lora_parameters(model):  # (added already, inactive, before the model was sharded)
+            inject_lora(model, self.config)
+        _enable_adapters(model, True)
         params = lora_parameters(model)
         if pruner is not None and self.config.train_pruner_params:
             params += pruner.trainable_parameters(model)
         return params
+
+    def prepare_for_sharding(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
+        """The adapters, drawn as this stage draws them, switched off until the stage starts (so that
+        the earlier stages compute what they compute in one process)."""
+        seed_everything(ctx.seed if self.config.seed is None else self.config.seed)
+        inject_lora(model, self.config)
+        _enable_adapters(model, False)
 
     def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
         if self.config.merge:
@@ -386,6 +433,14 @@ def inject_lora(model: nn.Module, config: LoraStageConfig) -> None:
     inject_adapter_in_model(lora, model)
     for p in lora_parameters(model):
         p.data = p.data.float()  # fp32 adapters whatever the model dtype
+
+
+def _enable_adapters(model: nn.Module, enabled: bool) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.enable_adapters(enabled)
 
 
 def merge_lora(model: nn.Module) -> None:
