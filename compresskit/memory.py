@@ -66,7 +66,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     from compresskit.trainers import inject_lora
 
     rec = resolved.recipe
-    sharded = world > 1 or rec.distributed.strategy == "fsdp2"
+    sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
     model = _meta_model(config).to(dtype)
     pruner = None
     if resolved.pruner is not None:

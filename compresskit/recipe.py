@@ -267,11 +267,11 @@ class OutputSection(_Section):
 class DistributedSection(_Section):
     """Training on several GPUs of one host (launched by ``compresskit apply --nproc N`` or torchrun)."""
 
-    strategy: Literal["none", "fsdp2"] = Field(
-        "none",
-        description="fsdp2: the backbone sharded over the ranks (torch.distributed.fsdp.fully_shard, one unit per "
-        "decoder layer), each rank training on its share of every step's micro-batches; none: one process "
-        "(a launch on several ranks then uses fsdp2 anyway)",
+    strategy: Literal["fsdp2"] = Field(
+        "fsdp2",
+        description="how several ranks train: fsdp2, the backbone sharded over the ranks "
+        "(torch.distributed.fsdp.fully_shard, one unit per decoder layer), each rank training on its share of "
+        "every optimiser step's micro-batches; one process trains alone whatever this says",
     )
     timeout_s: int = Field(
         1800, ge=10, description="A collective that waits longer than this fails the run instead of hanging."
