@@ -87,7 +87,7 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
     key_src = {
         "model": rec.model.model_dump(mode="json"),
         "data": rec.data.model_dump(mode="json"),
-        "evaluation": rec.evaluation.model_dump(mode="json"),
+        "evaluation": rec.evaluation.model_dump(mode="json", exclude={"speed"}),  # (speed decides no metric)
         "data_files": data.files,  # the files' contents (sha256), not only their names
         "data_fingerprint": data.fingerprint(),  # every source's contents (a dataset's fingerprint too)
         "device": str(next(model.parameters()).device),
@@ -242,11 +242,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
 
     prune_summary = None
     train_summaries: list[TrainSummary] = []
-    if resolved.pruner is not None and any(getattr(s.config, "distill", None) is not None for s in resolved.training):
-        if needs_copy(resolved.pruner.cls(resolved.pruner.config)):
-            # the pruner changes weights and cannot show the dense model: distill from a copy
-            ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
-    model, pruner = attach(model)
     trainers = []
     for i, stage in enumerate(resolved.training):
         stage_ctx = dataclasses.replace(
@@ -255,7 +250,16 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             work_dir=staging / "work" / f"stage{i}-{stage.name}",
             ranks=ranks,
         )
+        distill = getattr(stage.config, "distill", None)
+        if distill is not None and distill.cache:  # the dense model's top-k logits, before the pruner attaches
+            stage_ctx.teacher_cache = _teacher_cache(rec, model, data, stage.config, stage_ctx, ranks, progress)
         trainers.append((stage.cls(stage.config), stage_ctx))
+    live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
+    if resolved.pruner is not None and live and needs_copy(resolved.pruner.cls(resolved.pruner.config)):
+        # the pruner changes weights and cannot show the dense model: distill from a copy
+        ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
+        trainers = [(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in trainers]
+    model, pruner = attach(model)
     if ranks is not None and resolved.training:
         for trainer, stage_ctx in trainers:
             trainer.prepare_for_sharding(model, pruner, stage_ctx)
@@ -276,7 +280,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             model, pruner = _rebuild(resolved, attach, state, stages, device, progress)
             param = next(model.parameters())
     stages = [(name, trainer) for name, trainer, _ in stages]
-    ctx.teacher = stage_ctx = None  # a dense copy kept for distillation is not needed past training
+    ctx.teacher = stage_ctx = trainers = None  # a dense copy kept for distillation is not needed past training
     if pruner is not None:
         if pruner.state != "finalized":
             model = pruner.finalize(model)
@@ -355,6 +359,25 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         marker.unlink(missing_ok=True)
         artifacts.replace_dir(staging, out)
     return RunResult(out, results, prune_summary, train_summaries)
+
+
+def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path:
+    """Compute (or find) a distilling stage's cached top-k teacher logits with the dense ``model``: each
+    rank its share of the micro-batches, then all wait for the rest."""
+    from compresskit.distill import teacher_cache_dir, write_teacher_cache
+
+    param = next(model.parameters())
+    seed = stage_ctx.seed if config.seed is None else config.seed
+    model_key = {"name_or_path": rec.model.name_or_path, "dtype": str(param.dtype), "device": param.device.type}
+    directory = teacher_cache_dir(model_key, data, config, seed)
+    world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
+    micro_batches = config.steps * config.grad_accum * world
+    model.eval()
+    write_teacher_cache(
+        model, data, config, seed, micro_batches, directory, rank=rank, world=world, progress=progress
+    )  # fmt: skip
+    distributed.barrier()
+    return directory
 
 
 def _rebuild(resolved: ResolvedRecipe, attach, state: dict, stages: list, device: str, progress: Progress):

@@ -56,6 +56,7 @@ class RunContext:
     work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
     teacher: Any = None  # the dense model kept for distillation where the pruner cannot show it (or None)
     ranks: Any = None  # compresskit.distributed.Ranks when training on several ranks (the model sharded), else None
+    teacher_cache: Any = None  # a stage's cached top-k teacher logits (compresskit.distill), a Path, or None
 
 
 @dataclass

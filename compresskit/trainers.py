@@ -35,7 +35,7 @@ from torch import nn
 
 from compresskit import distributed
 from compresskit.data import DataModule
-from compresskit.distill import DistillConfig, kl_loss, teacher_logits
+from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher_cache, teacher_logits
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
@@ -174,10 +174,20 @@ class RouterTrainer(Trainer):
                             reg = pruner.regularization(model) if pruner is not None else None
                             if c.distill is not None:  # after reg: the teacher's pass changes no routing state
                                 d = c.distill
-                                target = teacher_logits(model, pruner, ctx.teacher, batch.input_ids)
-                                kl = kl_loss(
-                                    out.logits, target, batch.attention_mask, temperature=d.temperature, top_k=d.top_k
-                                )
+                                if ctx.teacher_cache is not None:  # the dense model's top-k, computed before pruning
+                                    values, idx = read_teacher_cache(ctx.teacher_cache, step * per_step + k, device)
+                                    kl = kl_loss_on(
+                                        out.logits, values, idx, batch.attention_mask, temperature=d.temperature
+                                    )
+                                else:
+                                    target = teacher_logits(model, pruner, ctx.teacher, batch.input_ids)
+                                    kl = kl_loss(
+                                        out.logits,
+                                        target,
+                                        batch.attention_mask,
+                                        temperature=d.temperature,
+                                        top_k=d.top_k,
+                                    )
                                 loss = (1.0 - d.weight) * loss + d.weight * kl
                                 logs["kl"] = float(kl.detach())
                             if reg is not None:
