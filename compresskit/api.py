@@ -125,45 +125,46 @@ def apply(
     ranks = distributed.init(rec.distributed.timeout_s, rec.model.device) if distributed.launched() else None
     main = ranks is None or ranks.main
     progress = (progress or Progress()) if main else Progress()  # progress and logs from rank 0 only
-    # Everything a user can get wrong is checked before anything is written.
-    unshardable = [s.name for s in resolved.training if not getattr(s.cls, "shardable", False)]
-    if ranks is not None and unshardable:
-        raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
-    resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-    check_source(rec.data)
-    check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
-    out, finished = check_output_dir(resolved)
-    staging = out.with_name(out.name + ".partial")
-    if finished is not None:
-        if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
-            shutil.rmtree(staging)
-        distributed.close()
-        return RunResult(out, finished, reused=True, rank=ranks.rank if ranks else 0)
-    recipe_hash = resolved.hash()
-
-    marker = staging / "recipe.json"
-    if main:
-        if staging.is_dir():
-            try:
-                same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-                same = False
-            if same:
-                progress.log(f"resuming the interrupted run in {staging}")
-            else:
-                shutil.rmtree(staging)
-        staging.mkdir(parents=True, exist_ok=True)
-        artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
-    distributed.barrier()
-
     try:
-        return _run_staged(resolved, staging, out, progress, ranks)
-    except CompressKitError:
-        if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
+        # Everything a user can get wrong is checked before anything is written.
+        unshardable = [s.name for s in resolved.training if not getattr(s.cls, "shardable", False)]
+        if ranks is not None and unshardable:
+            raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
+        resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+        check_source(rec.data)
+        check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
+        out, finished = check_output_dir(resolved)
+        staging = out.with_name(out.name + ".partial")
+        if finished is not None:
+            if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
+                shutil.rmtree(staging)
+            return RunResult(out, finished, reused=True, rank=ranks.rank if ranks else 0)
+        recipe_hash = resolved.hash()
+
+        marker = staging / "recipe.json"
+        if main:
+            if staging.is_dir():
+                try:
+                    same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
+                except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                    same = False
+                if same:
+                    progress.log(f"resuming the interrupted run in {staging}")
+                else:
+                    shutil.rmtree(staging)
+            staging.mkdir(parents=True, exist_ok=True)
+            artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
+        distributed.barrier()
+
+        try:
+            return _run_staged(resolved, staging, out, progress, ranks)
+        except CompressKitError:
+            if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
     finally:
-        distributed.close()
+        if ranks is not None:
+            distributed.close()
 
 
 def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:

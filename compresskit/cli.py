@@ -325,6 +325,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
 
     from compresskit import artifacts
     from compresskit.modeling import load_model
+    from compresskit.plot import speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
     from compresskit.runtime.bench import SHAPES, Member, bench, markdown, speedups
 
@@ -396,6 +397,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         with artifacts.staged_dir(Path(args.output)) as tmp:
             artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
             artifacts.write_text(tmp / "bench.md", markdown(records, meta))
+            speedup_vs_batch(records, tmp / "bench.png")
         _plain(out, f"results: {Path(args.output) / 'bench.json'}")
     return EXIT_OK
 

@@ -1,4 +1,5 @@
-"""The comparison plot: quality against realised sparsity, one point per run."""
+"""The comparison plot (quality against realised sparsity, one point per run) and the bench plot
+(speedup over dense against batch size)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,40 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "not measured in these runs", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def speedup_vs_batch(records: list[dict[str, Any]], path: Path) -> Path:
+    """Write a PNG with two panels, TTFT and TPOT speedup over the dense model on the runtime against
+    the batch size (log 2), one line per model row and prompt length (``compresskit bench``'s
+    records); 1.0 is dense."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = sorted({(r["model"], r["prompt"]) for r in records if r["model"] != "dense"})
+    for model, prompt in series:
+        pts = sorted(
+            (r["batch"], r["ttft_speedup"], r["tpot_speedup"])
+            for r in records
+            if (r["model"], r["prompt"]) == (model, prompt)
+        )
+        for ax, idx in ((ax_ttft, 1), (ax_tpot, 2)):
+            ax.plot([p[0] for p in pts], [p[idx] for p in pts], "o-", label=f"{model}, prompt {prompt}")
+    for ax, what in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
+        ax.axhline(1.0, color="grey", lw=1, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"{what} speedup over dense (same runtime)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

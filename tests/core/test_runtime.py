@@ -103,6 +103,7 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
     assert all(r["tpot_speedup"] == 1.0 for r in rows if r["model"] == "dense")
     assert all(r["mode"] == "eager" for r in rows)  # on the CPU
+    assert (out / "bench.png").stat().st_size > 10_000  # TTFT / TPOT speedup against batch size
     assert data["meta"]["command"].startswith("compresskit bench") and "TTFT x dense" in (out / "bench.md").read_text()
     assert "TTFT and TPOT" in printed
     for bad, expect in (
