@@ -92,3 +92,55 @@ def test_ignore_layers_and_errors():
     assert [p.layer_idx for _, p in routed_projections(model)] == [1, 1, 2, 2]
     with pytest.raises(RecipeError, match=r"ignore_layers: \[7\] out of range"):
         attach(tiny_llama(), ignore_layers=[7])
+
+
+@pytest.mark.parametrize("granularity", ["sublayer", "layer"])
+def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
+    """On the runtime, dynamic depth's blocks (executor depth-skip) decide per token; at batch 1 decode
+    a skipped sublayer launches nothing but the attention's K and V (the cache stays whole). The
+    logits and the counts equal the routed modules' (the reference); per-layer decisions (the FFN
+    following the attention's router) run the modules themselves."""
+    from compresskit.routing import measured_sparsity
+    from compresskit.runtime import Runtime, runtime_for
+    from compresskit_baselines.depth_blocks import SkipAttention, SkipMLP
+
+    model = tiny_llama(num_hidden_layers=4)
+    pruner = attach(model, granularity=granularity)
+    pruner.finalize(model)
+    model.eval()
+    with torch.no_grad():
+        for _, proj in routed_projections(model):  # routers that skip about half the tokens
+            if proj.router is not None:
+                proj.router.up.bias.copy_(torch.tensor([0.0, 0.0]))
+    fast, ref = runtime_for(model, pruner), Runtime(model)
+    blocks = [b for pair in fast.blocks for b in pair]
+    skipping = [b for b in blocks if isinstance(b, (SkipAttention, SkipMLP))]
+    assert len(skipping) == (8 if granularity == "sublayer" else 0) and fast.mode == "eager"
+    prompts = [[5, 6, 7, 8, 9, 10], [7, 8, 9]]
+    for batch in (prompts[:1], prompts):
+        for b in fast.stat_blocks():
+            b.reset_stats()
+        pruner.reset_sparsity(model)
+        got = fast.generate(batch, max_new_tokens=6)
+        counted = measured_sparsity(fast.stat_blocks(), model.config) if skipping else pruner.sparsity(model)
+        pruner.reset_sparsity(model)
+        want = ref.generate(batch, max_new_tokens=6)
+        assert got.tokens == want.tokens
+        assert counted.macs == pytest.approx(pruner.sparsity(model).macs) and 0 < counted.macs < 1
+    if skipping:  # batch 1 decode: a skipped attention never computes its queries
+        calls = []
+        hooks = [a.q_proj.register_forward_hook(lambda *_: calls.append(1)) for a, _ in fast.blocks]
+        fast.generate(prompts[:1], max_new_tokens=6)
+        for h in hooks:
+            h.remove()
+        assert 4 <= len(calls) < 4 * 6  # the prompt's pass in every layer, then only the kept decode steps
+    cache = [rt.new_cache(1, 12) for rt in (fast, ref)]
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        for rt, c in zip((fast, ref), cache, strict=True):
+            rt.forward(prompt, c)
+        for token in (9, 10, 11, 12, 13):
+            a, b = (rt.decode(torch.tensor([token]), c) for rt, c in zip((fast, ref), cache, strict=True))
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for i in range(4):  # the caches hold the same keys and values, skipped or not
+            torch.testing.assert_close(cache[0].keys[i][:, :, :9], cache[1].keys[i][:, :, :9])

@@ -54,6 +54,7 @@ class DynamicDepthPruner(RoutedPruner):
     Config = DynamicDepthConfig
     router_prefix = PREFIX
     contract_config = {"router_rank": 4}
+    runtime_executor = "depth-skip"
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
         cfg = model.config

@@ -1,0 +1,115 @@
+"""``depth-skip``: dynamic depth's blocks for the inference runtime, and its executor.
+
+Sample YAML::
+
+    executor: {name: depth-skip}
+
+For evaluation the executor changes nothing (the routed modules mask the skipped sublayers' outputs,
+the reference). On the runtime (``compresskit generate``, ``bench``, the speed columns of ``apply``)
+its blocks decide per token with the sublayer's router. A skipped attention sublayer still writes
+its K and V to the cache (so later tokens see them), and skips q, the attention and o. A skipped FFN
+does nothing. With one token in flight (batch 1 decode) the decision is read on the host and the
+skipped work is not launched at all: that is where skipping saves time. Otherwise every token is
+computed and the skipped ones' outputs are zeroed (the same result). Reading the decision on the
+host means these blocks run eagerly (no CUDA graph can hold a branch on it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from compresskit import Executor, PluginConfig
+from compresskit.routing import RoutedProjection, decide
+from compresskit.runtime.blocks import Attention, Step, attend, base_module, rope, write_cache
+
+
+class _Skipping:
+    """A sublayer's router and the counters of its decisions (``stat_tokens`` real tokens routed,
+    ``stat_executed`` of them run), as ``compresskit.routing.measured_sparsity`` reads them."""
+
+    def _setup_routing(self, proj: RoutedProjection) -> None:
+        self.router = proj.router
+        self.groups, self.kind = 1, proj.kind
+        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
+        dev = proj.base_layer.weight.device
+        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+
+    @property
+    def stat_skipped(self) -> torch.Tensor:
+        return self.stat_tokens - self.stat_executed
+
+    def reset_stats(self) -> None:
+        self.stat_tokens.zero_()
+        self.stat_executed.zero_()
+
+    def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """``x: [B, T, D]`` -> run ``[B, T]`` (bool), counted over the real tokens."""
+        run = decide(self.router(x), sample=False, tau=1.0)[..., 0] > 0  # [B, T]
+        real = torch.ones_like(run) if valid is None else valid.bool()
+        self.stat_tokens.add_(real.sum(dtype=torch.float64))
+        self.stat_executed.add_((run & real).sum(dtype=torch.float64))
+        return run
+
+
+class SkipAttention(Attention, _Skipping):
+    def __init__(self, layer: nn.Module, head_dim: int) -> None:
+        super().__init__(layer, head_dim, dense=True)
+        self._setup_routing(layer.self_attn.o_proj)
+        self.graphable = False  # the decision is read on the host
+
+    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        run = self.decide(x, step.valid)
+        h = self.norm(x)
+        if b * t == 1 and not bool(run):  # K and V for the cache only
+            k = self.k_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
+            v = self.v_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            _, k = rope(k, k, step.cos, step.sin)  # (transformers' rotation takes a pair)
+            write_cache(keys, values, k, v, step.slots)
+            return torch.zeros_like(x)
+        q, k, v = self.keys_values(h, self.q_proj(h), step)
+        write_cache(keys, values, k, v, step.slots)
+        out = attend(q, keys, values, step, self.scale).transpose(1, 2).reshape(b, t, -1)
+        return self.o_proj(out) * run[..., None].to(x.dtype)
+
+
+class SkipMLP(nn.Module, _Skipping):
+    graphable = False
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        mlp = layer.mlp
+        self._setup_routing(mlp.down_proj)
+        self.norm = base_module(layer.post_attention_layernorm)
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, base_module(mlp.down_proj)
+        self.act = mlp.act_fn
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        run = self.decide(x, step.valid)
+        if x.shape[0] * x.shape[1] == 1 and not bool(run):
+            return torch.zeros_like(x)
+        h = self.norm(x)
+        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)) * run[..., None].to(x.dtype)
+
+
+class DepthSkipExecutor(Executor):
+    Config = PluginConfig
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        return model  # evaluation: the routed modules as they are
+
+    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int):
+        """Skipping blocks for a layer routed per sublayer; a layer with one decision for both (granularity
+        ``layer``: the FFN follows the attention's router) runs its own modules."""
+        attn = getattr(layer.self_attn, "o_proj", None)
+        down = getattr(layer.mlp, "down_proj", None)
+        if isinstance(down, RoutedProjection) and down.leader is not None:
+            return None, None
+        return (
+            SkipAttention(layer, head_dim) if isinstance(attn, RoutedProjection) else None,
+            SkipMLP(layer) if isinstance(down, RoutedProjection) else None,
+        )
