@@ -285,6 +285,11 @@ class Runtime:
         if not prompts or any(not p for p in prompts):
             raise CompressKitError("runtime: every prompt needs at least one token")
         b, longest = len(prompts), max(len(p) for p in prompts)
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and longest + max_new_tokens > limit:
+            raise CompressKitError(
+                f"runtime: a prompt of {longest} tokens and {max_new_tokens} new ones exceed the model's {limit} positions"
+            )
         cache = self._cache_for(b, longest + max_new_tokens)
         ids = torch.zeros(b, longest, dtype=torch.long, device=self.device)
         real = torch.zeros(b, longest, dtype=torch.bool, device=self.device)

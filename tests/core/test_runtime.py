@@ -85,6 +85,8 @@ def test_generate_command_streams_text(capsys, tiny_model_dir):
     assert "4 tokens in" in err and "tokens/s (compresskit runtime, eager, cpu)" in err
     code = main(["generate", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "0"])
     assert code == 2 and "--max-new-tokens: 0; give 1 or more" in capsys.readouterr().err
+    code = main(["generate", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "100000"])
+    assert code == 2 and "new ones exceed the model's" in capsys.readouterr().err
 
 
 def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_dir, tmp_path):
