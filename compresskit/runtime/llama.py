@@ -288,7 +288,8 @@ class Runtime:
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit is not None and longest + max_new_tokens > limit:
             raise CompressKitError(
-                f"runtime: a prompt of {longest} tokens and {max_new_tokens} new ones exceed the model's {limit} positions"
+                f"runtime: a prompt of {longest} tokens and {max_new_tokens} new ones exceed the model's "
+                f"{limit} positions"
             )
         cache = self._cache_for(b, longest + max_new_tokens)
         ids = torch.zeros(b, longest, dtype=torch.long, device=self.device)
