@@ -5,12 +5,17 @@
 # the device tool with carry [".whl"]:
 #   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
 #   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
+#   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
+if [ "${1:-all}" = memory ]; then
+  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_train_memory.py --out "$out/train-memory"
+  exit $?
+fi
 if [ "${1:-all}" != bench ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/wide/test_runtime_wide.py tests/core/test_runtime.py 2>&1 \
     | tee "$out/runtime-gpu-tests.log" | tail -15

@@ -64,3 +64,21 @@ def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, mon
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
     code = main(["apply", str(path), "--dry-run", "--nproc", "0"])
     assert code == 2 and "--nproc: 0; give 1 or more" in capsys.readouterr().err
+
+
+def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
+    """``benchmarks/bench_train_memory.py --smoke``: the estimate and a training step on the CPU (the GPU
+    run measures the peaks)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_memory.py"
+    res = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads((tmp_path / "train_memory.json").read_text())["rows"]
+    assert [r["stage"] for r in rows] == ["router", "lora"] and all(r["measured_peak_allocated"] is None for r in rows)
+    assert rows[1]["trained_params"] > rows[0]["trained_params"] > 0

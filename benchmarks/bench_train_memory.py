@@ -1,0 +1,154 @@
+"""The dry run's peak-memory estimate (``compresskit/memory.py``) against the measured peak of a few
+training steps, on one GPU.
+
+    python benchmarks/bench_train_memory.py --out DIR                          # H200: SmolLM2-135M and 8B shapes
+    python benchmarks/bench_train_memory.py --smoke --out DIR                  # CPU: the path runs, nothing measured
+
+For each shape (``compresskit.runtime.bench.SHAPES``, random weights in bf16, built on the GPU) and each
+stage (WIDE routers; LoRA with the routers), the script plans the stage as ``compresskit apply --dry-run``
+does, then trains it for ``--steps`` steps on random token ids (memory does not depend on the text, and
+the GPU machine lacks the embedded model's package) with the peak-memory counter reset after the model is
+built, and prints the estimate beside ``torch.cuda.max_memory_allocated``
+(plus the CUDA context the estimate adds). Results: a table on stdout and ``train_memory.json`` / ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+
+
+class RandomTokens:
+    """What a training stage reads of its data (``training_batches``): random token ids."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def training_batches(self, seq_len: int, batch_size: int, seed: int = 0, start_step: int = 0):
+        from compresskit.interfaces import Batch
+
+        gen = torch.Generator().manual_seed(seed + start_step)
+        while True:
+            ids = torch.randint(3, self.vocab, (batch_size, seq_len), generator=gen)
+            yield Batch(ids, torch.ones_like(ids))
+
+
+def stages(steps: int, batch: int, seq: int) -> list[dict]:
+    base = {"steps": steps, "batch_size": batch, "seq_len": seq, "checkpoint_every": 10_000}
+    return [{"name": "router", "config": base}, {"name": "lora", "config": {**base, "r": 16}}]
+
+
+def main() -> int:
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.memory import CONTEXT_BYTES, plan, size
+    from compresskit.recipe import load_recipe
+    from compresskit.runtime.bench import SHAPES, shape_model
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--smoke", action="store_true", help="CPU: run the path on tiny shapes, measure nothing")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("no CUDA device: use --smoke")
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if args.smoke:
+        args.shapes, args.steps, args.batch, args.seq = "tiny", 1, 1, 16
+
+    rows = []
+    for name in [s.strip() for s in args.shapes.split(",") if s.strip()]:
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown {name!r}; known: {', '.join(SHAPES)}")
+        for stage in stages(args.steps, args.batch, args.seq):
+            wide = {"target_sparsity": 0.5, "ffn_group_size": 16 if name == "tiny" else 128}
+            recipe = {
+                "model": {"name_or_path": "smollm2-135m", "dtype": str(dtype).removeprefix("torch.")},
+                "pruner": {"name": "wide", "config": wide},
+                "training": [stage],
+                "output": {"dir": str(Path(args.out) / "unused")},
+            }  # (validated only: the model is built from the shape)
+            resolved = load_recipe(recipe)
+            model = shape_model(name, device=device, dtype=dtype)
+            estimate = plan(resolved, world=1, config=model.config, dtype=torch.bfloat16 if cuda else dtype)
+            st = estimate.stages[0]
+            cls = plugins.load("pruner", "wide")
+            pruner = cls(cls.Config(**wide))
+            ctx = RunContext(model_config=model.config, device=device, dtype=dtype, seed=0)
+            pruner.prepare(model, ctx)
+            data = RandomTokens(model.config.vocab_size)
+            trainer_cls = plugins.load("trainer", stage["name"])
+            trainer = trainer_cls(trainer_cls.Config.model_validate(stage["config"]))
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            summary = trainer.fit(model, pruner, data, ctx)
+            measured = torch.cuda.max_memory_allocated() if cuda else None
+            row = {
+                "shape": name,
+                "stage": stage["name"],
+                "trained_params": st.trainable_params,
+                "estimate_peak": st.peak,
+                "estimate_without_context": st.peak - CONTEXT_BYTES,
+                "measured_peak_allocated": measured,
+                "allocated_before_training": before if cuda else None,
+                "ratio": None if measured is None else round(measured / (st.peak - CONTEXT_BYTES), 3),
+                "final_loss": summary.final_loss,
+            }
+            rows.append(row)
+            without = size(st.peak - CONTEXT_BYTES)
+            print(
+                f"{name:14s} {stage['name']:7s} estimate {size(st.peak)} (without context {without})"
+                f"  measured {size(measured) if measured else '-'}  ratio {row['ratio']}",
+                flush=True,
+            )
+            del model, pruner, trainer
+            if cuda:
+                torch.cuda.empty_cache()
+    import transformers
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "none (smoke run: nothing measured)",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": " ".join(sys.argv),
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [
+        f"# Dry-run estimate against measured peak\n\n{json.dumps(meta)}\n",
+        "| shape | stage | trained params | estimate (no context) | measured peak allocated | measured / estimate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = "-" if r["measured_peak_allocated"] is None else size(r["measured_peak_allocated"])
+        lines.append(
+            f"| {r['shape']} | {r['stage']} | {r['trained_params']:,} | {size(r['estimate_without_context'])} | {m} "
+            f"| {r['ratio'] if r['ratio'] is not None else '-'} |"
+        )
+    (out / "train_memory.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
