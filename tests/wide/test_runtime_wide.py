@@ -1,5 +1,7 @@
-"""A WIDE model on the runtime: its routed modules run as they are (the masked dense reference), so
-the runtime gives the model's own logits, and the realised sparsity is counted on real tokens only."""
+"""WIDE on the runtime: the routed modules as they are (the masked dense reference), and WIDE's own
+blocks (routers and masked ops as custom ops, decisions as tensors) against them: the same logits at
+prefill and decode, padded or not, the same counts, compiled against eager, and on a GPU CUDA-graph
+replays against eager."""
 
 import pytest
 import torch
