@@ -6,12 +6,17 @@
 #   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
 #   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
+#   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
+if [ "${1:-all}" = profile ]; then
+  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/profile_runtime.py --out "$out/profile" ${PROFILE:-}
+  exit $?
+fi
 if [ "${1:-all}" = memory ]; then
   timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_train_memory.py --out "$out/train-memory"
   exit $?

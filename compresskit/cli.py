@@ -327,7 +327,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     from compresskit.modeling import load_model
     from compresskit.plot import speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
-    from compresskit.runtime.bench import SHAPES, Member, bench, markdown, speedups
+    from compresskit.runtime.bench import SHAPES, Member, bench, markdown, shape_members, speedups
 
     batches = _int_list(args.batch, "--batch")
     prompts = _int_list(args.prompt, "--prompt")
@@ -343,7 +343,17 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
     if args.shape is not None:
-        members, model, base = _shape_members(args, options)
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
+        members = shape_members(
+            args.shape,
+            sparsity=args.sparsity,
+            device=torch.device("cuda" if cuda else "cpu"),
+            dtype=dtype,
+            transformers=args.transformers,
+            **options,
+        )
+        model, base = members[0].model, args.shape
     else:
         field = "MODEL (compresskit bench's argument)"
         model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
@@ -400,38 +410,6 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             speedup_vs_batch(records, tmp / "bench.png")
         _plain(out, f"results: {Path(args.output) / 'bench.json'}")
     return EXIT_OK
-
-
-def _shape_members(args, options):
-    """The bench's members for ``--shape``: WIDE at ``--sparsity`` (calibrated untrained routers), the
-    same weights dense, the ideal half-width model where the shape has one, and (``--transformers``)
-    the dense model through transformers."""
-    import torch
-
-    from compresskit import plugins
-    from compresskit.interfaces import RunContext
-    from compresskit.runtime import Runtime, runtime_for
-    from compresskit.runtime.bench import Member, calibrate_routers, shape_model
-
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-    model = shape_model(args.shape, device=device, dtype=dtype)
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(target_sparsity=0.5))
-    pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
-    model = pruner.finalize(model)
-    calibrate_routers(model, args.sparsity)
-    members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
-    members.append(Member("dense", model, Runtime(model, dense=True, **options)))  # the same weights, dense
-    try:
-        half = shape_model(args.shape, device=device, dtype=dtype, half=True)
-        members.append(Member("ideal half-width", half, Runtime(half, **options)))
-    except ValueError:
-        pass  # no half-width model of this shape (odd heads per KV head)
-    if args.transformers:  # the routed model seen dense through transformers: the same weights, no copy
-        members.append(Member("dense (transformers)", model, transformers=True))
-    return members, model, args.shape
 
 
 def _version(name: str) -> str | None:

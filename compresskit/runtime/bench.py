@@ -70,6 +70,34 @@ def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
     return model.eval()
 
 
+def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: bool = False, **options) -> list:
+    """The bench's members for a known ``shape`` (random weights): WIDE with its untrained routers
+    calibrated to skip ``sparsity`` of each router's groups ("compressed"), the same weights dense, the
+    ideal half-width model where the shape has one, and with ``transformers`` the dense model through
+    transformers (the routed model seen dense: the same weights, no copy). ``options`` go to the
+    runtimes (``compile``, ``graphs``)."""
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.runtime import Runtime, runtime_for
+
+    model = shape_model(shape, device=device, dtype=dtype)
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(target_sparsity=0.5))
+    pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
+    model = pruner.finalize(model)
+    calibrate_routers(model, sparsity)
+    members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+    members.append(Member("dense", model, Runtime(model, dense=True, **options)))
+    try:
+        half = shape_model(shape, device=device, dtype=dtype, half=True)
+        members.append(Member("ideal half-width", half, Runtime(half, **options)))
+    except ValueError:
+        pass  # no half-width model of this shape (odd heads per KV head)
+    if transformers:
+        members.append(Member("dense (transformers)", model, transformers=True))
+    return members
+
+
 @torch.inference_mode()
 def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 0) -> None:
     """Give every router of a routed ``model`` the skip-logit biases with which each group is skipped on

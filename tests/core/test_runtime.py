@@ -202,3 +202,21 @@ def test_runtime_reuses_its_caches_and_keeps_a_few(tiny_model_dir):
     for n in range(KEPT_CACHES + 2):
         rt.generate([[5] * (n + 1)], max_new_tokens=2)
     assert len(rt._caches) == KEPT_CACHES and (1, KEPT_CACHES + 3) in rt._caches
+
+
+def test_profile_script_runs_its_smoke_path(tmp_path):
+    """``benchmarks/profile_runtime.py --smoke``: every member profiled, time summed by kind (CPU time
+    here; the GPU run sums kernels)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_runtime.py"
+    res = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    members = json.loads((tmp_path / "profile.json").read_text())["members"]
+    assert list(members) == ["compressed", "dense", "ideal half-width"]
+    assert all(m["total_us_per_step"] > 0 and m["top_kernels"] for m in members.values())
