@@ -18,9 +18,11 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # (the CLI imports this module before it imports torch)
+    import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ def launched() -> bool:
 def init(timeout_s: int, device: str = "auto") -> Ranks:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPUs), with ``timeout_s`` on
     every collective; each rank takes the GPU of its local rank."""
+    import torch
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -94,6 +97,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 def mean(value: float) -> float:
     """The mean of ``value`` over the ranks (for logs)."""
+    import torch
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -104,6 +108,7 @@ def mean(value: float) -> float:
 
 
 def _collective_device() -> torch.device:
+    import torch
     import torch.distributed as dist
 
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -124,6 +129,7 @@ def save_checkpoint(directory, model: nn.Module, optimizer, meta: dict, ranks: R
     import shutil
     from pathlib import Path
 
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -146,6 +152,7 @@ def load_checkpoint(directory, model: nn.Module, optimizer, ranks: Ranks) -> dic
     its ``meta``. A checkpoint of another rank count is an error (the steps' batches would differ)."""
     from pathlib import Path
 
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
