@@ -5,6 +5,8 @@
 # the device tool with carry [".whl"]:
 #   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
 #   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
+#   BENCH="--shape llama-3.1-8b --prompt 1024 --new-tokens 64 --transformers static" CASE_TIMEOUT=560 \
+#     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
 set -uo pipefail
@@ -33,6 +35,6 @@ run() {  # one bench case: its arguments; results in $out/bench-N
 if [ -n "${BENCH:-}" ]; then
   run custom $BENCH
 else
-  run 8b-decode --shape llama-3.1-8b --prompt 1024 --batch 1 --new-tokens 64 --repeats 5 --no-transformers
+  run 8b-decode --shape llama-3.1-8b --prompt 1024 --batch 1 --new-tokens 64 --repeats 5 --transformers off
   run 8b-prefill --shape llama-3.1-8b --prompt 4096 --batch 1 --new-tokens 16 --repeats 3
 fi

@@ -350,7 +350,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             sparsity=args.sparsity,
             device=torch.device("cuda" if cuda else "cpu"),
             dtype=dtype,
-            transformers=args.transformers,
+            transformers=None if args.transformers == "off" else args.transformers,
             **options,
         )
         model, base = members[0].model, args.shape
@@ -360,8 +360,9 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
         members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
         members.append(Member("dense", dense, Runtime(dense, **options)))
-        if args.transformers:
-            members.append(Member("dense (transformers)", dense, transformers=True))
+        if args.transformers != "off":
+            name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
+            members.append(Member(name, dense, transformers=args.transformers))
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and max(prompts) + args.new_tokens > limit:
         raise CompressKitError(
@@ -654,9 +655,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--transformers",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time the dense model through transformers' generate (eager)",
+        choices=["dynamic", "static", "off"],
+        default="dynamic",
+        help="also time the dense model through transformers' generate: with its dynamic cache (eager), with a "
+        "static cache (generate compiles it on a GPU), or not",
     )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")

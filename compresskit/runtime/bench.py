@@ -15,7 +15,7 @@ import torch
 
 @dataclass
 class Row:
-    model: str  # "compressed", "dense", "ideal half-width" or "dense (transformers)"
+    model: str  # "compressed", "dense", "ideal half-width", "dense (transformers[, static cache])"
     batch: int
     prompt: int
     ttft_ms: float
@@ -70,12 +70,14 @@ def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
     return model.eval()
 
 
-def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: bool = False, **options) -> list:
+def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: str | None = None, **options) -> list:
     """The bench's members for a known ``shape`` (random weights): WIDE with its untrained routers
     calibrated to skip ``sparsity`` of each router's groups ("compressed"), the same weights dense, the
-    ideal half-width model where the shape has one, and with ``transformers`` the dense model through
-    transformers (the routed model seen dense: the same weights, no copy). ``options`` go to the
-    runtimes (``compile``, ``graphs``)."""
+    ideal half-width model where the shape has one, and with ``transformers`` ("dynamic" or "static",
+    its cache) the dense model through transformers' ``generate`` (with the dynamic cache the routed
+    model seen dense, no copy; with the static cache, which ``generate`` compiles on a GPU, a dense copy
+    of the same weights, so that nothing routed is traced). ``options`` go to the runtimes (``compile``,
+    ``graphs``)."""
     from compresskit import plugins
     from compresskit.interfaces import RunContext
     from compresskit.runtime import Runtime, runtime_for
@@ -93,8 +95,11 @@ def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: b
         members.append(Member("ideal half-width", half, Runtime(half, **options)))
     except ValueError:
         pass  # no half-width model of this shape (odd heads per KV head)
-    if transformers:
-        members.append(Member("dense (transformers)", model, transformers=True))
+    if transformers == "dynamic":
+        members.append(Member("dense (transformers)", model, transformers="dynamic"))
+    elif transformers == "static":
+        dense = shape_model(shape, device=device, dtype=dtype)  # the same seed: the same weights
+        members.append(Member("dense (transformers, static cache)", dense, transformers="static"))
     return members
 
 
@@ -158,10 +163,12 @@ def time_runtime(runtime, batch: int, prompt: int, new_tokens: int, repeats: int
     return statistics.median(ttft), statistics.median(tpot)
 
 
-def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0):
-    """The same through transformers' ``generate`` (greedy, its default cache, eager), of the dense
-    model (a routed one seen dense): TTFT is a one-token call, TPOT the rest of a ``new_tokens`` call
-    per token."""
+def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0, cache="dynamic"):
+    """The same through transformers' ``generate`` (greedy), of the dense model (a routed one seen
+    dense): TTFT is a one-token call, TPOT the rest of a ``new_tokens`` call per token. ``cache``:
+    "dynamic" (its default cache, eager) or "static" (a static cache, with which ``generate`` compiles
+    the forward on a GPU: what users of transformers call its fast path)."""
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
     from compresskit.routing import dense_view
 
     ids = torch.tensor(_prompts(batch, prompt, model.config.vocab_size, seed), device=next(model.parameters()).device)
@@ -171,7 +178,7 @@ def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: 
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode(), dense_view():  # a routed model runs its base computation
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
         sync()
         return (time.perf_counter() - t0) * 1e3
 
@@ -184,13 +191,14 @@ def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: 
 @dataclass
 class Member:
     """One row kind of the bench: ``runtime`` times the model, ``model`` / ``pruner`` count its sparsity;
-    ``transformers``: time ``model`` through transformers' ``generate`` instead."""
+    ``transformers`` ("dynamic" or "static", the cache): time ``model`` through transformers'
+    ``generate`` instead."""
 
     name: str
     model: Any
     runtime: Any = None
     pruner: Any = None
-    transformers: bool = False
+    transformers: str | None = None
 
 
 def bench(
@@ -206,18 +214,33 @@ def bench(
         for b, p in cases:
             for m in members:
                 if m.transformers:
-                    ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats)
+                    ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats, cache=m.transformers)
                     sparsity = None
                 else:
                     _reset(m.runtime, m.model, m.pruner)
                     ttft, tpot = time_runtime(m.runtime, b, p, new_tokens, repeats)
                     sparsity = _sparsity(m.runtime, m.model, m.pruner)
                 rows.append(
-                    Row(m.name, b, p, ttft, tpot, sparsity, {"mode": "eager" if m.transformers else m.runtime.mode})
+                    Row(
+                        m.name,
+                        b,
+                        p,
+                        ttft,
+                        tpot,
+                        sparsity,
+                        {"mode": _transformers_mode(m) if m.transformers else m.runtime.mode},
+                    )
                 )
                 if task is not None:
                     task.advance(1)
     return rows
+
+
+def _transformers_mode(member) -> str:
+    device = next(member.model.parameters()).device
+    if member.transformers == "static":
+        return "static cache, compiled" if device.type == "cuda" else "static cache, eager"
+    return "eager"
 
 
 def speedups(rows: list[Row]) -> list[dict[str, Any]]:

@@ -126,7 +126,7 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
 
     out = tmp_path / "bench"
     argv = ["bench", "--shape", "tiny", "--prompt", "24", "--new-tokens", "3", "--repeats", "1", "--sparsity", "0.25"]
-    code = main([*argv, "--no-transformers", "--output", str(out)])
+    code = main([*argv, "--transformers", "off", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     rows = json.loads((out / "bench.json").read_text())["results"]
     assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"]
@@ -220,3 +220,14 @@ def test_profile_script_runs_its_smoke_path(tmp_path):
     members = json.loads((tmp_path / "profile.json").read_text())["members"]
     assert list(members) == ["compressed", "dense", "ideal half-width"]
     assert all(m["total_us_per_step"] > 0 and m["top_kernels"] for m in members.values())
+
+
+def test_bench_times_transformers_with_a_static_cache_too(capsys, tiny_model_dir, tmp_path):
+    import json
+
+    out = tmp_path / "bench"
+    argv = ["bench", str(tiny_model_dir), "--prompt", "8", "--new-tokens", "3", "--repeats", "1", "--dtype", "float32"]
+    assert main([*argv, "--transformers", "static", "--output", str(out)]) == 0, capsys.readouterr().err
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    assert [(r["model"], r["mode"]) for r in rows][-1] == ("dense (transformers, static cache)", "static cache, eager")
+    assert rows[-1]["tpot_ms"] > 0
