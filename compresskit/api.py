@@ -183,13 +183,17 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     documents = load_documents(rec.data, allow_download=rec.model.allow_download)
     main = ranks is None or ranks.main
     device = rec.model.device if ranks is None else str(ranks.device)
-    model, tokenizer = load_model(
-        rec.model.name_or_path,
-        dtype=rec.model.dtype,
-        device=device,
-        allow_download=rec.model.allow_download,
-        progress=progress,
-    )
+
+    def load():
+        return load_model(
+            rec.model.name_or_path,
+            dtype=rec.model.dtype,
+            device=device,
+            allow_download=rec.model.allow_download,
+            progress=progress,
+        )
+
+    model, tokenizer = load()
     param = next(model.parameters())
     params_before = count_parameters(model)
     for turn in (True, False):  # rank 0 writes the generated text's cache, then the others read it
@@ -278,7 +282,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         if not main:
             return RunResult(out, {}, rank=ranks.rank)
         if state is not None:
-            model, pruner = _rebuild(resolved, attach, state, stages, device, progress)
+            model, pruner = _rebuild(load()[0], attach, state, stages)
             param = next(model.parameters())
     stages = [(name, trainer) for name, trainer, _ in stages]
     ctx.teacher = stage_ctx = trainers = None  # a dense copy kept for distillation is not needed past training
@@ -381,18 +385,10 @@ def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path
     return directory
 
 
-def _rebuild(resolved: ResolvedRecipe, attach, state: dict, stages: list, device: str, progress: Progress):
-    """Rank 0 after sharded training: the model loaded whole again, the pruner attached as before, each
-    stage's structure set up (LoRA adapters), the trained ``state`` loaded, and each stage finished (LoRA
-    merged where asked). Returns ``(model, pruner)``."""
-    rec = resolved.recipe
-    model, _ = load_model(
-        rec.model.name_or_path,
-        dtype=rec.model.dtype,
-        device=device,
-        allow_download=rec.model.allow_download,
-        progress=progress,
-    )
+def _rebuild(model, attach, state: dict, stages: list):
+    """Rank 0 after sharded training, on ``model`` loaded whole again: the pruner attached as before,
+    each stage's structure set up (LoRA adapters), the trained ``state`` loaded, and each stage
+    finished (LoRA merged where asked). Returns ``(model, pruner)``."""
     model, pruner = attach(model)
     for _, trainer, stage_ctx in stages:
         trainer.setup(model, pruner, stage_ctx)

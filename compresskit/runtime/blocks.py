@@ -85,6 +85,40 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scale, enable_gqa=True)
 
 
+class Counting:
+    """For a block that routes (mixed into an ``nn.Module``): the counters of its decisions, on the
+    device and added inside its forward (so a replayed CUDA graph counts its replays), with what
+    ``compresskit.routing.measured_sparsity`` reads: ``stat_tokens`` (real tokens routed),
+    ``stat_skipped`` ((token, group) pairs skipped), ``layer_idx``, ``kind``, ``groups``,
+    ``macs_per_group``, taken from the routed projection ``proj`` the block stands for."""
+
+    def setup_counts(self, proj: nn.Module, groups: int) -> None:
+        self.groups, self.kind = groups, proj.kind
+        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
+        dev = proj.base_layer.weight.device
+        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+
+    @property
+    def stat_skipped(self) -> torch.Tensor:
+        return self.stat_tokens * self.groups - self.stat_executed
+
+    def reset_stats(self) -> None:
+        self.stat_tokens.zero_()
+        self.stat_executed.zero_()
+
+    def count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Add a decision: ``execute: [M, G]`` (bool, ``M`` the tokens in order) and ``valid``, the
+        real-token mask (``[B, T]`` with ``B * T = M``) or None when every token is real."""
+        if valid is None:
+            self.stat_tokens.add_(execute.shape[0])
+            self.stat_executed.add_(execute.sum(dtype=torch.float64))
+        else:
+            real = valid.reshape(-1, 1).bool()
+            self.stat_tokens.add_(real.sum(dtype=torch.float64))
+            self.stat_executed.add_((execute & real).sum(dtype=torch.float64))
+
+
 class Attention(nn.Module):
     """A Llama-family self-attention: norm, q / k / v, (Qwen3's per-head norms), RoPE, cache write,
     attention, o. ``dense=True`` reads the modules under any routing wrapper (the base model);

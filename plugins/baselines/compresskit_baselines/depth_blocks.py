@@ -21,35 +21,20 @@ from torch import nn
 
 from compresskit import Executor, PluginConfig
 from compresskit.routing import RoutedProjection, decide
-from compresskit.runtime.blocks import Attention, Step, attend, base_module, rope, write_cache
+from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, rope, write_cache
 
 
-class _Skipping:
-    """A sublayer's router and the counters of its decisions (``stat_tokens`` real tokens routed,
-    ``stat_executed`` of them run), as ``compresskit.routing.measured_sparsity`` reads them."""
+class _Skipping(Counting):
+    """A sublayer's router (one group: the whole sublayer) and the counts of its decisions."""
 
     def _setup_routing(self, proj: RoutedProjection) -> None:
         self.router = proj.router
-        self.groups, self.kind = 1, proj.kind
-        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
-        dev = proj.base_layer.weight.device
-        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-
-    @property
-    def stat_skipped(self) -> torch.Tensor:
-        return self.stat_tokens - self.stat_executed
-
-    def reset_stats(self) -> None:
-        self.stat_tokens.zero_()
-        self.stat_executed.zero_()
+        self.setup_counts(proj, 1)
 
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` -> run ``[B, T]`` (bool), counted over the real tokens."""
         run = decide(self.router(x), sample=False, tau=1.0)[..., 0] > 0  # [B, T]
-        real = torch.ones_like(run) if valid is None else valid.bool()
-        self.stat_tokens.add_(real.sum(dtype=torch.float64))
-        self.stat_executed.add_((run & real).sum(dtype=torch.float64))
+        self.count(run.reshape(-1, 1), valid)
         return run
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from compresskit.routing import RoutedProjection
-from compresskit.runtime.blocks import Attention, Step, attend, base_module, write_cache
+from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import library  # noqa: F401 - registers torch.ops.compresskit_wide
 from compresskit_wide.kernels.policy import use_kernel
 
@@ -28,42 +28,22 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
     return module.weight if type(module) is nn.Linear and module.bias is None else None
 
 
-class _Routing:
-    """Routing with counters, for a block: ``stat_tokens`` real tokens routed and ``stat_executed``
-    (token, group) pairs run, both on the device and added inside the forward (so a CUDA graph
-    counts its replays)."""
+class _Routing(Counting):
+    """A WIDE router's decision through ``router_decide``, counted (``Counting``) unless ``count`` is off."""
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
-        self.count = count
-        self.groups, self.kind = proj.groups, proj.kind
-        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
-        dev = proj.base_layer.weight.device
-        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-
-    @property
-    def stat_skipped(self) -> torch.Tensor:
-        return self.stat_tokens * self.groups - self.stat_executed
-
-    def reset_stats(self) -> None:
-        self.stat_tokens.zero_()
-        self.stat_executed.zero_()
+        self.count_decisions = count
+        self.setup_counts(proj, proj.groups)
 
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
         d, r = self.router_down, self.router_up
         execute = wide_ops.router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
-        if self.count:
-            if valid is None:
-                self.stat_tokens.add_(execute.shape[0])
-                self.stat_executed.add_(execute.sum(dtype=torch.float64))
-            else:
-                real = valid.reshape(-1, 1)
-                self.stat_tokens.add_(real.sum(dtype=torch.float64))
-                self.stat_executed.add_((execute & real).sum(dtype=torch.float64))
+        if self.count_decisions:
+            self.count(execute, valid)
         return execute
 
 
