@@ -24,7 +24,7 @@ from compresskit.distill import needs_copy
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
-from compresskit.modeling import cache_dir, count_parameters, load_model, resolve_model_source
+from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.runtime.bench import measure_speed
@@ -193,6 +193,10 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             progress=progress,
         )
 
+    if ranks is not None:  # a built-in model is converted into the cache once, by rank 0, before the others read it
+        if main:
+            local_model_dir(resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download))
+        distributed.barrier()
     model, tokenizer = load()
     param = next(model.parameters())
     params_before = count_parameters(model)
