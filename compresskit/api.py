@@ -313,12 +313,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         model,
         pruner,
         rec.evaluation.speed,
-        load_dense=lambda: load_model(
-            rec.model.name_or_path,
-            dtype=rec.model.dtype,
-            device=str(param.device),
-            allow_download=rec.model.allow_download,
-        )[0],
+        load_dense=lambda: load()[0],
         progress=progress,
     )  # on the runtime, with the pruner's own blocks: before the executor rewires the model for evaluation
 
@@ -397,8 +392,9 @@ def _rebuild(model, attach, state: dict, stages: list):
     for _, trainer, stage_ctx in stages:
         trainer.setup(model, pruner, stage_ctx)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    stored = {p.data_ptr() for n, p in model.state_dict().items() if n in state}
-    missing = [n for n in missing if model.state_dict()[n].data_ptr() not in stored]  # tied weights are there
+    tensors = model.state_dict()
+    stored = {t.data_ptr() for n, t in tensors.items() if n in state}
+    missing = [n for n in missing if tensors[n].data_ptr() not in stored]  # tied weights are there
     if missing or unexpected:
         raise RuntimeError(f"the sharded model's state does not fit the rebuilt one: {missing[:3]} {unexpected[:3]}")
     model.requires_grad_(False)

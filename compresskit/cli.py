@@ -110,7 +110,7 @@ def _launch(args, err: Console) -> int:
     status. A failing rank stops the others, and its error is printed with its rank."""
     import subprocess
 
-    argv = [a for a in args.argv]
+    argv = list(args.argv)
     i = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
     del argv[i : i + (1 if "=" in argv[i] else 2)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]

@@ -21,7 +21,7 @@ from torch import nn
 
 from compresskit import Executor, PluginConfig
 from compresskit.routing import RoutedProjection, decide
-from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, rope, write_cache
+from compresskit.runtime.blocks import MLP, Attention, Counting, Step, rope, write_cache
 
 
 class _Skipping(Counting):
@@ -47,8 +47,8 @@ class SkipAttention(Attention, _Skipping):
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         run = self.decide(x, step.valid)
-        h = self.norm(x)
         if b * t == 1 and not bool(run):  # K and V for the cache only
+            h = self.norm(x)
             k = self.k_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
             v = self.v_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
             if self.k_norm is not None:
@@ -56,29 +56,20 @@ class SkipAttention(Attention, _Skipping):
             _, k = rope(k, k, step.cos, step.sin)  # (transformers' rotation takes a pair)
             write_cache(keys, values, k, v, step.slots)
             return torch.zeros_like(x)
-        q, k, v = self.keys_values(h, self.q_proj(h), step)
-        write_cache(keys, values, k, v, step.slots)
-        out = attend(q, keys, values, step, self.scale).transpose(1, 2).reshape(b, t, -1)
-        return self.o_proj(out) * run[..., None].to(x.dtype)
+        return super().forward(x, step, keys, values) * run[..., None].to(x.dtype)
 
 
-class SkipMLP(nn.Module, _Skipping):
-    graphable = False
-
+class SkipMLP(MLP, _Skipping):
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        mlp = layer.mlp
-        self._setup_routing(mlp.down_proj)
-        self.norm = base_module(layer.post_attention_layernorm)
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, base_module(mlp.down_proj)
-        self.act = mlp.act_fn
+        super().__init__(layer, dense=True)  # the SwiGLU under the routed down_proj
+        self._setup_routing(layer.mlp.down_proj)
+        self.graphable = False  # the decision is read on the host
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         run = self.decide(x, step.valid)
         if x.shape[0] * x.shape[1] == 1 and not bool(run):
             return torch.zeros_like(x)
-        h = self.norm(x)
-        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h)) * run[..., None].to(x.dtype)
+        return super().forward(x, step) * run[..., None].to(x.dtype)
 
 
 class DepthSkipExecutor(Executor):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compresskit.routing import RoutedProjection
+from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import library  # noqa: F401 - registers torch.ops.compresskit_wide
 from compresskit_wide.kernels.policy import use_kernel
@@ -87,7 +87,7 @@ class WideAttention(Attention, _Routing):
         if self.wo is not None:
             y = wide_ops.masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
         else:
-            y = self.o_proj(_zero_groups(out, execute))
+            y = self.o_proj(mask_input_groups(out, execute))
         return y.view(b, t, -1)
 
 
@@ -109,11 +109,6 @@ class WideMLP(nn.Module, _Routing):
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         g = wide_ops.masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
         return wide_ops.masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
-
-
-def _zero_groups(x: torch.Tensor, execute: torch.Tensor) -> torch.Tensor:
-    groups = execute.shape[-1]
-    return (x.unflatten(-1, (groups, -1)) * execute[..., None].to(x.dtype)).flatten(-2)
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):
