@@ -127,25 +127,12 @@ def _dry_run(resolved, args, out: Console) -> int:
     """Print what the recipe's training needs per GPU, for ``--nproc`` ranks, without loading weights."""
     import torch
     from rich.table import Table
-    from transformers import AutoConfig
 
     from compresskit.memory import CONTEXT_BYTES, plan, size
-    from compresskit.modeling import (
-        check_supported,
-        local_model_dir,
-        resolve_dtype,
-        resolve_model_source,
-        unreadable_checkpoint,
-    )
+    from compresskit.modeling import load_config, resolve_dtype
 
     rec = resolved.recipe
-    source = resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-    path = local_model_dir(source)
-    with unreadable_checkpoint(path):
-        config = AutoConfig.from_pretrained(
-            path, local_files_only=not (source.kind == "hub" and rec.model.allow_download)
-        )
-    check_supported(config)
+    config = load_config(rec.model.name_or_path, allow_download=rec.model.allow_download)[0]
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
     device = "cuda" if rec.model.device == "auto" else rec.model.device  # the plan is for the GPUs
     dtype = resolve_dtype(rec.model.dtype, torch.device(device))

@@ -194,6 +194,20 @@ def local_model_dir(source: ModelSource, progress: Progress | None = None) -> st
     return str(materialize_alias(source, progress)) if source.kind == "alias" else source.path
 
 
+def load_config(name_or_path: str, *, allow_download: bool = False, field: str = "model.name_or_path", progress=None):
+    """``(config, local directory, local_files_only)`` of a supported model, without its weights; errors
+    name ``field``."""
+    from transformers import AutoConfig
+
+    source = resolve_model_source(name_or_path, allow_download=allow_download, field=field)
+    path = local_model_dir(source, progress)
+    local_only = not (source.kind == "hub" and allow_download)
+    with unreadable_checkpoint(path, field):
+        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
+    check_supported(config, field)
+    return config, path, local_only
+
+
 def load_model(
     name_or_path: str,
     *,
@@ -205,16 +219,11 @@ def load_model(
 ):
     """Load ``(model, tokenizer)`` in eval mode on the resolved device and dtype; errors name
     ``field``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = resolve_model_source(name_or_path, allow_download=allow_download, field=field)
+    _, path, local_only = load_config(name_or_path, allow_download=allow_download, field=field, progress=progress)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    path = local_model_dir(source, progress)
-    local_only = not (source.kind == "hub" and allow_download)
-    with unreadable_checkpoint(path, field):
-        config = AutoConfig.from_pretrained(path, local_files_only=local_only)
-    check_supported(config, field)
     progress = progress or Progress()
     with progress.task(f"loading {name_or_path} ({str(torch_dtype).removeprefix('torch.')}, {dev})"):
         with unreadable_checkpoint(path, field):

@@ -52,12 +52,15 @@ def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
 
 def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, monkeypatch):
     import yaml
-
-    import compresskit.modeling as modeling
+    from transformers import AutoModelForCausalLM
 
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("--dry-run loaded the model"))
+
+    def no_weights(*a, **k):
+        pytest.fail("--dry-run loaded the weights")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     code = main(["apply", str(path), "--dry-run", "--nproc", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "2 rank(s), weights sharded (FSDP2)" in out and "router" in out and "lora" in out
