@@ -24,8 +24,9 @@ if [ "${1:-all}" = memory ]; then
   exit $?
 fi
 if [ "${1:-all}" != bench ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/wide/test_runtime_wide.py tests/core/test_runtime.py 2>&1 \
-    | tee "$out/runtime-gpu-tests.log" | tail -15
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
+    ${TESTS:-tests/wide/test_runtime_wide.py tests/core/test_runtime.py} 2>&1 \
+    | tee "$out/runtime-gpu-tests.log" | tail -40
 fi
 run() {  # one bench case: its arguments; results in $out/bench-N
   local n=$1; shift

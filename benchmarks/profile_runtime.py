@@ -1,4 +1,4 @@
-"""Where a decode step's GPU time goes on the runtime, for dense, WIDE and the ideal half-width model.
+"""Where a decode step's and a prefill's GPU time goes on the runtime, for dense, WIDE and the ideal half-width model.
 
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,24 +44,40 @@ def kind(name: str) -> str:
     return "other"
 
 
-def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool) -> dict:
+def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, phase: str) -> dict:
+    """Profiles ``steps`` decode steps after a prompt of ``context`` tokens (``phase="decode"``), or
+    ``steps`` prefills of that prompt, each into a fresh cache (``phase="prefill"``)."""
     from torch.profiler import ProfilerActivity, profile
 
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, runtime.config.vocab_size, (batch, context), generator=gen).to(runtime.device)
-    cache = runtime.new_cache(batch, context + steps + 4)
+    slots = -(-(context + 2 * steps + 8) // 256) * 256  # aligned, as the runtime's caches on a GPU
+    caches = [runtime.new_cache(batch, slots) for _ in range(steps + 1 if phase == "prefill" else 1)]
     token = torch.full((batch,), 5, device=runtime.device)
-    runtime.forward(prompt, cache)
-    runtime.decode(token, cache)  # compiles, autotunes
-    runtime.decode(token, cache)
+    runtime.forward(prompt, caches[-1])  # compiles, autotunes
+    if phase == "decode":
+        runtime.decode(token, caches[0])
+        runtime.decode(token, caches[0])
     if cuda:
         torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            runtime.decode(token, cache)
+    def run() -> None:
+        for i in range(steps):
+            if phase == "decode":
+                runtime.decode(token, caches[0])
+            else:
+                runtime.forward(prompt, caches[i])
         if cuda:
             torch.cuda.synchronize()
+
+    t0 = time.perf_counter()  # the wall clock first, unprofiled: host work a GPU waits on counts
+    run()
+    wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    if phase == "prefill":  # the same prefills again, profiled
+        for c in caches:
+            c.end = 0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
     per_kind: dict[str, float] = {}
     kernels = []
     for ev in prof.key_averages():
@@ -72,12 +89,37 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool) ->
         per_kind[kind(ev.key)] = per_kind.get(kind(ev.key), 0.0) + us
         kernels.append((ev.key, us, ev.count // steps))
     kernels.sort(key=lambda k: -k[1])
+    host = sorted(
+        ((ev.key, ev.self_cpu_time_total / steps, ev.count // steps) for ev in prof.key_averages()),
+        key=lambda k: -k[1],
+    )
+    python_top = []
+    if phase == "prefill":  # where the host's time goes, by Python function (one more prefill)
+        import cProfile
+        import pstats
+
+        caches[0].end = 0
+        prof_py = cProfile.Profile()
+        prof_py.enable()
+        runtime.forward(prompt, caches[0])
+        prof_py.disable()
+        if cuda:
+            torch.cuda.synchronize()
+        stats = pstats.Stats(prof_py).stats
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
+        python_top = [
+            {"function": f"{Path(f).name}:{line} {fn}", "own_us": round(st[2] * 1e6, 1), "calls": st[1]}
+            for (f, line, fn), st in rows
+        ]
     return {
+        "wall_us_per_step": round(wall_us, 1),
+        "python_top_by_own_time": python_top,
         "us_per_step": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "total_us_per_step": round(sum(per_kind.values()), 1),
         "top_kernels": [
             {"name": n[:120], "us_per_step": round(us, 1), "launches_per_step": c} for n, us, c in kernels[:15]
         ],
+        "top_host_ops": [{"name": n[:120], "self_cpu_us_per_step": round(us, 1), "calls_per_step": c} for n, us, c in host[:12]],
     }
 
 
@@ -90,6 +132,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--phase", choices=("decode", "prefill", "both"), default="both")
+    parser.add_argument("--members", default="", help="comma-separated member names (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager: the path runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -103,11 +147,18 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     options = {"compile": cuda, "graphs": False}
     members = shape_members(args.shape, sparsity=args.sparsity, device=device, dtype=dtype, **options)
+    phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}
+    wanted = {n.strip() for n in args.members.split(",") if n.strip()}
     for m in members:
-        results[m.name] = profile_member(m.runtime, args.batch, args.context, args.steps, cuda)
-        line = ", ".join(f"{k} {v:.0f} us" for k, v in results[m.name]["us_per_step"].items())
-        print(f"{m.name:18s} {results[m.name]['total_us_per_step']:9.0f} us/step: {line}", flush=True)
+        if wanted and m.name not in wanted:
+            continue
+        for phase in phases:
+            key = f"{m.name} {phase}"
+            results[key] = profile_member(m.runtime, args.batch, args.context, args.steps, cuda, phase)
+            line = ", ".join(f"{k} {v:.0f} us" for k, v in results[key]["us_per_step"].items())
+            r = results[key]
+            print(f"{key:26s} wall {r['wall_us_per_step']:9.0f} us, GPU {r['total_us_per_step']:9.0f} us: {line}", flush=True)
     import transformers
 
     meta = {
@@ -121,19 +172,25 @@ def main() -> int:
         "context": args.context,
         "steps": args.steps,
         "decode": "compiled, launched one kernel at a time (no CUDA graph) so that each is profiled",
+        "prefill": "one prompt of `context` tokens into a fresh cache; us per prefill",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps({"meta": meta, "members": results}, indent=2))
     kinds = sorted({k for r in results.values() for k in r["us_per_step"]})
-    lines = [f"# Decode step profile\n\n{json.dumps(meta)}\n", "| member | total us/step | " + " | ".join(kinds) + " |"]
-    lines.append("|---|---|" + "---|" * len(kinds))
+    lines = [f"# Decode step and prefill profile\n\n{json.dumps(meta)}\n", "| member, phase | wall us/step | GPU us/step | " + " | ".join(kinds) + " |"]
+    lines.append("|---|---|---|" + "---|" * len(kinds))
     for name, r in results.items():
         cells = [f"{r['us_per_step'].get(k, 0.0):.0f}" for k in kinds]
-        lines.append(f"| {name} | {r['total_us_per_step']:.0f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {r['wall_us_per_step']:.0f} | {r['total_us_per_step']:.0f} | " + " | ".join(cells) + " |")
     for name, r in results.items():
         lines += ["", f"## {name}: top kernels", "", "| kernel | us/step | launches/step |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['us_per_step']} | {k['launches_per_step']} |" for k in r["top_kernels"]]
+        lines += ["", f"## {name}: top host ops (self CPU time)", "", "| op | us/step | calls/step |", "|---|---|---|"]
+        lines += [f"| `{k['name']}` | {k['self_cpu_us_per_step']} | {k['calls_per_step']} |" for k in r["top_host_ops"]]
+        if r["python_top_by_own_time"]:
+            lines += ["", f"## {name}: Python functions by own time (cProfile, one call)", "", "| function | us | calls |"]
+            lines += ["|---|---|---|"] + [f"| `{k['function']}` | {k['own_us']} | {k['calls']} |" for k in r["python_top_by_own_time"]]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     return 0
 

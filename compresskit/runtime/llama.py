@@ -163,9 +163,9 @@ class Runtime:
 
     def _cache_for(self, batch: int, slots: int) -> StaticCache:
         """A cache of at least ``slots`` slots, reused (with its decode graph) between calls of one
-        size (the ``KEPT_CACHES`` most recently used are kept): with graphs the size is rounded up to a
-        multiple of 256, so few graphs serve many lengths."""
-        if self.graphs:
+        size (the ``KEPT_CACHES`` most recently used are kept): on a GPU the size is rounded up to a
+        multiple of 256, so few graphs serve many lengths and cuBLAS sees aligned strides."""
+        if self.graphs or self.device.type == "cuda":
             rounded = -(-slots // 256) * 256
             limit = getattr(self.config, "max_position_embeddings", None) or rounded
             window = getattr(self.config, "sliding_window", None) or rounded

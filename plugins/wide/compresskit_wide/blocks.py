@@ -17,10 +17,14 @@ from torch import nn
 
 from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
-from compresskit_wide.kernels import library  # noqa: F401 - registers torch.ops.compresskit_wide
+from compresskit_wide.kernels import library
 from compresskit_wide.kernels.policy import use_kernel
 
-wide_ops = torch.ops.compresskit_wide
+router_decide = library.call("router_decide")
+masked_out_gemm = library.call("masked_out_gemm")
+masked_reduce_gemm = library.call("masked_reduce_gemm")
+routed_attention_decode = library.call("routed_attention_decode")
+routed_attention_prefill = library.call("routed_attention_prefill")
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -41,7 +45,7 @@ class _Routing(Counting):
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
         d, r = self.router_down, self.router_up
-        execute = wide_ops.router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
+        execute = router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
         if self.count_decisions:
             self.count(execute, valid)
         return execute
@@ -68,7 +72,7 @@ class WideAttention(Attention, _Routing):
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
         if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-            q = wide_ops.masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
+            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
         else:
             q = self.q_proj(h2)
         q, k, v = self.keys_values(h, q.view(b, t, -1), step)
@@ -77,15 +81,15 @@ class WideAttention(Attention, _Routing):
         routed = self._routed_attention(b, t, context, step, x.device)
         if routed and t == 1:
             lens = (step.slots[-1:] + 1).to(torch.int32).expand(b)
-            out = wide_ops.routed_attention_decode(q[:, :, 0], keys, values, lens, execute, self.backend)
+            out = routed_attention_decode(q[:, :, 0], keys, values, lens, execute, self.backend)
         elif routed:  # [B, T, H, D]
             mask = execute.view(b, t, -1)
-            out = wide_ops.routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend)
+            out = routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend)
         else:  # all heads; o reads the kept ones
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y = wide_ops.masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
+            y = masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
         else:
             y = self.o_proj(mask_input_groups(out, execute))
         return y.view(b, t, -1)
@@ -107,8 +111,8 @@ class WideMLP(nn.Module, _Routing):
         execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x).reshape(b * t, -1)
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
-        g = wide_ops.masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
-        return wide_ops.masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
+        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
+        return masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):

@@ -1,17 +1,43 @@
 """The routed ops as PyTorch custom ops (``torch.ops.compresskit_wide.*``), so that ``torch.compile``
 traces a whole runtime step with them inside: each runs as one opaque call (its kernel, dense
 fallback or reference, as ``ops`` dispatches by ``backend``), and its fake implementation gives the
-output's shape and dtype to the tracer. Importing this module registers them."""
+output's shape and dtype to the tracer. Importing this module registers them.
+
+Outside a compilation the blocks call the same functions directly (:data:`eager`): the dispatcher's
+round trip into Python costs a custom op call about as much host time as its kernel launches, which
+an eager prefill of a 32-layer model pays a few hundred times."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch.library import custom_op
 
 from compresskit_wide.kernels import ops
 
+eager: dict[str, Callable] = {}  # op name -> the plain function behind the custom op
 
-@custom_op("compresskit_wide::router_decide", mutates_args=())
+
+def _register(fn: Callable):
+    """``fn`` as the custom op ``compresskit_wide::<its name>``, kept in :data:`eager` too."""
+    eager[fn.__name__] = fn
+    return custom_op(f"compresskit_wide::{fn.__name__}", mutates_args=())(fn)
+
+
+def call(name: str) -> Callable:
+    """The op ``name`` as a block calls it: the registered custom op while ``torch.compile`` traces
+    (it sees one opaque call with a fake implementation), the plain function otherwise."""
+    compiled, plain = getattr(torch.ops.compresskit_wide, name), eager[name]
+
+    def run(*args):
+        return compiled(*args) if torch.compiler.is_compiling() else plain(*args)
+
+    run.__name__ = name
+    return run
+
+
+@_register
 def router_decide(
     x: torch.Tensor, w_down: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, backend: str
 ) -> torch.Tensor:
@@ -24,7 +50,7 @@ def _(x, w_down, b_down, w_up, b_up, backend):
     return x.new_empty(x.shape[0], w_up.shape[0] // 2, dtype=torch.bool)
 
 
-@custom_op("compresskit_wide::masked_out_gemm", mutates_args=())
+@_register
 def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -42,7 +68,7 @@ def _(x, w, mask, w_up, zero_inactive, backend):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-@custom_op("compresskit_wide::masked_reduce_gemm", mutates_args=())
+@_register
 def masked_reduce_gemm(
     x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool, backend: str
 ) -> torch.Tensor:
@@ -55,7 +81,7 @@ def _(x, w, mask, input_is_masked, backend):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-@custom_op("compresskit_wide::routed_attention_decode", mutates_args=())
+@_register
 def routed_attention_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor, backend: str
 ) -> torch.Tensor:
@@ -68,7 +94,7 @@ def _(q, k, v, seq_lens, mask, backend):
     return q.new_empty(q.shape)
 
 
-@custom_op("compresskit_wide::routed_attention_prefill", mutates_args=())
+@_register
 def routed_attention_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str
 ) -> torch.Tensor:
