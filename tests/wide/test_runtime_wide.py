@@ -157,6 +157,40 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(ops.routed_attention_prefill, (qp, k, v, torch.rand(2, 6, 2) > 0.5, "torch"))
 
 
+
+def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(monkeypatch):
+    """``library.call``: outside ``torch.compile`` the function itself runs (no dispatcher round trip);
+    while compiling, the graph holds the registered custom op (so the plain function is not traced)."""
+    from compresskit_wide.kernels import library
+
+    calls = []
+    plain = library.eager["masked_out_gemm"]
+
+    def spy(*args):
+        calls.append(torch.compiler.is_compiling())
+        return plain(*args)
+
+    monkeypatch.setitem(library.eager, "masked_out_gemm", spy)
+    op = library.call("masked_out_gemm")
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 8, generator=gen), torch.randn(12, 8, generator=gen)
+    mask = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
+    want = plain(x, w, mask, None, True, "torch")
+    torch.testing.assert_close(op(x, w, mask, None, True, "torch"), want)
+    assert calls == [False]
+
+    targets = []
+
+    def record(gm, _inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b, c: op(a, b, c, None, True, "torch"), backend=record, fullgraph=True)(x, w, mask)
+    torch.testing.assert_close(got, want)
+    assert calls == [False]  # the compiled graph ran the custom op, not the spy
+    assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
+
 def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     """``torch.compile`` traces whole blocks (``fullgraph``: the WIDE ops are custom ops, every index a
     tensor); the compiled decode steps give the eager logits. (CUDA graphs need a GPU: the GPU tests.)"""
