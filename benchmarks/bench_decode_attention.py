@@ -103,7 +103,10 @@ def main() -> int:
         )
         fns = {}
         for name, fn in variants.items():
-            fns[name] = (torch.compile(fn, dynamic=False, fullgraph=True) if cuda else fn, (q, keys, values, valid, scale))
+            fns[name] = (
+                torch.compile(fn, dynamic=False, fullgraph=True) if cuda else fn,
+                (q, keys, values, valid, scale),
+            )
         if cuda:
             fns["wide-triton"] = (wide_triton, (q, keys, values, lens, groups))
         row = {"batch": b, "cache": s, "valid": length}
@@ -126,7 +129,11 @@ def main() -> int:
         return 0
     names = list(fns)
     lines = [
-        "| batch | cache slots | valid | " + " | ".join(f"{n} us" for n in names) + " | " + " | ".join(f"{n} x matmul" for n in names[1:]) + " |",
+        "| batch | cache slots | valid | "
+        + " | ".join(f"{n} us" for n in names)
+        + " | "
+        + " | ".join(f"{n} x matmul" for n in names[1:])
+        + " |",
         "|---|---|---|" + "---|" * (2 * len(names) - 1),
     ]
     for r in rows:

@@ -60,6 +60,7 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
         runtime.decode(token, caches[0])
     if cuda:
         torch.cuda.synchronize()
+
     def run() -> None:
         for i in range(steps):
             if phase == "decode":
@@ -119,7 +120,9 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
         "top_kernels": [
             {"name": n[:120], "us_per_step": round(us, 1), "launches_per_step": c} for n, us, c in kernels[:15]
         ],
-        "top_host_ops": [{"name": n[:120], "self_cpu_us_per_step": round(us, 1), "calls_per_step": c} for n, us, c in host[:12]],
+        "top_host_ops": [
+            {"name": n[:120], "self_cpu_us_per_step": round(us, 1), "calls_per_step": c} for n, us, c in host[:12]
+        ],
     }
 
 
@@ -158,7 +161,10 @@ def main() -> int:
             results[key] = profile_member(m.runtime, args.batch, args.context, args.steps, cuda, phase)
             line = ", ".join(f"{k} {v:.0f} us" for k, v in results[key]["us_per_step"].items())
             r = results[key]
-            print(f"{key:26s} wall {r['wall_us_per_step']:9.0f} us, GPU {r['total_us_per_step']:9.0f} us: {line}", flush=True)
+            print(
+                f"{key:26s} wall {r['wall_us_per_step']:9.0f} us, GPU {r['total_us_per_step']:9.0f} us: {line}",
+                flush=True,
+            )
     import transformers
 
     meta = {
@@ -178,19 +184,31 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "profile.json").write_text(json.dumps({"meta": meta, "members": results}, indent=2))
     kinds = sorted({k for r in results.values() for k in r["us_per_step"]})
-    lines = [f"# Decode step and prefill profile\n\n{json.dumps(meta)}\n", "| member, phase | wall us/step | GPU us/step | " + " | ".join(kinds) + " |"]
+    lines = [
+        f"# Decode step and prefill profile\n\n{json.dumps(meta)}\n",
+        "| member, phase | wall us/step | GPU us/step | " + " | ".join(kinds) + " |",
+    ]
     lines.append("|---|---|---|" + "---|" * len(kinds))
     for name, r in results.items():
         cells = [f"{r['us_per_step'].get(k, 0.0):.0f}" for k in kinds]
-        lines.append(f"| {name} | {r['wall_us_per_step']:.0f} | {r['total_us_per_step']:.0f} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name} | {r['wall_us_per_step']:.0f} | {r['total_us_per_step']:.0f} | " + " | ".join(cells) + " |"
+        )
     for name, r in results.items():
         lines += ["", f"## {name}: top kernels", "", "| kernel | us/step | launches/step |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['us_per_step']} | {k['launches_per_step']} |" for k in r["top_kernels"]]
         lines += ["", f"## {name}: top host ops (self CPU time)", "", "| op | us/step | calls/step |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['self_cpu_us_per_step']} | {k['calls_per_step']} |" for k in r["top_host_ops"]]
         if r["python_top_by_own_time"]:
-            lines += ["", f"## {name}: Python functions by own time (cProfile, one call)", "", "| function | us | calls |"]
-            lines += ["|---|---|---|"] + [f"| `{k['function']}` | {k['own_us']} | {k['calls']} |" for k in r["python_top_by_own_time"]]
+            lines += [
+                "",
+                f"## {name}: Python functions by own time (cProfile, one call)",
+                "",
+                "| function | us | calls |",
+            ]
+            lines += ["|---|---|---|"] + [
+                f"| `{k['function']}` | {k['own_us']} | {k['calls']} |" for k in r["python_top_by_own_time"]
+            ]
     (out / "profile.md").write_text("\n".join(lines) + "\n")
     return 0
 

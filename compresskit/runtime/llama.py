@@ -13,7 +13,7 @@ padding.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -62,12 +62,15 @@ class StaticCache:
 @dataclass
 class _DecodeGraph:
     """One decode step captured as a CUDA graph: write the token into ``ids``, its slot into ``slot``,
-    replay, read ``logits``."""
+    replay, read ``logits``. The step also leaves its greedy token in ``next`` and feeds itself: it
+    writes that token into ``ids`` and advances ``slot``, so greedy replays can follow each other with
+    no host work between them."""
 
     graph: torch.cuda.CUDAGraph
     ids: torch.Tensor  # [B, 1]
     slot: torch.Tensor  # [1]
     logits: torch.Tensor  # [B, V]
+    next: torch.Tensor  # [B]
 
 
 def _compile(block: nn.Module):
@@ -222,6 +225,71 @@ class Runtime:
         x = self._layers(self.model.model.embed_tokens(ids), step, cache, self._steps)
         return self._head(x)[:, -1]
 
+    def _feed_step(self, cache: StaticCache, ids: torch.Tensor, slot: torch.Tensor):
+        """A decode step that feeds the next: its greedy token ``[B]`` goes into ``ids`` and ``slot``
+        advances by one. Returns ``(logits [B, V], token [B])``."""
+        logits = self._decode_step(cache, ids, slot)
+        token = logits.argmax(-1)
+        ids.copy_(token[:, None])
+        slot.add_(1)
+        return logits, token
+
+    def _graph(self, cache: StaticCache, token: torch.Tensor) -> _DecodeGraph:
+        g = cache.graphs.get(cache.padded)
+        if g is None:
+            g = cache.graphs[cache.padded] = self._capture(cache, token)
+        return g
+
+    @torch.inference_mode()
+    def greedy_tokens(self, cache: StaticCache, first: torch.Tensor, count: int) -> Iterator[list[int]]:
+        """Greedy decoding from ``first: [B]`` (the token after the cache's content, on the device):
+        yields ``count`` lists of ``B`` tokens, ``first``'s then each step's. Each step picks its token on
+        the device and feeds it to the next (``_feed_step``, the captured graph with graphs), and the
+        host enqueues a step before it reads the token of the one before: the GPU never waits for the
+        host between steps. So when the caller stops early, one more step has run (written to the cache,
+        and counted by routing blocks) than it read. Needs compiled decode steps or graphs."""
+        if not (self.compiled or self.graphs):
+            raise CompressKitError("runtime: greedy_tokens needs compiled decode steps or CUDA graphs")
+        if count <= 0:
+            return
+        b = first.shape[0]
+        if self.graphs:
+            g = self._graph(cache, first)
+            g.ids.copy_(first[:, None])
+            g.slot.fill_(cache.end)
+
+            def advance() -> torch.Tensor:
+                g.graph.replay()
+                return g.next
+        else:
+            ids, slot = first[:, None].clone(), cache.slot_ids[cache.end : cache.end + 1].clone()
+
+            def advance() -> torch.Tensor:
+                return self._feed_step(cache, ids, slot)[1]
+
+        cuda = self.device.type == "cuda"
+        host = torch.empty((count, b), dtype=torch.long, pin_memory=cuda)
+        ready: list = [None] * count
+
+        def stage(i: int, token: torch.Tensor) -> None:  # step i's tokens on their way to the host
+            host[i].copy_(token, non_blocking=cuda)
+            if cuda:
+                ready[i] = torch.cuda.Event()
+                ready[i].record()
+
+        stage(0, first)
+        for i in range(count):
+            if i + 1 < count:
+                if cache.end >= cache.size:
+                    raise CompressKitError(
+                        f"runtime: {cache.end + 1} tokens do not fit the cache of {cache.size} slots"
+                    )
+                stage(i + 1, advance())
+                cache.end += 1
+            if ready[i] is not None:
+                ready[i].synchronize()
+            yield host[i].tolist()
+
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """Logits ``[B, V]`` of one new token per sequence (``token: [B]``) at the cache's end."""
@@ -233,9 +301,7 @@ class Runtime:
             slot = cache.slot_ids[cache.end : cache.end + 1]
             logits = self._decode_step(cache, token[:, None], slot)
         else:
-            g = cache.graphs.get(cache.padded)
-            if g is None:
-                g = cache.graphs[cache.padded] = self._capture(cache, token)
+            g = self._graph(cache, token)
             g.ids.copy_(token[:, None])
             g.slot.fill_(cache.end)
             g.graph.replay()
@@ -258,10 +324,10 @@ class Runtime:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._decode_step(cache, ids, slot)
+            logits, token = self._feed_step(cache, ids, slot)
         for buf, saved in counters:
             buf.copy_(saved)
-        return _DecodeGraph(graph, ids, slot, logits)
+        return _DecodeGraph(graph, ids, slot, logits, token)
 
     # -- generation ----------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -302,22 +368,34 @@ class Runtime:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
-        self._sync()
-        t0 = time.perf_counter()
-        logits = self.forward(ids, cache, new_valid=real if cache.padded else None)[:, -1]
-        self._sync()  # the GPU's work is done when the clock is read
-        first = time.perf_counter()
-        for step in range(max_new_tokens):
-            token = _pick(logits, temperature, top_p, gen)  # [B]
-            for row, value in enumerate(token.tolist()):  # one synchronisation a step
+
+        def take(tokens: list[int]) -> bool:
+            """Record one step's tokens; whether any sequence goes on."""
+            for row, value in enumerate(tokens):
                 if not done[row]:
                     out[row].append(value)
                     if on_token is not None:
                         on_token(row, value)
                     done[row] = value == eos_token_id
-            if step == max_new_tokens - 1 or all(done):
-                break
-            logits = self.decode(token, cache)
+            return not all(done)
+
+        self._sync()
+        t0 = time.perf_counter()
+        logits = self.forward(ids, cache, new_valid=real if cache.padded else None)[:, -1]
+        self._sync()  # the GPU's work is done when the clock is read
+        first = time.perf_counter()
+        if temperature <= 0 and (self.compiled or self.graphs):  # the device feeds itself, the host reads behind
+            steps = self.greedy_tokens(cache, logits.argmax(-1), max_new_tokens)
+            for tokens in steps:
+                if not take(tokens):
+                    break
+            steps.close()
+        else:
+            for step in range(max_new_tokens):
+                token = _pick(logits, temperature, top_p, gen)  # [B]
+                if not take(token.tolist()) or step == max_new_tokens - 1:  # one synchronisation a step
+                    break
+                logits = self.decode(token, cache)
         self._sync()
         end = time.perf_counter()
         return GenerationResult(out, first - t0, end - first, sum(len(o) for o in out))

@@ -58,6 +58,33 @@ def test_sampling_is_seeded_and_stops_at_eos(tiny):
     assert stopped == a[0][: a[0].index(eos) + 1]
 
 
+def test_self_feeding_greedy_decode_gives_the_eager_tokens(tiny):
+    """Compiled decode steps feed themselves (the token picked on the device, the host one step
+    behind): the same tokens, streamed in order, as eager decoding, padded or not, stopping at EOS;
+    when the caller stops, one more step has run than it read."""
+    model, _ = tiny
+    fast, eager = Runtime(model, compile=True), Runtime(model)
+    assert fast.mode == "compiled"
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (6, 4)]
+    streamed = []
+    want = eager.generate(prompts, max_new_tokens=6).tokens
+    got = fast.generate(prompts, max_new_tokens=6, on_token=lambda row, tok: streamed.append((row, tok)))
+    assert got.tokens == want
+    assert [t for r, t in streamed if r == 0] == want[0] and [t for r, t in streamed if r == 1] == want[1]
+    eos = want[0][2]
+    stopped = fast.generate(prompts[:1], max_new_tokens=6, eos_token_id=eos).tokens[0]
+    assert stopped == want[0][: want[0].index(eos) + 1]
+    cache = fast.new_cache(1, 12)
+    logits = fast.forward(torch.tensor([prompts[0]]), cache)[:, -1]
+    steps = fast.greedy_tokens(cache, logits.argmax(-1), 4)
+    assert [next(steps), next(steps)] == [[want[0][0]], [want[0][1]]]
+    steps.close()
+    assert cache.end == len(prompts[0]) + 2  # the step after the last one read has run
+    with pytest.raises(CompressKitError, match="needs compiled decode steps"):
+        next(eager.greedy_tokens(cache, logits.argmax(-1), 2))
+
+
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     gen = torch.Generator().manual_seed(0)
@@ -218,8 +245,11 @@ def test_profile_script_runs_its_smoke_path(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     members = json.loads((tmp_path / "profile.json").read_text())["members"]
-    assert list(members) == ["compressed", "dense", "ideal half-width"]
-    assert all(m["total_us_per_step"] > 0 and m["top_kernels"] for m in members.values())
+    assert list(members) == [
+        f"{m} {p}" for m in ("compressed", "dense", "ideal half-width") for p in ("decode", "prefill")
+    ]
+    assert all(m["total_us_per_step"] > 0 and m["top_kernels"] and m["wall_us_per_step"] > 0 for m in members.values())
+    assert all(bool(m["python_top_by_own_time"]) == k.endswith("prefill") for k, m in members.items())
 
 
 def test_bench_times_transformers_with_a_static_cache_too(capsys, tiny_model_dir, tmp_path):

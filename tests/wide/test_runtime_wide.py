@@ -157,7 +157,6 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(ops.routed_attention_prefill, (qp, k, v, torch.rand(2, 6, 2) > 0.5, "torch"))
 
 
-
 def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(monkeypatch):
     """``library.call``: outside ``torch.compile`` the function itself runs (no dispatcher round trip);
     while compiling, the graph holds the registered custom op (so the plain function is not traced)."""
@@ -190,6 +189,7 @@ def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(
     torch.testing.assert_close(got, want)
     assert calls == [False]  # the compiled graph ran the custom op, not the spy
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
+
 
 def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     """``torch.compile`` traces whole blocks (``fullgraph``: the WIDE ops are custom ops, every index a
