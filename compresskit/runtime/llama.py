@@ -73,8 +73,8 @@ class _DecodeGraph:
     next: torch.Tensor  # [B]
 
 
-def _compile(block: nn.Module):
-    return torch.compile(block, fullgraph=True, dynamic=False)
+def _compile(block: nn.Module, dynamic: bool = False):
+    return torch.compile(block, fullgraph=True, dynamic=dynamic)
 
 
 def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool, why: str) -> bool:
@@ -94,7 +94,7 @@ class Runtime:
     runs (the runtime's dense blocks elsewhere). ``dense``: run the model's base computation (routing
     wrappers looked through), e.g. the dense reference of a routed model. ``compile`` / ``graphs``:
     decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
-    every block allows it; the prompt's prefill always runs eagerly)."""
+    every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes)."""
 
     def __init__(
         self,
@@ -129,8 +129,11 @@ class Runtime:
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
+        self._prefill = self.blocks  # what a prompt's forward calls
         if self.compiled:  # one compilation per block class and shape, shared by every layer
             self._steps = [(_compile(a), _compile(m)) for a, m in self.blocks]
+            # prompts: one compilation with symbolic lengths (elementwise work fused, fewer launches)
+            self._prefill = [(_compile(a, dynamic=True), _compile(m, dynamic=True)) for a, m in self.blocks]
 
     @property
     def mode(self) -> str:
@@ -195,8 +198,9 @@ class Runtime:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: StaticCache, *, new_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of ``ids: [B, T]`` written at cache slots ``[end, end + T)``, eagerly;
-        ``new_valid: [B, T]`` marks their padding (default: all real)."""
+        """Logits ``[B, T, V]`` of ``ids: [B, T]`` written at cache slots ``[end, end + T)`` (compiled
+        with symbolic shapes where decode steps are compiled, else eager); ``new_valid: [B, T]``
+        marks their padding (default: all real)."""
         b, t = ids.shape
         start, stop = cache.end, cache.end + t
         if stop > cache.size:
@@ -211,7 +215,7 @@ class Runtime:
         step = Step(cache.cos[positions], cache.sin[positions], slots, mask, new_valid, cache.padded)
         x = self.model.model.embed_tokens(ids)  # [B, T, hidden]
         with token_mask(new_valid):  # a routed model's own modules count (and route) the real tokens only
-            x = self._layers(x, step, cache, self.blocks)
+            x = self._layers(x, step, cache, self._prefill)
         cache.end = stop
         return self._head(x)
 

@@ -193,7 +193,8 @@ def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(
 
 def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     """``torch.compile`` traces whole blocks (``fullgraph``: the WIDE ops are custom ops, every index a
-    tensor); the compiled decode steps give the eager logits. (CUDA graphs need a GPU: the GPU tests.)"""
+    tensor); the compiled prefill (symbolic shapes, padded and not) and decode steps give the eager
+    logits. (CUDA graphs need a GPU: the GPU tests.)"""
     from compresskit.runtime import runtime_for
 
     model, pruner = _wide_model(tiny_model_dir)
@@ -208,8 +209,12 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
         real = ids > 0
         for c in caches:
             c.pad[1], c.padded = 3, True
-        for rt, c in zip((fast, eager), caches, strict=True):
-            rt.forward(ids, c, new_valid=real)
+        got, want = (rt.forward(ids, c, new_valid=real) for rt, c in zip((fast, eager), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for length in (7, 4):  # fresh unpadded prompts of two lengths: one symbolic compilation
+            fresh = torch.arange(3, 3 + 2 * length).view(2, length)
+            got, want = (rt.forward(fresh, rt.new_cache(2, 9)) for rt in (fast, eager))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for token in ([3, 4], [7, 8], [11, 12]):
             token = torch.tensor(token)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, eager), caches, strict=True))
