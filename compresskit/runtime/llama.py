@@ -1,6 +1,7 @@
 """The runtime's forward: embedding, then per decoder layer ``x = x + attention(x)`` and
 ``x = x + mlp(x)`` (blocks that apply their own norm: ``blocks.py``), a final norm and the LM head,
-over a static KV cache. A prompt runs eagerly; decode steps run compiled and as CUDA graphs on a GPU.
+over a static KV cache. On a GPU a prompt runs compiled (symbolic shapes) and decode steps compiled and
+as CUDA graphs; on a CPU everything runs eagerly.
 
 Shapes: ``B`` sequences, ``T`` new tokens, ``S`` cache slots, ``H`` / ``Hkv`` query / KV heads of
 ``D`` each (read per layer from the projections, so pruned models need no other config).
