@@ -261,3 +261,15 @@ def test_bench_times_transformers_with_a_static_cache_too(capsys, tiny_model_dir
     rows = json.loads((out / "bench.json").read_text())["results"]
     assert [(r["model"], r["mode"]) for r in rows][-1] == ("dense (transformers, static cache)", "static cache, eager")
     assert rows[-1]["tpot_ms"] > 0
+
+
+def test_decode_attention_bench_checks_every_form_on_the_cpu():
+    """``bench_decode_attention.py --smoke``: each way of writing decode attention matches fp32 SDPA."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode_attention.py"
+    res = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "every variant matches SDPA" in res.stdout
