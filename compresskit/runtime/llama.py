@@ -27,6 +27,9 @@ from compresskit.tokens import token_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 KEPT_CACHES = 4  # caches (with their decode graphs) a runtime keeps for reuse, by batch and size
+# compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
+# (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
+RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -75,6 +78,8 @@ class _DecodeGraph:
 
 
 def _compile(block: nn.Module, dynamic: bool = False):
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(block, fullgraph=True, dynamic=dynamic)
 
 

@@ -83,6 +83,10 @@ def test_self_feeding_greedy_decode_gives_the_eager_tokens(tiny):
     assert cache.end == len(prompts[0]) + 2  # the step after the last one read has run
     with pytest.raises(CompressKitError, match="needs compiled decode steps"):
         next(eager.greedy_tokens(cache, logits.argmax(-1), 2))
+    # a bench over batches, lengths and models compiles a block class many times: none falls back to eager
+    from compresskit.runtime.llama import RECOMPILE_LIMIT
+
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
