@@ -275,6 +275,10 @@ def cmd_generate(args, out: Console, err: Console) -> int:
         out.file.flush()
         shown = text
 
+    warm = 0.0
+    if runtime.compiled or runtime.graphs:
+        with err.status("compiling the runtime for this shape (once a process) ..."):
+            warm = runtime.warm_up(1, len(prompt), args.max_new_tokens)
     t0 = time.perf_counter()
     res = runtime.generate(
         [prompt],
@@ -289,7 +293,9 @@ def cmd_generate(args, out: Console, err: Console) -> int:
     err.print(
         f"{res.new_tokens} tokens in {time.perf_counter() - t0:.2f} s: first token after "
         f"{res.prefill_seconds * 1e3:.0f} ms, then {(res.new_tokens - 1) / max(res.decode_seconds, 1e-9):.1f} "
-        f"tokens/s (compresskit runtime, {runtime.mode}, {runtime.device.type})",
+        f"tokens/s (compresskit runtime, {runtime.mode}, {runtime.device.type}"
+        + (f"; compiled beforehand in {warm:.1f} s" if warm else "")
+        + ")",
         markup=False,
         highlight=False,
     )

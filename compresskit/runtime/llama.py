@@ -339,6 +339,28 @@ class Runtime:
             buf.copy_(saved)
         return _DecodeGraph(graph, ids, slot, logits, token)
 
+    def warm_up(self, batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
+        """Compile and capture, outside any clock, what ``generate`` of ``batch`` prompts of up to
+        ``prompt_tokens`` tokens and ``max_new_tokens`` new ones will run: a prefill of that shape and
+        two decode steps into the cache it will use. Routing blocks' counters are left as they were.
+        Returns the seconds it took (0 where nothing is compiled or captured)."""
+        if not (self.compiled or self.graphs):
+            return 0.0
+        t0 = time.perf_counter()
+        counters = [(buf, buf.clone()) for b in self.stat_blocks() for n, buf in b.named_buffers() if "stat_" in n]
+        cache = self._cache_for(batch, prompt_tokens + max_new_tokens)
+        ids = torch.full((batch, prompt_tokens), 3, dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            first = self.forward(ids, cache)[:, -1].argmax(-1)
+        for _ in self.greedy_tokens(cache, first, min(2, max_new_tokens)):
+            pass
+        self._sync()
+        with torch.no_grad():
+            for buf, saved in counters:
+                buf.copy_(saved)
+        cache.reset()
+        return time.perf_counter() - t0
+
     # -- generation ----------------------------------------------------------------------------
     def _sync(self) -> None:
         if self.device.type == "cuda":

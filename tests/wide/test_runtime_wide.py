@@ -204,6 +204,9 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     ]
     for fast, eager in pairs:
         assert fast.mode == "compiled"
+        before = [b.stat_tokens.clone() for b in fast.stat_blocks()]
+        assert fast.warm_up(1, 4, 3) > 0  # compiles and runs, and leaves the routing counters as they were
+        assert all(torch.equal(a, b.stat_tokens) for a, b in zip(before, fast.stat_blocks(), strict=True))
         caches = [rt.new_cache(2, 9) for rt in (fast, eager)]
         ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 0, 5, 6]])
         real = ids > 0
