@@ -77,10 +77,12 @@ class _DecodeGraph:
     next: torch.Tensor  # [B]
 
 
-def _compile(block: nn.Module, dynamic: bool = False):
+def _compile(block: nn.Module, prefill: bool = False):
+    """A decode step's block: one graph of static shapes. A prompt's: symbolic shapes, and a block may
+    break its graph there (a plugin's op that runs better eagerly than through the dispatcher)."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(block, fullgraph=True, dynamic=dynamic)
+    return torch.compile(block, fullgraph=not prefill, dynamic=prefill)
 
 
 def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool, why: str) -> bool:
@@ -139,7 +141,7 @@ class Runtime:
         if self.compiled:  # one compilation per block class and shape, shared by every layer
             self._steps = [(_compile(a), _compile(m)) for a, m in self.blocks]
             # prompts: one compilation with symbolic lengths (elementwise work fused, fewer launches)
-            self._prefill = [(_compile(a, dynamic=True), _compile(m, dynamic=True)) for a, m in self.blocks]
+            self._prefill = [(_compile(a, prefill=True), _compile(m, prefill=True)) for a, m in self.blocks]
 
     @property
     def mode(self) -> str:

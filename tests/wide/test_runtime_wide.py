@@ -159,7 +159,8 @@ def test_custom_ops_pass_opcheck():
 
 def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(monkeypatch):
     """``library.call``: outside ``torch.compile`` the function itself runs (no dispatcher round trip);
-    while compiling, the graph holds the registered custom op (so the plain function is not traced)."""
+    while compiling, the graph holds the registered custom op (so the plain function is not traced),
+    or with ``graph_break`` the graph breaks and the function runs eagerly."""
     from compresskit_wide.kernels import library
 
     calls = []
@@ -189,12 +190,21 @@ def test_blocks_call_the_plain_function_eagerly_and_the_custom_op_when_compiled(
     torch.testing.assert_close(got, want)
     assert calls == [False]  # the compiled graph ran the custom op, not the spy
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
+    # a prompt's prefill: the graph breaks, and the plain function runs eagerly between the pieces
+    targets.clear()
+    torch._dynamo.reset()
+    broken = torch.compile(lambda a, b, c: op(a, b, c, None, True, "torch", graph_break=True) * 2, backend=record)
+    torch.testing.assert_close(broken(x, w, mask), want * 2)
+    assert calls == [False, False] and not any("compresskit_wide" in t for t in targets)
 
 
 def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
-    """``torch.compile`` traces whole blocks (``fullgraph``: the WIDE ops are custom ops, every index a
-    tensor); the compiled prefill (symbolic shapes, padded and not) and decode steps give the eager
-    logits. (CUDA graphs need a GPU: the GPU tests.)"""
+    """``torch.compile`` traces whole decode blocks (``fullgraph``: the WIDE ops are custom ops, every
+    index a tensor); the compiled prefill (symbolic shapes, padded and not; WIDE's ops between compiled
+    pieces, the dense blocks whole) and decode steps give the eager logits. (CUDA graphs need a GPU:
+    the GPU tests.)"""
+    from torch._dynamo.utils import counters
+
     from compresskit.runtime import runtime_for
 
     model, pruner = _wide_model(tiny_model_dir)
@@ -202,8 +212,9 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
         (Runtime(model, dense=True, compile=True), Runtime(model, dense=True)),
         (runtime_for(model, pruner, compile=True), runtime_for(model, pruner)),
     ]
-    for fast, eager in pairs:
+    for routed, (fast, eager) in enumerate(pairs):
         assert fast.mode == "compiled"
+        counters.clear()
         before = [b.stat_tokens.clone() for b in fast.stat_blocks()]
         assert fast.warm_up(1, 4, 3) > 0  # compiles and runs, and leaves the routing counters as they were
         assert all(torch.equal(a, b.stat_tokens) for a, b in zip(before, fast.stat_blocks(), strict=True))
@@ -218,6 +229,7 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
             fresh = torch.arange(3, 3 + 2 * length).view(2, length)
             got, want = (rt.forward(fresh, rt.new_cache(2, 9)) for rt in (fast, eager))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert bool(sum(counters["graph_break"].values())) == bool(routed)
         for token in ([3, 4], [7, 8], [11, 12]):
             token = torch.tensor(token)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, eager), caches, strict=True))

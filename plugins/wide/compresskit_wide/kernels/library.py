@@ -3,9 +3,9 @@ traces a whole runtime step with them inside: each runs as one opaque call (its 
 fallback or reference, as ``ops`` dispatches by ``backend``), and its fake implementation gives the
 output's shape and dtype to the tracer. Importing this module registers them.
 
-Outside a compilation the blocks call the same functions directly (:data:`eager`): the dispatcher's
-round trip into Python costs a custom op call about as much host time as its kernel launches, which
-an eager prefill of a 32-layer model pays a few hundred times."""
+Outside a compilation, and in a compiled prefill, the blocks call the same functions directly
+(:data:`eager`, :func:`call`): the dispatcher's round trip into Python costs a custom op call about as
+much host time as its kernel launches, which a prefill of a 32-layer model pays a few hundred times."""
 
 from __future__ import annotations
 
@@ -26,12 +26,18 @@ def _register(fn: Callable):
 
 
 def call(name: str) -> Callable:
-    """The op ``name`` as a block calls it: the registered custom op while ``torch.compile`` traces
-    (it sees one opaque call with a fake implementation), the plain function otherwise."""
+    """The op ``name`` as a block calls it: the plain function outside ``torch.compile``; while it
+    traces, the registered custom op (one opaque call with a fake implementation: what a decode step
+    needs to be one graph), or with ``graph_break=True`` (a prompt's prefill, where a few graph
+    breaks cost less host time than the dispatcher) the plain function run eagerly between compiled
+    pieces."""
     compiled, plain = getattr(torch.ops.compresskit_wide, name), eager[name]
+    outside = torch.compiler.disable(plain)
 
-    def run(*args):
-        return compiled(*args) if torch.compiler.is_compiling() else plain(*args)
+    def run(*args, graph_break: bool = False):
+        if not torch.compiler.is_compiling():
+            return plain(*args)
+        return outside(*args) if graph_break else compiled(*args)
 
     run.__name__ = name
     return run
