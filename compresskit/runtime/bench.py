@@ -165,27 +165,45 @@ def time_runtime(runtime, batch: int, prompt: int, new_tokens: int, repeats: int
 
 def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0, cache="dynamic"):
     """The same through transformers' ``generate`` (greedy), of the dense model (a routed one seen
-    dense): TTFT is a one-token call, TPOT the rest of a ``new_tokens`` call per token. ``cache``:
-    "dynamic" (its default cache, eager) or "static" (a static cache, with which ``generate`` compiles
-    the forward on a GPU: what users of transformers call its fast path)."""
-    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    dense), both from one call: TTFT until its first new token reaches a streamer (on the host, so
+    the GPU's work is done), TPOT the rest per token. ``cache``: "dynamic" (its default cache, eager)
+    or "static" (a static cache, with which ``generate`` compiles the forward on a GPU: what users of
+    transformers call its fast path)."""
+    from transformers.generation.streamers import BaseStreamer
+
     from compresskit.routing import dense_view
 
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
     ids = torch.tensor(_prompts(batch, prompt, model.config.vocab_size, seed), device=next(model.parameters()).device)
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
 
-    def run(n: int) -> float:
+    class Clock(BaseStreamer):
+        """The time of each ``put``: the prompt's first, then each new token's (copied to the host)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run(n: int) -> tuple[float, float]:
+        clock = Clock()
         sync()
         t0 = time.perf_counter()
         with torch.inference_mode(), dense_view():  # a routed model runs its base computation
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **kwargs)
+            model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=clock, **kwargs
+            )
         sync()
-        return (time.perf_counter() - t0) * 1e3
+        end, first = time.perf_counter(), clock.times[1]
+        return (first - t0) * 1e3, (end - first) * 1e3 / max(1, n - 1)
 
     run(2)  # warm-up
-    ttft = statistics.median(run(1) for _ in range(repeats))
-    total = statistics.median(run(new_tokens) for _ in range(repeats))
-    return ttft, (total - ttft) / max(1, new_tokens - 1)
+    times = [run(new_tokens) for _ in range(repeats)]
+    return statistics.median(t for t, _ in times), statistics.median(p for _, p in times)
 
 
 @dataclass
