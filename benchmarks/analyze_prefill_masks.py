@@ -25,15 +25,14 @@ most frequent first), and what independent tokens with the same per-group rates 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[i] / p) for i, p in ((0, ""), (1, "plugins/wide"), (1, ""))]
+import benchmark_report as report  # noqa: E402  (beside this script)
 
 TILES = (16, 32, 64, 128)
 
@@ -178,19 +177,17 @@ def main() -> int:
             f"{r[f'union_{t}']:.3f} / {r[f'union_sorted_{t}']:.3f} / {r[f'union_independent_{t}']:.3f}" for t in TILES
         ]
         lines.append("| " + " | ".join(cells) + f" | {r['partials_vs_dense_time']:.2f}x |")
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "source": source,
-        "tokens": args.tokens,
-        "command": " ".join(sys.argv),
-        "rates": "exact pairs' partials at 4.8 TB/s against the dense product at 790 TFLOP/s (H200 peaks)",
-    }
-    text = f"# Prefill masks: what a routed reduction could skip\n\n{json.dumps(meta)}\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_masks.md").write_text(text)
-    (out / "prefill_masks.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    facts = report.run_facts(
+        False,
+        source=source,
+        tokens=args.tokens,
+        rates="exact pairs' partials at 4.8 TB/s against the dense product at 790 TFLOP/s (H200 peaks)",
+    )
+    print(
+        report.write(
+            args.out, "prefill_masks", "Prefill masks: what a routed reduction could skip", facts, lines, {"rows": rows}
+        )
+    )
     return 0
 
 

@@ -17,8 +17,6 @@ with the mask, and ``wide-triton`` the WIDE plugin's split-KV decode kernel with
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -27,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[i] / p) for i, p in ((0, ""), (1, "plugins/wide"), (1, ""))]
+import benchmark_report as report  # noqa: E402  (beside this script)
 
 
 def matmul(q, keys, values, valid, scale):
@@ -144,22 +143,10 @@ def main() -> int:
             + " | ".join(f"{r['matmul'] / r[n]:.2f}x" for n in names[1:])
             + " |"
         )
-    import triton
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": " ".join(sys.argv),
-        "shape": f"{heads} query heads, {hkv} KV heads of {d}, bf16; one layer's attention per call",
-    }
-    text = f"# Decode attention variants\n\n{json.dumps(meta)}\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_attention.md").write_text(text)
-    (out / "decode_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    facts = report.run_facts(
+        True, shape=f"{heads} query heads, {hkv} KV heads of {d}, bf16; one layer's attention per call"
+    )
+    print(report.write(args.out, "decode_attention", "Decode attention variants", facts, lines, {"rows": rows}))
     return 0
 
 

@@ -15,15 +15,14 @@ built, and prints the estimate beside ``torch.cuda.max_memory_allocated``
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[i] / p) for i, p in ((0, ""), (1, "plugins/wide"), (1, ""))]
+import benchmark_report as report  # noqa: E402  (beside this script)
 
 
 class RandomTokens:
@@ -61,12 +60,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU: run the path on tiny shapes, measure nothing")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke")
+    where = report.gpu_or_smoke(args.smoke)
+    if where is None:
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device, dtype = where
+    cuda = device.type == "cuda"
     if args.smoke:
         args.shapes, args.steps, args.batch, args.seq = "tiny", 1, 1, 16
 
@@ -120,23 +118,10 @@ def main() -> int:
             del model, pruner, trainer
             if cuda:
                 torch.cuda.empty_cache()
-    import transformers
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0) if cuda else "none (smoke run: nothing measured)",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "command": " ".join(sys.argv),
-        "steps": args.steps,
-        "batch": args.batch,
-        "seq": args.seq,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "train_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    facts = report.run_facts(cuda, steps=args.steps, batch=args.batch, seq=args.seq)
+    if not cuda:
+        facts["gpu"] = "none (smoke run: nothing measured)"
     lines = [
-        f"# Dry-run estimate against measured peak\n\n{json.dumps(meta)}\n",
         "| shape | stage | trained params | estimate (no context) | measured peak allocated | measured / estimate |",
         "|---|---|---|---|---|---|",
     ]
@@ -146,7 +131,7 @@ def main() -> int:
             f"| {r['shape']} | {r['stage']} | {r['trained_params']:,} | {size(r['estimate_without_context'])} | {m} "
             f"| {r['ratio'] if r['ratio'] is not None else '-'} |"
         )
-    (out / "train_memory.md").write_text("\n".join(lines) + "\n")
+    report.write(args.out, "train_memory", "Dry-run estimate against measured peak", facts, lines, {"rows": rows})
     return 0
 
 

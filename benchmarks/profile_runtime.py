@@ -16,8 +16,6 @@ stdout and ``profile.json`` / ``profile.md`` (the top kernels of each member too
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import re
 import sys
@@ -26,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("plugins/wide", ".")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[i] / p) for i, p in ((0, ""), (1, "plugins/wide"), (1, ""))]
+import benchmark_report as report  # noqa: E402  (beside this script)
 
 KINDS = (  # (kind, pattern on the kernel's name), first match wins
     ("WIDE triton", r"^triton_(masked_|attn_|router_|routing_layout)"),  # compresskit_wide's kernels
@@ -140,14 +139,13 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager: the path runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
-        print("no CUDA device: use --smoke")
+    where = report.gpu_or_smoke(args.smoke)
+    if where is None:
         return 2
+    device, dtype = where
+    cuda = device.type == "cuda"
     if args.smoke:
         args.shape, args.context, args.steps = "tiny", 16, 2
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
     options = {"compile": cuda, "graphs": False}
     members = shape_members(args.shape, sparsity=args.sparsity, device=device, dtype=dtype, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
@@ -165,27 +163,19 @@ def main() -> int:
                 f"{key:26s} wall {r['wall_us_per_step']:9.0f} us, GPU {r['total_us_per_step']:9.0f} us: {line}",
                 flush=True,
             )
-    import transformers
-
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(0) if cuda else "none (smoke: CPU time of aten ops, meaningless)",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "command": " ".join(sys.argv),
-        "shape": args.shape,
-        "batch": args.batch,
-        "context": args.context,
-        "steps": args.steps,
-        "decode": "compiled, launched one kernel at a time (no CUDA graph) so that each is profiled",
-        "prefill": "one prompt of `context` tokens into a fresh cache; us per prefill",
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.json").write_text(json.dumps({"meta": meta, "members": results}, indent=2))
+    facts = report.run_facts(
+        cuda,
+        shape=args.shape,
+        batch=args.batch,
+        context=args.context,
+        steps=args.steps,
+        decode="compiled, launched one kernel at a time (no CUDA graph) so that each is profiled",
+        prefill="one prompt of `context` tokens into a fresh cache; us per prefill",
+    )
+    if not cuda:
+        facts["gpu"] = "none (smoke: CPU time of aten ops, meaningless)"
     kinds = sorted({k for r in results.values() for k in r["us_per_step"]})
     lines = [
-        f"# Decode step and prefill profile\n\n{json.dumps(meta)}\n",
         "| member, phase | wall us/step | GPU us/step | " + " | ".join(kinds) + " |",
     ]
     lines.append("|---|---|---|" + "---|" * len(kinds))
@@ -209,7 +199,7 @@ def main() -> int:
             lines += ["|---|---|---|"] + [
                 f"| `{k['function']}` | {k['own_us']} | {k['calls']} |" for k in r["python_top_by_own_time"]
             ]
-    (out / "profile.md").write_text("\n".join(lines) + "\n")
+    report.write(args.out, "profile", "Decode step and prefill profile", facts, lines, {"members": results})
     return 0
 
 
