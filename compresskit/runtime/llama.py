@@ -55,6 +55,11 @@ class StaticCache:
     def size(self) -> int:
         return self.valid.shape[1]
 
+    def check_room(self, tokens: int) -> None:
+        """Refuse, with one clear line, ``tokens`` more tokens than the cache has slots left."""
+        if self.end + tokens > self.size:
+            raise CompressKitError(f"runtime: {self.end + tokens} tokens do not fit the cache of {self.size} slots")
+
     def reset(self) -> None:
         """Empty the cache for a new batch of the same size (the keys need no clearing: unwritten
         slots are never seen)."""
@@ -210,9 +215,8 @@ class Runtime:
         with symbolic shapes where decode steps are compiled, else eager); ``new_valid: [B, T]``
         marks their padding (default: all real)."""
         b, t = ids.shape
+        cache.check_room(t)
         start, stop = cache.end, cache.end + t
-        if stop > cache.size:
-            raise CompressKitError(f"runtime: {stop} tokens do not fit the cache of {cache.size} slots")
         cache.valid[:, start:stop] = True if new_valid is None else new_valid
         slots = cache.slot_ids[start:stop]
         positions = (slots[None, :] - cache.pad[:, None]).clamp_min(0)  # [B, T]
@@ -292,10 +296,7 @@ class Runtime:
         stage(0, first)
         for i in range(count):
             if i + 1 < count:
-                if cache.end >= cache.size:
-                    raise CompressKitError(
-                        f"runtime: {cache.end + 1} tokens do not fit the cache of {cache.size} slots"
-                    )
+                cache.check_room(1)
                 stage(i + 1, advance())
                 cache.end += 1
             if ready[i] is not None:
@@ -305,8 +306,7 @@ class Runtime:
     @torch.inference_mode()
     def decode(self, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
         """Logits ``[B, V]`` of one new token per sequence (``token: [B]``) at the cache's end."""
-        if cache.end >= cache.size:
-            raise CompressKitError(f"runtime: {cache.end + 1} tokens do not fit the cache of {cache.size} slots")
+        cache.check_room(1)
         if not (self.graphs or self.compiled):
             return self.forward(token[:, None], cache)[:, -1]
         if not self.graphs:
@@ -327,7 +327,7 @@ class Runtime:
         back after them, so only replays are counted."""
         ids = token[:, None].clone()
         slot = cache.slot_ids[cache.end : cache.end + 1].clone()
-        counters = [(buf, buf.clone()) for b in self.stat_blocks() for n, buf in b.named_buffers() if "stat_" in n]
+        counters = self._counters()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -337,9 +337,18 @@ class Runtime:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits, token = self._feed_step(cache, ids, slot)
-        for buf, saved in counters:
-            buf.copy_(saved)
+        self._restore(counters)
         return _DecodeGraph(graph, ids, slot, logits, token)
+
+    def _counters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The routing blocks' counters with a copy of their values, for :meth:`_restore`."""
+        return [(buf, buf.clone()) for b in self.stat_blocks() for n, buf in b.named_buffers() if "stat_" in n]
+
+    @staticmethod
+    def _restore(counters: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for buf, saved in counters:
+                buf.copy_(saved)
 
     def warm_up(self, batch: int, prompt_tokens: int, max_new_tokens: int) -> float:
         """Compile and capture, outside any clock, what ``generate`` of ``batch`` prompts of up to
@@ -349,7 +358,7 @@ class Runtime:
         if not (self.compiled or self.graphs):
             return 0.0
         t0 = time.perf_counter()
-        counters = [(buf, buf.clone()) for b in self.stat_blocks() for n, buf in b.named_buffers() if "stat_" in n]
+        counters = self._counters()
         cache = self._cache_for(batch, prompt_tokens + max_new_tokens)
         ids = torch.full((batch, prompt_tokens), 3, dtype=torch.long, device=self.device)
         with torch.no_grad():
@@ -357,9 +366,7 @@ class Runtime:
         for _ in self.greedy_tokens(cache, first, min(2, max_new_tokens)):
             pass
         self._sync()
-        with torch.no_grad():
-            for buf, saved in counters:
-                buf.copy_(saved)
+        self._restore(counters)
         cache.reset()
         return time.perf_counter() - t0
 
