@@ -4,6 +4,7 @@
 # model, dense through transformers) with the results under $OUT. Usage, from the repo root, through
 # the device tool with carry [".whl"]:
 #   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
+#   TESTS=tests bash benchmarks/device_runtime.sh tests    # every gpu-marked test, no bench
 #   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
 #   BENCH="--shape llama-3.1-8b --prompt 1024 --new-tokens 64 --transformers static" CASE_TIMEOUT=560 \
 #     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
@@ -27,6 +28,7 @@ if [ "${1:-all}" != bench ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 \
     ${TESTS:-tests/wide/test_runtime_wide.py tests/core/test_runtime.py} 2>&1 \
     | tee "$out/runtime-gpu-tests.log" | tail -40
+  [ "${1:-all}" = tests ] && exit 0
 fi
 run() {  # one bench case: its arguments; results in $out/bench-N
   local n=$1; shift

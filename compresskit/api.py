@@ -27,7 +27,7 @@ from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
-from compresskit.runtime.bench import measure_speed
+from compresskit.runtime.bench import measure_speed, unmeasured_reason
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks
@@ -46,9 +46,9 @@ class RunResult:
 
 
 def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | None]:
-    """The output directory and, when it already holds the finished run of this very recipe (and
-    ``output.overwrite`` is off), that run's results. Raises when the directory cannot be created or
-    holds something a run would silently destroy."""
+    """The output directory and, when it already holds the finished run of this very recipe, or of one
+    that differs from it in ``evaluation.speed`` alone (and ``output.overwrite`` is off), that run's
+    results. Raises when the directory cannot be created or holds something a run would silently destroy."""
     out = Path(resolved.recipe.output.dir)
     artifacts.check_creatable(out, "output.dir")
     if out.is_dir() and any(out.iterdir()):
@@ -59,7 +59,7 @@ def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | N
                 previous = json.loads(results.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None
-        same = isinstance(previous, dict) and previous.get("recipe_hash") == resolved.hash()
+        same = isinstance(previous, dict) and reusable(previous, resolved)
         if same and not resolved.recipe.output.overwrite:
             return out, previous
         if not same and not resolved.recipe.output.overwrite:
@@ -69,6 +69,80 @@ def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | N
                 "or set output.overwrite: true (--overwrite) to replace it"
             )
     return out, None
+
+
+def _without_speed(recipe: dict[str, Any]) -> dict[str, Any]:
+    """A recipe mapping without what decides none of a run's quality numbers (``output``, ``evaluation.speed``)."""
+    data = {k: v for k, v in recipe.items() if k != "output"}
+    if isinstance(data.get("evaluation"), dict):
+        data["evaluation"] = {k: v for k, v in data["evaluation"].items() if k != "speed"}
+    return data
+
+
+def reusable(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
+    """Whether ``results`` are those of ``resolved``, or of a recipe that differs from it in
+    ``evaluation.speed`` alone (then :func:`retime` brings the speed up to date without rerunning)."""
+    if results.get("recipe_hash") == resolved.hash():
+        return True
+    recipe = results.get("recipe")
+    return isinstance(recipe, dict) and _without_speed(recipe) == _without_speed(resolved.to_dict())
+
+
+def needs_timing(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
+    """Whether a finished run's speed is to be measured again: its ``evaluation.speed`` settings
+    changed, or it could not be measured where the run ran and can be here."""
+    if results.get("recipe_hash") != resolved.hash():
+        return True
+    speed = results.get("speed")
+    return not (speed and speed.get("measured")) and _timing_device(resolved) is not None
+
+
+def _timing_device(resolved: ResolvedRecipe) -> str | None:
+    """The device type a run's saved model would be timed on here, or None where speed is not measured."""
+    import torch
+
+    rec = resolved.recipe
+    cuda = torch.cuda.is_available() and rec.model.device != "cpu"
+    device_type = "cuda" if cuda else "cpu"
+    return None if unmeasured_reason(rec.evaluation.speed, device_type) else device_type
+
+
+def retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """``results`` of the finished run in ``out`` with its speed measured here and now: the saved model
+    on the runtime beside its dense base, as ``apply`` measures it. What the run trained and evaluated
+    stays as it was; ``results.json`` and ``results.md`` are rewritten atomically."""
+    from compresskit.report import results_markdown
+
+    rec = resolved.recipe
+    device_type = _timing_device(resolved)
+    if device_type is None:  # the settings changed to ones that measure nothing here
+        speed = {"measured": False, "reason": unmeasured_reason(rec.evaluation.speed, "cpu")}
+    else:
+        with progress.task(f"loading {out / 'model'} to time it"):
+            model, _, pruner = artifacts.load(out / "model", device=rec.model.device, dtype=rec.model.dtype)
+        speed = measure_speed(
+            model,
+            pruner,
+            rec.evaluation.speed,
+            load_dense=lambda: load_model(
+                rec.model.name_or_path,
+                dtype=rec.model.dtype,
+                device=rec.model.device,
+                allow_download=rec.model.allow_download,
+            )[0],
+            progress=progress,
+        )
+    results = {
+        **results,
+        "speed": speed,
+        "recipe_hash": resolved.hash(),
+        "recipe": resolved.to_dict(),
+        "overrides": resolved.overrides,
+    }
+    with artifacts.staged_files(out) as tmp:
+        artifacts.write_json(tmp / "results.json", results)
+        artifacts.write_text(tmp / "results.md", results_markdown(results))
+    return results
 
 
 def _eval_summary(ev: EvalResult) -> dict[str, Any]:
@@ -138,6 +212,8 @@ def apply(
         if finished is not None:
             if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
                 shutil.rmtree(staging)
+            if main and needs_timing(finished, resolved):
+                finished = retime(resolved, out, finished, progress)
             return RunResult(out, finished, reused=True, rank=ranks.rank if ranks else 0)
         recipe_hash = resolved.hash()
 

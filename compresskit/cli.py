@@ -460,18 +460,18 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     """A results document from a recipe (run, or reused when its results are current), a
     results.json file or a run directory."""
     from compresskit import artifacts
-    from compresskit.api import apply
+    from compresskit.api import apply, needs_timing, retime, reusable
     from compresskit.recipe import load_recipe
 
     path = Path(ref)
     if path.suffix in (".yaml", ".yml"):
         resolved = load_recipe(path, overrides)
-        results = Path(resolved.recipe.output.dir) / "results.json"
-        if results.is_file():
-            cached = artifacts.read_json(results, what="results")
-            if cached.get("recipe_hash") == resolved.hash():
-                progress.log(f"{ref}: reusing {results}")
-                return cached
+        out = Path(resolved.recipe.output.dir)
+        if (out / "results.json").is_file() and not resolved.recipe.output.overwrite:
+            cached = artifacts.read_json(out / "results.json", what="results")
+            if isinstance(cached, dict) and reusable(cached, resolved):
+                progress.log(f"{ref}: reusing {out / 'results.json'}")
+                return retime(resolved, out, cached, progress) if needs_timing(cached, resolved) else cached
         return apply(resolved, progress=progress).results
     if path.is_dir():
         path = path / "results.json"

@@ -301,6 +301,15 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unmeasured_reason(cfg, device_type: str) -> str | None:
+    """Why speed (``evaluation.speed``) is not measured for a model on ``device_type``, or None."""
+    if cfg.measure is False:
+        return "evaluation.speed.measure is false"
+    if cfg.measure == "auto" and device_type != "cuda":
+        return "no GPU: speed is measured on a GPU (evaluation.speed.measure: true measures it here, eagerly)"
+    return None
+
+
 def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str, Any]:
     """What a run reports as its speed (``evaluation.speed``, a ``SpeedSection``): TTFT and TPOT of
     ``model`` on the runtime (with its pruner's blocks) and of its dense base on the same runtime, one
@@ -312,13 +321,9 @@ def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str,
     from compresskit.runtime.blocks import is_routed
 
     device = next(model.parameters()).device
-    if cfg.measure is False:
-        return {"measured": False, "reason": "evaluation.speed.measure is false"}
-    if cfg.measure == "auto" and device.type != "cuda":
-        return {
-            "measured": False,
-            "reason": "no GPU: speed is measured on a GPU (evaluation.speed.measure: true measures it here, eagerly)",
-        }
+    reason = unmeasured_reason(cfg, device.type)
+    if reason is not None:
+        return {"measured": False, "reason": reason}
     limit = getattr(model.config, "max_position_embeddings", None) or cfg.prompt + cfg.new_tokens
     prompt = max(1, min(cfg.prompt, limit - cfg.new_tokens))
     task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()

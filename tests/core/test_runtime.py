@@ -222,6 +222,49 @@ def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe
     assert speed["measured"] and speed["dense_ttft_ms"] > 0 and abs(speed["sparsity_macs"] - 0.3) < 0.05
 
 
+def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
+    """A run whose recipe changes in ``evaluation.speed`` alone (or whose speed could not be measured
+    where it ran) keeps its training and quality numbers: ``apply`` and ``compare`` time its saved model
+    again and rewrite its results; any other change still needs a new output directory."""
+    import copy
+    import json
+
+    from compresskit.api import apply
+    from compresskit.errors import OutputExistsError
+
+    recipe = copy.deepcopy(tiny_recipe)
+    recipe["evaluation"].update(tasks=["perplexity"], compare_dense=False)
+    recipe["pruner"] = {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}}
+    first = apply(recipe).results
+    assert not first["speed"]["measured"]
+    model_files = {p: p.stat().st_mtime_ns for p in (tmp_path / "run" / "model").iterdir()}
+
+    recipe["evaluation"]["speed"] = {"measure": True, "prompt": 16, "new_tokens": 3, "repeats": 1}
+    again = apply(recipe)
+    assert again.reused and again.results["speed"]["measured"] and again.results["speed"]["prompt"] == 16
+    assert again.results["metrics"] == first["metrics"] and again.results["created"] == first["created"]
+    on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert on_disk == again.results and on_disk["recipe_hash"] != first["recipe_hash"]
+    assert "TPOT ms (eager)" in (tmp_path / "run" / "results.md").read_text()
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run" / "model").iterdir()} == model_files
+    assert apply(recipe).results == on_disk  # current now: nothing is timed again
+
+    recipe["evaluation"]["speed"]["new_tokens"] = 4  # compare retimes it too
+    spec = tmp_path / "member.yaml"
+    spec.write_text(json.dumps(recipe))
+    assert main(["compare", str(spec), "--output", str(tmp_path / "cmp")]) == 0
+    assert "reusing" in capsys.readouterr().err
+    timed = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert timed["speed"]["new_tokens"] == 4 and timed["metrics"] == first["metrics"]
+
+    recipe["evaluation"]["speed"]["measure"] = False  # settings that measure nothing: said so, no stale numbers
+    assert apply(recipe).results["speed"] == {"measured": False, "reason": "evaluation.speed.measure is false"}
+
+    recipe["evaluation"]["perplexity_docs"] = 2  # a quality setting: not the same run any more
+    with pytest.raises(OutputExistsError, match="a run of a different recipe"):
+        apply(recipe)
+
+
 def test_runtime_reuses_its_caches_and_keeps_a_few(tiny_model_dir):
     from compresskit.runtime.llama import KEPT_CACHES
 
