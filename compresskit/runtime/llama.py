@@ -83,8 +83,8 @@ class _DecodeGraph:
 
 
 def _compile(block: nn.Module, prefill: bool = False):
-    """A decode step's block: one graph of static shapes. A prompt's: symbolic shapes, and a block may
-    break its graph there (a plugin's op that runs better eagerly than through the dispatcher)."""
+    """A decode step's block: one graph of static shapes. A prompt's: symbolic shapes (one compilation
+    for every length), where a plugin's block may still break its graph."""
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(block, fullgraph=not prefill, dynamic=prefill)

@@ -5,9 +5,8 @@ Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head
 k, v, RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
 batch is unpadded: only the kept heads, zeros for the rest; else the runtime's attention over all
 heads) -> o over the kept head groups. MLP: router -> gate+up for the kept channel groups with the
-SwiGLU fused -> down over them. The ops are called through ``kernels.library.call``: as custom
-ops, so that ``torch.compile`` traces a whole decode step; a prompt's compiled prefill calls them
-between compiled pieces instead (``graph_break``), and eager code calls them directly. Each block
+SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.library``), so that
+``torch.compile`` traces a whole decode step and a whole prefill with them inside. Each block
 counts the real tokens it routed and the groups it ran (``stat_tokens`` / ``stat_skipped``, as
 ``compresskit.routing.measured_sparsity`` reads them).
 """
@@ -19,14 +18,15 @@ from torch import nn
 
 from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
-from compresskit_wide.kernels import library
+from compresskit_wide.kernels import library  # noqa: F401  (registers the ops)
 from compresskit_wide.kernels.policy import use_kernel
 
-router_decide = library.call("router_decide")
-masked_out_gemm = library.call("masked_out_gemm")
-masked_reduce_gemm = library.call("masked_reduce_gemm")
-routed_attention_decode = library.call("routed_attention_decode")
-routed_attention_prefill = library.call("routed_attention_prefill")
+_ops = torch.ops.compresskit_wide  # registered by importing kernels.library
+router_decide = _ops.router_decide.default
+masked_out_gemm = _ops.masked_out_gemm.default
+masked_reduce_gemm = _ops.masked_reduce_gemm.default
+routed_attention_decode = _ops.routed_attention_decode.default
+routed_attention_prefill = _ops.routed_attention_prefill.default
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -48,7 +48,7 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
         d, r = self.router_down, self.router_up
         args = (x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
-        execute = router_decide(*args, graph_break=x.shape[1] > 1)
+        execute = router_decide(*args)
         if self.count_decisions:
             self.count(execute, valid)
         return execute
@@ -71,12 +71,11 @@ class WideAttention(Attention, _Routing):
 
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        prompt = t > 1  # a compiled prefill calls the ops between compiled pieces (``library.call``)
         execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
         if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend, graph_break=prompt)
+            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
         else:
             q = self.q_proj(h2)
         q, k, v = self.keys_values(h, q.view(b, t, -1), step)
@@ -88,12 +87,12 @@ class WideAttention(Attention, _Routing):
             out = routed_attention_decode(q[:, :, 0], keys, values, lens, execute, self.backend)
         elif routed:  # [B, T, H, D]
             mask = execute.view(b, t, -1)
-            out = routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend, graph_break=prompt)
+            out = routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend)
         else:  # all heads; o reads the kept ones
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y = masked_reduce_gemm(out, self.wo, execute, routed, self.backend, graph_break=prompt)
+            y = masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
         else:
             y = self.o_proj(mask_input_groups(out, execute))
         return y.view(b, t, -1)
@@ -115,8 +114,8 @@ class WideMLP(nn.Module, _Routing):
         execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x).reshape(b * t, -1)
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
-        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend, graph_break=t > 1)
-        return masked_reduce_gemm(g, self.wd, execute, True, self.backend, graph_break=t > 1).view(b, t, -1)
+        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
+        return masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):

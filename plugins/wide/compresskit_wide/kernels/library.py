@@ -1,46 +1,34 @@
-"""The routed ops as PyTorch custom ops (``torch.ops.compresskit_wide.*``), so that ``torch.compile``
+"""The routed ops as PyTorch operators (``torch.ops.compresskit_wide.*``), so that ``torch.compile``
 traces a whole runtime step with them inside: each runs as one opaque call (its kernel, dense
 fallback or reference, as ``ops`` dispatches by ``backend``), and its fake implementation gives the
-output's shape and dtype to the tracer. Importing this module registers them.
+output's shape and dtype to the tracer. Importing this module registers them; the blocks call them
+the same way eagerly, compiled, at prefill and at decode.
 
-Outside a compilation, and in a compiled prefill, the blocks call the same functions directly
-(:data:`eager`, :func:`call`): the dispatcher's round trip into Python costs a custom op call about as
-much host time as its kernel launches, which a prefill of a 32-layer model pays a few hundred times."""
+They are defined with ``torch.library.Library`` (schema inferred from the signature, one
+``CompositeExplicitAutograd`` kernel, a fake kernel), not ``torch.library.custom_op``, whose Python
+wrapper costs each call about ten times the host time of a plain dispatch: a prefill of a 32-layer
+model calls these ops a few hundred times outside any CUDA graph. They are for inference: no
+autograd formula (training runs the routed modules, not these ops)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-from torch.library import custom_op
 
 from compresskit_wide.kernels import ops
 
-eager: dict[str, Callable] = {}  # op name -> the plain function behind the custom op
+_LIB = torch.library.Library("compresskit_wide", "DEF")  # the registrations live as long as it does
 
 
-def _register(fn: Callable):
-    """``fn`` as the custom op ``compresskit_wide::<its name>``, kept in :data:`eager` too."""
-    eager[fn.__name__] = fn
-    return custom_op(f"compresskit_wide::{fn.__name__}", mutates_args=())(fn)
-
-
-def call(name: str) -> Callable:
-    """The op ``name`` as a block calls it: the plain function outside ``torch.compile``; while it
-    traces, the registered custom op (one opaque call with a fake implementation: what a decode step
-    needs to be one graph), or with ``graph_break=True`` (a prompt's prefill, where a few graph
-    breaks cost less host time than the dispatcher) the plain function run eagerly between compiled
-    pieces."""
-    compiled, plain = getattr(torch.ops.compresskit_wide, name), eager[name]
-    outside = torch.compiler.disable(plain)
-
-    def run(*args, graph_break: bool = False):
-        if not torch.compiler.is_compiling():
-            return plain(*args)
-        return outside(*args) if graph_break else compiled(*args)
-
-    run.__name__ = name
-    return run
+def _register(fn: Callable) -> Callable:
+    """``fn`` as the operator ``compresskit_wide::<its name>``: the decorated function's
+    ``register_fake`` registers its fake kernel."""
+    name = fn.__name__
+    _LIB.define(name + torch.library.infer_schema(fn, mutates_args=()))
+    _LIB.impl(name, fn, "CompositeExplicitAutograd")
+    fn.register_fake = lambda fake: torch.library.register_fake(f"compresskit_wide::{name}", fake, lib=_LIB)
+    return fn
 
 
 @_register
