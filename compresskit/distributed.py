@@ -107,6 +107,18 @@ def mean(value: float) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def maximum(value: int) -> int:
+    """The largest ``value`` over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def _collective_device() -> torch.device:
     import torch
     import torch.distributed as dist

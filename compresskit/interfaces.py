@@ -91,6 +91,9 @@ class TrainSummary:
     final_loss: float | None = None
     seconds: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
+    # the most GPU memory the stage allocated, on its busiest rank (torch.cuda.max_memory_allocated);
+    # None off a GPU. What ``compresskit apply --dry-run`` estimates as the stage's peak, less the CUDA context.
+    peak_memory_bytes: int | None = None
 
 
 class Pruner(abc.ABC):

@@ -10,7 +10,9 @@ The peak memory per GPU is an estimate, the sum of:
   (16 bytes a parameter), divided over the ranks when sharded;
 - **activations**: what backward keeps per token and layer of a micro-batch with the backbone frozen
   (the norms' inputs, q / k / v, the attention output, the FFN's gate, up, activation and product
-  in the compute dtype, and each router's fp32 input), without recomputation;
+  in the compute dtype, and each router's fp32 input), without recomputation; with LoRA, each adapted
+  projection's input again (its adapter's own copy in the compute dtype, one byte more an element for the
+  dropout mask);
 - **logits**: the micro-batch's logits in the compute dtype, their fp32 copy for the loss and its
   gradient (and with distillation the teacher's fp32 logits and the KL's two distributions);
 - a fixed 0.5 GiB for the CUDA context and workspaces.
@@ -91,10 +93,12 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
         trainable = 0
         if pruner is not None and pruner.state != "new" and (stage.name != "lora" or c.train_pruner_params):
             trainable += sum(p.numel() for p in pruner.trainable_parameters(model))
+        per_token_lora = 0
         if stage.name == "lora":
             before = count_parameters(model)
             inject_lora(model, c)
             trainable += count_parameters(model) - before
+            per_token_lora = _lora_inputs(model) * (elem + (1 if c.dropout > 0 else 0))
         tokens = c.batch_size * c.seq_len
         logit_bytes = tokens * config.vocab_size * (elem + 8 + (12 if c.distill is not None else 0))
         stages.append(
@@ -105,11 +109,18 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
                 trainable_params=trainable,
                 weights=(params * elem) // world + (2 * layer_bytes if sharded else 0),
                 trainable_state=(16 * trainable) // (world if sharded else 1),
-                activations=tokens * (per_token_layer * len(layers) + per_token_router),
+                activations=tokens * (per_token_layer * len(layers) + per_token_router + per_token_lora),
                 logits=logit_bytes,
             )
         )
     return Plan(rec.model.name_or_path, params, str(dtype).removeprefix("torch."), world, sharded, stages)
+
+
+def _lora_inputs(model) -> int:
+    """Input features of every LoRA-adapted projection, summed: the elements a token's adapters keep."""
+    from peft.tuners.lora import LoraLayer
+
+    return sum(m.get_base_layer().in_features for m in model.modules() if isinstance(m, LoraLayer))
 
 
 def size(n: int) -> str:

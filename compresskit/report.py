@@ -132,6 +132,21 @@ def _sparsity_note(sp: dict[str, Any] | None) -> str:
     return what + (" (measured while the evaluator ran)." if sp.get("dynamic") else ".")
 
 
+def _training_note(training: list[dict[str, Any]] | None) -> str | None:
+    """One line on the training stages that trained something, or None."""
+    stages = []
+    for st in training or []:
+        if not st.get("steps"):
+            continue
+        what = [f"{st['tokens']:,} tokens", f"{st['seconds']:.0f} s"]
+        if st.get("final_loss") is not None:
+            what.append(f"final loss {st['final_loss']:.3f}")
+        if st.get("peak_memory_bytes") is not None:
+            what.append(f"peak GPU memory {st['peak_memory_bytes'] / 2**30:.2f} GiB")
+        stages.append(f"{st['stage']} {st['steps']} steps ({', '.join(what)})")
+    return "Training: " + "; ".join(stages) + "." if stages else None
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     ev = results["evaluation"]
     items = ", ".join(f"{k}: {v['n_items']}" for k, v in ev["tasks"].items())
@@ -161,6 +176,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"Data: {_data_source(data)}, split by document "
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
+        *filter(None, [_training_note(results.get("training"))]),
         _sparsity_note(results["sparsity"]),
         _speed_note(results.get("speed")),
         "",

@@ -143,6 +143,8 @@ class RouterTrainer(Trainer):
                 ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
         device = ctx.device
         use_autocast = c.autocast_bf16 and device.type == "cuda"
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * per_step)
         progress = ctx.progress
         t0, tokens = time.perf_counter(), 0
@@ -234,6 +236,11 @@ class RouterTrainer(Trainer):
             raise
         finally:
             model.eval()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if peak is not None and ranks is not None:
+            peak = distributed.maximum(peak)
+        if peak is not None and progress is not None:
+            progress.log(f"{self.stage_name}: peak GPU memory {peak / 2**30:.2f} GiB (the dry run estimates it)")
         for p in params:
             p.requires_grad_(False)
         if ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model
@@ -247,6 +254,7 @@ class RouterTrainer(Trainer):
             final_loss=history[-1]["loss"] if history else None,
             seconds=time.perf_counter() - t0,
             history=even_subsample(history, HISTORY_POINTS),
+            peak_memory_bytes=peak,
         )
 
     def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:

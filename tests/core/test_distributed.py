@@ -210,6 +210,23 @@ def test_resuming_on_another_rank_count_is_a_clear_error(tiny_model_dir, tmp_pat
     assert "checkpoint written by 3 rank(s), resumed on 2; resume with --nproc 3" in out.read_text()
 
 
+def _reductions(rank, world, port, out):
+    from compresskit import distributed
+
+    _join(rank, world, port)
+    got = (distributed.maximum(10 * rank + 3), distributed.mean(float(10 * rank + 3)))
+    if rank == 0:
+        torch.save(got, out)
+    distributed.close()
+
+
+def test_reductions_over_ranks(tmp_path):
+    """What the logs and summaries reduce over ranks: the largest value (a stage's peak memory) and the mean."""
+    out = tmp_path / "got.pt"
+    _spawn(_reductions, str(out))
+    assert torch.load(out) == (13, 8.0)
+
+
 def _failing_rank(rank, world, port, out):
     from compresskit import distributed
 

@@ -48,6 +48,11 @@ def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
     assert two.stages[1].trainable_state * 2 == one.stages[1].trainable_state
     assert two.stages[0].activations == one.stages[0].activations  # a micro-batch per rank either way
     assert all(s.peak > CONTEXT_BYTES for s in one.stages)
+    # LoRA keeps each adapted projection's input again (fp32 here) and the dropout's one-byte mask
+    from peft.tuners.lora import LoraLayer
+
+    inputs = sum(m.get_base_layer().in_features for m in model.modules() if isinstance(m, LoraLayer))
+    assert one.stages[1].activations - one.stages[0].activations == 2 * 64 * inputs * (4 + 1)
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, monkeypatch):

@@ -24,6 +24,8 @@ def test_router_stage_on_gpu_bf16(tiny_model_dir, tmp_path):
     res = apply(recipe).results
     assert res["model"]["dtype"] == "bfloat16" and res["model"]["device"].startswith("cuda")
     assert all(t["final_loss"] == t["final_loss"] for t in res["training"])  # finite, not NaN
+    assert all(t["peak_memory_bytes"] > 0 for t in res["training"])
+    assert "peak GPU memory" in (tmp_path / "run" / "results.md").read_text()
     assert 0.0 < res["sparsity"]["groups"]["mean"] < 1.0
     model, _, pruner = artifacts.load(tmp_path / "run" / "model")
     assert all(p.dtype == torch.float32 and p.is_cuda for p in pruner.trainable_parameters(model))
