@@ -204,7 +204,11 @@ def _with_spread(value: Any, spread: Any, fmt: str) -> str:
     return _fmt(value, fmt) + (f" ± {fmt.format(spread)}" if value is not None and spread is not None else "")
 
 
-def _speedups(speed: dict[str, Any] | None) -> list[str]:
+def _speedups(speed: dict[str, Any] | None, reference: bool = False) -> list[str]:
+    """TTFT and TPOT speedups over dense; ``reference``: the dense row of a table whose runs were timed
+    against it (1.00x by definition)."""
+    if reference:
+        return ["1.00x"] * 2
     if not speed or not speed.get("measured"):
         return [NOT_MEASURED] * 2
     return [f"{speed['ttft_speedup']:.2f}x", f"{speed['tpot_speedup']:.2f}x"]
@@ -218,6 +222,7 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         columns += [c for c in result_columns(r["metrics"]) if c not in columns]
     header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "TTFT x dense", "TPOT x dense"]
     header += ["seeds"]
+    timed = any((r.get("speed") or {}).get("measured") for r in runs)
     rows = []
     for r in runs:
         sp = r["sparsity"] or {}
@@ -235,7 +240,7 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         row += [
             _with_spread(zs, r.get("zero_shot_spread"), "{:.4f}"),
             _fmt(zs / dz if zs is not None and dz else None, "{:.3f}"),
-            *_speedups(r.get("speed")),
+            *_speedups(r.get("speed"), reference=timed and not r.get("pruner") and not r.get("speed")),
             _seeds(r),
         ]
         rows.append(row)

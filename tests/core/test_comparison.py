@@ -69,3 +69,19 @@ def test_seeds_average_into_one_row_with_the_sample_spread():
     header, rows = compare_rows([row])
     assert rows[0][header.index("PIQA acc")] == "0.6000 ± 0.1000" and rows[0][header.index("seeds")] == "0,1,2"
     assert rows[0][header.index("sparsity MACs")] == "not measured"
+
+
+def test_the_dense_row_is_the_speed_reference_once_runs_were_timed():
+    from compresskit.report import compare_rows
+
+    timed, untimed = run("timed", 100), run("untimed", 100)
+    timed["speed"] = {"measured": True, "ttft_speedup": 0.5, "tpot_speedup": 1.25}
+    untimed["speed"] = {"measured": False, "reason": "no GPU"}
+    for runs, dense_cells in (([timed, untimed], ["1.00x", "1.00x"]), ([untimed], ["not measured"] * 2)):
+        (group,) = group_runs(runs)
+        header, rows = compare_rows(group.runs)
+        cells = {r[0]: r[header.index("TTFT x dense") : header.index("TPOT x dense") + 1] for r in rows}
+        assert cells["dense"] == dense_cells
+    assert cells["untimed"] == ["not measured"] * 2
+    header, rows = compare_rows(group_runs([timed])[0].runs)
+    assert rows[1][header.index("TPOT x dense")] == "1.25x"
