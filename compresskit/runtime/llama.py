@@ -27,6 +27,8 @@ from compresskit.tokens import token_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 KEPT_CACHES = 4  # caches (with their decode graphs) a runtime keeps for reuse, by batch and size
+PREFILL_BUCKET = 256  # a captured prefill serves prompts of its length rounded up to a multiple of this
+KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently used)
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
 RECOMPILE_LIMIT = 64
@@ -50,6 +52,7 @@ class StaticCache:
     end: int = 0
     padded: bool = False
     graphs: dict[bool, _DecodeGraph] = field(default_factory=dict)  # by ``padded`` (blocks may branch on it)
+    prefills: dict[int, _PrefillGraph] = field(default_factory=dict)  # by bucket length, least recent first
 
     @property
     def size(self) -> int:
@@ -66,6 +69,20 @@ class StaticCache:
         self.valid.zero_()
         self.pad.zero_()
         self.end, self.padded = 0, False
+
+
+@dataclass
+class _PrefillGraph:
+    """A fresh prompt's prefill of ``bucket`` tokens captured as a CUDA graph: copy the prompt into
+    the front of ``ids``, mark its tokens in ``valid`` (the tail is padding that the causal attention
+    keeps away from them and the routers do not count), its last position into ``last``, replay, read
+    ``logits`` (that position's)."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B, bucket]
+    valid: torch.Tensor  # [B, bucket]
+    last: torch.Tensor  # [1]
+    logits: torch.Tensor  # [B, 1, V]
 
 
 @dataclass
@@ -107,7 +124,9 @@ class Runtime:
     runs (the runtime's dense blocks elsewhere). ``dense``: run the model's base computation (routing
     wrappers looked through), e.g. the dense reference of a routed model. ``compile`` / ``graphs``:
     decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
-    every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes)."""
+    every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes).
+    ``prefill_graphs``: with CUDA graphs, a fresh unpadded prompt's prefill is captured too, once per
+    length rounded up to ``PREFILL_BUCKET`` (the host then launches one graph instead of every kernel)."""
 
     def __init__(
         self,
@@ -117,6 +136,7 @@ class Runtime:
         dense: bool = False,
         compile: bool | str = "auto",
         graphs: bool | str = "auto",
+        prefill_graphs: bool = False,
     ) -> None:
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
@@ -140,6 +160,7 @@ class Runtime:
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
+        self.prefill_graphs = bool(prefill_graphs) and self.graphs
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
         self._prefill = self.blocks  # what a prompt's forward calls
@@ -152,7 +173,7 @@ class Runtime:
     def mode(self) -> str:
         """How decode steps run: "eager", "compiled", "CUDA graphs" or "compiled + CUDA graphs"."""
         parts = [p for p, on in (("compiled", self.compiled), ("CUDA graphs", self.graphs)) if on]
-        return " + ".join(parts) or "eager"
+        return " + ".join(parts) + (" (prefill too)" if self.prefill_graphs else "") if parts else "eager"
 
     def stat_blocks(self) -> list[nn.Module]:
         """The blocks that count what they skip (``stat_tokens`` / ``stat_skipped``)."""
@@ -210,12 +231,20 @@ class Runtime:
         return self.model.lm_head(self.model.model.norm(x))
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: StaticCache, *, new_valid: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, cache: StaticCache, *, new_valid: torch.Tensor | None = None, last_only: bool = False
+    ) -> torch.Tensor:
         """Logits ``[B, T, V]`` of ``ids: [B, T]`` written at cache slots ``[end, end + T)`` (compiled
-        with symbolic shapes where decode steps are compiled, else eager); ``new_valid: [B, T]``
-        marks their padding (default: all real)."""
+        with symbolic shapes where decode steps are compiled, else eager; captured as a CUDA graph
+        with ``prefill_graphs``); ``new_valid: [B, T]`` marks their padding (default: all real).
+        ``last_only``: the last position's logits ``[B, 1, V]`` alone (what generation reads; the
+        head's product over every position is the largest one of a long prompt's prefill)."""
         b, t = ids.shape
         cache.check_room(t)
+        if self.prefill_graphs and last_only and not cache.end and not cache.padded and new_valid is None:
+            bucket = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
+            if bucket <= cache.size:
+                return self._prefill_replay(cache, ids, bucket)
         start, stop = cache.end, cache.end + t
         cache.valid[:, start:stop] = True if new_valid is None else new_valid
         slots = cache.slot_ids[start:stop]
@@ -229,7 +258,58 @@ class Runtime:
         with token_mask(new_valid):  # a routed model's own modules count (and route) the real tokens only
             x = self._layers(x, step, cache, self._prefill)
         cache.end = stop
-        return self._head(x)
+        return self._head(x[:, -1:] if last_only else x)
+
+    def _prefill_step(self, cache: StaticCache, ids: torch.Tensor, valid: torch.Tensor, last: torch.Tensor):
+        """A fresh prompt's prefill with a padded tail: ``ids, valid: [B, T]`` (the prompt's tokens
+        first, ``valid`` False on the tail), written at slots ``[0, T)``; logits ``[B, 1, V]`` at
+        position ``last: [1]``, the prompt's last token. The tail changes nothing the prompt's tokens
+        compute (causal attention: each token sees only those before it) and is not counted by the
+        routers; its slots are written but never seen (a decode step sees valid slots only, and writes
+        each before it reads it). Every index is a tensor: what a CUDA graph replays."""
+        t = ids.shape[1]
+        slots = cache.slot_ids[:t]
+        step = Step(cache.cos[:t][None], cache.sin[:t][None], slots, None, valid, False)
+        x = self._layers(self.model.model.embed_tokens(ids), step, cache, self._prefill)
+        return self._head(x.index_select(1, last))
+
+    def _prefill_replay(self, cache: StaticCache, ids: torch.Tensor, bucket: int) -> torch.Tensor:
+        """The prefill of the unpadded prompt ``ids: [B, T]`` into the empty ``cache`` through the graph
+        captured for ``bucket`` tokens (captured on first use)."""
+        g = cache.prefills.pop(bucket, None)
+        if g is None:
+            while len(cache.prefills) >= KEPT_PREFILL_GRAPHS:
+                cache.prefills.pop(next(iter(cache.prefills)))
+            g = self._capture_prefill(cache, ids.shape[0], bucket)
+        cache.prefills[bucket] = g  # (most recently used last)
+        t = ids.shape[1]
+        g.ids[:, :t].copy_(ids)
+        g.valid.zero_()
+        g.valid[:, :t] = True
+        g.last.fill_(t - 1)
+        g.graph.replay()
+        cache.valid[:, :t] = True
+        cache.end = t
+        return g.logits
+
+    def _capture_prefill(self, cache: StaticCache, batch: int, bucket: int) -> _PrefillGraph:
+        """Capture the prefill of ``bucket`` tokens into ``cache`` (warm-up runs first: compilation,
+        autotuning; the routing counters are put back after them, so only replays count)."""
+        ids = torch.full((batch, bucket), 3, dtype=torch.long, device=self.device)
+        valid = torch.ones(batch, bucket, dtype=torch.bool, device=self.device)
+        last = torch.full((1,), bucket - 1, dtype=torch.long, device=self.device)
+        counters = self._counters()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._prefill_step(cache, ids, valid, last)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self._prefill_step(cache, ids, valid, last)
+        self._restore(counters)
+        return _PrefillGraph(graph, ids, valid, last, logits)
 
     def _decode_step(self, cache: StaticCache, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """One decode step of ``ids: [B, 1]`` at cache slot ``slot: [1]`` -> logits ``[B, V]``, with
@@ -362,7 +442,7 @@ class Runtime:
         cache = self._cache_for(batch, prompt_tokens + max_new_tokens)
         ids = torch.full((batch, prompt_tokens), 3, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            first = self.forward(ids, cache)[:, -1].argmax(-1)
+            first = self.forward(ids, cache, last_only=True)[:, -1].argmax(-1)
         for _ in self.greedy_tokens(cache, first, min(2, max_new_tokens)):
             pass
         self._sync()
@@ -422,7 +502,7 @@ class Runtime:
 
         self._sync()
         t0 = time.perf_counter()
-        logits = self.forward(ids, cache, new_valid=real if cache.padded else None)[:, -1]
+        logits = self.forward(ids, cache, new_valid=real if cache.padded else None, last_only=True)[:, -1]
         self._sync()  # the GPU's work is done when the clock is read
         first = time.perf_counter()
         if temperature <= 0 and (self.compiled or self.graphs):  # the device feeds itself, the host reads behind

@@ -146,6 +146,7 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
         (["--prompt", "100000"], "--prompt 100000 + --new-tokens 32 exceed the model's"),
         (["--shape", "tiny"], "give a MODEL (a saved run, an HF directory or an alias) or --shape"),
         (["--compile", "on"], "CUDA graphs need a CUDA device"),
+        (["--prefill-graphs"], "--prefill-graphs: needs CUDA graphs, so a GPU"),
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err

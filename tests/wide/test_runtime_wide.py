@@ -220,6 +220,39 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["dense", "wide"])
+def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method):
+    """What a captured prefill computes (``Runtime._prefill_step``, eagerly here): the prompt padded
+    at its end to the bucket's length gives the prompt's last logits, its cache slots and its routing
+    counts, and decoding after it gives what decoding after the plain prefill gives."""
+    from compresskit.runtime import runtime_for
+
+    model, pruner = _wide_model(tiny_model_dir)
+    rt = runtime_for(model, pruner) if method == "wide" else Runtime(model, dense=True)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    plain, tailed = rt.new_cache(2, 12), rt.new_cache(2, 12)
+    for b in rt.stat_blocks():
+        b.reset_stats()
+    want = rt.forward(ids, plain, last_only=True)
+    counts = _routing_counts(rt, model).macs if method == "wide" else None
+    torch.testing.assert_close(want, rt.forward(ids, rt.new_cache(2, 12))[:, -1:])  # last_only: the last row
+    for b in rt.stat_blocks():
+        b.reset_stats()
+    padded = torch.cat([ids, torch.full((2, 3), 11)], dim=1)  # [B, 8]: a bucket of 8 with 3 tail tokens
+    valid = torch.arange(8)[None].expand(2, 8) < 5
+    with torch.inference_mode():
+        got = rt._prefill_step(tailed, padded, valid, torch.tensor([4]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if method == "wide":
+        assert _routing_counts(rt, model).macs == counts
+    for k_plain, k_tailed in zip(plain.keys + plain.values, tailed.keys + tailed.values, strict=True):
+        torch.testing.assert_close(k_tailed[:, :, :5], k_plain[:, :, :5], rtol=1e-5, atol=1e-5)
+    tailed.valid[:, :5], tailed.end = True, 5
+    for token in ([3, 4], [7, 8], [1, 2], [6, 6]):  # the tail's slots are overwritten before they are seen
+        token = torch.tensor(token)
+        torch.testing.assert_close(rt.decode(token, tailed), rt.decode(token, plain), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["dense", "wide"])
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
@@ -237,7 +270,9 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
         pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0, device=torch.device("cuda")))
         model = pruner.finalize(model).eval()
     fast, eager = runtime_for(model, pruner), runtime_for(model, pruner, compile=False, graphs=False)
+    captured = runtime_for(model, pruner, prefill_graphs=True)
     assert fast.mode == "compiled + CUDA graphs" and eager.mode == "eager"
+    assert captured.mode == "compiled + CUDA graphs (prefill too)"
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7]]
     tokens, counted = [], []
     for rt in (fast, eager):
@@ -249,6 +284,16 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
     assert tokens[0] == tokens[1]
     if method == "wide":
         assert abs(counted[0] - counted[1]) < 1e-9  # the warm-up steps before the capture are not counted
+    # a captured prefill (unpadded prompts, two lengths in one 256-token bucket, replayed twice each)
+    for prompt in ([[5, 6, 7, 8, 9, 10]], [[9, 8, 7]], [[5, 6, 7, 8, 9, 10]]):
+        runs = []
+        for rt in (captured, eager):
+            for b in rt.stat_blocks():
+                b.reset_stats()
+            out = rt.generate(prompt, max_new_tokens=6).tokens
+            runs.append((out, measured_sparsity(rt.stat_blocks(), model.config).macs if method == "wide" else 0))
+        assert runs[0][0] == runs[1][0] and abs(runs[0][1] - runs[1][1]) < 1e-9  # the padded tail is not counted
+    assert [len(c.prefills) for c in captured._caches.values()] == [1]
     caches = [rt.new_cache(2, 12) for rt in (fast, eager)]
     ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 0, 5, 6, 7]], device="cuda")
     for rt, c in zip((fast, eager), caches, strict=True):
