@@ -19,6 +19,10 @@
 #                     queues on each of the machine's GPUs (PER_GPU=1 by default; a 135M model leaves an
 #                     H200 mostly idle, so 3-4 suit it); then `compresskit compare SPEC` reuses them all and
 #                     times each saved model on the runtime, one at a time on an otherwise idle GPU.
+#                     ONLY=REGEX runs only the jobs whose name (member file name, -seedS) matches and skips
+#                     the final compare, so that a long comparison spreads over several calls on the same
+#                     warm machine (the last one without ONLY reuses them all); SPEED=off leaves speed
+#                     unmeasured in the final compare too (a comparison over seeds: time one seed's runs).
 #                     Results, table, plot and logs come back in $OUT/compare.tar.gz. Self-generated text
 #                     a member names is written once first, so that parallel runs do not write it each.
 set -euo pipefail
@@ -92,6 +96,7 @@ PY
         (for ((i = q; i < ${#jobs[@]}; i += queues)); do
           IFS=$'\t' read -r r seed dir <<<"${jobs[$i]}"
           name=$(basename "$r" .yaml)${seed:+-seed$seed}
+          [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] && continue
           sets=()
           [ -n "$seed" ] && sets=(--set "seed=$seed" --set "output.dir=$dir")
           echo "GPU $((q % ngpu)), queue $q: $name"
@@ -102,7 +107,12 @@ PY
         done) &
       done
       wait
-      timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" 2>&1 | tee /tmp/logs/compare.log || true
+      if [ -n "${ONLY:-}" ]; then
+        exit 0
+      fi
+      speed=()
+      [ "${SPEED:-on}" = off ] && speed=(--set evaluation.speed.measure=false)
+      timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" "${speed[@]}" 2>&1 | tee /tmp/logs/compare.log || true
       find runs /tmp/logs \( -name 'results.*' -o -name 'compare.*' -o -name 'recipe.yaml' -o -name '*.log' \) -print0 |
         tar czf "$OUT/compare.tar.gz" --null -T -
       exit 0
