@@ -130,6 +130,7 @@ def retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progres
                 device=rec.model.device,
                 allow_download=rec.model.allow_download,
             )[0],
+            base=rec.model.name_or_path,
             progress=progress,
         )
     results = {
@@ -390,6 +391,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         pruner,
         rec.evaluation.speed,
         load_dense=lambda: load()[0],
+        base=rec.model.name_or_path,
         progress=progress,
     )  # on the runtime, with the pruner's own blocks: before the executor rewires the model for evaluation
 

@@ -310,11 +310,16 @@ def unmeasured_reason(cfg, device_type: str) -> str | None:
     return None
 
 
-def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str, Any]:
+_DENSE_TIMES: dict[tuple, tuple[float, float]] = {}  # (base, device, dtype, settings) -> (TTFT, TPOT) ms
+
+
+def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, progress=None) -> dict[str, Any]:
     """What a run reports as its speed (``evaluation.speed``, a ``SpeedSection``): TTFT and TPOT of
-    ``model`` on the runtime (with its pruner's blocks) and of its dense base on the same runtime, one
-    after the other in this process; or why it was not measured. The dense base is the same weights
-    seen dense where the pruner only routes, else ``load_dense()``."""
+    ``model`` on the runtime (with its pruner's blocks) and of its dense base on the same runtime, in
+    this process; or why it was not measured. The dense base is the same weights seen dense where the
+    pruner only routes, else ``load_dense()``. ``base``: the dense base's name; once this process has
+    timed it with the same settings on the same device (a comparison's earlier member, or its dense
+    run), that timing is reused rather than measured again."""
     import contextlib
 
     from compresskit.runtime import Runtime, runtime_for
@@ -336,8 +341,12 @@ def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str,
             pruner.reset_sparsity(model)  # what the evaluator counts next starts from zero
         if task is not None:
             task.advance(1)
+        param = next(model.parameters())
+        key = (base, str(device), str(param.dtype), cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
         if pruner is None:
             dense_ttft, dense_tpot = ttft, tpot
+        elif base is not None and key in _DENSE_TIMES:
+            dense_ttft, dense_tpot = _DENSE_TIMES[key]
         else:
             routed_only = any(is_routed(m) for m in model.modules())
             dense = model if routed_only else load_dense()
@@ -345,6 +354,8 @@ def measure_speed(model, pruner, cfg, *, load_dense, progress=None) -> dict[str,
                 Runtime(dense, dense=routed_only), cfg.batch, prompt, cfg.new_tokens, cfg.repeats
             )
             del dense
+        if base is not None:
+            _DENSE_TIMES[key] = (dense_ttft, dense_tpot)
         if task is not None:
             task.advance(1)
     return {

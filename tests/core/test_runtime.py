@@ -223,6 +223,34 @@ def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe
     assert speed["measured"] and speed["dense_ttft_ms"] > 0 and abs(speed["sparsity_macs"] - 0.3) < 0.05
 
 
+def test_the_dense_base_is_timed_once_a_process(tiny_model_dir, monkeypatch):
+    """A comparison times many runs of one base: the base's own timing is measured for the first and
+    reused for the others with the same settings (new settings, or no base named, time it again)."""
+    from compresskit import plugins
+    from compresskit.interfaces import RunContext
+    from compresskit.recipe import SpeedSection
+    from compresskit.runtime import bench
+
+    cls = plugins.load("pruner", "wide")
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+    model = pruner.finalize(model).eval()
+    timed = []
+    real = bench.time_runtime
+    monkeypatch.setattr(bench, "time_runtime", lambda rt, *a: timed.append(rt.mode) or real(rt, *a))
+
+    def speed(new_tokens=3, base=f"{tiny_model_dir}-dense-cache-test"):
+        cfg = SpeedSection(measure=True, prompt=8, new_tokens=new_tokens, repeats=1)
+        return bench.measure_speed(model, pruner, cfg, load_dense=None, base=base)
+
+    first, second = speed(), speed()
+    assert len(timed) == 3 and second["dense_tpot_ms"] == first["dense_tpot_ms"]  # model, dense; model
+    speed(new_tokens=4)  # other settings: the base again
+    speed(base=None)  # no base named: the base again
+    assert len(timed) == 7
+
+
 def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
     """A run whose recipe changes in ``evaluation.speed`` alone (or whose speed could not be measured
     where it ran) keeps its training and quality numbers: ``apply`` and ``compare`` time its saved model
