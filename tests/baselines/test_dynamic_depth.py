@@ -134,6 +134,12 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
         for h in hooks:
             h.remove()
         assert 4 <= len(calls) < 4 * 6  # the prompt's pass in every layer, then only the kept decode steps
+    if skipping:  # compiled (a GPU also replays it as a CUDA graph): every sublayer runs, skipped ones zeroed
+        compiled = runtime_for(model, pruner, compile=True)
+        assert compiled.mode == "compiled"
+        pruner.reset_sparsity(model)
+        want = ref.generate(prompts[:1], max_new_tokens=6).tokens
+        assert compiled.generate(prompts[:1], max_new_tokens=6).tokens == want
     cache = [rt.new_cache(1, 12) for rt in (fast, ref)]
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():

@@ -8,10 +8,12 @@ For evaluation the executor changes nothing (the routed modules mask the skipped
 the reference). On the runtime (``compresskit generate``, ``bench``, the speed columns of ``apply``)
 its blocks decide per token with the sublayer's router. A skipped attention sublayer still writes
 its K and V to the cache (so later tokens see them), and skips q, the attention and o. A skipped FFN
-does nothing. With one token in flight (batch 1 decode) the decision is read on the host and the
-skipped work is not launched at all: that is where skipping saves time. Otherwise every token is
-computed and the skipped ones' outputs are zeroed (the same result). Reading the decision on the
-host means these blocks run eagerly (no CUDA graph can hold a branch on it).
+does nothing. Run eagerly with one token in flight (batch 1 decode), a block reads the decision on
+the host and launches none of the skipped work. Compiled, or captured in a CUDA graph, which cannot
+branch on a decision, every token is computed and the skipped ones' outputs are zeroed (the same
+result, no saving): on the H200 with SmolLM2-135M the eager skipping decoded 26x slower than the
+graph (docs/runtime-h200.md), so a GPU runtime takes the graph, and ``--compile off`` measures the
+skipping.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from torch import nn
 from compresskit import Executor, PluginConfig
 from compresskit.routing import RoutedProjection, decide
 from compresskit.runtime.blocks import MLP, Attention, Counting, Step, rope, write_cache
+
+
+def _on_host(tokens: int) -> bool:
+    """Whether a block reads its decision on the host and skips the work: one token, run eagerly
+    (neither traced by ``torch.compile`` nor captured in a CUDA graph)."""
+    if tokens != 1 or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class _Skipping(Counting):
@@ -42,12 +52,11 @@ class SkipAttention(Attention, _Skipping):
     def __init__(self, layer: nn.Module, head_dim: int) -> None:
         super().__init__(layer, head_dim, dense=True)
         self._setup_routing(layer.self_attn.o_proj)
-        self.graphable = False  # the decision is read on the host
 
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         run = self.decide(x, step.valid)
-        if b * t == 1 and not bool(run):  # K and V for the cache only
+        if _on_host(b * t) and not bool(run):  # K and V for the cache only
             h = self.norm(x)
             k = self.k_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
             v = self.v_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
@@ -63,11 +72,10 @@ class SkipMLP(MLP, _Skipping):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__(layer, dense=True)  # the SwiGLU under the routed down_proj
         self._setup_routing(layer.mlp.down_proj)
-        self.graphable = False  # the decision is read on the host
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         run = self.decide(x, step.valid)
-        if x.shape[0] * x.shape[1] == 1 and not bool(run):
+        if _on_host(x.shape[0] * x.shape[1]) and not bool(run):
             return torch.zeros_like(x)
         return super().forward(x, step) * run[..., None].to(x.dtype)
 
