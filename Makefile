@@ -33,8 +33,9 @@ setup: $(VENV)/.setup-done
 demo: $(VENV)/.setup-done
 	$(BIN)/compresskit apply recipes/quickstart.yaml --overwrite
 
+# two worker processes: most of the suite is single-threaded Python (Triton's CPU interpreter)
 test: $(VENV)/.test-setup-done
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -m "not slow"
