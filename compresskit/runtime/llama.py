@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,7 +172,8 @@ class Runtime:
 
     @property
     def mode(self) -> str:
-        """How decode steps run: "eager", "compiled", "CUDA graphs" or "compiled + CUDA graphs"."""
+        """How decode steps run: "eager", "compiled", "CUDA graphs" or "compiled + CUDA graphs", with
+        " (prefill too)" where a prompt's prefill is captured as well."""
         parts = [p for p, on in (("compiled", self.compiled), ("CUDA graphs", self.graphs)) if on]
         return " + ".join(parts) + (" (prefill too)" if self.prefill_graphs else "") if parts else "eager"
 
@@ -293,23 +295,30 @@ class Runtime:
         return g.logits
 
     def _capture_prefill(self, cache: StaticCache, batch: int, bucket: int) -> _PrefillGraph:
-        """Capture the prefill of ``bucket`` tokens into ``cache`` (warm-up runs first: compilation,
-        autotuning; the routing counters are put back after them, so only replays count)."""
+        """Capture the prefill of ``bucket`` tokens into ``cache``."""
         ids = torch.full((batch, bucket), 3, dtype=torch.long, device=self.device)
         valid = torch.ones(batch, bucket, dtype=torch.bool, device=self.device)
         last = torch.full((1,), bucket - 1, dtype=torch.long, device=self.device)
+        step = lambda: self._prefill_step(cache, ids, valid, last)  # noqa: E731
+        graph, logits = self._record(step, step)
+        return _PrefillGraph(graph, ids, valid, last, logits)
+
+    def _record(self, warm: Callable[[], Any], step: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """``step`` captured as a CUDA graph, with what it returns. ``warm`` runs twice first, on a side
+        stream (compilation, autotuning); the blocks' counters are put back after it, so that only
+        replays are counted."""
         counters = self._counters()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._prefill_step(cache, ids, valid, last)
+                warm()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = self._prefill_step(cache, ids, valid, last)
+            out = step()
         self._restore(counters)
-        return _PrefillGraph(graph, ids, valid, last, logits)
+        return graph, out
 
     def _decode_step(self, cache: StaticCache, ids: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """One decode step of ``ids: [B, 1]`` at cache slot ``slot: [1]`` -> logits ``[B, V]``, with
@@ -402,22 +411,13 @@ class Runtime:
         return logits
 
     def _capture(self, cache: StaticCache, token: torch.Tensor) -> _DecodeGraph:
-        """Capture the decode step at the cache's end. The warm-up runs (compilation, autotuning)
-        compute that same step, so they write what the step writes; the blocks' counters are put
-        back after them, so only replays are counted."""
+        """Capture the decode step at the cache's end. The warm-up runs compute that same step (without
+        feeding the next), so they write what the step writes."""
         ids = token[:, None].clone()
         slot = cache.slot_ids[cache.end : cache.end + 1].clone()
-        counters = self._counters()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_step(cache, ids, slot)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits, token = self._feed_step(cache, ids, slot)
-        self._restore(counters)
+        graph, (logits, token) = self._record(
+            lambda: self._decode_step(cache, ids, slot), lambda: self._feed_step(cache, ids, slot)
+        )
         return _DecodeGraph(graph, ids, slot, logits, token)
 
     def _counters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
