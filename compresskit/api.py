@@ -42,6 +42,7 @@ class RunResult:
     prune_summary: PruneSummary | None = None
     train_summaries: list[TrainSummary] = field(default_factory=list)
     reused: bool = False  # output_dir already held the finished run of this recipe: nothing ran
+    retimed: bool = False  # reused, with its speed measured again (``_retime``)
     rank: int = 0  # with several ranks, this process's: only rank 0's result holds the run's results
 
 
@@ -59,7 +60,7 @@ def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | N
                 previous = json.loads(results.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 previous = None
-        same = isinstance(previous, dict) and reusable(previous, resolved)
+        same = isinstance(previous, dict) and _reusable(previous, resolved)
         if same and not resolved.recipe.output.overwrite:
             return out, previous
         if not same and not resolved.recipe.output.overwrite:
@@ -79,16 +80,16 @@ def _without_speed(recipe: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def reusable(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
+def _reusable(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
     """Whether ``results`` are those of ``resolved``, or of a recipe that differs from it in
-    ``evaluation.speed`` alone (then :func:`retime` brings the speed up to date without rerunning)."""
+    ``evaluation.speed`` alone (then :func:`_retime` brings the speed up to date without rerunning)."""
     if results.get("recipe_hash") == resolved.hash():
         return True
     recipe = results.get("recipe")
     return isinstance(recipe, dict) and _without_speed(recipe) == _without_speed(resolved.to_dict())
 
 
-def needs_timing(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
+def _needs_timing(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
     """Whether a finished run's speed is to be measured again: its ``evaluation.speed`` settings
     changed, or it could not be measured where the run ran and can be here."""
     if results.get("recipe_hash") != resolved.hash():
@@ -107,7 +108,7 @@ def _timing_device(resolved: ResolvedRecipe) -> str | None:
     return None if unmeasured_reason(rec.evaluation.speed, device_type) else device_type
 
 
-def retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progress: Progress) -> dict[str, Any]:
+def _retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """``results`` of the finished run in ``out`` with its speed measured here and now: the saved model
     on the runtime beside its dense base, as ``apply`` measures it. What the run trained and evaluated
     stays as it was; ``results.json`` and ``results.md`` are rewritten atomically."""
@@ -205,17 +206,18 @@ def apply(
         unshardable = [s.name for s in resolved.training if not getattr(s.cls, "shardable", False)]
         if ranks is not None and unshardable:
             raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
+        out, finished = check_output_dir(resolved)
+        staging = out.with_name(out.name + ".partial")
+        if finished is not None:  # reused whatever became of its data since (its speed timed again if need be)
+            if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
+                shutil.rmtree(staging)
+            retimed = main and _needs_timing(finished, resolved)
+            if retimed:
+                finished = _retime(resolved, out, finished, progress)
+            return RunResult(out, finished, reused=True, retimed=retimed, rank=ranks.rank if ranks else 0)
         resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
         check_source(rec.data)
         check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
-        out, finished = check_output_dir(resolved)
-        staging = out.with_name(out.name + ".partial")
-        if finished is not None:
-            if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
-                shutil.rmtree(staging)
-            if main and needs_timing(finished, resolved):
-                finished = retime(resolved, out, finished, progress)
-            return RunResult(out, finished, reused=True, rank=ranks.rank if ranks else 0)
         recipe_hash = resolved.hash()
 
         marker = staging / "recipe.json"

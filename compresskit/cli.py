@@ -99,7 +99,8 @@ def cmd_apply(args, out: Console, err: Console) -> int:
     if result.rank:  # another rank than 0: rank 0 reports the run
         return EXIT_OK
     if result.reused:
-        _plain(err, f"{result.output_dir}: already done (same recipe hash): nothing to do; --overwrite to redo")
+        what = "its speed timed again, nothing else redone" if result.retimed else "nothing to do"
+        _plain(err, f"{result.output_dir}: already done (same recipe hash): {what}; --overwrite to redo")
     _print_results(out, result.results)
     _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
     return EXIT_OK
@@ -464,19 +465,15 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     """A results document from a recipe (run, or reused when its results are current), a
     results.json file or a run directory."""
     from compresskit import artifacts
-    from compresskit.api import apply, needs_timing, retime, reusable
+    from compresskit.api import apply
     from compresskit.recipe import load_recipe
 
     path = Path(ref)
     if path.suffix in (".yaml", ".yml"):
-        resolved = load_recipe(path, overrides)
-        out = Path(resolved.recipe.output.dir)
-        if (out / "results.json").is_file() and not resolved.recipe.output.overwrite:
-            cached = artifacts.read_json(out / "results.json", what="results")
-            if isinstance(cached, dict) and reusable(cached, resolved):
-                progress.log(f"{ref}: reusing {out / 'results.json'}")
-                return retime(resolved, out, cached, progress) if needs_timing(cached, resolved) else cached
-        return apply(resolved, progress=progress).results
+        result = apply(load_recipe(path, overrides), progress=progress)
+        if result.reused:
+            progress.log(f"{ref}: reusing {result.output_dir / 'results.json'}")
+        return result.results
     if path.is_dir():
         path = path / "results.json"
     data = artifacts.read_json(path, what="results file")

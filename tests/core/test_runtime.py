@@ -270,13 +270,15 @@ def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
 
     recipe["evaluation"]["speed"] = {"measure": True, "prompt": 16, "new_tokens": 3, "repeats": 1}
     again = apply(recipe)
-    assert again.reused and again.results["speed"]["measured"] and again.results["speed"]["prompt"] == 16
+    assert again.reused and again.retimed
+    assert again.results["speed"]["measured"] and again.results["speed"]["prompt"] == 16
     assert again.results["metrics"] == first["metrics"] and again.results["created"] == first["created"]
     on_disk = json.loads((tmp_path / "run" / "results.json").read_text())
     assert on_disk == again.results and on_disk["recipe_hash"] != first["recipe_hash"]
     assert "TPOT ms (eager)" in (tmp_path / "run" / "results.md").read_text()
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run" / "model").iterdir()} == model_files
-    assert apply(recipe).results == on_disk  # current now: nothing is timed again
+    current = apply(recipe)  # current now: nothing is timed again
+    assert current.results == on_disk and not current.retimed
 
     recipe["evaluation"]["speed"]["new_tokens"] = 4  # compare retimes it too
     spec = tmp_path / "member.yaml"
