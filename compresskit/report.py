@@ -18,7 +18,7 @@ from rich.table import Table
 
 from compresskit.comparison import Group, group_runs
 from compresskit.progress import Progress, Task
-from compresskit.tasks import result_columns, table_columns
+from compresskit.tasks import DEFAULT_TASKS, result_columns, table_columns
 
 NOT_MEASURED = "not measured"
 
@@ -217,7 +217,10 @@ def _speedups(speed: dict[str, Any] | None, reference: bool = False) -> list[str
 def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """One row a run; a row that averages seeds shows ``mean ± standard deviation``."""
     header = ["run", "pruner", "sparsity MACs", "attn", "ffn", "params"]
-    columns = table_columns()  # the built-in tasks', then any lm-eval task's some run reported
+    # the built-in tasks' columns that some run reported (the three default ones always), then any lm-eval task's
+    columns = [
+        c for c in table_columns() if c[1] in DEFAULT_TASKS or any(c[2] in r["metrics"].get(c[1], {}) for r in runs)
+    ]
     for r in runs:
         columns += [c for c in result_columns(r["metrics"]) if c not in columns]
     header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "TTFT x dense", "TPOT x dense"]

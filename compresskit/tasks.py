@@ -12,6 +12,9 @@ held-out text, so that evaluation needs no network:
 * ``next_sentence``: a 4-way choice of the sentence that follows a two-sentence context, built
   deterministically from the held-out articles (one distractor from later in the same article,
   two from other held-out articles); acc and acc_norm.
+* ``code_perplexity``, ``legal_perplexity``: the same rolling perplexity over text of a domain the
+  default training mix lacks, shipped in the package (``resources/domains``: Python standard-library
+  modules; software licences), to measure what pruning costs outside the recovery data.
 
 A new task is one :class:`TaskSpec` added to :data:`REGISTRY`. Any other name in
 ``evaluation.tasks`` is an lm-eval task or group, resolved by lm-eval's task manager (its own
@@ -150,6 +153,12 @@ def next_sentence_docs(articles: list[Article], n_items: int, seed: int = 0) -> 
     return docs
 
 
+def domain_docs(name: str) -> list[dict[str, str]]:
+    """The shipped documents of one domain (``resources/domains/<name>.jsonl``): title and text."""
+    path = resources.files("compresskit") / "resources" / "domains" / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def perplexity_docs(articles: list[Article], tokenizer) -> list[dict[str, Any]]:
     return [
         {"page": a.text, "title": a.title, "n_tokens": len(tokenizer(a.text, add_special_tokens=False)["input_ids"])}
@@ -188,8 +197,23 @@ def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) ->
     docs = perplexity_docs(data.test, tokenizer)
     if section.perplexity_docs is not None:
         docs = docs[: section.perplexity_docs]
+    return _rolling("ck_heldout_perplexity", docs)
+
+
+def _domain_task(name: str) -> Callable[[DataModule, Any, EvaluationSection], dict[str, Any]]:
+    def build(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+        from compresskit.data import Article
+
+        articles = [Article(d["title"], i, d["text"]) for i, d in enumerate(domain_docs(name))]
+        return _rolling(f"ck_{name}_perplexity", perplexity_docs(articles, tokenizer))
+
+    return build
+
+
+def _rolling(task: str, docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """lm-eval's rolling log-likelihood over ``docs`` (perplexity_docs), with compresskit's metrics."""
     return {
-        "task": "ck_heldout_perplexity",
+        "task": task,
         "custom_dataset": _dataset(docs),
         "test_split": "test",
         "output_type": "loglikelihood_rolling",
@@ -265,8 +289,25 @@ REGISTRY: dict[str, TaskSpec] = {
             limited=True,
             build=_next_sentence_task,
         ),
+        *(
+            TaskSpec(
+                f"{name}_perplexity",
+                f"rolling log-likelihood over {what} (shipped; absent from the default training mix)",
+                (Column(f"{name} ppl", "token_perplexity", "{:.2f}"),),
+                zero_shot=False,
+                limited=False,
+                build=_domain_task(name),
+            )
+            for name, what in (
+                ("code", "11 Python standard-library modules"),
+                ("legal", "six software licences (GPL-3, LGPL-2.1, MPL-2.0, Apache-2.0, GFDL-1.3, Artistic)"),
+            )
+        ),
     )
 }
+
+
+DEFAULT_TASKS = ("perplexity", "piqa", "next_sentence")  # what evaluation.tasks holds unless a recipe says
 
 
 def names() -> tuple[str, ...]:

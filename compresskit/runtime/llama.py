@@ -127,7 +127,8 @@ class Runtime:
     decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
     every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes).
     ``prefill_graphs``: with CUDA graphs, a fresh unpadded prompt's prefill is captured too, once per
-    length rounded up to ``PREFILL_BUCKET`` (the host then launches one graph instead of every kernel)."""
+    length rounded up to ``PREFILL_BUCKET`` (the host then launches one graph instead of every kernel;
+    "auto": wherever decode steps are graphed)."""
 
     def __init__(
         self,
@@ -137,7 +138,7 @@ class Runtime:
         dense: bool = False,
         compile: bool | str = "auto",
         graphs: bool | str = "auto",
-        prefill_graphs: bool = False,
+        prefill_graphs: bool | str = "auto",
     ) -> None:
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
@@ -161,7 +162,9 @@ class Runtime:
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
-        self.prefill_graphs = bool(prefill_graphs) and self.graphs
+        if prefill_graphs is True and not self.graphs:
+            raise CompressKitError("runtime: prefill_graphs asked, but decode steps are not replayed as CUDA graphs")
+        self.prefill_graphs = self.graphs and prefill_graphs in (True, "auto")
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
         self._prefill = self.blocks  # what a prompt's forward calls

@@ -224,12 +224,13 @@ def test_chat_documents_use_the_tokenizers_chat_template(tmp_path, monkeypatch):
 
 
 def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model_dir, monkeypatch):
-    """The ``generated`` source: the model continues the openings in turn, reproducibly (seeded
-    batches), the documents are cached by the model and the settings, and a second read writes
-    nothing; other settings write other text."""
+    """The ``generated`` source: the model continues the openings in turn on the runtime,
+    reproducibly (seeded batches), the documents are cached by the model and the settings, and a
+    second read writes nothing; other settings write other text."""
     from compresskit.data import load_documents, write_generated
     from compresskit.modeling import load_model
     from compresskit.recipe import DataSection
+    from compresskit.runtime import Runtime
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     spec = {"documents": 5, "max_new_tokens": 8, "batch_size": 2, "prompts": ["Alpha says", "Beta writes"]}
@@ -237,13 +238,15 @@ def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model
     docs = load_documents(section)
     assert docs[0].pending is not None and docs[0].articles == []
     calls = []
-    real = model.generate
-    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = Runtime.generate
+    monkeypatch.setattr(Runtime, "generate", lambda self, *a, **k: calls.append(k["seed"]) or real(self, *a, **k))
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("a Llama model writes on the runtime"))
     write_generated(docs, model, tok, model_id=str(tiny_model_dir))
     texts = [a.text for a in docs[0].articles]
-    assert len(calls) == 3 and len(texts) == 5  # batches of 2, 2 and 1
+    assert calls == [0, 2, 4] and len(texts) == 5  # batches of 2, 2 and 1, each seeded by where it starts
     assert [t.split()[0] for t in texts] == ["Alpha", "Beta", "Alpha", "Beta", "Alpha"]
     assert all(len(t) > len("Alpha says") for t in texts)
+    assert docs[0].info["engine"] == "runtime"
     dm = DataModule.from_section(tok, section, docs)
     info = dm.split_info()
     assert info["source"] == "mixture" and info["sources"][0]["kind"] == "generated"
@@ -255,3 +258,27 @@ def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model
     assert len(calls) == 6 and [a.text for a in other[0].articles] != texts
     with pytest.raises(RuntimeError, match="not written yet"):
         DataModule.from_section(tok, section, load_documents(section))
+
+
+def test_generated_text_of_an_architecture_the_runtime_lacks_comes_from_transformers(tiny_model_dir, monkeypatch):
+    """A model type the runtime does not run writes through transformers' ``generate``, sampled and
+    seeded the same way, under its own cache key."""
+    from compresskit.data import generation_engine, load_documents, write_generated
+    from compresskit.modeling import load_model
+    from compresskit.recipe import DataSection
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    monkeypatch.setattr(model.config, "model_type", "gpt_neox")
+    assert generation_engine(model) == "transformers"
+    spec = {"documents": 3, "max_new_tokens": 8, "batch_size": 2, "prompts": ["Alpha says", "Beta writes"]}
+    calls = []
+    real = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    docs = load_documents(DataSection(source={"generated": spec}))
+    write_generated(docs, model, tok, model_id=str(tiny_model_dir))
+    texts = [a.text for a in docs[0].articles]
+    assert len(calls) == 2 and [t.split()[0] for t in texts] == ["Alpha", "Beta", "Alpha"]
+    assert docs[0].info["engine"] == "transformers" and all(len(t) > len("Alpha says") for t in texts)
+    again = load_documents(DataSection(source={"generated": spec}))
+    write_generated(again, model, tok, model_id=str(tiny_model_dir))
+    assert len(calls) == 2 and [a.text for a in again[0].articles] == texts

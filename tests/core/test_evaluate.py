@@ -139,3 +139,33 @@ def test_one_registry_decides_the_tasks_of_recipes_the_evaluator_and_the_tables(
     # no longer built in: an lm-eval name to resolve, and lm-eval has no such task either
     with pytest.raises(tasks.RecipeError, match=r"unknown task 'piqa_again'\. Did you mean: .*piqa"):
         tasks.check_lm_eval_tasks(EvaluationSection(tasks=["piqa_again"]))
+
+
+def test_the_domain_perplexity_tasks_read_the_shipped_text(tiny_model_dir):
+    """``code_perplexity`` and ``legal_perplexity``: rolling perplexity over the shipped documents of
+    a domain (every document, whatever the held-out split), reported under their own names; the
+    comparison table shows their columns only where a run reported them."""
+    from compresskit import tasks
+    from compresskit.modeling import load_model
+    from compresskit.report import compare_rows
+
+    code, legal = tasks.domain_docs("code"), tasks.domain_docs("legal")
+    assert len(code) == 11 and code[0]["title"] == "Lib/heapq.py" and "def heappush" in code[0]["text"]
+    assert [d["title"] for d in legal] == ["GPL-3", "LGPL-2.1", "MPL-2.0", "Apache-2.0", "GFDL-1.3", "Artistic"]
+    assert "code_perplexity" not in EvaluationSection().tasks  # not run unless asked
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
+    section = EvaluationSection(tasks=["code_perplexity", "legal_perplexity"], batch_size=8, max_length=512)
+    res = evaluate(model, tok, dm, section)
+    for name, docs in (("code_perplexity", code), ("legal_perplexity", legal)):
+        assert res.tasks[name].n_items == len(docs)
+        ppl = res.tasks[name].metrics
+        assert 50 < ppl["token_perplexity"] < 5 * len(tok)  # a random-init model: about its vocabulary's size
+        assert math.isclose(math.log2(ppl["byte_perplexity"]), ppl["bits_per_byte"], rel_tol=1e-6)
+    assert res.tasks["code_perplexity"].metrics != res.tasks["legal_perplexity"].metrics
+    run = {"name": "r", "metrics": res.metrics(), "sparsity": None, "model": {"params_after": 1}}
+    plain = {"name": "p", "metrics": {"piqa": {"acc": 0.5}}, "sparsity": None, "model": {"params_after": 1}}
+    header, rows = compare_rows([run, plain])
+    assert rows[0][header.index("code ppl")] == f"{res.tasks['code_perplexity'].metrics['token_perplexity']:.2f}"
+    assert rows[1][header.index("legal ppl")] == "-"
+    assert "code ppl" not in compare_rows([plain])[0] and "held-out ppl" in compare_rows([plain])[0]

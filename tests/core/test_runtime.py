@@ -64,7 +64,9 @@ def test_self_feeding_greedy_decode_gives_the_eager_tokens(tiny):
     when the caller stops, one more step has run than it read."""
     model, _ = tiny
     fast, eager = Runtime(model, compile=True), Runtime(model)
-    assert fast.mode == "compiled"
+    assert fast.mode == "compiled"  # no CUDA graphs on the CPU, so no captured prefill either
+    with pytest.raises(CompressKitError, match="prefill_graphs asked, but decode steps are not replayed"):
+        Runtime(model, compile=True, prefill_graphs=True)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(2, 300, (n,), generator=gen).tolist() for n in (6, 4)]
     streamed = []
@@ -146,7 +148,8 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
         (["--prompt", "100000"], "--prompt 100000 + --new-tokens 32 exceed the model's"),
         (["--shape", "tiny"], "give a MODEL (a saved run, an HF directory or an alias) or --shape"),
         (["--compile", "on"], "CUDA graphs need a CUDA device"),
-        (["--prefill-graphs"], "--prefill-graphs: needs CUDA graphs, so a GPU"),
+        (["--prefill-graphs", "on"], "--prefill-graphs on: needs CUDA graphs, so a GPU"),
+        (["--prefill-graphs", "sometimes"], "--prefill-graphs: invalid choice"),
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err

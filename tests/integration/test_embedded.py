@@ -112,10 +112,10 @@ def test_runtime_greedy_matches_transformers_on_smollm2_cpu():
 @needs_model
 @pytest.mark.gpu
 def test_runtime_greedy_matches_transformers_on_smollm2_gpu(capsys):
-    """On a GPU: fp32 compiled and graph-replayed decode gives transformers' tokens; bf16 differences (a
+    """On a GPU: fp32 compiled and graph-replayed prefill and decode give transformers' tokens; bf16 differences (a
     last-bit difference can turn a greedy choice) are printed per prompt, not asserted."""
     want, alone, batched, mode = _greedy_parity("cuda", "float32")
-    assert mode == "compiled + CUDA graphs" and alone == want and batched == want
+    assert mode == "compiled + CUDA graphs (prefill too)" and alone == want and batched == want
     want, alone, batched, _ = _greedy_parity("cuda", "bfloat16")
     for prompt, w, a, b in zip(PROMPTS, want, alone, batched, strict=True):
         same = next((i for i, (x, y) in enumerate(zip(w, a, strict=True)) if x != y), len(w))

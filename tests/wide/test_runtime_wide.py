@@ -269,8 +269,9 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
         pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0, device=torch.device("cuda")))
         model = pruner.finalize(model).eval()
-    fast, eager = runtime_for(model, pruner), runtime_for(model, pruner, compile=False, graphs=False)
-    captured = runtime_for(model, pruner, prefill_graphs=True)
+    fast = runtime_for(model, pruner, prefill_graphs=False)
+    eager = runtime_for(model, pruner, compile=False, graphs=False)
+    captured = runtime_for(model, pruner)  # prefill graphs wherever decode is graphed
     assert fast.mode == "compiled + CUDA graphs" and eager.mode == "eager"
     assert captured.mode == "compiled + CUDA graphs (prefill too)"
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7]]
