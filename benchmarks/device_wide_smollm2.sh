@@ -95,7 +95,8 @@ case "$step" in
       spec=${1:?usage: device_wide_smollm2.sh compare SPEC}
       # convert the embedded model once, before parallel runs would race for its cache entry
       python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-      # one job a member and seed: "recipe<TAB>seed<TAB>output dir" (seed and dir empty without seeds)
+      # one job a member and seed: "recipe<TAB>seed<TAB>output dir" ("-" for no seed and the recipe's own dir:
+      # read splits at runs of tabs, so no field may be empty)
       mapfile -t jobs < <(python3 - "$spec" <<'PY'
 import sys
 from compresskit.recipe import load_comparison, load_recipe
@@ -103,29 +104,35 @@ members, _, seeds = load_comparison(sys.argv[1])
 for m in members:
     out = load_recipe(m).recipe.output.dir
     for s in seeds or [None]:
-        print(f"{m}\t\t" if s is None else f"{m}\t{s}\t{out}-seed{s}")
+        print(f"{m}\t-\t-" if s is None else f"{m}\t{s}\t{out}-seed{s}")
 PY
 )
       for r in ${EXTRA:-}; do
-        jobs+=("$r"$'\t\t'"runs/extra/$(basename "$r" .yaml)")
+        jobs+=("$r"$'\t-\t'"runs/extra/$(basename "$r" .yaml)")
       done
-      # self-generated text, written once on GPU 0 before the parallel runs
-      CUDA_VISIBLE_DEVICES=0 python3 - "$spec" <<'PY'
+      # self-generated text and the dense reference, each written once on GPU 0 before the parallel runs
+      # (both are cached by what decides them, which the seed is not)
+      CUDA_VISIBLE_DEVICES=0 python3 - "$spec" ${EXTRA:-} <<'PY'
 import sys
-from compresskit.data import load_documents, write_generated
+from compresskit.api import dense_reference
+from compresskit.data import DataModule, load_documents, write_generated
 from compresskit.modeling import load_model
+from compresskit.progress import Progress
 from compresskit.recipe import load_comparison, load_recipe
-done = set()
-for m in load_comparison(sys.argv[1])[0]:
-    rec = load_recipe(m).recipe
+loaded = {}
+for m in [*load_comparison(sys.argv[1])[0], *sys.argv[2:]]:
+    resolved = load_recipe(m)
+    rec = resolved.recipe
+    key = (rec.model.name_or_path, rec.model.dtype, rec.model.device)
+    if key not in loaded:
+        loaded.clear()  # one model at a time
+        loaded[key] = load_model(rec.model.name_or_path, dtype=rec.model.dtype, device=rec.model.device)
+    model, tok = loaded[key]
     docs = load_documents(rec.data)
-    key = (rec.model.name_or_path, rec.model.dtype, repr(rec.data.source))
-    if key in done or not any(d.pending is not None for d in docs):
-        continue
-    model, tok = load_model(rec.model.name_or_path, dtype=rec.model.dtype, device=rec.model.device)
     write_generated(docs, model, tok, model_id=rec.model.name_or_path)
-    done.add(key)
-    print(f"generated text for {m.name} written")
+    if rec.pruner is not None and rec.evaluation.compare_dense:
+        dense_reference(resolved, model, tok, DataModule.from_section(tok, rec.data, docs), Progress())
+    print(f"generated text and dense reference of {m} ready")
 PY
       ngpu=$(nvidia-smi -L | wc -l)
       queues=$((ngpu * ${PER_GPU:-1}))
@@ -133,6 +140,7 @@ PY
       selected=()  # the jobs ONLY keeps, dealt round-robin to the queues
       for job in "${jobs[@]}"; do
         IFS=$'\t' read -r r seed dir <<<"$job"
+        [ "$seed" = - ] && seed=
         name=$(basename "$r" .yaml)${seed:+-seed$seed}
         [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] || selected+=("$job")
       done
@@ -140,10 +148,11 @@ PY
       for ((q = 0; q < queues; q++)); do
         (for ((i = q; i < ${#selected[@]}; i += queues)); do
           IFS=$'\t' read -r r seed dir <<<"${selected[$i]}"
+          [ "$seed" = - ] && seed=
           name=$(basename "$r" .yaml)${seed:+-seed$seed}
           sets=()
           [ -n "$seed" ] && sets=(--set "seed=$seed")
-          [ -n "$dir" ] && sets+=(--set "output.dir=$dir")
+          [ "$dir" != - ] && sets+=(--set "output.dir=$dir")
           echo "GPU $((q % ngpu)), queue $q: $name"
           CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" \
             --set evaluation.speed.measure=false \

@@ -551,7 +551,10 @@ class DataModule:
             if src.pending is not None:
                 raise RuntimeError("a generated source is not written yet: call data.write_generated first")
             arts = [_format_chat(a, tokenizer) for a in src.articles]
-            train, test = split_articles(arts, test_fraction, split_seed)
+            if src.kind == "generated":  # the dense model wrote it: training text only, never a judge of the pruned one
+                train, test = arts, []
+            else:
+                train, test = split_articles(arts, test_fraction, split_seed)
             weighted = weighted_documents(train, src.weight, split_seed)
             self.articles += arts
             self.train += weighted

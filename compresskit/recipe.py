@@ -161,7 +161,12 @@ class DataSection(_Section):
         "{hf: NAME}: a Hugging Face dataset; {generated: {...}}: text the dense model writes; or a list of "
         "{source: ..., weight: w} to mix several.",
     )
-    test_fraction: float = Field(0.25, gt=0.0, lt=1.0, description="Share of documents held out for evaluation.")
+    test_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        lt=1.0,
+        description="Share of each source's documents held out for evaluation (a generated source: none).",
+    )
     split_seed: int = 0
     calibration: CalibrationSection = CalibrationSection()
 
@@ -300,6 +305,18 @@ class Recipe(_Section):
             raise ValueError(
                 f"output.dir {self.output.dir!r} would overwrite the input model.name_or_path "
                 f"{self.model.name_or_path!r}; write the run somewhere else"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _held_out_text_for_the_tasks_that_read_it(self) -> Recipe:
+        sources = self.data.source if isinstance(self.data.source, list) else [self.data.source]
+        kinds = [s.source if isinstance(s, WeightedSource) else s for s in sources]
+        readers = [t for t in ("perplexity", "next_sentence") if t in self.evaluation.tasks]
+        if readers and all(isinstance(k, GeneratedSource) for k in kinds):
+            raise ValueError(
+                f"data.source: only generated text, which is training text only, so evaluation.tasks "
+                f"{', '.join(readers)} would have no held-out text; add a source to hold out (wiki, files or hf)"
             )
         return self
 

@@ -93,6 +93,7 @@ def _speed_note(speed: dict[str, Any] | None) -> str:
         f"generations of {speed['new_tokens']} tokens after a random {speed['prompt']}-token prompt, batch "
         f"{speed['batch']}, on the compresskit runtime ({speed['mode']}, {speed['device']}), the dense base on the "
         "same runtime in the same process; the recovery column holds the speedup over dense."
+        + (f" It ran eagerly on the GPU: {speed['eager_reason']}." if speed.get("eager_reason") else "")
     )
 
 
@@ -117,11 +118,27 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+_SOURCE_WORDS = {
+    "wiki": "Wikipedia articles from the gensim test data",
+    "files": "documents from local files",
+    "hf": "documents of a Hugging Face dataset",
+    "generated": "documents the dense model wrote (training text only)",
+}
+
+
 def _data_source(data: dict[str, Any]) -> str:
     if data.get("source") == "files":
         files = data["files"]
         names = ", ".join(f["path"] for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         return f"{data['articles']} documents from {len(files)} local file(s) ({names})"
+    sources = data.get("sources") or []
+    if len(sources) > 1 or (sources and sources[0].get("kind") != "wiki"):
+        parts = [
+            f"{s['documents']} {_SOURCE_WORDS.get(s['kind'], s['kind'])}"
+            + (f" (weight {s['weight']:g})" if len(sources) > 1 else "")
+            for s in sources
+        ]
+        return ("a mixture of " if len(sources) > 1 else "") + " and ".join(parts)
     return f"{data['articles']} Wikipedia articles from the gensim test data"
 
 

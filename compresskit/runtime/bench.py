@@ -362,6 +362,7 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
         "measured": True,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "mode": rt.mode,
+        **({"eager_reason": rt.eager_reason} if rt.eager_reason and device.type == "cuda" else {}),
         "batch": cfg.batch,
         "prompt": prompt,
         "new_tokens": cfg.new_tokens,

@@ -118,6 +118,21 @@ def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool,
     return bool(flag)
 
 
+def _eager_reason(layers, blocks) -> str:
+    """Why the blocks of ``layers`` cannot be compiled and graphed: the first one that keeps state."""
+    for i, (layer, pair) in enumerate(zip(layers, blocks, strict=True)):
+        for block in pair:
+            if block.graphable:
+                continue
+            if any("lora_" in name for name, _ in layer.named_modules()):
+                return (
+                    f"layer {i} carries LoRA adapters that are not merged, so its routed modules run as they are "
+                    "(merge them: training stage lora, merge: true)"
+                )
+            return f"layer {i}'s routed modules keep state between calls and its method gives no runtime block"
+    return "a block keeps state between calls"
+
+
 class Runtime:
     """The runtime over a loaded Llama-family ``model``: its weights are used where they are.
 
@@ -160,6 +175,8 @@ class Runtime:
             self.blocks.append((attn, mlp if mlp is not None else MLP(layer, dense=dense)))
         graphable = all(b.graphable for pair in self.blocks for b in pair)
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
+        # why a GPU runs this model eagerly, for the reports (None where it need not)
+        self.eager_reason = None if graphable else _eager_reason(self.layers, self.blocks)
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
         if prefill_graphs is True and not self.graphs:

@@ -250,6 +250,9 @@ def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model
     dm = DataModule.from_section(tok, section, docs)
     info = dm.split_info()
     assert info["source"] == "mixture" and info["sources"][0]["kind"] == "generated"
+    # the dense model's own text trains but never judges: none of it is held out, the wiki's share is
+    assert info["sources"][0]["test"] == 0 and info["sources"][0]["train"] == 5 and info["sources"][1]["test"] > 0
+    assert not any(a.title.startswith("generated:") for a in dm.test)
     again = load_documents(section)
     write_generated(again, model, tok, model_id=str(tiny_model_dir))
     assert len(calls) == 3 and [a.text for a in again[0].articles] == texts  # from the cache

@@ -119,6 +119,11 @@ def test_cross_field_rules():
         load_recipe({**BASE, "evaluation": {"tasks": ["piqa", "piqa"]}})
     with pytest.raises(RecipeError, match="evaluation.tasks: .*at least one task"):
         load_recipe({**BASE, "evaluation": {"tasks": []}})
+    generated = {"source": {"generated": {"documents": 4}}}
+    with pytest.raises(RecipeError, match="only generated text, .*tasks perplexity, next_sentence would have no held"):
+        load_recipe({**BASE, "data": generated})
+    load_recipe({**BASE, "data": generated, "evaluation": {"tasks": ["piqa"]}})  # no held-out text needed
+    load_recipe({**BASE, "data": {"source": [{"source": "wiki"}, generated]}})
 
 
 def test_newer_schema_version_refused():

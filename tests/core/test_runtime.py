@@ -208,8 +208,11 @@ def test_apply_reports_speed_beside_quality(tiny_recipe, tmp_path):
     assert abs(speed["tpot_speedup"] - speed["dense_tpot_ms"] / speed["tpot_ms"]) < 0.01
     assert res["sparsity"]["macs"] > 0  # the evaluator's own count, not mixed with the timed runs'
     assert "TPOT ms (eager)" in results_markdown(res)
+    assert "eager_reason" not in speed and "It ran eagerly on the GPU" not in results_markdown(res)  # a CPU's way
     header, rows = compare_rows([res])
     assert rows[0][header.index("TPOT x dense")] == f"{speed['tpot_speedup']:.2f}x"
+    lora = {**res, "speed": {**speed, "eager_reason": "layer 0 carries LoRA adapters that are not merged"}}
+    assert "It ran eagerly on the GPU: layer 0 carries LoRA adapters that are not merged." in results_markdown(lora)
 
 
 def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe):

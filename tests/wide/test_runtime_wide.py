@@ -119,7 +119,8 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir):
 
 
 def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
-    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules."""
+    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules, and
+    the runtime says why it cannot compile and graph it (what the speed reports repeat)."""
     from peft import LoraConfig, get_peft_model
 
     from compresskit.runtime import runtime_for
@@ -129,6 +130,10 @@ def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
     model = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"])).base_model.model
     rt = runtime_for(model, pruner)
     assert not any(isinstance(m, WideMLP) for _, m in rt.blocks) and rt.mode == "eager"
+    assert rt.eager_reason.startswith("layer 0 carries LoRA adapters that are not merged") and "merge: true" in (
+        rt.eager_reason
+    )
+    assert runtime_for(_wide_model(tiny_model_dir)[0], pruner).eager_reason is None
     ids = torch.randint(2, 300, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(rt.forward(ids, rt.new_cache(1, 6)), model(ids).logits, rtol=1e-5, atol=1e-5)
