@@ -425,5 +425,16 @@ def test_compare_over_seeds_shows_mean_and_spread_and_reuses_runs(capsys, tiny_m
     assert wide[header.index("held-out ppl")] == f"{mean:.2f} ± {std:.2f}"
     code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,1")
     assert code == 0 and err.count("reusing") == 2
+    # a run folder that holds only its results (carried from another machine, its model left behind) is
+    # reused as well where nothing needs the model (no speed to measure on a CPU)
+    import shutil
+
+    for item in (tmp_path / "wide-seed0").iterdir():
+        if item.name not in ("results.json", "results.md"):
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,1", "--output", str(tmp_path / "c"))
+    assert code == 0 and err.count("reusing") == 2, err
+    again = list(__import__("csv").reader((tmp_path / "c" / "compare.csv").read_text().splitlines()))
+    assert again[2] == wide
     code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,x")
     assert code == 2 and "--seeds: '0,x' is not a comma-separated list of integers" in one_line_error(err)
