@@ -150,3 +150,39 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for i in range(4):  # the caches hold the same keys and values, skipped or not
             torch.testing.assert_close(cache[0].keys[i][:, :, :9], cache[1].keys[i][:, :, :9])
+
+
+def test_distilled_lora_recovery_merges_and_reloads(tiny_model_dir, tmp_path):
+    """The distillation recipes' recovery for dynamic depth, small: the router stage, then LoRA with
+    distillation merged at the end, through ``apply``. The saved model reloads without adapters, with
+    the logits of the model the run evaluated, and the runtime can compile and graph it (nothing in it
+    keeps state between calls)."""
+    from compresskit import artifacts
+    from compresskit.api import apply
+    from compresskit.evaluate import evaluate
+    from compresskit.recipe import load_recipe
+    from compresskit.runtime import runtime_for
+
+    distill = {"weight": 0.5, "temperature": 2.0}
+    stage = {"batch_size": 2, "seq_len": 32, "distill": distill}
+    recipe = {
+        "name": "dd-distill",
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"calibration": {"n_samples": 4, "seq_len": 32, "batch_size": 2}},
+        "pruner": {"name": "dynamic-depth", "config": {"target_sparsity": 0.5, "router_rank": 4}},
+        "training": [
+            {"name": "router", "config": {"steps": 2, "lr": 1e-2, **stage}},
+            {"name": "lora", "config": {"steps": 2, "lr": 1e-2, "r": 4, "merge": True, **stage}},
+        ],
+        "evaluation": {"tasks": ["perplexity"], "perplexity_docs": 1, "max_length": 256, "compare_dense": False},
+        "output": {"dir": str(tmp_path / "run")},
+    }
+    result = apply(recipe)
+    model, tok, pruner = artifacts.load(tmp_path / "run" / "model", device="cpu", dtype="float32")
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+    assert runtime_for(model, pruner).eager_reason is None
+    rec = load_recipe(recipe).recipe
+    again = evaluate(model.eval(), tok, DataModule.from_section(tok, rec.data), rec.evaluation)
+    want = result.results["metrics"]["perplexity"]["token_perplexity"]
+    assert again.tasks["perplexity"].metrics["token_perplexity"] == pytest.approx(want, rel=1e-5)
+    assert [st["stage"] for st in result.results["training"]] == ["router", "lora"]
