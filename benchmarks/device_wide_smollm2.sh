@@ -29,8 +29,11 @@
 #                     Results, table, plot and logs come back in $OUT/compare.tar.gz (with ONLY too: the
 #                     results of the runs it made). Self-generated text a member names is written once first,
 #                     so that parallel runs do not write it each. A run whose output folder holds its
-#                     finished results is reused, not rerun (carry a finished run's results.json there to
-#                     spread a comparison over sessions); an interrupted one resumes. EXTRA="RECIPE..."
+#                     finished results is reused, not rerun; an interrupted one resumes. To spread a
+#                     comparison over sessions, unpack the earlier session's compare.tar.gz here into an
+#                     ignored folder (for example .carried/, keeping its runs/ paths), carry it, and start
+#                     with `cp -r .carried/runs/. runs/`: its runs are reused (with SPEED=off nothing needs
+#                     their models). EXTRA="RECIPE..."
 #                     queues these recipes too (once each, into runs/extra/NAME).
 #   background STEP...  STEP (compare, run) in a new process session that outlives this call, its
 #                     output into /tmp/bg: a long job on a warm machine, followed by `wait`

@@ -507,6 +507,12 @@ def _generate(model, tokenizer, spec, prompts: list[str], engine: str, progress)
     return texts
 
 
+def source_labels(kinds: list[str]) -> list[str]:
+    """A short name for each source of a run, from its kind ("wiki", "files", "hf", "generated"), numbered
+    where a kind repeats ("files1", "files2")."""
+    return [k if kinds.count(k) == 1 else f"{k}{kinds[: i + 1].count(k)}" for i, k in enumerate(kinds)]
+
+
 def split_articles(articles: list[Article], test_fraction: float, seed: int) -> tuple[list[Article], list[Article]]:
     """Deterministic split by article: order by sha256(seed:title), the first share is held out."""
     ranked = sorted(articles, key=lambda a: hashlib.sha256(f"{seed}:{a.title}".encode()).hexdigest())
@@ -547,7 +553,9 @@ class DataModule:
             sources = [SourceDocuments(kind, articles, 1.0, info)]
         self.sources = sources
         self.articles, self.train, self.test, self._shares = [], [], [], []
-        for src in sources:
+        self.test_sources: list[str] = []  # the label of each held-out document's source (source_labels)
+        labels = source_labels([s.kind for s in sources])
+        for src, label in zip(sources, labels, strict=True):
             if src.pending is not None:
                 raise RuntimeError("a generated source is not written yet: call data.write_generated first")
             arts = [_format_chat(a, tokenizer) for a in src.articles]
@@ -559,6 +567,7 @@ class DataModule:
             self.articles += arts
             self.train += weighted
             self.test += test
+            self.test_sources += [label] * len(test)
             self._shares.append((len(arts), len(weighted), len(test)))
         found = [f for src in sources for f in (src.info or {}).get("files", [])]
         self.files = found or None  # the local files the documents came from (None: none)
@@ -590,8 +599,11 @@ class DataModule:
             "source": kinds[self.sources[0].kind] if len(self.sources) == 1 else "mixture",
             **({"files": self.files} if self.files is not None else {}),
             "sources": [
-                {"kind": s.kind, "weight": s.weight, "documents": n, "train": tr, "test": te, **(s.info or {})}
-                for s, (n, tr, te) in zip(self.sources, self._shares, strict=True)
+                {"kind": s.kind, "label": label, "weight": s.weight, "documents": n, "train": tr, "test": te}
+                | (s.info or {})
+                for s, label, (n, tr, te) in zip(
+                    self.sources, source_labels([s.kind for s in self.sources]), self._shares, strict=True
+                )
             ],
             "fingerprint": self.fingerprint(),
             "articles": len(self.articles),

@@ -288,7 +288,7 @@ def recovery(
                 continue
             higher = (higher_is_better or {}).get(task, {}).get(metric)
             if higher is None:
-                higher = task_registry.HIGHER_IS_BETTER.get(metric, True)
+                higher = task_registry.HIGHER_IS_BETTER.get(task_registry.metric_kind(metric), True)
             ratio = value / base if higher else base / value
             out.setdefault(task, {})[metric] = ratio
     return out

@@ -159,10 +159,17 @@ def domain_docs(name: str) -> list[dict[str, str]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def perplexity_docs(articles: list[Article], tokenizer) -> list[dict[str, Any]]:
+def perplexity_docs(articles: list[Article], tokenizer, sources: list[str] | None = None) -> list[dict[str, Any]]:
+    """Rolling-perplexity documents; ``sources``: each article's source label, which then also gets a
+    token perplexity of its own (``token_perplexity:<label>``)."""
     return [
-        {"page": a.text, "title": a.title, "n_tokens": len(tokenizer(a.text, add_special_tokens=False)["input_ids"])}
-        for a in articles
+        {
+            "page": a.text,
+            "title": a.title,
+            "n_tokens": len(tokenizer(a.text, add_special_tokens=False)["input_ids"]),
+            "source": sources[i] if sources else "",
+        }
+        for i, a in enumerate(articles)
     ]
 
 
@@ -170,12 +177,19 @@ def _perplexity_results(doc: dict, results: list) -> dict:
     (loglikelihood,) = results
     n_words = len(re.split(r"\s+", doc["page"]))
     n_bytes = len(doc["page"].encode("utf-8"))
+    per_source = {f"token_perplexity:{doc['source']}": (loglikelihood, doc["n_tokens"])} if doc["source"] else {}
     return {
         "token_perplexity": (loglikelihood, doc["n_tokens"]),
         "word_perplexity": (loglikelihood, n_words),
         "byte_perplexity": (loglikelihood, n_bytes),
         "bits_per_byte": (loglikelihood, n_bytes),
+        **per_source,
     }
+
+
+def metric_kind(metric: str) -> str:
+    """A metric's kind without its source: ``token_perplexity:wiki`` -> ``token_perplexity``."""
+    return metric.split(":", 1)[0]
 
 
 def _dataset(docs: list[dict[str, Any]]):
@@ -194,10 +208,11 @@ _MC_METRICS = [
 
 
 def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
-    docs = perplexity_docs(data.test, tokenizer)
+    several = len(set(data.test_sources)) > 1  # held-out text of several sources: each its own perplexity too
+    docs = perplexity_docs(data.test, tokenizer, data.test_sources if several else None)
     if section.perplexity_docs is not None:
         docs = docs[: section.perplexity_docs]
-    return _rolling("ck_heldout_perplexity", docs)
+    return _rolling("ck_heldout_perplexity", docs, sorted({d["source"] for d in docs} - {""}))
 
 
 def _domain_task(name: str) -> Callable[[DataModule, Any, EvaluationSection], dict[str, Any]]:
@@ -210,8 +225,9 @@ def _domain_task(name: str) -> Callable[[DataModule, Any, EvaluationSection], di
     return build
 
 
-def _rolling(task: str, docs: list[dict[str, Any]]) -> dict[str, Any]:
-    """lm-eval's rolling log-likelihood over ``docs`` (perplexity_docs), with compresskit's metrics."""
+def _rolling(task: str, docs: list[dict[str, Any]], sources: list[str] = ()) -> dict[str, Any]:
+    """lm-eval's rolling log-likelihood over ``docs`` (perplexity_docs), with compresskit's metrics
+    (and a token perplexity for each of ``sources``)."""
     return {
         "task": task,
         "custom_dataset": _dataset(docs),
@@ -222,7 +238,12 @@ def _rolling(task: str, docs: list[dict[str, Any]]) -> dict[str, Any]:
         "process_results": _perplexity_results,
         "metric_list": [
             {"metric": m, "aggregation": "weighted_perplexity", "higher_is_better": False}
-            for m in ("token_perplexity", "word_perplexity", "byte_perplexity")
+            for m in (
+                "token_perplexity",
+                "word_perplexity",
+                "byte_perplexity",
+                *(f"token_perplexity:{s}" for s in sources),
+            )
         ]
         + [{"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False}],
         "metadata": {"version": 1.0},
@@ -432,10 +453,16 @@ def fewshot(section: EvaluationSection, name: str) -> int:
 
 def result_columns(metrics: dict[str, dict[str, float]]) -> list[tuple[str, str, str, str]]:
     """Table columns for tasks outside the registry (lm-eval's), from the metrics a run reported:
-    acc and acc_norm first where present, then the other metrics by name."""
+    acc and acc_norm first where present, then the other metrics by name; and the held-out perplexity
+    of each source where the held-out text came from several."""
     cols = []
     for task, values in metrics.items():
-        if builtin(task):
+        if builtin(task):  # only the held-out perplexity of each source, where there are several
+            cols += [
+                (f"held-out ppl ({m.split(':', 1)[1]})", task, m, "{:.2f}")
+                for m in sorted(values)
+                if m.startswith("token_perplexity:")
+            ]
             continue
         order = [m for m in ("acc", "acc_norm") if m in values] + sorted(
             m for m in values if m not in ("acc", "acc_norm")

@@ -169,3 +169,43 @@ def test_the_domain_perplexity_tasks_read_the_shipped_text(tiny_model_dir):
     assert rows[0][header.index("code ppl")] == f"{res.tasks['code_perplexity'].metrics['token_perplexity']:.2f}"
     assert rows[1][header.index("legal ppl")] == "-"
     assert "code ppl" not in compare_rows([plain])[0] and "held-out ppl" in compare_rows([plain])[0]
+
+
+def test_held_out_text_of_several_sources_gets_a_perplexity_each(tiny_model_dir, tmp_path, monkeypatch):
+    """Held-out documents from two sources: ``perplexity`` reports the whole held-out text's token
+    perplexity and each source's (``token_perplexity:<label>``, whose tokens add up to the whole),
+    the reports show a column for each, and recovery reads them as lower-is-better."""
+    import json
+
+    from compresskit import tasks
+    from compresskit.data import load_documents
+    from compresskit.modeling import load_model
+    from compresskit.recipe import DataSection
+    from compresskit.report import compare_rows, summary_rows
+
+    for name in ("a", "b"):
+        docs = [{"text": f"{name.upper()} file document {i}. " + "Some words here. " * (20 + i)} for i in range(8)]
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    monkeypatch.chdir(tmp_path)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    section = DataSection(source=[{"source": {"files": ["a.jsonl"]}}, {"source": {"files": ["b.jsonl"]}}])
+    dm = DataModule.from_section(tok, section, load_documents(section))
+    assert dm.test_sources == ["files1"] * 2 + ["files2"] * 2
+    assert [s["label"] for s in dm.split_info()["sources"]] == ["files1", "files2"]
+    res = evaluate(model, tok, dm, EvaluationSection(tasks=["perplexity"], max_length=128, batch_size=4))
+    ppl = res.tasks["perplexity"].metrics
+    assert {"token_perplexity:files1", "token_perplexity:files2"} <= set(ppl)
+    n = [sum(len(tok(a.text, add_special_tokens=False)["input_ids"]) for a in dm.test[i : i + 2]) for i in (0, 2)]
+    whole = (n[0] * math.log(ppl["token_perplexity:files1"]) + n[1] * math.log(ppl["token_perplexity:files2"])) / sum(n)
+    assert math.log(ppl["token_perplexity"]) == pytest.approx(whole, rel=1e-6)
+    worse = {"perplexity": {k: 2 * v for k, v in ppl.items()}}
+    assert recovery(worse, res.metrics())["perplexity"]["token_perplexity:files1"] == pytest.approx(0.5)
+    run = {"name": "r", "metrics": res.metrics(), "sparsity": None, "model": {"params_after": 1}}
+    header, rows = compare_rows([run])
+    assert rows[0][header.index("held-out ppl (files2)")] == f"{ppl['token_perplexity:files2']:.2f}"
+    shown = [r[0] for r in summary_rows({**run, "model": {"params_before": 1, "params_after": 1}})]
+    assert shown[:2] == ["held-out ppl", "word ppl"] and "held-out ppl (files1)" in shown
+    single = DataModule.from_section(tok, DataSection(source={"files": ["a.jsonl"]}))
+    one = evaluate(model, tok, single, EvaluationSection(tasks=["perplexity"], max_length=128, batch_size=4))
+    assert not any(":" in m for m in one.tasks["perplexity"].metrics)  # one source: nothing more
+    assert tasks.metric_kind("token_perplexity:files1") == "token_perplexity"
