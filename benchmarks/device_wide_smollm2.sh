@@ -44,6 +44,7 @@ set -euo pipefail
 step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC|background STEP...|wait}
 shift
 if [ "$step" = wait ]; then
+  [ -f /tmp/bg/log ] || { echo "no background job on this machine (it was renewed, or none was started)"; exit 3; }
   for ((t = 0; t < ${1:-540}; t += 10)); do
     [ -f /tmp/bg/rc ] && break
     sleep 10
