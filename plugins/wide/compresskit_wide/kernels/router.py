@@ -93,11 +93,11 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
 
     @triton.jit
-    def triton_router_partial_kernel(
+    def _router_share(
         x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, share s of D), few tokens: its partial bottleneck into ws[s]
+        # program (token block, share s of D): its partial bottleneck into ws[s]; returns its tile
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         s = tl.program_id(1)
         z = _router_z(
@@ -105,6 +105,14 @@ if triton is not None:
             DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
         )  # fmt: skip
         tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=row_ok[:, None] & r_ok[None, :])
+        return rows, row_ok, rs, r_ok
+
+    @triton.jit
+    def triton_router_partial_kernel(
+        x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        _router_share(x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R)
 
     @triton.jit
     def triton_router_finish_kernel(
@@ -131,14 +139,10 @@ if triton is not None:
     ):  # fmt: skip
         # program (token block, share s of D): its partial bottleneck into ws[s]; the token block's last
         # program to finish (counted on count_ptr[token block]) sums the shares and decides every group
-        rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
-        s = tl.program_id(1)
-        z = _router_z(
-            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
-            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
-        )  # fmt: skip
+        rows, row_ok, rs, r_ok = _router_share(
+            x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
+        )
         z_mask = row_ok[:, None] & r_ok[None, :]
-        tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=z_mask)
         tl.debug_barrier()  # every thread's share is stored before the count releases it
         counter = count_ptr + tl.program_id(0)
         finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
