@@ -154,7 +154,10 @@ PY
         name=$(basename "$r" .yaml)${seed:+-seed$seed}
         [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] || selected+=("$job")
       done
-      echo "${#selected[@]} jobs on $queues queues"
+      # each job its share of the cores: torch's CPU thread pool sized for all of them in every process would
+      # make the processes' threads compete with the Python threads that launch their GPU work
+      threads=$(( $(nproc) / queues > 0 ? $(nproc) / queues : 1 ))
+      echo "${#selected[@]} jobs on $queues queues, $threads CPU threads each"
       for ((q = 0; q < queues; q++)); do
         (for ((i = q; i < ${#selected[@]}; i += queues)); do
           IFS=$'\t' read -r r seed dir <<<"${selected[$i]}"
@@ -164,7 +167,7 @@ PY
           [ -n "$seed" ] && sets=(--set "seed=$seed")
           [ "$dir" != - ] && sets+=(--set "output.dir=$dir")
           echo "GPU $((q % ngpu)), queue $q: $name"
-          CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" \
+          OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" \
             --set evaluation.speed.measure=false \
             >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
           tail -n 3 "/tmp/logs/$name.log"
