@@ -553,9 +553,9 @@ class DataModule:
             sources = [SourceDocuments(kind, articles, 1.0, info)]
         self.sources = sources
         self.articles, self.train, self.test, self._shares = [], [], [], []
-        self.test_sources: list[str] = []  # the label of each held-out document's source (source_labels)
-        labels = source_labels([s.kind for s in sources])
-        for src, label in zip(sources, labels, strict=True):
+        self.labels = source_labels([s.kind for s in sources])  # each source's short name
+        self.test_sources: list[str] = []  # the label of each held-out document's source
+        for src, label in zip(sources, self.labels, strict=True):
             if src.pending is not None:
                 raise RuntimeError("a generated source is not written yet: call data.write_generated first")
             arts = [_format_chat(a, tokenizer) for a in src.articles]
@@ -601,9 +601,7 @@ class DataModule:
             "sources": [
                 {"kind": s.kind, "label": label, "weight": s.weight, "documents": n, "train": tr, "test": te}
                 | (s.info or {})
-                for s, label, (n, tr, te) in zip(
-                    self.sources, source_labels([s.kind for s in self.sources]), self._shares, strict=True
-                )
+                for s, label, (n, tr, te) in zip(self.sources, self.labels, self._shares, strict=True)
             ],
             "fingerprint": self.fingerprint(),
             "articles": len(self.articles),
