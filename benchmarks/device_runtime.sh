@@ -10,8 +10,6 @@
 #     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
-#   bash benchmarks/device_runtime.sh router               # the router's GPU tests, then one launch against two
-#                                                          # end to end (bench_router_launch.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}
@@ -20,12 +18,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
 if [ "${1:-all}" = profile ]; then
   timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/profile_runtime.py --out "$out/profile" ${PROFILE:-}
-  exit $?
-fi
-if [ "${1:-all}" = router ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/wide/kernels/test_router.py \
-    tests/wide/kernels/test_scripts.py -k "router" 2>&1 | tee "$out/router-gpu-tests.log" | tail -5
-  timeout "${CASE_TIMEOUT:-400}" python3 benchmarks/bench_router_launch.py --out "$out/router-launch"
   exit $?
 fi
 if [ "${1:-all}" = memory ]; then

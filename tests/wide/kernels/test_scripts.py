@@ -161,26 +161,3 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
     assert all(r["prefill_profile"]["top_host_ops_self_us_per_call"] for r in rows)
     assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
-
-
-@pytest.mark.gpu
-def test_router_launch_script_checks_then_times(tmp_path):
-    """``bench_router_launch.py`` on a tiny shape: the one-launch router's decisions equal the two-launch
-    path's and the reference's (eagerly and replayed from a CUDA graph), the same greedy tokens, then
-    a row per runtime."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parents[3] / "benchmarks" / "bench_router_launch.py"
-    args = ["--shape", "tiny", "--context", "40", "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "router-launch.json").read_text())
-    assert all(line.endswith("True") for line in data["meta"]["checks"]) and data["meta"]["same_greedy_tokens"]
-    assert [r["model"] for r in data["rows"]] == [
-        "dense",
-        "WIDE, router in two launches",
-        "WIDE, router in one launch",
-    ]

@@ -115,10 +115,6 @@ ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64
 ATTN_DECODE_MAX_SPLITS = 64
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
-# the decode router's two steps in one launch (the last program to finish decides): off until measured on
-# the H200 against the two-launch path (benchmarks/bench_router_launch.py)
-ROUTER_ONE_LAUNCH = False
-ROUTER_SUM_UNROLL = 32  # its last program sums this many shares at once (128: 2.6 kB of spills at sm_90)
 
 # tile tables: (meta-parameters, num_warps, num_stages)
 # the K-packed decode product (weights as the MMA's rows): (MMA rows, BLOCK_K, warps, stages); a program

@@ -9,9 +9,7 @@
 The reference is ``GroupRouter`` followed by the deterministic ``decide``: five or six small launches
 per routed sublayer and token. The kernels compute the same fp32 products in two: the bottleneck over
 shares of D (one program each, partial sums in a workspace), then one that sums them in a fixed order
-and decides. With ``one_launch`` (one token block, as at decode) both run in one launch: each program
-stores its share and counts itself in on a device counter, and the program that counts last sums the
-shares in the same fixed order, decides, and sets the counter back to zero for the next call.
+and decides.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
 accuracy; a bf16 input is exact in TF32). Decisions equal the reference's except where a group's two
 logits tie within fp32 rounding (another summation order), as between two GEMM libraries.
@@ -93,11 +91,11 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
 
     @triton.jit
-    def _router_share(
+    def triton_router_partial_kernel(
         x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        # program (token block, share s of D): its partial bottleneck into ws[s]; returns its tile
+        # program (token block, share s of D): its partial bottleneck into ws[s]
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         s = tl.program_id(1)
         z = _router_z(
@@ -105,14 +103,6 @@ if triton is not None:
             DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
         )  # fmt: skip
         tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=row_ok[:, None] & r_ok[None, :])
-        return rows, row_ok, rs, r_ok
-
-    @triton.jit
-    def triton_router_partial_kernel(
-        x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    ):  # fmt: skip
-        _router_share(x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R)
 
     @triton.jit
     def triton_router_finish_kernel(
@@ -130,51 +120,6 @@ if triton is not None:
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
             DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
-
-    @triton.jit
-    def triton_router_one_launch_kernel(
-        x_ptr, wd_ptr, ws_ptr, count_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, D, R, G, CHUNK, stride_xm, stride_om,
-        SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, SUM_UNROLL: tl.constexpr,
-    ):  # fmt: skip
-        # program (token block, share s of D): its partial bottleneck into ws[s]; the token block's last
-        # program to finish (counted on count_ptr[token block]) sums the shares and decides every group
-        rows, row_ok, rs, r_ok = _router_share(
-            x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R
-        )
-        z_mask = row_ok[:, None] & r_ok[None, :]
-        tl.debug_barrier()  # every thread's share is stored before the count releases it
-        counter = count_ptr + tl.program_id(0)
-        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if finished == SPLIT - 1:
-            tl.debug_barrier()
-            z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            # the shares in the fixed order of the two-launch path, SUM_UNROLL loads issued together (all
-            # SPLIT at once would spill registers), from L2 (other programs wrote them)
-            for first in range(0, SPLIT, SUM_UNROLL):
-                for j in tl.static_range(SUM_UNROLL):
-                    share = ws_ptr + ((first + j) * M + rows)[:, None] * R + rs[None, :]
-                    z += tl.load(share, mask=z_mask & (first + j < SPLIT), other=0.0, cache_modifier=".cg")
-            for group_block in range(0, tl.cdiv(G, BLOCK_G)):
-                _router_decide_store(
-                    z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
-                    DOT_PRECISION, BLOCK_G,
-                )  # fmt: skip
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: one zeroed int32 counter per token block
-
-
-def _counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The one-launch kernel's counters (zero between calls: its last program resets them), made
-    once per device outside any CUDA-graph capture; None while capturing before they exist."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = have = torch.zeros(max(blocks, 64), dtype=torch.int32, device=device)
-    return have
 
 
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
@@ -203,14 +148,11 @@ def triton_router_decide(
     split: int | None = None,
     block_g: int | None = None,
     as_bool: bool = False,
-    one_launch: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
     D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
     ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``as_bool``: the
-    decision stored as bytes and returned as a bool mask (what the routed operators read as it is).
-    ``one_launch``: both steps in one launch (default: ``policy.ROUTER_ONE_LAUNCH`` where the tokens
-    fit one block); the same decisions either way."""
+    decision stored as bytes and returned as a bool mask (what the routed operators read as it is)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -244,16 +186,6 @@ def triton_router_decide(
     grid = (m_blocks, cdiv(groups, block_g))
     precision = router_precision(m)
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
-    if one_launch is None:
-        one_launch = policy.ROUTER_ONE_LAUNCH and m_blocks == 1
-    counters = _counters(x.device, m_blocks) if one_launch else None
-    if counters is not None:
-        triton_router_one_launch_kernel[(m_blocks, splits)](
-            x, w_down, ws, counters, b_down, w_up, b_up, out, m, d, r, groups, chunk, x.stride(0), out.stride(0),
-            SPLIT=splits, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-            BLOCK_G=block_g, SUM_UNROLL=min(policy.ROUTER_SUM_UNROLL, next_power_of_2(splits)),
-        )  # fmt: skip
-        return out.view(torch.bool) if as_bool else out
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
