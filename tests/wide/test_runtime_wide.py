@@ -104,14 +104,9 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("in_consumer", [True, False])
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, in_consumer):
-    """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device), with the
-    decode products deciding their own groups (``policy.ROUTER_IN_CONSUMER``) or after the decision
-    launch: the logits of the routed modules at a prompt and at decode, and the same counts."""
-    from compresskit_wide.kernels import policy
-
-    monkeypatch.setattr(policy, "ROUTER_IN_CONSUMER", in_consumer)
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
+    """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
+    logits of the routed modules at a prompt and at decode, and the counts."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -179,9 +174,6 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, wu, True, "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, None, False, "torch"))
-    x_router = torch.randn(m, d, generator=gen)
-    torch.library.opcheck(ops.routed_out_gemm, (x, w, x_router, *r, torch.zeros(2 * g), wu, True, "torch"))
-    torch.library.opcheck(ops.routed_out_gemm, (x, w, x_router, *r, torch.zeros(2 * g), None, False, "torch"))
     h, w_down = torch.randn(m, n, generator=gen), torch.randn(d, n, generator=gen)
     torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask, False, "torch"))
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)

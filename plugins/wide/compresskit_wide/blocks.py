@@ -23,7 +23,7 @@ from compresskit_wide.kernels.policy import use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.library
 router_decide = _ops.router_decide.default
-routed_out_gemm = _ops.routed_out_gemm.default
+masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
@@ -53,17 +53,6 @@ class _Routing(Counting):
             self.count(execute, valid)
         return execute
 
-    def decide_and_project(self, x, h2, w, w_up, zero_inactive: bool, valid):
-        """The decision on the residual ``x: [B, T, D]`` and the kept output groups of ``h2: [B * T, K]``
-        times ``w`` (SwiGLU-fused with ``w_up``): ``(product, execute)``, counted. At decode the
-        product's kernel makes the decision itself (``routed_out_gemm``)."""
-        d, r = self.router_down, self.router_up
-        x2 = x.reshape(-1, x.shape[-1])
-        y, execute = routed_out_gemm(h2, w, x2, d.weight, d.bias, r.weight, r.bias, w_up, zero_inactive, self.backend)
-        if self.count_decisions:
-            self.count(execute, valid)
-        return y, execute
-
 
 class WideAttention(Attention, _Routing):
     def __init__(self, layer: nn.Module, head_dim: int, backend: str, count: bool = True) -> None:
@@ -82,12 +71,12 @@ class WideAttention(Attention, _Routing):
 
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
         if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-            q, execute = self.decide_and_project(x, h2, self.wq, None, False, step.valid)  # execute: [B * T, G]
+            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
         else:
-            execute = self.decide(x, step.valid)
             q = self.q_proj(h2)
         q, k, v = self.keys_values(h, q.view(b, t, -1), step)
         write_cache(keys, values, k, v, step.slots)
@@ -122,9 +111,10 @@ class WideMLP(nn.Module, _Routing):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         b, t, _ = x.shape
+        execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x).reshape(b * t, -1)
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
-        g, execute = self.decide_and_project(x, h, self.wg, self.wu, True, step.valid)  # execute: [B * T, G]
+        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
         return masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
 
 

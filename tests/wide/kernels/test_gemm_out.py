@@ -7,14 +7,11 @@ pytest.importorskip("triton")
 
 from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask  # noqa: E402
 
-from compresskit.routing import GroupRouter  # noqa: E402
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     torch_masked_out_gemm,
     triton_masked_out_gemm,
-    triton_routed_out_gemm,
 )
-from compresskit_wide.kernels.router import torch_router_decide  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -60,48 +57,6 @@ def test_decode_packs_k_chunks_into_one_product(m, sparsity, fuse, k_pack, block
     assert torch.isnan(buf[m:]).all()
 
 
-def router_weights(d, groups, rank, bias, seed):
-    torch.manual_seed(seed)
-    router = GroupRouter(d, groups, rank).to(DEVICE)
-    with torch.no_grad():
-        router.up.bias.view(groups, 2)[:, 0] = bias  # the execute logits
-    return router.down.weight, router.down.bias, router.up.weight, router.up.bias
-
-
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
-@pytest.mark.parametrize(("k_pack", "shares"), [(1, 1), (2, 3), (4, 5)])
-def test_routed_decode_decides_each_group_as_the_router_does(m, fuse, bias, k_pack, shares):
-    """The decode kernel that decides its own groups from the router's partial bottlenecks: the
-    router's decisions (about half the groups, all (+50), none (-50)), written once per group whatever
-    the number of programs a group has, and the product of the kept groups only; a router rank
-    below tl.dot's 16, D in 1-5 shares."""
-    x, w, w_up = inputs(m, 72, 120, fuse, seed=m + k_pack)
-    router = router_weights(56, 5, 7, bias, seed=m + shares)
-    x_router = torch.randn(m, 56, device=DEVICE)
-    want_mask = torch_router_decide(x_router, *router, as_bool=True)
-    got, execute = triton_routed_out_gemm(
-        x, w, x_router, router, w_up, shares=shares, block_n=16 // k_pack, k_pack=k_pack
-    )
-    assert execute.dtype == torch.bool and torch.equal(execute, want_mask)
-    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, want_mask, w_up), rtol=1e-4, atol=1e-4)
-    assert torch.count_nonzero(got[~want_mask.repeat_interleave(24, dim=-1)]) == 0
-    if bias:
-        assert torch.all(execute == (bias > 0))
-
-
-def test_routed_decode_refuses_what_it_cannot_do():
-    x, w, _ = inputs(17, 64, 32, False, seed=3)
-    router = router_weights(40, 2, 4, 0.0, seed=0)
-    with pytest.raises(ValueError, match="decode only"):
-        triton_routed_out_gemm(x, w, torch.randn(17, 40, device=DEVICE), router)
-    with pytest.raises(ValueError, match="router tensors do not fit"):
-        triton_routed_out_gemm(x[:2], w, torch.randn(2, 41, device=DEVICE), router)
-    with pytest.raises(ValueError, match="shapes do not fit"):
-        triton_routed_out_gemm(x[:2], w[:31], torch.randn(2, 40, device=DEVICE), router)
-
-
 def test_one_tensor_as_gate_and_up_is_still_the_fused_swiglu():
     x, w, _ = inputs(3, 64, 32, False, seed=1)
     mask = random_mask(3, 2, 0.5)
@@ -143,23 +98,6 @@ def test_bf16_with_autotuned_tiles(fuse, m, k_pack):
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
     assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
-@pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_routed_decode_bf16_with_autotuned_tiles(fuse, m):
-    """On a GPU in bf16 at Llama-3.1-8B's router shape (D 4096, rank 32): the router's decisions on a
-    bf16 residual, and the product of the kept groups."""
-    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 4
-    w_up = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16) / 4 if fuse else None
-    router = router_weights(4096, 4, 32, 0.0, seed=m)
-    x_router = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    got, execute = triton_routed_out_gemm(x, w, x_router, router, w_up)
-    assert torch.equal(execute, torch_router_decide(x_router, *router, as_bool=True))
-    ref = torch_masked_out_gemm(x, w, execute, w_up)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
 
 
 @pytest.mark.parametrize("fuse", [False, True])

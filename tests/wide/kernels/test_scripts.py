@@ -161,24 +161,3 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
     assert all(r["prefill_profile"]["top_host_ops_self_us_per_call"] for r in rows)
     assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
-
-
-@pytest.mark.gpu
-def test_policy_ab_script_times_both_settings(tmp_path):
-    """``bench_policy_ab.py`` on a tiny shape: a row for dense and one per setting of the flag."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parents[3] / "benchmarks" / "bench_policy_ab.py"
-    args = ["--flag", "ROUTER_IN_CONSUMER", "--shape", "tiny", "--context", "40", "--new-tokens", "4"]
-    proc = subprocess.run([sys.executable, str(script), *args, "--repeats", "1", "--out", str(tmp_path)], text=True)
-    assert proc.returncode == 0
-    data = json.loads((tmp_path / "policy-ab.json").read_text())
-    assert [r["model"] for r in data["rows"]] == [
-        "dense",
-        "WIDE, ROUTER_IN_CONSUMER=False",
-        "WIDE, ROUTER_IN_CONSUMER=True",
-    ]
-    assert all(r["tpot_ms"] > 0 for r in data["rows"])

@@ -34,7 +34,6 @@ from compresskit_wide.kernels.common import (
     zero_inactive_groups,
 )
 from compresskit_wide.kernels.layout import triton_routing_layout
-from compresskit_wide.kernels.router import check_router, triton_router_shares
 
 try:
     import triton
@@ -42,7 +41,6 @@ try:
 
     from compresskit_wide.kernels.autotune import autotuned, packed_pruner, prune_wider_than_group
     from compresskit_wide.kernels.common import packed_diagonal
-    from compresskit_wide.kernels.router import decide_from_shares
 except ImportError:
     triton = None
 
@@ -119,28 +117,17 @@ if triton is not None:
 
     @triton.jit
     def triton_masked_out_gemv_kernel(
-        x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr, ws_ptr, rbd_ptr, rwu_ptr, rbu_ptr,
-        M, N, K, GW, R,
+        x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
+        M, N, K, GW,
         stride_xm, stride_wn, stride_om, stride_mm,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, SHARES: tl.constexpr, BLOCK_R: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
     ):  # fmt: skip
-        # decode, program (g, n-block): BLOCK_N output channels of group g for every token. SHARES > 0:
-        # the program decides group g itself from the router's partial bottlenecks (ws) and the first
-        # n-block stores the decision in the mask; else it reads the mask
+        # decode, program (g, n-block): BLOCK_N output channels of group g for every token
         g = tl.program_id(0)
         col0 = tl.program_id(1) * BLOCK_N
         rows = tl.arange(0, BLOCK_M)
-        c = tl.arange(0, K_PACK * BLOCK_M)  # MMA column: token c % BLOCK_M, chunk c // BLOCK_M
-        tok = c % BLOCK_M
-        if SHARES > 0:
-            tok_on = decide_from_shares(ws_ptr, rbd_ptr, rwu_ptr, rbu_ptr, tok, tok < M, g, M, R, SHARES, BLOCK_R)
-            on = tl.max(tl.reshape(tok_on.to(tl.int32), (K_PACK, BLOCK_M)), axis=0) != 0
-            if tl.program_id(1) == 0:
-                tl.store(mask_ptr + rows * stride_mm + g, on.to(tl.uint8), mask=rows < M)
-        else:
-            on = (tl.load(mask_ptr + rows * stride_mm + g, mask=rows < M, other=0) != 0) & (rows < M)
-            tok_on = (tl.load(mask_ptr + tok * stride_mm + g, mask=tok < M, other=0) != 0) & (tok < M)
+        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=rows < M, other=0) != 0) & (rows < M)
         cols = g * GW + col0 + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         store_mask = (rows < M)[:, None] & ((col0 + tl.arange(0, BLOCK_N)) < GW)[None, :]
@@ -151,6 +138,9 @@ if triton is not None:
             w_rows = g * GW + col0 + r % BLOCK_N
             w_ok = (col0 + r % BLOCK_N) < GW
             w_k = (r // BLOCK_N) * BLOCK_K
+            c = tl.arange(0, K_PACK * BLOCK_M)  # MMA column: token c % BLOCK_M, chunk c // BLOCK_M
+            tok = c % BLOCK_M
+            tok_on = (tl.load(mask_ptr + tok * stride_mm + g, mask=tok < M, other=0) != 0) & (tok < M)
             x_k = (c // BLOCK_M) * BLOCK_K
             kk = tl.arange(0, BLOCK_K)
             acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
@@ -178,7 +168,7 @@ if triton is not None:
         decode=False,
         prune=prune_wider_than_group("BLOCK_N"),
     )
-    _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M", "SHARES"]
+    _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"]
     _tuned_decode = {
         pack: autotuned(
             triton_masked_out_gemv_kernel,
@@ -196,42 +186,6 @@ if triton is not None:
         decode=True,
         prune=prune_wider_than_group("BLOCK_N"),
     )
-
-
-def _decode_launch(x, w, w_up, out, mask_u8, route, k_pack, block_n, block_k) -> None:
-    """The decode kernel for ``x: [M, K]`` (M <= ``policy.DECODE_MAX_M``) into ``out``. ``route``:
-    None (the kernel reads ``mask_u8``) or ``(ws, b_down, w_up, b_up)`` of the router (it decides
-    and writes ``mask_u8``)."""
-    m, k = x.shape
-    n, groups = w.shape[0], mask_u8.shape[-1]
-    gw, fuse = n // groups, w_up is not None
-    w_up = w_up if fuse else w
-    k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
-    if k_pack < 1 or k_pack & (k_pack - 1):
-        raise ValueError(f"k_pack must be a power of two, got {k_pack}")
-    ws, rbd, rwu, rbu = route if route is not None else (x, x, x, x)  # unread without SHARES
-    r = ws.shape[-1] if route is not None else 1
-    args = (
-        x, w, w_up, out, mask_u8, ws, rbd, rwu, rbu, m, n, k, gw, r,
-        x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0),
-    )  # fmt: skip
-    common = {
-        "FUSE_SWIGLU": fuse,
-        "DOT_PRECISION": dot_precision(x.dtype),
-        "SHARES": ws.shape[0] if route is not None else 0,
-        "BLOCK_R": max(16, next_power_of_2(r)),
-        "BLOCK_M": min(16, max(next_power_of_2(m), 16 // k_pack)),  # >= 16 MMA columns
-        "K_PACK": k_pack,
-    }
-    if block_n is not None or interpreted():
-        bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
-        if k_pack * bn < 16 or bk < 16:
-            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
-        triton_masked_out_gemv_kernel[(groups, cdiv(gw, bn))](*args, **common, BLOCK_N=bn, BLOCK_K=bk)
-    elif k_pack not in _tuned_decode:
-        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)}")
-    else:
-        _tuned_decode[k_pack][lambda meta: (groups, cdiv(gw, meta["BLOCK_N"]))](*args, **common)
 
 
 def triton_masked_out_gemm(
@@ -259,37 +213,39 @@ def triton_masked_out_gemm(
     groups = mask.shape[-1]
     if w.shape[1] != k or n % groups or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    gw = n // groups
+    fuse = w_up is not None
     x, w = x.contiguous(), w.contiguous()
-    w_up = w_up.contiguous() if w_up is not None else None
+    w_up = w_up.contiguous() if fuse else w
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": dot_precision(x.dtype)}
+    fixed = block_n is not None or interpreted()
     if m <= policy.DECODE_MAX_M:
-        _decode_launch(x, w, w_up, out, mask_bytes(mask), None, k_pack, block_n, block_k)
+        k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
+        if k_pack < 1 or k_pack & (k_pack - 1):
+            raise ValueError(f"k_pack must be a power of two, got {k_pack}")
+        mask_u8 = mask_bytes(mask)
+        args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
+        common["BLOCK_M"] = min(16, max(next_power_of_2(m), 16 // k_pack))  # >= 16 MMA columns
+        if fixed:
+            bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
+            if k_pack * bn < 16 or bk < 16:
+                raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+            grid = (groups, cdiv(gw, bn))
+            triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
+        else:
+            if k_pack not in _tuned_decode:
+                raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)}")
+            grid = lambda meta: (groups, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+            _tuned_decode[k_pack][grid](*args, **common, K_PACK=k_pack)
         return out
     if k_pack not in (None, 1):
         raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}); got M={m}")
     order, counts = layout if layout is not None else triton_routing_layout(mask)
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
-    gw = n // groups
-    fuse = w_up is not None
-    args = (
-        x,
-        w,
-        w_up if fuse else w,
-        out,
-        order,
-        counts,
-        m,
-        n,
-        k,
-        gw,
-        m_bucket(m),
-        x.stride(0),
-        w.stride(0),
-        out.stride(0),
-    )
-    common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": dot_precision(x.dtype)}
-    if block_n is not None or interpreted():
+    args = (x, w, w_up, out, order, counts, m, n, k, gw, m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
+    if fixed:
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
         grid = (cdiv(m, bm) * cdiv(gw, bn), groups)
         triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
@@ -297,39 +253,3 @@ def triton_masked_out_gemm(
         grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]), groups)  # noqa: E731
         _tuned_prefill[grid](*args, **common)
     return out
-
-
-def triton_routed_out_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    x_router: torch.Tensor,
-    router: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    w_up: torch.Tensor | None = None,
-    *,
-    shares: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    k_pack: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's decision and :func:`triton_masked_out_gemm` at decode in two launches instead of
-    three: the router's bottleneck over ``shares`` shares of D (default
-    ``policy.ROUTER_CONSUMER_SHARES``; ``router.triton_router_shares``), then the decode kernel, each
-    of whose programs decides its own group. ``x_router: [M, D]`` is what the router reads,
-    ``router`` its ``(w_down, b_down, w_up, b_up)``. Returns ``(out, execute)``, ``execute: [M, G]``
-    bool: the same as ``triton_router_decide`` but where two logits tie within rounding."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, k = x.shape
-    groups = check_router(x_router, *router)
-    if x_router.shape[0] != m or m > policy.DECODE_MAX_M:
-        raise ValueError(f"decode only: x {tuple(x.shape)} and x_router {tuple(x_router.shape)}, M <= 16")
-    if w.shape[1] != k or w.shape[0] % groups or (w_up is not None and w_up.shape != w.shape):
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, {groups} groups")
-    ws = triton_router_shares(x_router, router[0], shares or policy.ROUTER_CONSUMER_SHARES)
-    x, w = x.contiguous(), w.contiguous()
-    w_up = w_up.contiguous() if w_up is not None else None
-    out = torch.empty((m, w.shape[0]), dtype=x.dtype, device=x.device)
-    execute = torch.empty((m, groups), dtype=torch.uint8, device=x.device)
-    route = (ws, *(t.contiguous() for t in router[1:]))
-    _decode_launch(x, w, w_up, out, execute, route, k_pack, block_n, block_k)
-    return out, execute.view(torch.bool)

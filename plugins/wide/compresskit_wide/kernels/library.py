@@ -63,30 +63,6 @@ def _(x, w, mask, w_up, zero_inactive, backend):
 
 
 @_register
-def routed_out_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    x_router: torch.Tensor,
-    w_down: torch.Tensor,
-    b_down: torch.Tensor,
-    w_logits: torch.Tensor,
-    b_logits: torch.Tensor,
-    w_up: torch.Tensor | None,
-    zero_inactive: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's decision on ``x_router: [M, D]`` and ``x: [M, K]``'s product over the kept output
-    groups: ``([M, N], execute [M, G] bool)`` (``ops.routed_out_gemm``)."""
-    router = (w_down, b_down, w_logits, b_logits)
-    return ops.routed_out_gemm(x, w, x_router, router, w_up, zero_inactive=zero_inactive, backend=backend)
-
-
-@routed_out_gemm.register_fake
-def _(x, w, x_router, w_down, b_down, w_logits, b_logits, w_up, zero_inactive, backend):
-    return x.new_empty(x.shape[0], w.shape[0]), x.new_empty(x.shape[0], w_logits.shape[0] // 2, dtype=torch.bool)
-
-
-@_register
 def masked_reduce_gemm(
     x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool, backend: str
 ) -> torch.Tensor:

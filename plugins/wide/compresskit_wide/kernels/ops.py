@@ -24,12 +24,7 @@ from compresskit_wide.kernels.attention_prefill import (
     triton_routed_attention_prefill,
 )
 from compresskit_wide.kernels.common import interpreted
-from compresskit_wide.kernels.gemm_out import (
-    dense_masked_out_gemm,
-    torch_masked_out_gemm,
-    triton_masked_out_gemm,
-    triton_routed_out_gemm,
-)
+from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
     torch_group_masked_input,
@@ -132,33 +127,6 @@ def masked_out_gemm(
     if path == "dense":
         return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive)
     return torch_masked_out_gemm(x, w, mask, w_up)
-
-
-def routed_out_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    x_router: torch.Tensor,
-    router: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    w_up: torch.Tensor | None = None,
-    *,
-    zero_inactive: bool = True,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A routed sublayer's first product with its decision: ``router_decide(x_router, *router)`` (bool
-    ``[M, G]``), then ``masked_out_gemm(x, w, that, w_up)``; returns both. Where both run as Triton
-    kernels at decode (``policy.ROUTER_IN_CONSUMER``), the product's kernel decides its own groups from
-    the router's bottleneck: one launch fewer."""
-    m = x.shape[0]
-    op = "swiglu" if w_up is not None else "out"
-    if (
-        policy.ROUTER_IN_CONSUMER
-        and m <= policy.DECODE_MAX_M
-        and _choose(backend, op, m, x, w) == "triton"
-        and _choose(backend, "router", m, x_router) == "triton"
-    ):
-        return triton_routed_out_gemm(x, w, x_router, router, w_up)
-    execute = router_decide(x_router, *router, backend=backend, as_bool=True)
-    return masked_out_gemm(x, w, execute, w_up, zero_inactive=zero_inactive, backend=backend), execute
 
 
 def masked_reduce_gemm(

@@ -115,11 +115,6 @@ ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64
 ATTN_DECODE_MAX_SPLITS = 64
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
-# at decode, q's and gate+up's kernels decide their groups from the router's bottleneck (no decision launch);
-# its shares of D are summed in each of their programs, so fewer than the decision launch's. Off until
-# measured end to end (benchmarks/bench_policy_ab.py --flag ROUTER_IN_CONSUMER)
-ROUTER_IN_CONSUMER = False
-ROUTER_CONSUMER_SHARES = 16
 
 # tile tables: (meta-parameters, num_warps, num_stages)
 # the K-packed decode product (weights as the MMA's rows): (MMA rows, BLOCK_K, warps, stages); a program

@@ -121,27 +121,6 @@ if triton is not None:
             DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
 
-    @triton.jit
-    def decide_from_shares(
-        ws_ptr, bd_ptr, wu_ptr, bu_ptr, tok, tok_ok, g, M, R, SHARES: tl.constexpr, BLOCK_R: tl.constexpr
-    ):  # fmt: skip
-        """The decision of group ``g`` for the tokens ``tok`` ([N], any repeats), inside a kernel that
-        runs the group's product: the ``SHARES`` partial bottlenecks ``ws: [SHARES, M, R]`` summed in
-        share order (the loads unrolled, issued together), the bias added, both logits as sums of
-        products, compared. [N] bool, False where not ``tok_ok``."""
-        rs = tl.arange(0, BLOCK_R)
-        r_ok = rs < R
-        z_mask = tok_ok[:, None] & r_ok[None, :]
-        z = tl.zeros((tok.shape[0], BLOCK_R), dtype=tl.float32)
-        for s in tl.static_range(SHARES):
-            z += tl.load(ws_ptr + (s * M + tok)[:, None] * R + rs[None, :], mask=z_mask, other=0.0)
-        z += tl.load(bd_ptr + rs, mask=r_ok, other=0.0)[None, :]
-        w_exec = tl.load(wu_ptr + 2 * g * R + rs, mask=r_ok, other=0.0)
-        w_skip = tl.load(wu_ptr + (2 * g + 1) * R + rs, mask=r_ok, other=0.0)
-        l_exec = tl.sum(z * w_exec[None, :], axis=1) + tl.load(bu_ptr + 2 * g)
-        l_skip = tl.sum(z * w_skip[None, :], axis=1) + tl.load(bu_ptr + 2 * g + 1)
-        return (l_skip <= l_exec) & tok_ok
-
 
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     """Shares of D for the bottleneck product: at decode sizes one token block is one program,
@@ -159,8 +138,23 @@ def router_precision(m: int) -> str:
     return "ieee" if m <= policy.DECODE_MAX_M else "tf32x3"
 
 
-def check_router(x, w_down, b_down, w_up, b_up) -> int:
-    """The router's groups, after checking that its tensors fit ``x``."""
+def triton_router_decide(
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    split: int | None = None,
+    block_g: int | None = None,
+    as_bool: bool = False,
+) -> torch.Tensor:
+    """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
+    D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
+    ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``as_bool``: the
+    decision stored as bytes and returned as a bool mask (what the routed operators read as it is)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
     m, d = x.shape
     r = w_down.shape[0]
     groups = w_up.shape[0] // 2
@@ -174,60 +168,30 @@ def check_router(x, w_down, b_down, w_up, b_up) -> int:
     ):
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, *fp32))
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
-    return groups
-
-
-def router_block_m(m: int) -> int:
-    return 16 if m <= policy.DECODE_MAX_M or interpreted() else 32
-
-
-def triton_router_shares(x: torch.Tensor, w_down: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """The bottleneck's first launch: ``x: [M, D]`` -> partial products ``[S, M, R]`` over ``S`` shares
-    of D (about ``split``; default ``router_split``), to be summed in share order."""
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
-    m, d = x.shape
-    r = w_down.shape[0]
+    if block_g is not None and (block_g < 16 or block_g & (block_g - 1)):
+        raise ValueError(f"block_g must be a power of two >= 16, got {block_g}")
     x = x.contiguous()
-    block_m, block_k = router_block_m(m), 32 if interpreted() else 128
+    w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
+    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
+    block_m = 16 if m <= policy.DECODE_MAX_M or interpreted() else 32
+    block_r = max(16, next_power_of_2(r))
+    block_k = 32 if interpreted() else 128
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = cdiv(cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = cdiv(d, chunk)  # no empty share
-    ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
-    triton_router_partial_kernel[(cdiv(m, block_m), splits)](
-        x, w_down.contiguous(), ws, m, d, r, chunk, x.stride(0),
-        DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=max(16, next_power_of_2(r)),
-    )  # fmt: skip
-    return ws
-
-
-def triton_router_decide(
-    x: torch.Tensor,
-    w_down: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    *,
-    split: int | None = None,
-    block_g: int | None = None,
-    as_bool: bool = False,
-) -> torch.Tensor:
-    """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
-    D (``triton_router_shares``), then the launch that adds them in a fixed order and decides, with
-    ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``as_bool``: the
-    decision stored as bytes and returned as a bool mask (what the routed operators read as it is)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    groups = check_router(x, w_down, b_down, w_up, b_up)
-    if block_g is not None and (block_g < 16 or block_g & (block_g - 1)):
-        raise ValueError(f"block_g must be a power of two >= 16, got {block_g}")
-    ws = triton_router_shares(x, w_down, split)
-    splits, m, r = ws.shape
-    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
-    block_m = router_block_m(m)
     block_g = block_g or min(32, max(16, next_power_of_2(groups)))
-    triton_router_finish_kernel[(cdiv(m, block_m), cdiv(groups, block_g))](
-        ws, b_down.contiguous(), w_up.contiguous(), b_up.contiguous(), out, m, r, groups, out.stride(0), splits,
-        DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_R=max(16, next_power_of_2(r)), BLOCK_G=block_g,
+    m_blocks = cdiv(m, block_m)
+    grid = (m_blocks, cdiv(groups, block_g))
+    precision = router_precision(m)
+    ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    triton_router_partial_kernel[(m_blocks, splits)](
+        x, w_down, ws, m, d, r, chunk, x.stride(0),
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+    )  # fmt: skip
+    triton_router_finish_kernel[grid](
+        ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
