@@ -72,7 +72,7 @@ def sdpa(q, keys, values, valid, scale):
 
 
 def wide_triton(q, keys, values, lens, groups):
-    from compresskit_wide.kernels import library  # noqa: F401
+    from compresskit_wide.kernels import ops  # noqa: F401
 
     mask = torch.ones(q.shape[0], groups, dtype=torch.bool, device=q.device)
     return torch.ops.compresskit_wide.routed_attention_decode(q[:, :, 0], keys, values, lens, mask, "triton")

@@ -5,7 +5,7 @@ Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head
 k, v, RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
 batch is unpadded: only the kept heads, zeros for the rest; else the runtime's attention over all
 heads) -> o over the kept head groups. MLP: router -> gate+up for the kept channel groups with the
-SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.library``), so that
+SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``), so that
 ``torch.compile`` traces a whole decode step and a whole prefill with them inside. Each block
 counts the real tokens it routed and the groups it ran (``stat_tokens`` / ``stat_skipped``, as
 ``compresskit.routing.measured_sparsity`` reads them).
@@ -18,10 +18,10 @@ from torch import nn
 
 from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
-from compresskit_wide.kernels import library  # noqa: F401  (registers the ops)
+from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import use_kernel
 
-_ops = torch.ops.compresskit_wide  # registered by importing kernels.library
+_ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default

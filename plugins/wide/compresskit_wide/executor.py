@@ -91,8 +91,7 @@ def routed_attention_forward(module, query, key, value, attention_mask, dropout=
         out = ops.routed_attention_decode(query[:, :, 0], key, value, lens, heads_on[:, 0], backend=backend)
         out = out[:, None].contiguous()
     else:
-        out = ops.routed_attention_prefill(query, key, value, heads_on, backend=backend)
-        out = out.transpose(1, 2).contiguous()
+        out = ops.routed_attention_prefill(query, key, value, heads_on, backend=backend)  # [B, T, H, D]
     proj.mark_input_zeroed()  # the routed operators write exact zeros for skipped heads: o_proj need not
     return out, None
 
@@ -121,7 +120,7 @@ class KernelRouter(nn.Module):
         r = self.router
         x2 = x_raw.reshape(-1, x_raw.shape[-1])
         execute = ops.router_decide(
-            x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend, as_bool=True
+            x2, r.down.weight, r.down.bias, r.up.weight, r.up.bias, backend=self.backend
         )  # [M, G], bool: what the routed operators read (no cast launch in each of them)
         return execute.view(*x_raw.shape[:-1], execute.shape[-1])
 

@@ -8,7 +8,8 @@ fallback (``dense_*``):
 * ``router``: the inference-time routing decision;
 * ``layout``: the routing layout (tokens sorted per group, active groups) the prefill kernels read.
 
-``ops`` dispatches them by backend (what the layers and the executor call); ``policy`` holds, as
+``ops`` dispatches them by backend and registers each as a PyTorch operator (what the runtime's
+blocks, the layers and the executor call); ``policy`` holds, as
 data, where "auto" takes each kernel and the tile tables; ``autotune`` the autotuner's wiring;
 ``common`` the helpers several ops share. Nothing is imported here: import the module you need.
 """

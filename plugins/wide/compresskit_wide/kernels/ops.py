@@ -1,13 +1,25 @@
-"""The routed operators, dispatched by backend: what the layers and the executor call.
+"""The routed operators, dispatched by backend, each registered as a PyTorch operator
+(``torch.ops.compresskit_wide.<name>``) so that ``torch.compile`` traces a whole runtime step with
+them inside (one opaque call each; the fake implementation gives the tracer the output's shape and
+dtype). The runtime's blocks call the operators; the ``wide-triton`` executor, the tests and the
+benchmarks call the same functions directly.
 
 ``backend``: "torch" runs the references (``torch_*``: the semantics, the CPU path, the autograd
 path); "triton" the Triton kernels (``triton_*``; an error naming the reason where they cannot
 run); "auto" on CUDA tensors the kernel where ``policy.use_kernel`` says it was measured faster
 and the op's dense fallback (``dense_*``: cuBLAS / SDPA in the input dtype, inactive outputs zeroed)
 elsewhere, and the references on the CPU.
+
+The operators are defined with ``torch.library.Library`` (schema inferred from the signature, one
+``CompositeExplicitAutograd`` kernel, a fake kernel), not ``torch.library.custom_op``, whose Python
+wrapper costs each call about ten times the host time of a plain dispatch: a prefill of a 32-layer
+model calls them a few hundred times outside any CUDA graph. They are for inference: no autograd
+formula (training runs the routed modules, not these operators).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,10 +43,23 @@ from compresskit_wide.kernels.gemm_reduce import (
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
-from compresskit_wide.kernels.layout import torch_routing_layout, triton_routing_layout
 from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
 BACKENDS = ("auto", "torch", "triton")
+_LIB = torch.library.Library("compresskit_wide", "DEF")  # the registrations live as long as it does
+
+
+def _operator(fake: Callable):
+    """Register the decorated function as the operator ``compresskit_wide::<its name>`` with the
+    fake kernel ``fake`` (same parameters; returns empty tensors of the output's shape)."""
+
+    def register(fn: Callable) -> Callable:
+        _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"compresskit_wide::{fn.__name__}", fake, lib=_LIB)
+        return fn
+
+    return register
 
 
 def triton_available() -> str | None:
@@ -80,6 +105,9 @@ def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto
     return torch_group_masked_input(x, mask)
 
 
+@_operator(
+    lambda x, w_down, b_down, w_up, b_up, backend="auto": x.new_empty(x.shape[0], w_up.shape[0] // 2, dtype=torch.bool)
+)
 def router_decide(
     x: torch.Tensor,
     w_down: torch.Tensor,
@@ -87,32 +115,21 @@ def router_decide(
     w_up: torch.Tensor,
     b_up: torch.Tensor,
     backend: str = "auto",
-    *,
-    as_bool: bool = False,
 ) -> torch.Tensor:
-    """``x: [M, D]`` -> execute mask ``[M, G]`` (fp32 0/1, or bool with ``as_bool``): a
-    ``GroupRouter``'s deterministic decision (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with
-    their biases)."""
+    """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): a ``GroupRouter``'s deterministic decision
+    (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
     if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
+        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
     # the reference is the dense path too
-    return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=as_bool)
+    return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
 
 
-def routing_layout(mask: torch.Tensor, backend: str = "auto"):
-    """``(order, counts)`` for ``mask: [T, G]`` or ``[B, T, G]`` (``layout.py``)."""
-    if _use_triton(backend, mask):
-        return triton_routing_layout(mask)
-    return torch_routing_layout(mask)
-
-
+@_operator(lambda x, w, mask, w_up=None, zero_inactive=True, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
 def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     mask: torch.Tensor,
     w_up: torch.Tensor | None = None,
-    *,
-    layout=None,
     zero_inactive: bool = True,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -123,19 +140,15 @@ def masked_out_gemm(
     product there and save the zeroing launch; the kernel and the reference write zeros anyway."""
     path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
     if path == "triton":
-        return triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+        return triton_masked_out_gemm(x, w, mask, w_up)
     if path == "dense":
         return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive)
     return torch_masked_out_gemm(x, w, mask, w_up)
 
 
+@_operator(lambda x, w, mask, input_is_masked=False, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
 def masked_reduce_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    input_is_masked: bool = False,
-    backend: str = "auto",
+    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool = False, backend: str = "auto"
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
@@ -149,23 +162,33 @@ def masked_reduce_gemm(
     return torch_masked_reduce_gemm(x, w, mask)
 
 
-def routed_attention_decode(q, k, v, seq_lens, mask, *, backend: str = "auto") -> torch.Tensor:
+@_operator(lambda q, k, v, seq_lens, mask, backend="auto": q.new_empty(q.shape))
+def routed_attention_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
     """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
     ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
     path = _choose(backend, "attn_decode", q.shape[0], q, k, v, context=k.shape[2])
     if path == "triton":
-        return triton_routed_attention_decode(q, k, v, seq_lens, mask)
-    if path == "dense":
-        return dense_routed_attention_decode(q, k, v, seq_lens, mask)
-    return torch_routed_attention_decode(q, k, v, seq_lens, mask)
+        out = triton_routed_attention_decode(q, k, v, seq_lens, mask)
+    elif path == "dense":
+        out = dense_routed_attention_decode(q, k, v, seq_lens, mask)
+    else:
+        out = torch_routed_attention_decode(q, k, v, seq_lens, mask)
+    return out.contiguous()
 
 
-def routed_attention_prefill(q, k, v, mask, *, backend: str = "auto") -> torch.Tensor:
-    """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, Hq, T, D]``,
-    causal with the original positions; inactive (token, head) exactly 0."""
+@_operator(lambda q, k, v, mask, backend="auto": q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+def routed_attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
+    """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, T, Hq, D]`` (the
+    layout o reads), causal with the original positions; inactive (token, head) exactly 0."""
     path = _choose(backend, "attn_prefill", q.shape[2], q, k, v)
     if path == "triton":
-        return triton_routed_attention_prefill(q, k, v, mask)
-    if path == "dense":
-        return dense_routed_attention_prefill(q, k, v, mask)
-    return torch_routed_attention_prefill(q, k, v, mask)
+        out = triton_routed_attention_prefill(q, k, v, mask)
+    elif path == "dense":
+        out = dense_routed_attention_prefill(q, k, v, mask)
+    else:
+        out = torch_routed_attention_prefill(q, k, v, mask)
+    return out.transpose(1, 2).contiguous()
