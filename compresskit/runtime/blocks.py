@@ -51,6 +51,53 @@ def is_routed(module: nn.Module) -> bool:
     return isinstance(module, (RoutedProjection, RouterTap))
 
 
+def stacked_linear(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` of several ``nn.Linear`` modules that read one input (q, k and v; gate and
+    up) stacked by rows, so that one product replaces several: at decode each product is a launch
+    and a pass over its weight, and a wider one uses the GPU better. The modules keep their
+    Parameters, re-pointed at their rows of the stacked tensors (no second copy of the weights stays;
+    the model computes, trains and saves as before). Modules stacked once are found stacked again
+    (another runtime on the same model). None where the modules are not all plain ``nn.Linear`` of
+    one input size, dtype and device, with biases on all or none. A runtime reads the stacked
+    tensors it was built with: build it after the last change that replaces a weight tensor (an
+    in-place change, as a LoRA merge makes, is seen)."""
+    if not modules or any(type(m) is not nn.Linear for m in modules):
+        return None
+    first = modules[0].weight
+    if (
+        any(
+            m.in_features != first.shape[1] or m.weight.dtype != first.dtype or m.weight.device != first.device
+            for m in modules
+        )
+        or len({m.bias is None for m in modules}) > 1
+    ):
+        return None
+
+    def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+        data = [t.data for t in tensors]
+        width = data[0].shape[1:]
+        rows = sum(d.shape[0] for d in data)
+        offset = data[0].storage_offset()
+        stacked = all(d.is_contiguous() for d in data) and all(
+            d.untyped_storage().data_ptr() == data[0].untyped_storage().data_ptr()
+            and d.storage_offset() == prev.storage_offset() + prev.numel()
+            for prev, d in zip(data, data[1:], strict=False)
+        )
+        if stacked:  # stacked by an earlier runtime
+            return data[0].as_strided((rows, *width), data[0].stride(), offset)
+        out = torch.cat(data)
+        start = 0
+        for t, d in zip(tensors, data, strict=True):
+            t.data = out[start : start + d.shape[0]]
+            start += d.shape[0]
+        return out
+
+    with torch.no_grad(), torch.inference_mode(False):  # normal tensors even under inference mode (trainable later)
+        weight = stack([m.weight for m in modules])
+        bias = stack([m.bias for m in modules]) if modules[0].bias is not None else None
+    return weight, bias
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """``q: [B, H, T, D]``, ``k: [B, Hkv, T, D]`` rotated by ``cos, sin: [B, T, D]`` (transformers'
     own rotation for the Llama family)."""
@@ -120,9 +167,10 @@ class Counting:
 
 
 class Attention(nn.Module):
-    """A Llama-family self-attention: norm, q / k / v, (Qwen3's per-head norms), RoPE, cache write,
-    attention, o. ``dense=True`` reads the modules under any routing wrapper (the base model);
-    ``False`` calls the layer's modules as they are (a routed model's own eager path)."""
+    """A Llama-family self-attention: norm, q / k / v (one product where they stack:
+    :func:`stacked_linear`), (Qwen3's per-head norms), RoPE, cache write, attention, o. ``dense=True``
+    reads the modules under any routing wrapper (the base model); ``False`` calls the layer's modules
+    as they are (a routed model's own eager path)."""
 
     def __init__(self, layer: nn.Module, head_dim: int, *, dense: bool = True) -> None:
         super().__init__()
@@ -137,48 +185,66 @@ class Attention(nn.Module):
         self.scale = float(getattr(attn, "scaling", None) or head_dim**-0.5)
         # a routed model's modules keep their decision between calls: eager only
         self.graphable = not any(is_routed(m) for m in (self.norm, self.q_proj, self.o_proj))
+        self.qkv = stacked_linear([self.q_proj, self.k_proj, self.v_proj])
+        self.kv = stacked_linear([self.k_proj, self.v_proj])  # found inside the q / k / v stack where that is
+        self.kv_sizes = [m.out_features for m in (self.k_proj, self.v_proj)] if self.kv else None
 
-    def keys_values(self, h: torch.Tensor, q: torch.Tensor, step: Step):
-        """``h: [B, T, hidden]`` (normed), ``q: [B, T, H * D]`` -> rotated ``q: [B, H, T, D]``,
-        ``k, v: [B, Hkv, T, D]``."""
-        b, t, _ = h.shape
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, -1, self.head_dim).transpose(1, 2)
+    def heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step):
+        """``q: [B, T, H * D]``, ``k, v: [B, T, Hkv * D]`` -> rotated ``q: [B, H, T, D]``, ``k, v: [B, Hkv, T, D]``."""
+        b, t, _ = q.shape
+        q, k, v = (y.view(b, t, -1, self.head_dim).transpose(1, 2) for y in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, step.cos, step.sin)
         return q, k, v
 
+    def keys_values(self, h: torch.Tensor, q: torch.Tensor, step: Step):
+        """``h: [B, T, hidden]`` (normed), ``q: [B, T, H * D]`` -> rotated ``q: [B, H, T, D]``,
+        ``k, v: [B, Hkv, T, D]``."""
+        if self.kv is not None:
+            k, v = F.linear(h, *self.kv).split(self.kv_sizes, dim=-1)
+        else:
+            k, v = self.k_proj(h), self.v_proj(h)
+        return self.heads(q, k, v, step)
+
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.norm(x)
-        q, k, v = self.keys_values(h, self.q_proj(h), step)
+        if self.qkv is not None:
+            q, k, v = self.heads(*F.linear(h, *self.qkv).split([self.q_proj.out_features, *self.kv_sizes], -1), step)
+        else:
+            q, k, v = self.keys_values(h, self.q_proj(h), step)
         write_cache(keys, values, k, v, step.slots)
         out = attend(q, keys, values, step, self.scale)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
-    """A Llama-family MLP after its norm (``mlp(norm(x))``; SwiGLU in the model's own module)."""
+    """A Llama-family MLP after its norm: ``down(act(gate(h)) * up(h))``, gate and up in one product
+    where they stack (:func:`stacked_linear`); else the model's own module."""
 
     def __init__(self, layer: nn.Module, *, dense: bool = True) -> None:
         super().__init__()
         pick = base_module if dense else (lambda m: m)
         self.norm = pick(layer.post_attention_layernorm)
         mlp = layer.mlp
-        if dense and hasattr(mlp, "down_proj") and is_routed(mlp.down_proj):
-            self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, base_module(mlp.down_proj)
-            self.act = mlp.act_fn
-            self.mlp = None
-        else:
-            self.mlp = mlp
+        parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+        self.mlp, self.gate_up = mlp, None
+        if None not in parts and (dense or not is_routed(parts[2])):
+            gate, up, down, self.act = parts
+            self.gate_up = stacked_linear([gate, up])
+            if self.gate_up is not None or (dense and is_routed(down)):
+                self.gate_proj, self.up_proj, self.down_proj = gate, up, base_module(down) if dense else down
+                self.mlp = None
         self.graphable = not is_routed(self.norm) and not (self.mlp is not None and _has_routed(self.mlp))
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.norm(x)
         if self.mlp is not None:
             return self.mlp(h)
+        if self.gate_up is not None:
+            gate, up = F.linear(h, *self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
 
 

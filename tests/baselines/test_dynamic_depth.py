@@ -129,10 +129,11 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
         assert counted.macs == pytest.approx(pruner.sparsity(model).macs) and 0 < counted.macs < 1
     if skipping:  # batch 1 decode: a skipped attention never computes its queries
         calls = []
-        hooks = [a.q_proj.register_forward_hook(lambda *_: calls.append(1)) for a, _ in fast.blocks]
+        for a, _ in fast.blocks:  # the queries' heads are made once per attention that runs
+            a.heads = lambda *args, heads=a.heads: calls.append(1) or heads(*args)
         fast.generate(prompts[:1], max_new_tokens=6)
-        for h in hooks:
-            h.remove()
+        for a, _ in fast.blocks:
+            del a.heads
         assert 4 <= len(calls) < 4 * 6  # the prompt's pass in every layer, then only the kept decode steps
     if skipping:  # compiled (a GPU also replays it as a CUDA graph): every sublayer runs, skipped ones zeroed
         compiled = runtime_for(model, pruner, compile=True)

@@ -31,6 +31,44 @@ def test_prefill_and_decode_logits_are_transformers(tiny):
         rt.forward(torch.ones(2, 1, dtype=torch.long), cache)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_projections_of_one_input_run_as_one_product(family, tmp_path):
+    """q / k / v and gate / up are stacked by rows into one weight (and bias: Qwen2's q / k / v have
+    them), their Parameters re-pointed at their rows: no second copy, the same logits as transformers,
+    found stacked again by a second runtime, an in-place change seen, and the model saves and loads
+    as before."""
+    from compresskit.runtime.blocks import stacked_linear
+    from compresskit.testing import tiny_llama
+
+    model = tiny_llama(family=family)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.inference_mode():  # as generation builds it: the weights stay trainable
+        rt = Runtime(model)
+    assert not attn.q_proj.weight.is_inference()
+    weight, bias = rt.blocks[0][0].qkv
+    assert weight.shape == (48 + 2 * 16, 48) and (bias is not None) == (family == "qwen2")
+    for name, start in (("q_proj", 0), ("k_proj", 48), ("v_proj", 64)):
+        proj = getattr(attn, name)
+        assert proj.weight.data_ptr() == weight[start:].data_ptr()  # a view of its rows, not a copy
+    assert mlp.gate_proj.weight.data_ptr() == rt.blocks[0][1].gate_up[0].data_ptr()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    again = stacked_linear([attn.q_proj, attn.k_proj, attn.v_proj])
+    assert again[0].data_ptr() == weight.data_ptr() and torch.equal(again[0], weight)
+    ids = torch.randint(2, 300, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(rt.forward(ids, rt.new_cache(2, 7)), model(ids).logits, rtol=1e-5, atol=1e-5)
+        attn.k_proj.weight.add_(0.5)  # in place, as a LoRA merge changes a weight
+        assert torch.equal(weight[48:64], attn.k_proj.weight)
+        torch.testing.assert_close(rt.forward(ids, rt.new_cache(2, 7)), model(ids).logits, rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(v, reloaded.state_dict()[k]) for k, v in model.state_dict().items())
+    lora = torch.nn.Sequential(attn.q_proj)  # not a plain Linear: left as it is
+    assert stacked_linear([lora, attn.k_proj]) is None
+    assert stacked_linear([attn.k_proj, torch.nn.Linear(48, 4, bias=family != "qwen2")]) is None
+
+
 def test_greedy_generation_with_left_padding_is_transformers(tiny):
     model, _ = tiny
     rt = Runtime(model)
