@@ -10,6 +10,8 @@
 #     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
+#   AB="--flag compresskit.runtime.blocks:STACK_PROJECTIONS" bash benchmarks/device_runtime.sh ab
+#                                                          # a switch off and on, end to end (bench_runtime_ab.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}
@@ -18,6 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
 if [ "${1:-all}" = profile ]; then
   timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/profile_runtime.py --out "$out/profile" ${PROFILE:-}
+  exit $?
+fi
+if [ "${1:-all}" = ab ]; then
+  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_runtime_ab.py --out "$out/runtime-ab" ${AB:?AB="--flag MODULE:NAME ..."}
   exit $?
 fi
 if [ "${1:-all}" = memory ]; then
