@@ -300,6 +300,34 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
 
 
+def case_qkv(m, d, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
+    """q, k and v stacked, k and v as the product's dense rows (``dense_rows``: one launch), against
+    cuBLAS over the whole stack and against what runs without it: the q kernel, then cuBLAS k and v."""
+    q_rows, kv_rows = heads * head_dim, 2 * kv_heads * head_dim
+    x = torch.randn(m, d, device=device, dtype=dtype)
+    w = torch.randn(q_rows + kv_rows, d, device=device, dtype=dtype) / d**0.5
+    wq, wkv = w[:q_rows], w[q_rows:]
+    mask = make_mask(m, heads // attn_group, 0.5, mask_kind, gen, device)
+    got = triton_masked_out_gemm(x, w, mask, dense_rows=kv_rows)
+    ref = torch_masked_out_gemm(x, w, mask, None, kv_rows)
+    err = (got.float() - ref.float()).abs().max().item()
+    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    decode = m <= DECODE_MAX_M
+
+    def ours():
+        layout = None if decode else triton_routing_layout(mask)
+        return triton_masked_out_gemm(x, w, mask, dense_rows=kv_rows, layout=layout)
+
+    def q_then_kv():
+        layout = None if decode else triton_routing_layout(mask)
+        return triton_masked_out_gemm(x, wq, mask, layout=layout), x @ wkv.T
+
+    # the bound counts the dense rows as groups that always run
+    whole = torch.cat([mask, torch.ones(m, kv_rows * mask.shape[1] // q_rows, dtype=mask.dtype, device=device)], 1)
+    baselines = {"cuBLAS qkv": lambda: x @ w.T, "q kernel + cuBLAS kv": q_then_kv}
+    add_row(results, "q+k+v, k and v dense rows", m, mask_kind, whole, ours, baselines, ok, err, decode)
+
+
 def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
     module's two products and the comparison); ``split`` and ``block_g`` other than their defaults
@@ -514,6 +542,14 @@ def main() -> int:
                 (
                     f"q M={m} {kind}",
                     lambda m=m, k=kind: case_q(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
+                )
+            )
+            cases.append(
+                (
+                    f"qkv M={m} {kind}",
+                    lambda m=m, k=kind: case_qkv(
+                        m, d, heads, kv_heads, head_dim, attn_group, k, dtype, device, gen, results
+                    ),
                 )
             )
     for m in decode_m:  # o at decode (at prefill it is the dense product, as down's)

@@ -112,8 +112,8 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     bf16, u8 = "*bf16", "*u8"
     q = dict(x_ptr=bf16, w_ptr=bf16, wu_ptr=bf16, out_ptr=bf16, mask_ptr=u8, M=1, N=HEADS * HEAD_DIM, K=D)
     q.update(GW=ATTN_GROUP * HEAD_DIM, stride_xm=D, stride_wn=D, stride_om=HEADS * HEAD_DIM)
-    q.update(stride_mm=HEADS // ATTN_GROUP)
-    gate_up = {**q, "N": FFN, "GW": GROUP, "stride_om": FFN, "stride_mm": FFN // GROUP}
+    q.update(G=HEADS // ATTN_GROUP, stride_mm=HEADS // ATTN_GROUP)
+    gate_up = {**q, "N": FFN, "GW": GROUP, "G": FFN // GROUP, "stride_om": FFN, "stride_mm": FFN // GROUP}
     down = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, out_ptr=bf16, list_ptr="*i32", M=1, N=D, G=FFN // GROUP)
     down.update(stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP, stride_om=D)
     o = {**down, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}

@@ -71,15 +71,19 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
-def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir):
+@pytest.mark.parametrize("routed_qkv", [False, True])
+def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir, monkeypatch, routed_qkv):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
-    as tensors) give the logits of the model's own routed modules, with padding and without."""
+    as tensors) give the logits of the model's own routed modules, with padding and without; with
+    ``ROUTED_QKV`` q, k and v are one routed product."""
     from compresskit.runtime import runtime_for
     from compresskit_wide.blocks import WideAttention, WideMLP
 
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
+    assert all((a.wqkv is not None) == routed_qkv for a, _ in fast.blocks)
     assert fast.mode == "eager"  # on the CPU
     ref = Runtime(model)  # the routed modules as they are
     gen = torch.Generator().manual_seed(1)
@@ -104,9 +108,12 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
+@pytest.mark.parametrize("routed_qkv", [False, True])
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
-    logits of the routed modules at a prompt and at decode, and the counts."""
+    logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
+    q, k and v through one routed kernel."""
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -174,6 +181,7 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, wu, True, "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, None, False, "torch"))
+    torch.library.opcheck(ops.masked_out_gemm, (x, torch.cat([w, wu[:12]]), mask, None, False, "torch", 12))
     h, w_down = torch.randn(m, n, generator=gen), torch.randn(d, n, generator=gen)
     torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask, False, "torch"))
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
@@ -209,7 +217,7 @@ def test_the_ops_are_cheap_dispatches_that_compile_whole():
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
 
 
-def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
+def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, monkeypatch):
     """``torch.compile`` traces whole decode blocks (``fullgraph``: the WIDE ops are registered operators, every
     index a tensor); the compiled prefill (symbolic shapes, padded and not; every
     block one graph, WIDE's ops inside) and decode steps give the eager logits. (CUDA graphs need a GPU:
@@ -223,6 +231,8 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
         (Runtime(model, dense=True, compile=True), Runtime(model, dense=True)),
         (runtime_for(model, pruner, compile=True), runtime_for(model, pruner)),
     ]
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)  # q, k and v as one routed product
+    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"
         counters.clear()
@@ -281,16 +291,19 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "wide"])
-def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
+@pytest.mark.parametrize("method", ["dense", "wide", "wide-routed-qkv"])
+def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
-    step by step (the WIDE kernels inside, under ``auto``), and the same greedy tokens; the counts of a
-    graph-replayed run equal the eager run's (warm-up runs are not counted)."""
+    step by step (the WIDE kernels inside, under ``auto``; "wide-routed-qkv": q, k and v as one routed
+    product), and the same greedy tokens; the counts of a graph-replayed run equal the eager run's
+    (warm-up runs are not counted)."""
     from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", method == "wide-routed-qkv")
+    method = "wide" if method.startswith("wide") else method
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))

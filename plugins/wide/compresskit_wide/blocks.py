@@ -1,8 +1,9 @@
 """WIDE's blocks for the inference runtime (``compresskit.runtime``): each block routes, then runs
 only what its router kept, with the decision a plain tensor of its own forward.
 
-Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head groups only ->
-k, v, RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
+Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head groups only,
+k and v (with ``ROUTED_QKV``, one routed product over q / k / v stacked, k and v run for every
+token) -> RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
 batch is unpadded: only the kept heads, zeros for the rest; else the runtime's attention over all
 heads) -> o over the kept head groups. MLP: router -> gate+up for the kept channel groups with the
 SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``), so that
@@ -27,6 +28,8 @@ masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
+
+ROUTED_QKV = False  # q / k / v as one routed product (k, v its dense rows); off until measured on a GPU
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -59,6 +62,10 @@ class WideAttention(Attention, _Routing):
         super().__init__(layer, head_dim, dense=True)
         self._setup_routing(layer.self_attn.o_proj, backend, count)
         self.wq, self.wo = plain_weight(self.q_proj), plain_weight(self.o_proj)
+        # q / k / v stacked without biases (stacked_linear): one routed product, k and v its dense rows
+        routed_qkv = ROUTED_QKV and self.wq is not None and self.qkv is not None and self.qkv[1] is None
+        self.wqkv = self.qkv[0] if routed_qkv else None
+        self.qkv_sizes = [self.q_proj.out_features, *self.kv_sizes] if routed_qkv else None
 
     def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> bool:
         """Whether the routed attention runs: an unpadded batch, the standard scale, and under
@@ -74,11 +81,13 @@ class WideAttention(Attention, _Routing):
         execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
-        if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
-        else:
-            q = self.q_proj(h2)
-        q, k, v = self.keys_values(h, q.view(b, t, -1), step)
+        if self.wqkv is not None:  # the kept head groups' queries, and k, v for every token
+            kv_rows = self.qkv_sizes[1] + self.qkv_sizes[2]
+            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, kv_rows)
+            q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
+        else:  # the kept head groups' queries only (the others are never read), then k and v
+            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend) if self.wq is not None else None
+            q, k, v = self.keys_values(h, (self.q_proj(h2) if q is None else q).view(b, t, -1), step)
         write_cache(keys, values, k, v, step.slots)
         context = keys.shape[2] if step.mask is None else step.mask.shape[-1]
         routed = self._routed_attention(b, t, context, step, x.device)

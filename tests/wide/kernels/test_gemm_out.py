@@ -57,6 +57,49 @@ def test_decode_packs_k_chunks_into_one_product(m, sparsity, fuse, k_pack, block
     assert torch.isnan(buf[m:]).all()
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 45])
+@pytest.mark.parametrize("dense_rows", [32, 48, 80])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("k_pack", [None, 1, 4])
+def test_dense_rows_run_for_every_token(m, dense_rows, sparsity, k_pack):
+    """q over 3 routed groups of 32 with k and v stacked under it as dense rows (a whole group, one
+    and a half, two and a half): the dense rows equal the plain product for every token, the
+    mask all off included; the routed rows are the masked reference's."""
+    if k_pack is not None and m > 16:
+        pytest.skip("k_pack is the decode kernel's")
+    x, w, _ = inputs(m, 72, 96 + dense_rows, False, seed=m + dense_rows)
+    mask = random_mask(m, 3, sparsity, seed=m * 3 + 1)
+    buf = poisoned(m, 96 + dense_rows)
+    got = triton_masked_out_gemm(
+        x, w, mask, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16, k_pack=k_pack
+    )
+    want = torch_masked_out_gemm(x, w, mask, None, dense_rows)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(want[:, 96:], x @ w[96:].T, rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[:, :96][~mask.repeat_interleave(32, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.parametrize("zero_inactive", [True, False])
+def test_dense_fallback_with_dense_rows(zero_inactive):
+    x, w, _ = inputs(9, 48, 96 + 40, False, seed=5)
+    mask = random_mask(9, 3, 0.5, seed=6)
+    got = dense_masked_out_gemm(x, w, mask, zero_inactive=zero_inactive, dense_rows=40)
+    want = torch_masked_out_gemm(x, w, mask, None, 40) if zero_inactive else x @ w.T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_refuses_dense_rows_it_cannot_split():
+    x, w, _ = inputs(2, 64, 96, False, seed=7)
+    mask = random_mask(2, 3, 0.5)
+    with pytest.raises(ValueError, match="N=96 less dense_rows=16 does not split into 3 groups"):
+        triton_masked_out_gemm(x, w, mask, dense_rows=16)
+    with pytest.raises(ValueError, match="N=96 less dense_rows=96 does not split"):
+        torch_masked_out_gemm(x, w, mask, None, 96)
+    with pytest.raises(ValueError, match="dense_rows is for the plain product"):
+        dense_masked_out_gemm(x, w[:48], random_mask(2, 1, 0.5), w[48:], dense_rows=24)
+
+
 def test_one_tensor_as_gate_and_up_is_still_the_fused_swiglu():
     x, w, _ = inputs(3, 64, 32, False, seed=1)
     mask = random_mask(3, 2, 0.5)
@@ -97,6 +140,22 @@ def test_bf16_with_autotuned_tiles(fuse, m, k_pack):
     ref = torch_masked_out_gemm(x, w, mask, w_up)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
     assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("m", [1, 4, 16, 300])
+def test_bf16_dense_rows_with_autotuned_tiles(m):
+    """q / k / v stacked at Llama-3.1-8B's proportions (8 groups of 4 heads, 8 KV heads; here head
+    dim 64): the dense rows for every token, in bf16 with the autotuned tiles."""
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048 + 1024, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    mask = random_mask(m, 8, 0.5)
+    buf = poisoned(m, 3072, torch.bfloat16)
+    got = triton_masked_out_gemm(x, w, mask, dense_rows=1024, out=buf[:m])
+    ref = torch_masked_out_gemm(x, w, mask, None, 1024)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * 16)
+    assert torch.count_nonzero(got[:, :2048][~mask.repeat_interleave(256, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
 
 

@@ -2,8 +2,11 @@
 
     x:    [M, K]        tokens, flattened
     w:    [N, K]        as in nn.Linear (w_up: the same, for the fused SwiGLU)
-    mask: [M, N / G]    True = the token needs this group of N / G output channels
+    mask: [M, G]        True = the token needs this group of GW = (N - dense_rows) / G output channels
     out:  [M, N]        x @ w.T (or silu(x @ w.T) * (x @ w_up.T)) where active, exactly 0 elsewhere
+
+``dense_rows``: the last rows of ``w`` are not routed but run for every token, in groups of GW
+after the G routed ones (k and v stacked under q: one product instead of two).
 
 Prefill (M > 16): program (tile, group) takes one tile of the group's tokens in the routing
 layout's sorted order, active first. A tile with no active token writes zeros without reading a
@@ -45,27 +48,52 @@ except ImportError:
     triton = None
 
 
+def routed_rows(w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None, dense_rows: int) -> int:
+    """The rows of ``w`` the mask routes (``N - dense_rows``), checked: they split into the mask's
+    groups, and only the plain product takes dense rows."""
+    routed = w.shape[0] - dense_rows
+    if dense_rows < 0 or routed <= 0 or routed % mask.shape[-1]:
+        rows = f"N={w.shape[0]}" + (f" less dense_rows={dense_rows}" if dense_rows else "")
+        raise ValueError(f"{rows} does not split into {mask.shape[-1]} groups")
+    if dense_rows and w_up is not None:
+        raise ValueError("dense_rows is for the plain product, not the fused SwiGLU")
+    return routed
+
+
+def _zero_routed(y: torch.Tensor, mask: torch.Tensor, routed: int) -> torch.Tensor:
+    """``y`` with the inactive groups of its first ``routed`` columns exactly 0, the rest as they are."""
+    if routed == y.shape[-1]:
+        return zero_inactive_groups(y, mask)
+    return torch.cat([zero_inactive_groups(y[:, :routed], mask), y[:, routed:]], dim=-1)
+
+
 def torch_masked_out_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None = None
+    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None = None, dense_rows: int = 0
 ) -> torch.Tensor:
     """Reference: the masked dense product in fp32, cast to ``x.dtype``."""
-    if w.shape[0] % mask.shape[-1]:
-        raise ValueError(f"N={w.shape[0]} does not split into {mask.shape[-1]} groups")
+    routed = routed_rows(w, mask, w_up, dense_rows)
     y = x.float() @ w.float().T
     if w_up is not None:
         y = F.silu(y) * (x.float() @ w_up.float().T)
-    return zero_inactive_groups(y, mask).to(x.dtype)
+    return _zero_routed(y, mask, routed).to(x.dtype)
 
 
 def dense_masked_out_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, w_up: torch.Tensor | None = None, *, zero_inactive=True
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    zero_inactive=True,
+    dense_rows: int = 0,
 ) -> torch.Tensor:
     """The dense fallback: cuBLAS in ``x.dtype``, then the inactive groups zeroed (left as computed
     with ``zero_inactive=False``, for a caller that never reads them)."""
+    routed = routed_rows(w, mask, w_up, dense_rows)
     y = x @ w.T
     if w_up is not None:
         y = F.silu(y) * (x @ w_up.T)
-    return zero_inactive_groups(y, mask) if zero_inactive else y
+    return _zero_routed(y, mask, routed) if zero_inactive else y
 
 
 if triton is not None:
@@ -73,24 +101,28 @@ if triton is not None:
     @triton.jit
     def triton_masked_out_gemm_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
-        M, N, K, GW, M_BUCKET,
+        M, N, K, GW, G, M_BUCKET,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # prefill, program (i, g): i = tile of group g's sorted tokens x block of its channels (the
-        # channel block fastest). M_BUCKET is only the autotuning key.
+        # channel block fastest); a group past the G routed ones (dense rows) takes every token in
+        # order. M_BUCKET is only the autotuning key.
         g = tl.program_id(1)
+        routed = g < G
         tiles_n = tl.cdiv(GW, BLOCK_N)
         tm = tl.program_id(0) // tiles_n
         tn = tl.program_id(0) % tiles_n
-        count = tl.load(counts_ptr + g)
+        g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the layout
+        count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
         slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         in_range = slots < M
-        rows = tl.load(order_ptr + g * M + slots, mask=in_range, other=0)  # token ids, active first
+        rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)  # token ids, active first
+        rows = tl.where(routed, rows, slots)
         active = slots < count
         cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = (tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW
+        col_ok = ((tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW) & (cols < N)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
         store_mask = in_range[:, None] & col_ok[None, :]
         if tm * BLOCK_M >= count:  # the tile's first sorted token is inactive: so are the others
@@ -118,29 +150,33 @@ if triton is not None:
     @triton.jit
     def triton_masked_out_gemv_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
-        M, N, K, GW,
+        M, N, K, GW, G,
         stride_xm, stride_wn, stride_om, stride_mm,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
     ):  # fmt: skip
-        # decode, program (g, n-block): BLOCK_N output channels of group g for every token
+        # decode, program (g, n-block): BLOCK_N output channels of group g for every token (past the
+        # G routed groups, dense rows: every token)
         g = tl.program_id(0)
+        g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the mask
         col0 = tl.program_id(1) * BLOCK_N
         rows = tl.arange(0, BLOCK_M)
-        on = (tl.load(mask_ptr + rows * stride_mm + g, mask=rows < M, other=0) != 0) & (rows < M)
+        flags = tl.load(mask_ptr + rows * stride_mm + g_routed, mask=rows < M, other=0)
+        on = (tl.where(g < G, flags, 1) != 0) & (rows < M)
         cols = g * GW + col0 + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        store_mask = (rows < M)[:, None] & ((col0 + tl.arange(0, BLOCK_N)) < GW)[None, :]
+        store_mask = (rows < M)[:, None] & (((col0 + tl.arange(0, BLOCK_N)) < GW) & (cols < N))[None, :]
         if tl.sum(on.to(tl.int32), axis=0) == 0:  # no token needs the group: zeros, no weight read
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
         else:
             r = tl.arange(0, K_PACK * BLOCK_N)  # MMA row: channel r % BLOCK_N, chunk r // BLOCK_N
             w_rows = g * GW + col0 + r % BLOCK_N
-            w_ok = (col0 + r % BLOCK_N) < GW
+            w_ok = ((col0 + r % BLOCK_N) < GW) & (w_rows < N)
             w_k = (r // BLOCK_N) * BLOCK_K
             c = tl.arange(0, K_PACK * BLOCK_M)  # MMA column: token c % BLOCK_M, chunk c // BLOCK_M
             tok = c % BLOCK_M
-            tok_on = (tl.load(mask_ptr + tok * stride_mm + g, mask=tok < M, other=0) != 0) & (tok < M)
+            tok_flags = tl.load(mask_ptr + tok * stride_mm + g_routed, mask=tok < M, other=0)
+            tok_on = (tl.where(g < G, tok_flags, 1) != 0) & (tok < M)
             x_k = (c // BLOCK_M) * BLOCK_K
             kk = tl.arange(0, BLOCK_K)
             acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
@@ -194,6 +230,7 @@ def triton_masked_out_gemm(
     mask: torch.Tensor,
     w_up: torch.Tensor | None = None,
     *,
+    dense_rows: int = 0,
     layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
@@ -204,16 +241,18 @@ def triton_masked_out_gemm(
     """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens the
     decode kernel (``k_pack``: K chunks a product, a power of two; default ``policy.out_k_pack``);
     more, the sorted-tile kernel on the routing layout of ``mask`` (``layout``: computed here when
-    not given; share it between the projections of a block). Tiles are autotuned on a GPU;
-    ``block_*`` fix them (and do in the CPU interpreter)."""
+    not given; share it between the projections of a block). ``dense_rows``: the last rows of ``w``
+    run for every token. Tiles are autotuned on a GPU; ``block_*`` fix them (and do in the CPU
+    interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
     n = w.shape[0]
     groups = mask.shape[-1]
-    if w.shape[1] != k or n % groups or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
+    if w.shape[1] != k or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    gw = n // groups
+    gw = routed_rows(w, mask, w_up, dense_rows) // groups
+    launched = groups + cdiv(dense_rows, gw)  # the routed groups, then the dense rows in groups of gw
     fuse = w_up is not None
     x, w = x.contiguous(), w.contiguous()
     w_up = w_up.contiguous() if fuse else w
@@ -225,18 +264,33 @@ def triton_masked_out_gemm(
         if k_pack < 1 or k_pack & (k_pack - 1):
             raise ValueError(f"k_pack must be a power of two, got {k_pack}")
         mask_u8 = mask_bytes(mask)
-        args = (x, w, w_up, out, mask_u8, m, n, k, gw, x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
+        args = (
+            x,
+            w,
+            w_up,
+            out,
+            mask_u8,
+            m,
+            n,
+            k,
+            gw,
+            groups,
+            x.stride(0),
+            w.stride(0),
+            out.stride(0),
+            mask_u8.stride(0),
+        )
         common["BLOCK_M"] = min(16, max(next_power_of_2(m), 16 // k_pack))  # >= 16 MMA columns
         if fixed:
             bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
             if k_pack * bn < 16 or bk < 16:
                 raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
-            grid = (groups, cdiv(gw, bn))
+            grid = (launched, cdiv(gw, bn))
             triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
         else:
             if k_pack not in _tuned_decode:
                 raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)}")
-            grid = lambda meta: (groups, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+            grid = lambda meta: (launched, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_decode[k_pack][grid](*args, **common, K_PACK=k_pack)
         return out
     if k_pack not in (None, 1):
@@ -244,12 +298,12 @@ def triton_masked_out_gemm(
     order, counts = layout if layout is not None else triton_routing_layout(mask)
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
-    args = (x, w, w_up, out, order, counts, m, n, k, gw, m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
+    args = (x, w, w_up, out, order, counts, m, n, k, gw, groups, m_bucket(m), x.stride(0), w.stride(0), out.stride(0))
     if fixed:
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        grid = (cdiv(m, bm) * cdiv(gw, bn), groups)
+        grid = (cdiv(m, bm) * cdiv(gw, bn), launched)
         triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     else:
-        grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]), groups)  # noqa: E731
+        grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]), launched)  # noqa: E731
         _tuned_prefill[grid](*args, **common)
     return out

@@ -124,7 +124,9 @@ def router_decide(
     return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
 
 
-@_operator(lambda x, w, mask, w_up=None, zero_inactive=True, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
+@_operator(
+    lambda x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0: x.new_empty(x.shape[0], w.shape[0])
+)
 def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -132,18 +134,21 @@ def masked_out_gemm(
     w_up: torch.Tensor | None = None,
     zero_inactive: bool = True,
     backend: str = "auto",
+    dense_rows: int = 0,
 ) -> torch.Tensor:
-    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, N/G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
-    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere.
-    ``zero_inactive=False``: the caller never reads the inactive groups' outputs (the routed
-    attention reads only the active heads' queries), so the dense fallback may leave its dense
-    product there and save the zeroing launch; the kernel and the reference write zeros anyway."""
+    """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
+    ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere; the last
+    ``dense_rows`` rows of ``w`` are not routed (every token runs them: k and v under q), the
+    others split into the mask's G groups. ``zero_inactive=False``: the caller never reads the
+    inactive groups' outputs (the routed attention reads only the active heads' queries), so the
+    dense fallback may leave its dense product there and save the zeroing launch; the kernel and
+    the reference write zeros anyway."""
     path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
     if path == "triton":
-        return triton_masked_out_gemm(x, w, mask, w_up)
+        return triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows)
     if path == "dense":
-        return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive)
-    return torch_masked_out_gemm(x, w, mask, w_up)
+        return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive, dense_rows=dense_rows)
+    return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
 
 
 @_operator(lambda x, w, mask, input_is_masked=False, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
