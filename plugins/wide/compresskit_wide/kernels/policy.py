@@ -22,6 +22,7 @@ SHAPES = "Llama-3.1-8B shapes (hidden 4096, FFN 14336 in groups of 128, 32 heads
 
 DECODE_MAX_M = 16  # up to this many tokens: the decode kernels (all tokens in one 16-row tile, no sort)
 FEW_GROUPS = 8  # a reduction over this many input groups or fewer reads them without a group list
+SORTED_MAX_GROUPS = 16  # the prefill reduction on pattern-sorted tokens: for o_proj's few groups only
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,16 @@ OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+]
+# the reduction at prefill over pattern-sorted tokens: the output-width prefill kernel's operand tiles
+# (a search space; not yet narrowed by measurement, and auto does not take the kernel yet)
+REDUCE_PREFILL = [
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
 ]
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
