@@ -264,22 +264,8 @@ def triton_masked_out_gemm(
         if k_pack < 1 or k_pack & (k_pack - 1):
             raise ValueError(f"k_pack must be a power of two, got {k_pack}")
         mask_u8 = mask_bytes(mask)
-        args = (
-            x,
-            w,
-            w_up,
-            out,
-            mask_u8,
-            m,
-            n,
-            k,
-            gw,
-            groups,
-            x.stride(0),
-            w.stride(0),
-            out.stride(0),
-            mask_u8.stride(0),
-        )
+        args = (x, w, w_up, out, mask_u8, m, n, k, gw, groups)
+        args += (x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
         common["BLOCK_M"] = min(16, max(next_power_of_2(m), 16 // k_pack))  # >= 16 MMA columns
         if fixed:
             bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
