@@ -33,6 +33,23 @@ KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently us
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
 RECOMPILE_LIMIT = 64
+# each block adds the previous block's output to the residual stream inside its own compiled graph, where
+# the add fuses with the block's norm, instead of one eager add per block between graphs (an A/B switch,
+# read when a runtime is built; off until measured on a GPU)
+FUSE_RESIDUAL = False
+
+
+class AddThen(nn.Module):
+    """``block`` after the residual add: ``(x, delta, *args) -> (x + delta, block(x + delta, *args))``,
+    so that a compiled block holds the add of what the block before it returned."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + delta
+        return x, self.block(x, *args)
 
 
 @dataclass
@@ -183,12 +200,14 @@ class Runtime:
             raise CompressKitError("runtime: prefill_graphs asked, but decode steps are not replayed as CUDA graphs")
         self.prefill_graphs = self.graphs and prefill_graphs in (True, "auto")
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
-        self._prefill = self.blocks  # what a prompt's forward calls
+        self.fuse_residual = FUSE_RESIDUAL
+        called = [(AddThen(a), AddThen(m)) for a, m in self.blocks] if self.fuse_residual else self.blocks
+        self._steps = called  # what a decode step calls: the blocks, or their compiled forms
+        self._prefill = called  # what a prompt's forward calls
         if self.compiled:  # one compilation per block class and shape, shared by every layer
-            self._steps = [(_compile(a), _compile(m)) for a, m in self.blocks]
+            self._steps = [(_compile(a), _compile(m)) for a, m in called]
             # prompts: one compilation with symbolic lengths (elementwise work fused, fewer launches)
-            self._prefill = [(_compile(a, prefill=True), _compile(m, prefill=True)) for a, m in self.blocks]
+            self._prefill = [(_compile(a, prefill=True), _compile(m, prefill=True)) for a, m in called]
 
     @property
     def mode(self) -> str:
@@ -244,6 +263,12 @@ class Runtime:
 
     # -- the forward ---------------------------------------------------------------------------
     def _layers(self, x: torch.Tensor, step: Step, cache: StaticCache, blocks) -> torch.Tensor:
+        if self.fuse_residual:  # each block adds the one before it (the first adds zeros)
+            delta = torch.zeros_like(x)
+            for i, (attn, mlp) in enumerate(blocks):
+                x, delta = attn(x, delta, step, cache.keys[i], cache.values[i])  # [B, T, hidden]
+                x, delta = mlp(x, delta, step)
+            return x + delta
         for i, (attn, mlp) in enumerate(blocks):
             x = x + attn(x, step, cache.keys[i], cache.values[i])  # [B, T, hidden]
             x = x + mlp(x, step)

@@ -16,9 +16,14 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
 
-def test_prefill_and_decode_logits_are_transformers(tiny):
+@pytest.mark.parametrize("fuse_residual", [False, True])
+def test_prefill_and_decode_logits_are_transformers(tiny, monkeypatch, fuse_residual):
+    """The runtime's logits are transformers', with the residual added between the blocks or inside
+    each block (``FUSE_RESIDUAL``)."""
+    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
     model, _ = tiny
     rt = Runtime(model)
+    assert rt.fuse_residual == fuse_residual
     ids = torch.randint(2, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = rt.new_cache(2, 12)
     with torch.no_grad():

@@ -71,15 +71,19 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
-@pytest.mark.parametrize("routed_qkv", [False, True])
-def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir, monkeypatch, routed_qkv):
+@pytest.mark.parametrize(("routed_qkv", "fuse_residual"), [(False, False), (True, False), (True, True)])
+def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
+    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual
+):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without; with
-    ``ROUTED_QKV`` q, k and v are one routed product."""
+    ``ROUTED_QKV`` q, k and v are one routed product, with ``FUSE_RESIDUAL`` each block adds the
+    residual itself."""
     from compresskit.runtime import runtime_for
     from compresskit_wide.blocks import WideAttention, WideMLP
 
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
+    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
@@ -231,7 +235,10 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, mo
         (Runtime(model, dense=True, compile=True), Runtime(model, dense=True)),
         (runtime_for(model, pruner, compile=True), runtime_for(model, pruner)),
     ]
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)  # q, k and v as one routed product
+    # q, k and v as one routed product; each block adding the residual inside its graph
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)
+    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", True)
+    pairs.append((Runtime(model, dense=True, compile=True), Runtime(model, dense=True)))
     pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"
@@ -291,19 +298,21 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "wide", "wide-routed-qkv"])
+@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused"])
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
-    step by step (the WIDE kernels inside, under ``auto``; "wide-routed-qkv": q, k and v as one routed
-    product), and the same greedy tokens; the counts of a graph-replayed run equal the eager run's
-    (warm-up runs are not counted)."""
+    step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
+    graph, and WIDE's q, k and v are one routed product), and the same greedy tokens; the counts of a
+    graph-replayed run equal the eager run's (warm-up runs are not counted)."""
     from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", method == "wide-routed-qkv")
-    method = "wide" if method.startswith("wide") else method
+    fused = method.endswith("-fused")
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
+    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
+    method = method.removesuffix("-fused")
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
