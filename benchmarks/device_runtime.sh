@@ -11,7 +11,8 @@
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
 #   AB="--flag compresskit.runtime.blocks:STACK_PROJECTIONS" bash benchmarks/device_runtime.sh ab
-#                                                          # a switch off and on, end to end (bench_runtime_ab.py)
+#                                                          # a switch off and on, end to end (bench_runtime_ab.py;
+#                                                          # several --flag: each alone and all together too)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}

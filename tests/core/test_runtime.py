@@ -403,27 +403,31 @@ def test_decode_attention_bench_checks_every_form_on_the_cpu():
     assert "every variant matches SDPA" in res.stdout
 
 
-def test_runtime_ab_script_builds_every_member_both_ways(tmp_path):
-    """``bench_runtime_ab.py`` on the tiny shape (eager on the CPU: a smoke run): each member off and on,
-    the same greedy tokens both ways for a switch that changes no result, the switch restored; a name
-    that is no boolean is refused."""
+def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
+    """``bench_runtime_ab.py`` on the tiny shape (eager on the CPU: a smoke run): each member with both
+    switches off, each alone and both on, the same greedy tokens every way for switches that change
+    no result; a name that is no boolean is refused."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from compresskit.runtime import blocks
-
     script = Path(__file__).parents[2] / "benchmarks" / "bench_runtime_ab.py"
-    flag = "compresskit.runtime.blocks:STACK_PROJECTIONS"
-    args = ["--flag", flag, "--shape", "tiny", "--context", "12", "--new-tokens", "3", "--repeats", "1"]
+    flags = [
+        "--flag",
+        "compresskit.runtime.blocks:STACK_PROJECTIONS",
+        "--flag",
+        "compresskit.runtime.llama:FUSE_RESIDUAL",
+    ]
+    args = [*flags, "--shape", "tiny", "--context", "12", "--new-tokens", "3", "--repeats", "1"]
     proc = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "runtime-ab.json").read_text())["rows"]
-    assert [(r["member"], r["flag"]) for r in rows] == [
-        (m, f) for m in ("compressed", "dense", "ideal half-width") for f in (False, True)
+    ways = [[], ["STACK_PROJECTIONS"], ["FUSE_RESIDUAL"], ["STACK_PROJECTIONS", "FUSE_RESIDUAL"]]
+    assert [(r["member"], r["on"]) for r in rows] == [
+        (m, on) for m in ("compressed", "dense", "ideal half-width") for on in ways
     ]
-    assert all(r["same_greedy_tokens"] for r in rows if r["flag"]) and blocks.STACK_PROJECTIONS
+    assert all(r["same_greedy_tokens"] and r["tpot_gain"] > 0 for r in rows if r["on"])
     bad = subprocess.run(
         [sys.executable, str(script), "--flag", "compresskit.runtime.blocks:Step", "--out", str(tmp_path)],
         capture_output=True,
