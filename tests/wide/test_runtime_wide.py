@@ -112,6 +112,28 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_routed_qkv_in_other_families(tmp_path, monkeypatch, family):
+    """With ``ROUTED_QKV``: Qwen2's q / k / v carry biases, so its blocks keep q and the k / v product
+    apart; Mistral's have none, so one routed product serves. Both give the routed modules' logits at
+    a prompt and at decode."""
+    from compresskit.runtime import runtime_for
+    from compresskit.testing import save_tiny_model
+
+    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)
+    model_dir = save_tiny_model(tmp_path / family, family=family)
+    model, pruner = _wide_model(model_dir)
+    fast, ref = runtime_for(model, pruner), Runtime(model)
+    assert all((a.wqkv is None) == (family == "qwen2") for a, _ in fast.blocks)
+    caches = [rt.new_cache(2, 10) for rt in (fast, ref)]
+    ids = torch.randint(2, 300, (2, 6), generator=torch.Generator().manual_seed(3))
+    got, want = (rt.forward(ids, c) for rt, c in zip((fast, ref), caches, strict=True))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for token in ([7, 8], [9, 10]):
+        got, want = (rt.decode(torch.tensor(token), c) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("routed_qkv", [False, True])
 def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
