@@ -234,6 +234,17 @@ if triton is not None:
     )
 
 
+def _checked_shapes(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(M, K, N, G)`` of a reduction's operands; an error where Triton is missing or they do not fit."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    m, k = x.shape
+    n, groups = w.shape[0], mask.shape[-1]
+    if w.shape[1] != k or k % groups or mask.shape[0] != m:
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    return m, k, n, groups
+
+
 def triton_masked_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -250,13 +261,7 @@ def triton_masked_reduce_gemm(
     group instead of a list of the needed ones; default for ``policy.FEW_GROUPS`` groups or fewer.
     Tiles are autotuned on a GPU; ``block_n`` (output channels a program) and ``block_k`` fix them
     (and do in the CPU interpreter)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, k = x.shape
-    n = w.shape[0]
-    groups = mask.shape[-1]
-    if w.shape[1] != k or k % groups or mask.shape[0] != m:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    m, k, n, groups = _checked_shapes(x, w, mask)
     if k_pack < 1 or k_pack & (k_pack - 1):
         raise ValueError(f"k_pack must be a power of two, got {k_pack}")
     direct = groups <= policy.FEW_GROUPS if direct is None else direct
@@ -309,13 +314,7 @@ def triton_masked_reduce_gemm_sorted(
     ``policy.SORTED_MAX_GROUPS`` input groups: tiles of tokens sorted by mask pattern
     (:func:`pattern_order`), each reducing over the union of its tokens' groups. Tiles are
     autotuned on a GPU; ``block_*`` fix them (and do in the CPU interpreter)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, k = x.shape
-    n = w.shape[0]
-    groups = mask.shape[-1]
-    if w.shape[1] != k or k % groups or mask.shape[0] != m:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    m, k, n, groups = _checked_shapes(x, w, mask)
     if groups > policy.SORTED_MAX_GROUPS:
         raise ValueError(f"{groups} groups: the sorted reduction takes at most {policy.SORTED_MAX_GROUPS}")
     x, w = x.contiguous(), w.contiguous()

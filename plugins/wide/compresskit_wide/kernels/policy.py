@@ -154,16 +154,9 @@ OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
 ]
-# the reduction at prefill over pattern-sorted tokens: the output-width prefill kernel's operand tiles
-# (a search space; not yet narrowed by measurement, and auto does not take the kernel yet)
-REDUCE_PREFILL = [
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
-    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-]
+# the reduction at prefill over pattern-sorted tokens: the same operand tiles as the output-width prefill
+# kernel (a search space not yet narrowed by measurement; auto does not take the kernel yet)
+REDUCE_PREFILL = OUT_PREFILL
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
 ATTN_PREFILL = [
     ({"BLOCK_M": bm, "BLOCK_N": bn, "HP": hp}, warps, stages)
