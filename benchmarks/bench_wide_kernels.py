@@ -9,7 +9,8 @@ GPU, CUDA-graph replays and the GPU time (the sum of the kernels' durations per 
 torch.profiler with the L2 flushed before each call: what the GPU spends, without the host's
 launch cost that the flushed do_bench medians include at decode sizes), with the per-kernel
 profile of our call (where its time goes: prep, main kernel, split sum). Masks at 50% sparsity,
-exactly-k per token and i.i.d. Speedups are against the fastest dense baseline; "bound" is
+exactly-k per token and i.i.d.; for the prefill kernels also every group on ("all": the kernel's
+own efficiency against the dense product at equal work). Speedups are against the fastest dense baseline; "bound" is
 1 / (1 - s) (or 1 / union for decode batches, the fraction of groups some token needs) and "of
 bound" is speedup / bound. Results: a table on stdout and ``bench.json`` / ``bench.md`` in --out,
 with GPU, driver, versions and date.
@@ -119,6 +120,8 @@ def seed_case(label: str, gen: torch.Generator) -> None:
 
 
 def make_mask(m: int, groups: int, sparsity: float, kind: str, gen: torch.Generator, device) -> torch.Tensor:
+    if kind == "all":  # every group on: a kernel's own efficiency against the dense product (bound 1)
+        return torch.ones(m, groups, dtype=torch.bool, device=device)
     if kind == "exact":  # every token keeps exactly (1 - s) of the groups
         keep = round(groups * (1 - sparsity))
         scores = torch.rand(m, groups, generator=gen)
@@ -579,6 +582,16 @@ def main() -> int:
                     ),
                 )
             )
+    for m in prefill_m:  # every group on: what the prefill kernels cost against cuBLAS at equal work
+        cases.append(
+            (f"q M={m} all", lambda m=m: case_q(m, d, heads, head_dim, attn_group, "all", dtype, device, gen, results))
+        )
+        cases.append(
+            (
+                f"o prefill M={m} all",
+                lambda m=m: case_o_prefill(m, d, heads, head_dim, attn_group, "all", dtype, device, gen, results),
+            )
+        )
     for m in decode_m:  # o at decode (at prefill it is the dense product, as down's)
         for kind in ("exact", "iid"):
             cases.append(
