@@ -8,6 +8,7 @@ everything runs eagerly (a smoke run, not a measurement).
     python benchmarks/bench_runtime_ab.py --flag compresskit.runtime.llama:FUSE_RESIDUAL \
         [--flag compresskit_wide.blocks:ROUTED_QKV ...] --out DIR
         [--shape llama-3.1-8b] [--context 1024] [--batch 1] [--new-tokens 32] [--repeats 5]
+        [--members compressed,dense]
 
 ``--flag MODULE:NAME`` names a module-level boolean read when blocks and graphs are built (for example
 ``compresskit.runtime.blocks:STACK_PROJECTIONS``); switches not named keep their values. Writes
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--members", default="", help="comma-separated members to build (default: all)")
     args = ap.parse_args(argv)
+    wanted = {m.strip() for m in args.members.split(",") if m.strip()}
     switches = {flag.partition(":")[2]: switch(flag) for flag in dict.fromkeys(args.flag)}
     if len(switches) < len(dict.fromkeys(args.flag)):
         raise SystemExit(f"--flag: two switches of one name in {args.flag}")
@@ -72,7 +75,12 @@ def main(argv: list[str] | None = None) -> None:
         for on in variants(list(switches)):
             for name, (module, _) in switches.items():
                 setattr(module, name, name in on)  # read as each member's blocks and graphs are built
-            for member in shape_members(args.shape, sparsity=0.5, device=device, dtype=dtype):
+            members = shape_members(args.shape, sparsity=0.5, device=device, dtype=dtype)
+            unknown = wanted - {m.name for m in members}
+            if unknown:
+                names = ", ".join(m.name for m in members)
+                raise SystemExit(f"--members: {', '.join(sorted(unknown))} not among this shape's members ({names})")
+            for member in (m for m in members if not wanted or m.name in wanted):
                 tokens[member.name, on] = member.runtime.generate(prompt, max_new_tokens=args.new_tokens).tokens
                 runs[member.name, on] = member.runtime  # (that generate was its warm-up)
     finally:
@@ -110,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python benchmarks/bench_runtime_ab.py "
         + " ".join(f"--flag {f}" for f in dict.fromkeys(args.flag))
         + " "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "flag")),
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "flag") and v),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

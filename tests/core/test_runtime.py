@@ -434,3 +434,14 @@ def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
         text=True,
     )
     assert bad.returncode != 0 and "has no boolean 'Step'" in bad.stderr
+    one = subprocess.run(
+        [sys.executable, str(script), *args[:2], *args[4:], "--members", "dense", "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+    )
+    assert one.returncode == 0, one.stderr
+    rows = json.loads((tmp_path / "one" / "runtime-ab.json").read_text())["rows"]
+    assert [(r["member"], r["on"]) for r in rows] == [("dense", []), ("dense", ["STACK_PROJECTIONS"])]
+    wrong = [*args, "--members", "dense,wide", "--out", str(tmp_path)]
+    bad = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--members: wide not among this shape's members" in bad.stderr
