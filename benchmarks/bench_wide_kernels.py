@@ -358,16 +358,17 @@ def case_qkv(m, d, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, devi
     add_row(results, "q+k+v, k and v dense rows", m, mask_kind, whole, ours, baselines, ok, err, decode)
 
 
-def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None):
+def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, block_m=None, block_k=None):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
-    module's two products and the comparison); ``split`` and ``block_g`` other than their defaults
-    for the sweep rows."""
+    module's two products and the comparison); ``split``, ``block_g``, ``block_m`` and ``block_k``
+    other than their defaults for the sweep rows."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
     w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    tiles = {k: v for k, v in {"split": split, "block_g": block_g}.items() if v is not None}
+    tiles = {"split": split, "block_g": block_g, "block_m": block_m, "block_k": block_k}
+    tiles = {k: v for k, v in tiles.items() if v is not None}
     got, ref = triton_router_decide(x, *w, **tiles), torch_router_decide(x, *w)
     flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
     add_row(
@@ -637,6 +638,17 @@ def main() -> int:
                     lambda m=m, s=split: case_router(m, d, ffn // group, 32, dtype, device, gen, results, split=s),
                 )
             )
+    for m in prefill_m[-2:]:  # the prefill sizes: tokens and columns of D a program (default split)
+        for block_m in (32, 64, 128):
+            for block_k in (64, 128):
+                cases.append(
+                    (
+                        f"router sweep M={m} G={ffn // group} block_m={block_m} block_k={block_k}",
+                        lambda m=m, bm=block_m, bk=block_k: case_router(
+                            m, d, ffn // group, 32, dtype, device, gen, results, block_m=bm, block_k=bk
+                        ),
+                    )
+                )
     for ctx in contexts:
         for batch in batches:
             for kind in ("exact", "iid"):

@@ -39,6 +39,20 @@ def test_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g)
         assert torch.all(got == (1.0 if bias > 0 else 0.0))
 
 
+@pytest.mark.parametrize("m", [3, 40, 130])
+@pytest.mark.parametrize(("block_m", "block_k", "split"), [(32, 16, None), (64, 32, 2), (128, 64, 1)])
+def test_token_and_column_blocks(m, block_m, block_k, split):
+    """Larger token blocks and other K steps (the prefill launch shapes): the same decisions, with a
+    partial token block and D in one or more shares."""
+    torch.manual_seed(m + block_m)
+    router = GroupRouter(200, 12, 8).to(DEVICE)
+    x = torch.randn(m, 200, device=DEVICE)
+    ref = decide(router(x), sample=False, tau=1.0)
+    args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    got = triton_router_decide(*args, split=split, block_m=block_m, block_k=block_k, as_bool=True)
+    assert torch.equal(got, ref.bool())
+
+
 def test_validates_its_tensors():
     x, wd, bd = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4)
     with pytest.raises(ValueError, match="router tensors do not fit"):
@@ -49,3 +63,5 @@ def test_validates_its_tensors():
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), split=0)
     with pytest.raises(ValueError, match="block_g must be a power of two >= 16, got 24"):
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 8"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_m=8)

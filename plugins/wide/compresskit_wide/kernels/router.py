@@ -147,12 +147,16 @@ def triton_router_decide(
     *,
     split: int | None = None,
     block_g: int | None = None,
+    block_m: int | None = None,
+    block_k: int | None = None,
     as_bool: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
     D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
-    ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``as_bool``: the
-    decision stored as bytes and returned as a bool mask (what the routed operators read as it is)."""
+    ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``block_m`` tokens
+    and ``block_k`` columns of D a step (powers of two, at least 16; default 16 tokens at decode
+    sizes, else 32, and 128 columns). ``as_bool``: the decision stored as bytes and returned as a
+    bool mask (what the routed operators read as it is)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -170,14 +174,15 @@ def triton_router_decide(
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
-    if block_g is not None and (block_g < 16 or block_g & (block_g - 1)):
-        raise ValueError(f"block_g must be a power of two >= 16, got {block_g}")
+    for name, value in (("block_g", block_g), ("block_m", block_m), ("block_k", block_k)):
+        if value is not None and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
-    block_m = 16 if m <= policy.DECODE_MAX_M or interpreted() else 32
+    block_m = block_m or (16 if m <= policy.DECODE_MAX_M or interpreted() else 32)
     block_r = max(16, next_power_of_2(r))
-    block_k = 32 if interpreted() else 128
+    block_k = block_k or (32 if interpreted() else 128)
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = cdiv(cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = cdiv(d, chunk)  # no empty share
