@@ -37,6 +37,7 @@ RECOMPILE_LIMIT = 64
 # the add fuses with the block's norm, instead of one eager add per block between graphs (an A/B switch,
 # read when a runtime is built; off until measured on a GPU)
 FUSE_RESIDUAL = False
+WRAPPED_KINDS = 8  # block classes one process may compile through AddThen (dense, a plugin's, the baselines')
 
 
 class AddThen(nn.Module):
@@ -119,9 +120,14 @@ class _DecodeGraph:
 
 def _compile(block: nn.Module, prefill: bool = False):
     """A decode step's block: one graph of static shapes. A prompt's: symbolic shapes (one compilation
-    for every length), where a plugin's block may still break its graph."""
+    for every length), where a plugin's block may still break its graph. Blocks wrapped in ``AddThen``
+    share its ``forward`` (torch.compile counts compilations per function), so its limit covers
+    ``WRAPPED_KINDS`` block classes."""
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    limit = RECOMPILE_LIMIT * (WRAPPED_KINDS if isinstance(block, AddThen) else 1)
+    config.recompile_limit = max(config.recompile_limit, limit)
+    if hasattr(config, "accumulated_recompile_limit"):  # (a cap over all of a function's compilations)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
     return torch.compile(block, fullgraph=not prefill, dynamic=prefill)
 
 
