@@ -66,6 +66,7 @@ class WideAttention(Attention, _Routing):
         routed_qkv = ROUTED_QKV and self.wq is not None and self.qkv is not None and self.qkv[1] is None
         self.wqkv = self.qkv[0] if routed_qkv else None
         self.qkv_sizes = [self.q_proj.out_features, *self.kv_sizes] if routed_qkv else None
+        self.kv_rows = sum(self.kv_sizes) if routed_qkv else 0
 
     def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> bool:
         """Whether the routed attention runs: an unpadded batch, the standard scale, and under
@@ -82,12 +83,14 @@ class WideAttention(Attention, _Routing):
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
         if self.wqkv is not None:  # the kept head groups' queries, and k, v for every token
-            kv_rows = self.qkv_sizes[1] + self.qkv_sizes[2]
-            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, kv_rows)
+            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows)
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
-        else:  # the kept head groups' queries only (the others are never read), then k and v
-            q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend) if self.wq is not None else None
-            q, k, v = self.keys_values(h, (self.q_proj(h2) if q is None else q).view(b, t, -1), step)
+        else:
+            if self.wq is not None:  # the kept head groups' queries only (the others are never read)
+                q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
+            else:
+                q = self.q_proj(h2)
+            q, k, v = self.keys_values(h, q.view(b, t, -1), step)
         write_cache(keys, values, k, v, step.slots)
         context = keys.shape[2] if step.mask is None else step.mask.shape[-1]
         routed = self._routed_attention(b, t, context, step, x.device)

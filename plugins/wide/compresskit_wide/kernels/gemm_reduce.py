@@ -323,7 +323,7 @@ def triton_masked_reduce_gemm_sorted(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     gw = k // groups
     block_g = max(16, next_power_of_2(groups))
-    fixed = block_n is not None or interpreted()
+    fixed = block_m is not None or block_n is not None or interpreted()
     if fixed:
         bm, bn = block_m or 16, block_n or 16
     else:  # the smallest tiles of the table: the most programs, each with its own group list
