@@ -146,7 +146,7 @@ for m in [*load_comparison(sys.argv[1])[0], *sys.argv[2:]]:
 PY
       ngpu=$(nvidia-smi -L | wc -l)
       queues=$((ngpu * ${PER_GPU:-1}))
-      mkdir -p /tmp/logs
+      mkdir -p /tmp/logs && rm -f /tmp/logs/oom
       selected=()  # the jobs ONLY keeps, dealt round-robin to the queues
       for job in "${jobs[@]}"; do
         IFS=$'\t' read -r r seed dir <<<"$job"
@@ -157,23 +157,39 @@ PY
       # each job its share of the cores: torch's CPU thread pool sized for all of them in every process would
       # make the processes' threads compete with the Python threads that launch their GPU work
       threads=$(( $(nproc) / queues > 0 ? $(nproc) / queues : 1 ))
+      job_args() {  # job $1 of the selected: its recipe r, run name and --set arguments
+        local seed dir
+        IFS=$'\t' read -r r seed dir <<<"${selected[$1]}"
+        [ "$seed" = - ] && seed=
+        name=$(basename "$r" .yaml)${seed:+-seed$seed}
+        sets=()
+        [ -n "$seed" ] && sets=(--set "seed=$seed")
+        [ "$dir" != - ] && sets+=(--set "output.dir=$dir")
+      }
       echo "${#selected[@]} jobs on $queues queues, $threads CPU threads each"
       for ((q = 0; q < queues; q++)); do
         (for ((i = q; i < ${#selected[@]}; i += queues)); do
-          IFS=$'\t' read -r r seed dir <<<"${selected[$i]}"
-          [ "$seed" = - ] && seed=
-          name=$(basename "$r" .yaml)${seed:+-seed$seed}
-          sets=()
-          [ -n "$seed" ] && sets=(--set "seed=$seed")
-          [ "$dir" != - ] && sets+=(--set "output.dir=$dir")
+          job_args "$i"
           echo "GPU $((q % ngpu)), queue $q: $name"
-          OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" "${sets[@]}" \
-            --set evaluation.speed.measure=false \
-            >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name (exit $?)"
+          if ! OMP_NUM_THREADS=$threads CUDA_VISIBLE_DEVICES=$((q % ngpu)) python3 -m compresskit apply "$r" \
+            "${sets[@]}" --set evaluation.speed.measure=false >"/tmp/logs/$name.log" 2>&1; then
+            echo "FAILED $name"
+            grep -q 'CUDA out of memory' "/tmp/logs/$name.log" && echo "$i" >>/tmp/logs/oom
+          fi
           tail -n 3 "/tmp/logs/$name.log"
         done) &
       done
       wait
+      # a job that ran out of GPU memory beside the others runs again alone (it resumes where it stopped)
+      for i in $(sort -n /tmp/logs/oom 2>/dev/null); do
+        job_args "$i"
+        echo "again, alone on GPU 0 (it ran out of memory beside the others): $name"
+        mv "/tmp/logs/$name.log" "/tmp/logs/$name.oom.log"
+        CUDA_VISIBLE_DEVICES=0 python3 -m compresskit apply "$r" "${sets[@]}" --set evaluation.speed.measure=false \
+          >"/tmp/logs/$name.log" 2>&1 || echo "FAILED $name"
+        tail -n 3 "/tmp/logs/$name.log"
+      done
+      rm -f /tmp/logs/oom
       if [ -z "${ONLY:-}" ]; then
         speed=()
         [ "${SPEED:-on}" = off ] && speed=(--set evaluation.speed.measure=false)
