@@ -283,33 +283,6 @@ def case_o(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS o": dense}, ok, err, True)
 
 
-def case_o_prefill(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
-    """o_proj at prefill: the reduction on tiles of tokens sorted by mask pattern (each tile reduces
-    over the union of its tokens' groups) against cuBLAS's product on the zero-filled input (what
-    ``auto`` runs there). Its bound is the sorted tiles' union (128-token tiles), not the per-token
-    fraction: the row's bound says how far sorting gets with these masks."""
-    from compresskit_wide.kernels.gemm_reduce import pattern_order, triton_masked_reduce_gemm_sorted
-
-    k = heads * head_dim
-    groups = heads // attn_group
-    mask = make_mask(m, groups, 0.5, mask_kind, gen, device)
-    h = zero_inactive_groups(torch.randn(m, k, device=device, dtype=dtype), mask)  # after the routed attention
-    wo = torch.randn(d, k, device=device, dtype=dtype) / k**0.5
-    ref = torch_masked_reduce_gemm(h, wo, mask)
-    got = triton_masked_reduce_gemm_sorted(h, wo, mask)
-    err = (got.float() - ref.float()).abs().max().item()
-    ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    tiles = mask[pattern_order(mask).long()].split(128)
-    union = torch.cat([t.any(0, keepdim=True).expand(len(t), -1) for t in tiles])  # each row: its tile's groups
-
-    def ours():
-        return triton_masked_reduce_gemm_sorted(h, wo, mask)
-
-    add_row(
-        results, "o prefill, sorted tiles", m, mask_kind, union, ours, {"cuBLAS o": lambda: h @ wo.T}, ok, err, False
-    )
-
-
 def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
     x = torch.randn(m, d, device=device, dtype=dtype)
     wq = torch.randn(heads * head_dim, d, device=device, dtype=dtype) / d**0.5
@@ -583,15 +556,9 @@ def main() -> int:
                     ),
                 )
             )
-    for m in prefill_m:  # every group on: what the prefill kernels cost against cuBLAS at equal work
+    for m in prefill_m:  # every group on: what the prefill kernel costs against cuBLAS at equal work
         cases.append(
             (f"q M={m} all", lambda m=m: case_q(m, d, heads, head_dim, attn_group, "all", dtype, device, gen, results))
-        )
-        cases.append(
-            (
-                f"o prefill M={m} all",
-                lambda m=m: case_o_prefill(m, d, heads, head_dim, attn_group, "all", dtype, device, gen, results),
-            )
         )
     for m in decode_m:  # o at decode (at prefill it is the dense product, as down's)
         for kind in ("exact", "iid"):
@@ -599,16 +566,6 @@ def main() -> int:
                 (
                     f"o M={m} {kind}",
                     lambda m=m, k=kind: case_o(m, d, heads, head_dim, attn_group, k, dtype, device, gen, results),
-                )
-            )
-    for m in prefill_m:  # o at prefill: the sorted tiles (auto runs cuBLAS there)
-        for kind in ("exact", "iid"):
-            cases.append(
-                (
-                    f"o prefill M={m} {kind}",
-                    lambda m=m, k=kind: case_o_prefill(
-                        m, d, heads, head_dim, attn_group, k, dtype, device, gen, results
-                    ),
                 )
             )
     for m in decode_m + prefill_m:

@@ -35,8 +35,8 @@ KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently us
 RECOMPILE_LIMIT = 64
 # each block adds the previous block's output to the residual stream inside its own compiled graph, where
 # the add fuses with the block's norm, instead of one eager add per block between graphs (an A/B switch,
-# read when a runtime is built; off until measured on a GPU)
-FUSE_RESIDUAL = False
+# read when a runtime is built)
+FUSE_RESIDUAL = True
 WRAPPED_KINDS = 8  # block classes one process may compile through AddThen (dense, a plugin's, the baselines')
 
 

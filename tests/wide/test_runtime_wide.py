@@ -134,6 +134,48 @@ def test_routed_qkv_in_other_families(tmp_path, monkeypatch, family):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, monkeypatch):
+    """With ``ROUTED_QKV``, q, k and v are one routed product at decode and at prefill while q runs
+    dense; where ``auto`` takes q's prefill kernel (here made to from 8 tokens) q runs alone and k, v
+    in their own product. Both ways give the routed modules' logits."""
+    from compresskit.runtime import runtime_for
+    from compresskit_wide import blocks
+
+    real_use_kernel = blocks.use_kernel
+    monkeypatch.setattr(blocks, "ROUTED_QKV", True)
+    monkeypatch.setattr(blocks, "DECODE_MAX_M", 2)
+    monkeypatch.setattr(
+        blocks, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
+    )
+    model, pruner = _wide_model(tiny_model_dir)
+    fast, ref = runtime_for(model, pruner), Runtime(model)
+    attn = fast.blocks[0][0]
+    assert attn.wqkv is not None
+    assert [attn._one_qkv_product(m) for m in (1, 2, 3, 7, 8, 4096)] == [True, True, True, True, False, False]
+    attn.backend = "triton"  # a forced backend runs q's kernel at every prefill
+    assert [attn._one_qkv_product(m) for m in (2, 3)] == [True, False]
+    attn.backend = "auto"
+    widths = []  # the output width of each masked_out_gemm of the first attention block
+    real_gemm = blocks.masked_out_gemm
+
+    def recording(x, w, *args):
+        if w is attn.wqkv or w is attn.wq:
+            widths.append(w.shape[0])
+        return real_gemm(x, w, *args)
+
+    monkeypatch.setattr(blocks, "masked_out_gemm", recording)
+    q_rows, qkv_rows = attn.wq.shape[0], attn.wqkv.shape[0]
+    for prompt, expected in (([5, 6, 7, 8, 9, 10, 11, 12, 13], q_rows), ([5, 6, 7], qkv_rows)):
+        widths.clear()
+        caches = [rt.new_cache(1, len(prompt) + 2) for rt in (fast, ref)]
+        ids = torch.tensor([prompt])
+        got, want = (rt.forward(ids, c) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got, want = (rt.decode(torch.tensor([4]), c) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
+
+
 @pytest.mark.parametrize("routed_qkv", [False, True])
 def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the

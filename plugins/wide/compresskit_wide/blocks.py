@@ -1,10 +1,11 @@
 """WIDE's blocks for the inference runtime (``compresskit.runtime``): each block routes, then runs
 only what its router kept, with the decision a plain tensor of its own forward.
 
-Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head groups only,
-k and v (with ``ROUTED_QKV``, one routed product over q / k / v stacked, k and v run for every
-token) -> RoPE, cache write -> attention (the routed kernel where ``auto`` measured it faster and the
-batch is unpadded: only the kept heads, zeros for the rest; else the runtime's attention over all
+Attention: router (on the residual) -> execute ``[M, G]`` -> q for the kept head groups only, and
+k and v: one routed product over q / k / v stacked (k and v its rows that every token runs), except
+where q's prefill kernel runs (then q alone, and k, v in one cuBLAS product) -> RoPE, cache write ->
+attention (the routed kernel where ``auto`` measured it faster and the batch is unpadded: only the
+kept heads, zeros for the rest; else the runtime's attention over all
 heads) -> o over the kept head groups. MLP: router -> gate+up for the kept channel groups with the
 SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``), so that
 ``torch.compile`` traces a whole decode step and a whole prefill with them inside. Each block
@@ -20,7 +21,7 @@ from torch import nn
 from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
-from compresskit_wide.kernels.policy import use_kernel
+from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
@@ -29,7 +30,9 @@ masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
 
-ROUTED_QKV = False  # q / k / v as one routed product (k, v its dense rows); off until measured on a GPU
+# q / k / v as one routed product at decode (k, v its dense rows): one launch where q's kernel and cuBLAS's k / v
+# product were two (an A/B switch, read when a block is built)
+ROUTED_QKV = True
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -77,12 +80,18 @@ class WideAttention(Attention, _Routing):
             return True
         return use_kernel("attn_decode", rows, context=context) if t == 1 else use_kernel("attn_prefill", t)
 
+    def _one_qkv_product(self, m: int) -> bool:
+        """Whether q, k and v run as one routed product for ``m`` tokens: at decode, and at prefill where q
+        would run dense anyway (``auto`` below q's prefill range); where q's prefill kernel runs, the
+        stacked product would drag k and v through it, slower than q alone and then cuBLAS k / v."""
+        return m <= DECODE_MAX_M or (self.backend == "auto" and not use_kernel("out", m))
+
     def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         execute = self.decide(x, step.valid)  # [B * T, G]
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
-        if self.wqkv is not None:  # the kept head groups' queries, and k, v for every token
+        if self.wqkv is not None and self._one_qkv_product(b * t):  # kept groups' queries, k and v for every token
             qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows)
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
         else:

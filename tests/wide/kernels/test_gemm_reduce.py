@@ -10,11 +10,9 @@ from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask 
 from compresskit.routing import mask_input_groups  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
-    pattern_order,
     torch_group_masked_input,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
-    triton_masked_reduce_gemm_sorted,
 )
 
 pytestmark = pytest.mark.triton
@@ -40,60 +38,6 @@ def test_matches_reference(m, sparsity, k_pack, block_n, groups, direct):
     assert torch.isnan(buf[m:]).all()
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0
-
-
-@pytest.mark.parametrize("m", [17, 45, 130])
-@pytest.mark.parametrize("groups", [1, 3, 8])
-@pytest.mark.parametrize("sparsity", SPARSITIES)
-def test_sorted_prefill_matches_reference(m, groups, sparsity):
-    """The prefill reduction over pattern-sorted token tiles: several tiles (the last one partial),
-    groups of 24 inputs over two K steps, every output written in its token's row (zero where the
-    token has no active group), nothing after it, and inactive inputs never read (NaN there)."""
-    gen = torch.Generator().manual_seed(m * 3 + groups)
-    x = torch.randn(m, 24 * groups, generator=gen).to(DEVICE)
-    w = torch.randn(40, 24 * groups, generator=gen).to(DEVICE)
-    mask = random_mask(m, groups, sparsity, seed=m * groups)
-    x_nan = torch.where(mask.repeat_interleave(24, dim=-1), x, float("nan"))
-    buf = poisoned(m, 40)
-    got = triton_masked_reduce_gemm_sorted(x_nan, w, mask, out=buf[:m], block_m=16, block_n=16, block_k=16)
-    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
-    assert torch.isnan(buf[m:]).all()
-
-
-def test_pattern_order_groups_tokens_of_one_pattern():
-    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 0, 1], [0, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
-    order = pattern_order(mask.to(DEVICE)).cpu()
-    assert order.dtype == torch.int32
-    assert order.tolist() == [1, 5, 3, 0, 2, 4]  # keys 0, 0, 2, 5, 5, 7; ties in token order
-
-
-def test_sorted_prefill_refuses_many_groups():
-    x, w = torch.randn(20, 17 * 16, device=DEVICE), torch.randn(16, 17 * 16, device=DEVICE)
-    with pytest.raises(ValueError, match="17 groups: the sorted reduction takes at most 16"):
-        triton_masked_reduce_gemm_sorted(x, w, random_mask(20, 17, 0.5))
-    with pytest.raises(ValueError, match="shapes do not fit"):
-        triton_masked_reduce_gemm_sorted(x, w[:, :100], random_mask(20, 4, 0.5))
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
-@pytest.mark.parametrize("m", [17, 300, 1024])
-@pytest.mark.parametrize("kind", ["iid", "clustered"])
-def test_bf16_sorted_prefill_with_autotuned_tiles(m, kind):
-    """o_proj's proportions (8 groups of 512 inputs) in bf16 with the autotuned tiles; i.i.d. masks
-    and masks of a few patterns (the sorted tiles' good case)."""
-    gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16) / 64
-    if kind == "iid":
-        mask = random_mask(m, 8, 0.5)
-    else:
-        patterns = torch.rand(4, 8, generator=gen) > 0.5
-        mask = patterns[torch.randint(0, 4, (m,), generator=gen)].cuda()
-    buf = poisoned(m, 512, torch.bfloat16)
-    got = triton_masked_reduce_gemm_sorted(x, w, mask, out=buf[:m])
-    ref = torch_masked_reduce_gemm(x, w, mask)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=3e-2)
-    assert torch.isnan(buf[m:]).all()
 
 
 def test_inactive_inputs_are_never_read():

@@ -14,12 +14,7 @@ the groups itself: by default it compacts them into a list first; for few, wide 
 (``direct``: o_proj's 8 of 512 inputs) it steps through all groups in order and predicates off the
 weights of those no token needs, which saves the list's chain of dependent reads.
 
-For few groups (o_proj's) at prefill sizes, ``triton_masked_reduce_gemm_sorted``: the tokens
-sorted by their mask pattern (the groups as the bits of a key, the last group the highest), so that
-a tile of sorted tokens shares most of its groups; program (block of output channels, tile of
-sorted tokens) reduces over the union of its tokens' groups only, each token's inputs read where
-its own group is active, and writes its rows back in place. Under ``auto`` prefill takes the dense
-fallback (``dense_masked_reduce_gemm``, cuBLAS) until the sorted kernel is measured faster: exact,
+At prefill sizes ``auto`` takes the dense fallback (``dense_masked_reduce_gemm``, cuBLAS): exact,
 as inactive inputs are zero, and the plain dense product where the input already is (after the
 fused SwiGLU kernel or the routed attention).
 """
@@ -33,7 +28,6 @@ from compresskit_wide.kernels.common import (
     cdiv,
     dot_precision,
     interpreted,
-    m_bucket,
     mask_bytes,
     next_power_of_2,
     zero_inactive_groups,
@@ -43,7 +37,7 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.autotune import autotuned, packed_pruner, prune_wider_than_group
+    from compresskit_wide.kernels.autotune import autotuned, packed_pruner
     from compresskit_wide.kernels.common import packed_diagonal
 except ImportError:
     triton = None
@@ -187,52 +181,6 @@ if triton is not None:
         for direct in (False, True)
     }
 
-    @triton.jit
-    def triton_masked_reduce_sorted_kernel(
-        x_ptr, w_ptr, mask_ptr, order_ptr, out_ptr, list_ptr,
-        M, N, GW: tl.constexpr, G, M_BUCKET,
-        stride_xm, stride_wn, stride_mm, stride_om,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # program (n-block tn, tile tm of the sorted tokens): one flat loop over (group of the tile's
-        # union, K step of the group), so that the compiler pipelines it as one stream. M_BUCKET is
-        # only the autotuning key.
-        tn = tl.program_id(0)
-        tm = tl.program_id(1)
-        slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot_ok = slots < M
-        rows = tl.load(order_ptr + slots, mask=slot_ok, other=0)  # token ids in pattern order
-        my_list, n_active = tile_group_list(mask_ptr, list_ptr, tm, tn, rows, slot_ok, G, stride_mm, BLOCK_G)
-        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        kk = tl.arange(0, BLOCK_K)
-        STEPS: tl.constexpr = (GW + BLOCK_K - 1) // BLOCK_K  # K steps a group
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for t in range(0, n_active * STEPS):
-            g = tl.load(my_list + t // STEPS)
-            ks = g * GW + (t % STEPS) * BLOCK_K + kk
-            k_ok = ((t % STEPS) * BLOCK_K + kk) < GW
-            need = tl.load(mask_ptr + rows * stride_mm + g, mask=slot_ok, other=0) != 0  # the token's own group
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=need[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(
-                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        tl.store(
-            out_ptr + rows[:, None] * stride_om + cols[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=slot_ok[:, None] & col_ok[None, :],
-        )
-
-    _tuned_sorted = autotuned(
-        triton_masked_reduce_sorted_kernel,
-        policy.REDUCE_PREFILL,
-        ["M_BUCKET", "N", "GW", "G"],
-        decode=False,
-        prune=prune_wider_than_group("BLOCK_K"),
-    )
-
 
 def _checked_shapes(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, int, int]:
     """``(M, K, N, G)`` of a reduction's operands; an error where Triton is missing or they do not fit."""
@@ -289,54 +237,4 @@ def triton_masked_reduce_gemm(
     else:
         grid = lambda cfg: (cdiv(n, cfg["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
         _tuned[(k_pack, direct)][grid](*args, **common, K_PACK=k_pack)
-    return out
-
-
-def pattern_order(mask: torch.Tensor) -> torch.Tensor:
-    """``mask: [M, G]`` -> the token ids ``[M]`` (int32) sorted by mask pattern (group g as bit g of
-    the key; ties in token order): tokens with the same groups are neighbours."""
-    bits = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
-    keys = (mask.to(torch.int32) << bits).sum(-1)
-    return torch.argsort(keys, stable=True).to(torch.int32)
-
-
-def triton_masked_reduce_gemm_sorted(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    block_k: int | None = None,
-) -> torch.Tensor:
-    """Triton version of :func:`torch_masked_reduce_gemm` for prefill sizes and at most
-    ``policy.SORTED_MAX_GROUPS`` input groups: tiles of tokens sorted by mask pattern
-    (:func:`pattern_order`), each reducing over the union of its tokens' groups. Tiles are
-    autotuned on a GPU; ``block_*`` fix them (and do in the CPU interpreter)."""
-    m, k, n, groups = _checked_shapes(x, w, mask)
-    if groups > policy.SORTED_MAX_GROUPS:
-        raise ValueError(f"{groups} groups: the sorted reduction takes at most {policy.SORTED_MAX_GROUPS}")
-    x, w = x.contiguous(), w.contiguous()
-    mask_u8 = mask_bytes(mask)
-    order = pattern_order(mask)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
-    gw = k // groups
-    block_g = max(16, next_power_of_2(groups))
-    fixed = block_m is not None or block_n is not None or interpreted()
-    if fixed:
-        bm, bn = block_m or 16, block_n or 16
-    else:  # the smallest tiles of the table: the most programs, each with its own group list
-        bm, bn = (min(meta[key] for meta, _, _ in policy.REDUCE_PREFILL) for key in ("BLOCK_M", "BLOCK_N"))
-    lists = torch.empty(cdiv(n, bn) * cdiv(m, bm) * block_g, dtype=torch.int32, device=x.device)
-    args = (x, w, mask_u8, order, out, lists, m, n, gw, groups, m_bucket(m))
-    args += (x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
-    common = {"DOT_PRECISION": dot_precision(x.dtype), "BLOCK_G": block_g}
-    if fixed:
-        bk = block_k or min(32, max(16, next_power_of_2(gw)))
-        grid = (cdiv(n, bn), cdiv(m, bm))
-        triton_masked_reduce_sorted_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    else:
-        grid = lambda cfg: (cdiv(n, cfg["BLOCK_N"]), cdiv(m, cfg["BLOCK_M"]))  # noqa: E731
-        _tuned_sorted[grid](*args, **common)
     return out

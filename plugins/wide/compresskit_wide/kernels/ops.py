@@ -42,7 +42,6 @@ from compresskit_wide.kernels.gemm_reduce import (
     torch_group_masked_input,
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
-    triton_masked_reduce_gemm_sorted,
 )
 from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
@@ -159,12 +158,9 @@ def masked_reduce_gemm(
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
-    dense product. The kernel: up to ``policy.DECODE_MAX_M`` tokens, or over more groups than
-    ``policy.SORTED_MAX_GROUPS``, the decode kernel; else the prefill kernel on pattern-sorted tiles."""
+    dense product."""
     path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
-        if x.shape[0] > policy.DECODE_MAX_M and mask.shape[-1] <= policy.SORTED_MAX_GROUPS:
-            return triton_masked_reduce_gemm_sorted(x, w, mask)
         return triton_masked_reduce_gemm(x, w, mask)
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)

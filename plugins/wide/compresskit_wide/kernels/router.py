@@ -154,8 +154,8 @@ def triton_router_decide(
     """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
     D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
     ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``block_m`` tokens
-    and ``block_k`` columns of D a step (powers of two, at least 16; default 16 tokens at decode
-    sizes, else 32, and 128 columns). ``as_bool``: the decision stored as bytes and returned as a
+    and ``block_k`` columns of D a step (powers of two, at least 16; default 16 and 128 at decode
+    sizes, else ``policy.ROUTER_PREFILL_TILE``). ``as_bool``: the decision stored as bytes and returned as a
     bool mask (what the routed operators read as it is)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -180,9 +180,12 @@ def triton_router_decide(
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
-    block_m = block_m or (16 if m <= policy.DECODE_MAX_M or interpreted() else 32)
+    if interpreted():
+        tile_m, tile_k = 16, 32
+    else:
+        tile_m, tile_k = (16, 128) if m <= policy.DECODE_MAX_M else policy.ROUTER_PREFILL_TILE
+    block_m, block_k = block_m or tile_m, block_k or tile_k
     block_r = max(16, next_power_of_2(r))
-    block_k = block_k or (32 if interpreted() else 128)
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = cdiv(cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = cdiv(d, chunk)  # no empty share
