@@ -16,12 +16,13 @@
 #   stage             keep what this call carries (wheels, a piece of the model), nothing else
 #   run RECIPE...     compresskit apply for each recipe; results.json / results.md to $OUT
 #   tests [PYTEST...] the GPU tests (default: every `gpu`-marked test), the log to $OUT
-#   compare SPEC      the members of a comparison spec (recipes/compare-smollm2*.yaml), each once per
+#   compare SPEC...   the members of comparison specs (recipes/compare-smollm2*.yaml), each once per
 #                     seed where the spec lists seeds (into <output.dir>-seed<S>, as `compresskit compare`
 #                     names them), trained and evaluated with speed off, spread round-robin over PER_GPU
 #                     queues on each of the machine's GPUs (PER_GPU=1 by default; a 135M model leaves an
-#                     H200 mostly idle, so 3-4 suit it); then `compresskit compare SPEC` reuses them all and
-#                     times each saved model on the runtime, one at a time on an otherwise idle GPU.
+#                     H200 mostly idle: up to 10 at once suit it, as each run peaks at about 12 GiB); then
+#                     `compresskit compare SPEC` for each spec reuses them all and times each saved model on
+#                     the runtime, one at a time on an otherwise idle GPU. A member of several specs runs once.
 #                     ONLY=REGEX runs only the jobs whose name (member file name, -seedS) matches and skips
 #                     the final compare, so that a long comparison spreads over several calls on the same
 #                     warm machine (the last one without ONLY reuses them all); SPEED=off leaves speed
@@ -41,7 +42,7 @@
 #                     then copies what it wrote to $OUT, and the results and logs of the runs finished so
 #                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs)
 set -euo pipefail
-step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC|background STEP...|wait}
+step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC...|background STEP...|wait}
 shift
 if [ "$step" = wait ]; then
   [ -f /tmp/bg/log ] || { echo "no background job on this machine (it was renewed, or none was started)"; exit 3; }
@@ -102,19 +103,24 @@ case "$step" in
       exit $?
     fi
     if [ "$step" = compare ]; then
-      spec=${1:?usage: device_wide_smollm2.sh compare SPEC}
+      [ $# -gt 0 ] || { echo "usage: device_wide_smollm2.sh compare SPEC..."; exit 2; }
       # convert the embedded model once, before parallel runs would race for its cache entry
       python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
       # one job a member and seed: "recipe<TAB>seed<TAB>output dir" ("-" for no seed and the recipe's own dir:
       # read splits at runs of tabs, so no field may be empty)
-      mapfile -t jobs < <(python3 - "$spec" <<'PY'
+      mapfile -t jobs < <(python3 - "$@" <<'PY'
 import sys
 from compresskit.recipe import load_comparison, load_recipe
-members, _, seeds = load_comparison(sys.argv[1])
-for m in members:
-    out = load_recipe(m).recipe.output.dir
-    for s in seeds or [None]:
-        print(f"{m}\t-\t-" if s is None else f"{m}\t{s}\t{out}-seed{s}")
+done = set()  # a member of several specs runs once
+for spec in sys.argv[1:]:
+    members, _, seeds = load_comparison(spec)
+    for m in members:
+        out = load_recipe(m).recipe.output.dir
+        for s in seeds or [None]:
+            job = f"{m}\t-\t-" if s is None else f"{m}\t{s}\t{out}-seed{s}"
+            if (m.resolve(), s) not in done:
+                done.add((m.resolve(), s))
+                print(job)
 PY
 )
       for r in ${EXTRA:-}; do
@@ -122,7 +128,7 @@ PY
       done
       # self-generated text and the dense reference, each written once on GPU 0 before the parallel runs
       # (both are cached by what decides them, which the seed is not)
-      CUDA_VISIBLE_DEVICES=0 python3 - "$spec" ${EXTRA:-} <<'PY'
+      CUDA_VISIBLE_DEVICES=0 python3 - "$*" ${EXTRA:-} <<'PY'
 import sys
 from compresskit.api import dense_reference
 from compresskit.data import DataModule, load_documents, write_generated
@@ -130,7 +136,7 @@ from compresskit.modeling import load_model
 from compresskit.progress import Progress
 from compresskit.recipe import load_comparison, load_recipe
 loaded = {}
-for m in [*load_comparison(sys.argv[1])[0], *sys.argv[2:]]:
+for m in [*(m for spec in sys.argv[1].split() for m in load_comparison(spec)[0]), *sys.argv[2:]]:
     resolved = load_recipe(m)
     rec = resolved.recipe
     key = (rec.model.name_or_path, rec.model.dtype, rec.model.device)
@@ -193,7 +199,10 @@ PY
       if [ -z "${ONLY:-}" ]; then
         speed=()
         [ "${SPEED:-on}" = off ] && speed=(--set evaluation.speed.measure=false)
-        timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" "${speed[@]}" 2>&1 | tee /tmp/logs/compare.log || true
+        for spec in "$@"; do
+          timeout "${COMPARE_TIMEOUT:-600}" python3 -m compresskit compare "$spec" "${speed[@]}" 2>&1 |
+            tee -a /tmp/logs/compare.log || true
+        done
       fi
       find runs /tmp/logs \( -name 'results.*' -o -name 'compare.*' -o -name 'recipe.yaml' -o -name '*.log' \) -print0 |
         tar czf "$OUT/compare.tar.gz" --null -T -
