@@ -30,8 +30,8 @@ masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
 
-# q / k / v as one routed product at decode (k, v its dense rows): one launch where q's kernel and cuBLAS's k / v
-# product were two (an A/B switch, read when a block is built)
+# q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
+# launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
 
 
