@@ -48,7 +48,7 @@ class Range:
 
 # m: tokens (for attn_decode: the batch); context: cached positions; groups: a reduction's input groups.
 # Each range is where the kernel measured faster than its dense fallback in GPU time and in a CUDA graph
-# (docs/wide-kernels-h200.md; the boundary measurements are recorded at tag kernels-variants-2026-12-01).
+# (docs/wide-kernels-h200.md; the boundary measurements are recorded at commit 217c749).
 KERNEL_RANGES = (
     Range("swiglu", why="the fused gate+up beats cuBLAS gate+up at every token count measured, decode to 4k"),
     Range("out", max_m=DECODE_MAX_M, why="q at decode: K packed into one product, no layout to build"),
