@@ -287,6 +287,10 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     x = torch.randn(m, d, device=device, dtype=dtype)
     wq = torch.randn(heads * head_dim, d, device=device, dtype=dtype) / d**0.5
     mask = make_mask(m, heads // attn_group, 0.5, mask_kind, gen, device)
+    if CUDA and m > DECODE_MAX_M:  # tiles and launch order tuned for this row's mask, not an earlier row's
+        from compresskit_wide.kernels import gemm_out
+
+        gemm_out._tuned_prefill.cache.clear()
     got = triton_masked_out_gemm(x, wq, mask)
     ref = torch_masked_out_gemm(x, wq, mask)
     err = (got.float() - ref.float()).abs().max().item()
@@ -301,6 +305,8 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
         return x @ wq.T
 
     add_row(results, "q", m, mask_kind, mask, ours, {"cuBLAS q": dense}, ok, err, decode)
+    if not decode:
+        note_prefill_tiles(results[-1])
 
 
 def case_qkv(m, d, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
