@@ -95,6 +95,7 @@ def test_the_router_as_one_product_decides_as_the_router(m, d, rank, groups, bia
         torch_router_margin_decide(x, v, c, as_bool=True),
         triton_router_margin_decide(x, v, c, as_bool=True),
         triton_router_margin_decide(x, v, c, block_m=32, block_k=16, block_g=32, as_bool=True),
+        triton_router_margin_decide(x, v, c, block_k=64, block_g=1 if m <= 16 else 16, as_bool=True),
     ):
         assert got.dtype == torch.bool and torch.equal(got[clear], ref[clear])
     assert clear.float().mean() > 0.98  # the comparison covers nearly every decision
@@ -112,5 +113,7 @@ def test_the_one_product_router_validates_its_tensors():
         triton_router_margin_decide(x, v[:, :7], c)
     with pytest.raises(ValueError, match="router margins do not fit"):
         triton_router_margin_decide(x, v.double(), c)
+    with pytest.raises(ValueError, match="block_g must be a power of two >= 1, got 3"):
+        triton_router_margin_decide(x, v, c, block_g=3)  # decode sizes: any power of two
     with pytest.raises(ValueError, match="block_g must be a power of two >= 16, got 8"):
-        triton_router_margin_decide(x, v, c, block_g=8)
+        triton_router_margin_decide(torch.zeros(17, 8), v, c, block_g=8)

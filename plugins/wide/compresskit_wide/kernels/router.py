@@ -163,6 +163,30 @@ if triton is not None:
         execute = tl.where(margin <= 0.0, 1.0, 0.0)
         tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
 
+    @triton.jit
+    def triton_router_margin_gemv_kernel(
+        x_ptr, v_ptr, c_ptr, out_ptr, M, D, G, stride_xm, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # decode sizes, program (group block): every token (M <= BLOCK_M) against BLOCK_G rows of v on the
+        # CUDA cores in fp32, so that a few groups a program spread v's read over many programs
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        gs = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+        g_ok = gs < G
+        margin = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < D
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(v_ptr + gs[:, None] * D + ks[None, :], mask=g_ok[:, None] & k_ok[None, :], other=0.0)
+            margin += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        margin += tl.load(c_ptr + gs, mask=g_ok, other=0.0)[None, :]
+        execute = tl.where(margin <= 0.0, 1.0, 0.0)
+        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
+
 
 def triton_router_margin_decide(
     x: torch.Tensor,
@@ -174,9 +198,12 @@ def triton_router_margin_decide(
     block_g: int | None = None,
     as_bool: bool = False,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_router_margin_decide`: one launch, program (``block_m`` tokens,
-    ``block_g`` groups) over all of D in ``block_k`` steps (powers of two, at least 16; defaults 16
-    tokens at decode sizes and 64 beyond, 16 groups, 128 columns)."""
+    """Triton version of :func:`torch_router_margin_decide`, in one launch. Up to
+    ``policy.DECODE_MAX_M`` tokens: program (``block_g`` groups, default 4) takes every token, on the
+    CUDA cores in fp32. Beyond: program (``block_m`` tokens, ``block_g`` groups; defaults 64 and 16)
+    on the tensor cores (``tf32x3``). Both step through D in ``block_k`` columns (default 128).
+    Blocks are powers of two; ``block_m`` and ``block_k`` at least 16, and ``block_g`` too beyond
+    decode sizes."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -186,19 +213,26 @@ def triton_router_margin_decide(
             f"router margins do not fit (x, v, c): {tuple(x.shape)}, {tuple(v.shape)} {v.dtype}, "
             f"{tuple(c.shape)} {c.dtype}"
         )
+    decode = m <= policy.DECODE_MAX_M
+    smallest = {"block_m": 16, "block_k": 16, "block_g": 1 if decode else 16}
     for name, value in (("block_m", block_m), ("block_k", block_k), ("block_g", block_g)):
-        if value is not None and (value < 16 or value & (value - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-    block_m = block_m or (16 if m <= policy.DECODE_MAX_M or interpreted() else 64)
+        if value is not None and (value < smallest[name] or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= {smallest[name]}, got {value}")
     block_k = block_k or (32 if interpreted() else 128)
-    block_g = block_g or 16
     x, v, c = x.contiguous(), v.contiguous(), c.contiguous()
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
-    grid = (cdiv(m, block_m), cdiv(groups, block_g))
-    triton_router_margin_kernel[grid](
-        x, v, c, out, m, d, groups, x.stride(0), out.stride(0),
-        DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_G=block_g,
-    )  # fmt: skip
+    if decode:
+        block_g = block_g or 4
+        triton_router_margin_gemv_kernel[(cdiv(groups, block_g),)](
+            x, v, c, out, m, d, groups, x.stride(0), out.stride(0),
+            BLOCK_M=max(1, next_power_of_2(m)), BLOCK_K=block_k, BLOCK_G=block_g,
+        )  # fmt: skip
+    else:
+        block_m, block_g = block_m or (16 if interpreted() else 64), block_g or 16
+        triton_router_margin_kernel[(cdiv(m, block_m), cdiv(groups, block_g))](
+            x, v, c, out, m, d, groups, x.stride(0), out.stride(0),
+            DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_G=block_g,
+        )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
 
