@@ -153,8 +153,9 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
         # program (token block, group block): x[rows] @ v[groups].T over all of D, plus c, then the sign
-        rows, row_ok, gs, g_ok = _router_tile(M, G, BLOCK_M, BLOCK_G)
-        gs = tl.program_id(1) * BLOCK_G + gs
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = gs < G
         margin = _router_z(
             x_ptr, v_ptr, rows, row_ok, gs, g_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_G
