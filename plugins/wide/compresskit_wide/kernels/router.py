@@ -148,6 +148,13 @@ if triton is not None:
         )  # fmt: skip
 
     @triton.jit
+    def _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om):
+        # the one-product form's decision: a group executes where its margin plus c is not above 0
+        margin += tl.load(c_ptr + gs, mask=g_ok, other=0.0)[None, :]
+        execute = tl.where(margin <= 0.0, 1.0, 0.0)
+        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
+
+    @triton.jit
     def triton_router_margin_kernel(
         x_ptr, v_ptr, c_ptr, out_ptr, M, D, G, stride_xm, stride_om,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -160,9 +167,7 @@ if triton is not None:
         margin = _router_z(
             x_ptr, v_ptr, rows, row_ok, gs, g_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_G
         )
-        margin += tl.load(c_ptr + gs, mask=g_ok, other=0.0)[None, :]
-        execute = tl.where(margin <= 0.0, 1.0, 0.0)
-        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
+        _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om)
 
     @triton.jit
     def triton_router_margin_gemv_kernel(
@@ -184,9 +189,14 @@ if triton is not None:
             )
             w = tl.load(v_ptr + gs[:, None] * D + ks[None, :], mask=g_ok[:, None] & k_ok[None, :], other=0.0)
             margin += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-        margin += tl.load(c_ptr + gs, mask=g_ok, other=0.0)[None, :]
-        execute = tl.where(margin <= 0.0, 1.0, 0.0)
-        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
+        _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om)
+
+
+def _check_blocks(**blocks: tuple[int | None, int]) -> None:
+    """Each given block size (``name=(value, smallest)``; None: the default) a power of two, at least its smallest."""
+    for name, (value, smallest) in blocks.items():
+        if value is not None and (value < smallest or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= {smallest}, got {value}")
 
 
 def triton_router_margin_decide(
@@ -215,10 +225,7 @@ def triton_router_margin_decide(
             f"{tuple(c.shape)} {c.dtype}"
         )
     decode = m <= policy.DECODE_MAX_M
-    smallest = {"block_m": 16, "block_k": 16, "block_g": 1 if decode else 16}
-    for name, value in (("block_m", block_m), ("block_k", block_k), ("block_g", block_g)):
-        if value is not None and (value < smallest[name] or value & (value - 1)):
-            raise ValueError(f"{name} must be a power of two >= {smallest[name]}, got {value}")
+    _check_blocks(block_m=(block_m, 16), block_k=(block_k, 16), block_g=(block_g, 1 if decode else 16))
     block_k = block_k or (32 if interpreted() else 128)
     x, v, c = x.contiguous(), v.contiguous(), c.contiguous()
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
@@ -289,9 +296,7 @@ def triton_router_decide(
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
-    for name, value in (("block_g", block_g), ("block_m", block_m), ("block_k", block_k)):
-        if value is not None and (value < 16 or value & (value - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    _check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
