@@ -364,41 +364,6 @@ def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, blo
     )
 
 
-def case_router_one_product(m, d, groups, rank, dtype, device, gen, results, block_g=None):
-    """The routing decision as one product (``router_margins``: ``v . x + c <= 0``, one launch)
-    against the two-launch kernel (bottleneck, then decision) and the torch reference; ``block_g``
-    other than its default for the sweep rows."""
-    from compresskit_wide.kernels.router import (
-        router_margins,
-        torch_router_decide,
-        triton_router_decide,
-        triton_router_margin_decide,
-    )
-
-    x = torch.randn(m, d, device=device, dtype=dtype)
-    w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
-    w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    v, c = router_margins(*w)
-    tiles = {} if block_g is None else {"block_g": block_g}
-    got, ref = triton_router_margin_decide(x, v, c, **tiles), torch_router_decide(x, *w)
-    flips = (got != ref).float().mean().item()  # ties within fp32 rounding, decided by summation order
-    add_row(
-        results,
-        f"router one product G={groups}" + (f" block_g={block_g}" if block_g else ""),
-        m,
-        "-",
-        torch.ones_like(ref, dtype=torch.bool),
-        lambda: triton_router_margin_decide(x, v, c, **tiles),
-        {
-            "two-launch router": lambda: triton_router_decide(x, *w),
-            "torch router + decide": lambda: torch_router_decide(x, *w),
-        },
-        flips <= 1e-3,
-        flips,
-        False,
-    )
-
-
 def sdpa_variants(q, k, v, causal: bool) -> dict:
     """The dense attention baselines PyTorch offers here, each with native GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -617,23 +582,6 @@ def main() -> int:
                     lambda m=m, g=groups: case_router(m, d, g, 32, dtype, device, gen, results),
                 )
             )
-            cases.append(
-                (
-                    f"router one product M={m} G={groups}",
-                    lambda m=m, g=groups: case_router_one_product(m, d, g, 32, dtype, device, gen, results),
-                )
-            )
-    for m in (1, 16):  # the one-product router at decode sizes: groups a program
-        for groups in (ffn // group, heads // attn_group):
-            for block_g in (1, 2, 4, 8, 16):
-                cases.append(
-                    (
-                        f"router one product sweep M={m} G={groups} block_g={block_g}",
-                        lambda m=m, g=groups, b=block_g: case_router_one_product(
-                            m, d, g, 32, dtype, device, gen, results, block_g=b
-                        ),
-                    )
-                )
     for m in (1, 16):  # the sweep of the decode launch shape: shares of D, groups a program
         for split in (8, 16, 32):
             for block_g in (16, 32, 128):

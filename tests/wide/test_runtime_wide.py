@@ -71,28 +71,23 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
-@pytest.mark.parametrize(
-    ("routed_qkv", "fuse_residual", "one_product"),
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
-)
+@pytest.mark.parametrize(("routed_qkv", "fuse_residual"), [(False, False), (True, False), (True, True)])
 def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
-    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual, one_product
+    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual
 ):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without; with
     ``ROUTED_QKV`` q, k and v are one routed product, with ``FUSE_RESIDUAL`` each block adds the
-    residual itself, with ``ROUTER_ONE_PRODUCT`` each router decides by one product."""
+    residual itself."""
     from compresskit.runtime import runtime_for
     from compresskit_wide.blocks import WideAttention, WideMLP
 
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTER_ONE_PRODUCT", one_product)
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
     assert all((a.wqkv is not None) == routed_qkv for a, _ in fast.blocks)
-    assert all(blk.one_product == one_product for pair in fast.blocks for blk in pair)
     assert fast.mode == "eager"  # on the CPU
     ref = Runtime(model)  # the routed modules as they are
     gen = torch.Generator().manual_seed(1)
@@ -181,13 +176,12 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
 
 
-@pytest.mark.parametrize(("routed_qkv", "one_product"), [(False, False), (True, False), (True, True)])
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv, one_product):
+@pytest.mark.parametrize("routed_qkv", [False, True])
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
-    q, k and v through one routed kernel, with ``ROUTER_ONE_PRODUCT`` the routers as one product."""
+    q, k and v through one routed kernel."""
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTER_ONE_PRODUCT", one_product)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)

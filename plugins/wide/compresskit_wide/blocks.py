@@ -22,11 +22,9 @@ from compresskit.routing import RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
-from compresskit_wide.kernels.router import router_margins
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
-router_margin_decide = _ops.router_margin_decide.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
@@ -35,10 +33,6 @@ routed_attention_prefill = _ops.routed_attention_prefill.default
 # q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
 # launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
-# each router as one product, ``v . x + c <= 0`` (``router_margins``), in one launch instead of its bottleneck
-# and its decision (an A/B switch, read when a block is built; off until measured on a GPU). The margins are
-# computed from the router's weights when the block is built: build the runtime after the last change to them.
-ROUTER_ONE_PRODUCT = False
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -47,18 +41,12 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 class _Routing(Counting):
-    """A WIDE router's decision through ``router_decide`` (or, with ``ROUTER_ONE_PRODUCT``,
-    ``router_margin_decide``), counted (``Counting``) unless ``count`` is off."""
+    """A WIDE router's decision through ``router_decide``, counted (``Counting``) unless ``count``
+    is off."""
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
-        self.one_product = ROUTER_ONE_PRODUCT
-        if self.one_product:
-            with torch.no_grad(), torch.inference_mode(False):
-                v, c = router_margins(router.down.weight, router.down.bias, router.up.weight, router.up.bias)
-            self.register_buffer("margin_v", v, persistent=False)
-            self.register_buffer("margin_c", c, persistent=False)
         self.backend = backend
         self.count_decisions = count
         self.setup_counts(proj, proj.groups)
@@ -66,11 +54,8 @@ class _Routing(Counting):
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
         x2 = x.reshape(-1, x.shape[-1])
-        if self.one_product:
-            execute = router_margin_decide(x2, self.margin_v, self.margin_c, self.backend)
-        else:
-            d, r = self.router_down, self.router_up
-            execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.backend)
+        d, r = self.router_down, self.router_up
+        execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.backend)
         if self.count_decisions:
             self.count(execute, valid)
         return execute

@@ -44,23 +44,20 @@ def test_matches_reference_with_fixed_tiles(m, k, n, groups, sparsity, fuse):
 @pytest.mark.parametrize(("m", "dense_rows"), [(17, 0), (45, 0), (45, 48), (70, 32)])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])
-def test_prefill_launch_orders_agree(m, dense_rows, sparsity, fuse):
-    """The prefill kernel with a group's tiles launched together and with the groups of a tile side
-    by side: the same values (the reference's), with 3 routed groups over several token tiles and
-    dense rows after them."""
+def test_prefill_over_several_token_tiles_with_dense_rows(m, dense_rows, sparsity, fuse):
+    """The prefill kernel gives the reference's values with 3 routed groups over several token
+    tiles and dense rows after them, and writes nothing past its rows."""
     if fuse and dense_rows:
         pytest.skip("dense rows are the plain product's")
     x, w, w_up = inputs(m, 40, 96 + dense_rows, fuse, seed=m + dense_rows)
     mask = random_mask(m, 3, sparsity, seed=m * 5)
     want = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
-    for tile_major in (False, True):
-        buf = poisoned(m, 96 + dense_rows)
-        got = triton_masked_out_gemm(
-            x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16,
-            tile_major=tile_major,
-        )  # fmt: skip
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert torch.isnan(buf[m:]).all()
+    buf = poisoned(m, 96 + dense_rows)
+    got = triton_masked_out_gemm(
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16
+    )
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
@@ -143,8 +140,6 @@ def test_refuses_what_it_cannot_do():
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match=r"k_pack=16 has no tile table on a GPU; tuned: \[1, 2, 4, 8\]"):
             triton_masked_out_gemm(x, w, mask, k_pack=16)
-        with pytest.raises(ValueError, match="tile_major fixes the launch order of fixed tiles"):
-            triton_masked_out_gemm(torch.randn(17, 64, device=DEVICE), w, random_mask(17, 2, 0.5), tile_major=True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)

@@ -9,11 +9,8 @@ from kernel_helpers import DEVICE  # noqa: E402
 
 from compresskit.routing import GroupRouter, decide  # noqa: E402
 from compresskit_wide.kernels.router import (  # noqa: E402
-    router_margins,
     torch_router_decide,
-    torch_router_margin_decide,
     triton_router_decide,
-    triton_router_margin_decide,
 )
 
 pytestmark = pytest.mark.triton
@@ -71,49 +68,3 @@ def test_validates_its_tensors():
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 8"):
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_m=8)
-
-
-@pytest.mark.parametrize("m", [1, 3, 17, 70])
-@pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
-@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
-def test_the_router_as_one_product_decides_as_the_router(m, d, rank, groups, bias):
-    """``router_margins`` collapses the bottleneck and the logits into one product: its decisions
-    equal ``decide(GroupRouter(x))`` wherever a group's margin is not within fp32 rounding of zero,
-    in the reference and in the kernel (several token and group blocks, D no multiple of the K step)."""
-    torch.manual_seed(m + d + groups + 1)
-    router = GroupRouter(d, groups, rank).to(DEVICE)
-    with torch.no_grad():
-        router.up.bias.view(groups, 2)[:, 0] = bias
-    x = torch.randn(m, d, device=DEVICE)
-    logits = router(x)  # [M, G, 2]: execute, skip
-    ref = decide(logits, sample=False, tau=1.0).bool()
-    margin = (logits[..., 1] - logits[..., 0]).abs()
-    clear = margin > 1e-4 * (1 + logits.abs().amax(-1))  # no near-tie: both forms must agree there
-    v, c = router_margins(router.down.weight, router.down.bias, router.up.weight, router.up.bias)
-    assert v.shape == (groups, d) and c.shape == (groups,) and v.dtype == c.dtype == torch.float32
-    for got in (
-        torch_router_margin_decide(x, v, c, as_bool=True),
-        triton_router_margin_decide(x, v, c, as_bool=True),
-        triton_router_margin_decide(x, v, c, block_m=32, block_k=16, block_g=32, as_bool=True),
-        triton_router_margin_decide(x, v, c, block_k=64, block_g=1 if m <= 16 else 16, as_bool=True),
-    ):
-        assert got.dtype == torch.bool and torch.equal(got[clear], ref[clear])
-    assert clear.float().mean() > 0.98  # the comparison covers nearly every decision
-    as_float = triton_router_margin_decide(x, v, c)
-    assert as_float.dtype == torch.float32 and torch.equal(
-        as_float.bool(), triton_router_margin_decide(x, v, c, as_bool=True)
-    )
-    if bias:
-        assert torch.all(as_float == (1.0 if bias > 0 else 0.0))
-
-
-def test_the_one_product_router_validates_its_tensors():
-    x, v, c = torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(3)
-    with pytest.raises(ValueError, match="router margins do not fit"):
-        triton_router_margin_decide(x, v[:, :7], c)
-    with pytest.raises(ValueError, match="router margins do not fit"):
-        triton_router_margin_decide(x, v.double(), c)
-    with pytest.raises(ValueError, match="block_g must be a power of two >= 1, got 3"):
-        triton_router_margin_decide(x, v, c, block_g=3)  # decode sizes: any power of two
-    with pytest.raises(ValueError, match="block_g must be a power of two >= 16, got 8"):
-        triton_router_margin_decide(torch.zeros(17, 8), v, c, block_g=8)

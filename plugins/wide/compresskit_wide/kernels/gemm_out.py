@@ -10,11 +10,9 @@ after the G routed ones (k and v stacked under q: one product instead of two).
 
 Prefill (M > 16): program (tile, group) takes one tile of the group's tokens in the routing
 layout's sorted order, active first. A tile with no active token writes zeros without reading a
-weight; in the one partial tile the inactive rows are not read. The launch order is a tile
-setting the autotuner picks per shape: a group's tiles together, so that the programs running at
-once share its weight rows in L2 (gate+up, whose weights are five times the L2), or the groups of
-one tile side by side (``TILE_MAJOR``), so that each wave of programs takes the active tiles of
-every group, spread over the SMs, instead of some SMs getting two active tiles and others none.
+weight; in the one partial tile the inactive rows are not read. A group's tiles launch together, so
+that the programs running at once share its weight rows in L2 (gate+up's weights are five times the
+L2).
 
 Decode (M <= 16): program (group, block of output channels) reads the mask column itself (no
 layout) and skips the weights of a group no token needs. The weight tile is the MMA's row operand
@@ -107,19 +105,14 @@ if triton is not None:
         M, N, K, GW, G, LAUNCHED, M_BUCKET,
         stride_xm, stride_wn, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_MAJOR: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # prefill, program (i, g): i = tile of group g's sorted tokens x block of its channels (the
-        # channel block fastest), g = one of the LAUNCHED groups, either fastest (TILE_MAJOR) or
-        # slowest; a group past the G routed ones (dense rows) takes every token in order. M_BUCKET
-        # is only the autotuning key.
+        # channel block fastest), g = one of the LAUNCHED groups (slowest); a group past the G routed
+        # ones (dense rows) takes every token in order. M_BUCKET is only the autotuning key.
         tiles_n = tl.cdiv(GW, BLOCK_N)
-        if TILE_MAJOR:
-            g = tl.program_id(0) % LAUNCHED
-            i = tl.program_id(0) // LAUNCHED
-        else:
-            g = tl.program_id(0) // (tl.cdiv(M, BLOCK_M) * tiles_n)
-            i = tl.program_id(0) % (tl.cdiv(M, BLOCK_M) * tiles_n)
+        g = tl.program_id(0) // (tl.cdiv(M, BLOCK_M) * tiles_n)
+        i = tl.program_id(0) % (tl.cdiv(M, BLOCK_M) * tiles_n)
         routed = g < G
         tm = i // tiles_n
         tn = i % tiles_n
@@ -246,14 +239,13 @@ def triton_masked_out_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     k_pack: int | None = None,
-    tile_major: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens the
     decode kernel (``k_pack``: K chunks a product, a power of two; default ``policy.out_k_pack``);
     more, the sorted-tile kernel on the routing layout of ``mask`` (``layout``: computed here when
     not given; share it between the projections of a block). ``dense_rows``: the last rows of ``w``
-    run for every token. Tiles (and the prefill launch order) are autotuned on a GPU; ``block_*``
-    and ``tile_major`` fix them (and do in the CPU interpreter)."""
+    run for every token. Tiles are autotuned on a GPU; ``block_*`` fix them (and do in the CPU
+    interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -299,12 +291,8 @@ def triton_masked_out_gemm(
     if fixed:
         bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
         grid = (cdiv(m, bm) * cdiv(gw, bn) * launched,)
-        triton_masked_out_gemm_kernel[grid](
-            *args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, TILE_MAJOR=bool(tile_major)
-        )
+        triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     else:
-        if tile_major is not None:
-            raise ValueError("tile_major fixes the launch order of fixed tiles; on a GPU the autotuner picks it")
         grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched,)  # noqa: E731
         _tuned_prefill[grid](*args, **common)
     return out

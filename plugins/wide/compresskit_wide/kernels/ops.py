@@ -45,9 +45,7 @@ from compresskit_wide.kernels.gemm_reduce import (
 )
 from compresskit_wide.kernels.router import (
     torch_router_decide,
-    torch_router_margin_decide,
     triton_router_decide,
-    triton_router_margin_decide,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -127,15 +125,6 @@ def router_decide(
         return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
     # the reference is the dense path too
     return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
-
-
-@_operator(lambda x, v, c, backend="auto": x.new_empty(x.shape[0], v.shape[0], dtype=torch.bool))
-def router_margin_decide(x: torch.Tensor, v: torch.Tensor, c: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): the same decision as ``router_decide`` from
-    the router as one product (``router.router_margins``: ``v [G, D]``, ``c [G]``, fp32)."""
-    if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_margin_decide(x, v, c, as_bool=True)
-    return torch_router_margin_decide(x, v, c, as_bool=True)
 
 
 @_operator(

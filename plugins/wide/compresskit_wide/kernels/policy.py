@@ -146,20 +146,15 @@ SWIGLU_DECODE = [
 # the reduction's K-packed product (BLOCK_K steps through one group)
 REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
-# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen from 512 to 4k tokens),
-# each tile in both launch orders (a group's tiles together, or the groups of a tile side by side)
+# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen from 512 to 4k tokens)
 OUT_PREFILL = [
-    ({**meta, "TILE_MAJOR": tile_major}, warps, stages)
-    for tile_major in (False, True)
-    for meta, warps, stages in [
-        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
-        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
-        ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-        ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
-        ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
-        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
-        ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-    ]
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
 ]
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
 ATTN_PREFILL = [

@@ -13,12 +13,6 @@ and decides.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
 accuracy; a bf16 input is exact in TF32). Decisions equal the reference's except where a group's two
 logits tie within fp32 rounding (another summation order), as between two GEMM libraries.
-
-The router has no nonlinearity, so a decision is the sign of one product: group g executes where
-``v_g . x + c_g <= 0``, with ``v_g = (w_up[2g + 1] - w_up[2g]) @ w_down`` and ``c_g`` the same of the
-biases (``router_margins``, computed once in fp64). ``triton_router_margin_decide`` takes that form:
-one launch of ``[M, D] x [D, G]`` instead of the bottleneck and its decision (more multiply-adds where
-G > R, one dependent launch less).
 """
 
 from __future__ import annotations
@@ -50,26 +44,6 @@ def torch_router_decide(
     logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
     execute = logits[..., 1] <= logits[..., 0]
     return execute if as_bool else execute.to(logits.dtype)
-
-
-def router_margins(
-    w_down: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router as one product: ``(v [G, D], c [G])`` in fp32 (computed in fp64), where group g
-    executes iff ``v[g] . x + c[g] <= 0`` (its skip logit minus its execute logit)."""
-    diff = (w_up[1::2] - w_up[0::2]).double()  # [G, R]: skip row minus execute row
-    v = diff @ w_down.double()
-    c = diff @ b_down.double() + (b_up[1::2] - b_up[0::2]).double()
-    return v.float().contiguous(), c.float().contiguous()
-
-
-def torch_router_margin_decide(
-    x: torch.Tensor, v: torch.Tensor, c: torch.Tensor, *, as_bool: bool = False
-) -> torch.Tensor:
-    """Reference of the one-product form: ``x: [M, D]`` -> execute ``[M, G]`` where ``x . v[g] + c[g]
-    <= 0`` (fp32; bool with ``as_bool``)."""
-    execute = torch.nn.functional.linear(x.float(), v, c) <= 0
-    return execute if as_bool else execute.float()
 
 
 if triton is not None:
@@ -147,101 +121,12 @@ if triton is not None:
             DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
 
-    @triton.jit
-    def _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om):
-        # the one-product form's decision: a group executes where its margin plus c is not above 0
-        margin += tl.load(c_ptr + gs, mask=g_ok, other=0.0)[None, :]
-        execute = tl.where(margin <= 0.0, 1.0, 0.0)
-        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
-
-    @triton.jit
-    def triton_router_margin_kernel(
-        x_ptr, v_ptr, c_ptr, out_ptr, M, D, G, stride_xm, stride_om,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    ):  # fmt: skip
-        # program (token block, group block): x[rows] @ v[groups].T over all of D, plus c, then the sign
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        g_ok = gs < G
-        margin = _router_z(
-            x_ptr, v_ptr, rows, row_ok, gs, g_ok, 0, D, D, stride_xm, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_G
-        )
-        _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om)
-
-    @triton.jit
-    def triton_router_margin_gemv_kernel(
-        x_ptr, v_ptr, c_ptr, out_ptr, M, D, G, stride_xm, stride_om,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-    ):  # fmt: skip
-        # decode sizes, program (group block): every token (M <= BLOCK_M) against BLOCK_G rows of v on the
-        # CUDA cores in fp32, so that a few groups a program spread v's read over many programs
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        gs = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
-        g_ok = gs < G
-        margin = tl.zeros((BLOCK_M, BLOCK_G), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < D
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            w = tl.load(v_ptr + gs[:, None] * D + ks[None, :], mask=g_ok[:, None] & k_ok[None, :], other=0.0)
-            margin += tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-        _margin_decide_store(margin, c_ptr, out_ptr, rows, row_ok, gs, g_ok, stride_om)
-
 
 def _check_blocks(**blocks: tuple[int | None, int]) -> None:
     """Each given block size (``name=(value, smallest)``; None: the default) a power of two, at least its smallest."""
     for name, (value, smallest) in blocks.items():
         if value is not None and (value < smallest or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= {smallest}, got {value}")
-
-
-def triton_router_margin_decide(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    c: torch.Tensor,
-    *,
-    block_m: int | None = None,
-    block_k: int | None = None,
-    block_g: int | None = None,
-    as_bool: bool = False,
-) -> torch.Tensor:
-    """Triton version of :func:`torch_router_margin_decide`, in one launch. Up to
-    ``policy.DECODE_MAX_M`` tokens: program (``block_g`` groups, default 4) takes every token, on the
-    CUDA cores in fp32. Beyond: program (``block_m`` tokens, ``block_g`` groups; defaults 64 and 16)
-    on the tensor cores (``tf32x3``). Both step through D in ``block_k`` columns (default 128).
-    Blocks are powers of two; ``block_m`` and ``block_k`` at least 16, and ``block_g`` too beyond
-    decode sizes."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, d = x.shape
-    groups = v.shape[0]
-    if v.shape != (groups, d) or c.shape != (groups,) or v.dtype != torch.float32 or c.dtype != torch.float32:
-        raise ValueError(
-            f"router margins do not fit (x, v, c): {tuple(x.shape)}, {tuple(v.shape)} {v.dtype}, "
-            f"{tuple(c.shape)} {c.dtype}"
-        )
-    decode = m <= policy.DECODE_MAX_M
-    _check_blocks(block_m=(block_m, 16), block_k=(block_k, 16), block_g=(block_g, 1 if decode else 16))
-    block_k = block_k or (32 if interpreted() else 128)
-    x, v, c = x.contiguous(), v.contiguous(), c.contiguous()
-    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
-    if decode:
-        block_g = block_g or 4
-        triton_router_margin_gemv_kernel[(cdiv(groups, block_g),)](
-            x, v, c, out, m, d, groups, x.stride(0), out.stride(0),
-            BLOCK_M=max(1, next_power_of_2(m)), BLOCK_K=block_k, BLOCK_G=block_g,
-        )  # fmt: skip
-    else:
-        block_m, block_g = block_m or (16 if interpreted() else 64), block_g or 16
-        triton_router_margin_kernel[(cdiv(m, block_m), cdiv(groups, block_g))](
-            x, v, c, out, m, d, groups, x.stride(0), out.stride(0),
-            DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_G=block_g,
-        )  # fmt: skip
-    return out.view(torch.bool) if as_bool else out
 
 
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
