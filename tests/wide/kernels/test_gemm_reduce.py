@@ -10,10 +10,13 @@ from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask 
 from compresskit.routing import mask_input_groups  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     dense_masked_reduce_gemm,
+    share_slots,
     torch_group_masked_input,
     torch_masked_reduce_gemm,
+    torch_router_shares,
     triton_masked_reduce_gemm,
 )
+from compresskit_wide.kernels.policy import SHARE_N  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -38,6 +41,47 @@ def test_matches_reference(m, sparsity, k_pack, block_n, groups, direct):
     assert torch.isnan(buf[m:]).all()
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(("n", "rank", "block_n"), [(40, 5, None), (72, 32, 32), (16, 3, 16)])
+@pytest.mark.parametrize("direct", [False, True])
+def test_hands_the_next_router_its_shares(m, sparsity, n, rank, block_n, direct):
+    """With a residual and the next router's ``w_down``: the same output, and the shares of
+    ``(residual + out) @ w_down.T`` (the sum rounded to the input's dtype, as the caller's add rounds)
+    in their slots: summed they equal the reference's, every slot written (zeros where a program
+    spans two), a ragged last slot and two token tiles at M = 17."""
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, 32 * 3, generator=gen).to(DEVICE)
+    w = torch.randn(n, 32 * 3, generator=gen).to(DEVICE)
+    residual = torch.randn(m, n, generator=gen).to(DEVICE)
+    share_w = torch.randn(rank, n, generator=gen).to(DEVICE)
+    mask = random_mask(m, 3, sparsity, seed=m + n)
+    shares = torch.full((share_slots(n), m, rank), float("nan"), device=DEVICE)
+    got, got_shares = triton_masked_reduce_gemm(
+        x, w, mask, block_n=block_n, block_k=16, direct=direct, residual=residual, share_w=share_w, shares=shares
+    )
+    want = torch_masked_reduce_gemm(x, w, mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert got_shares is shares and not torch.isnan(shares).any()
+    want_shares = torch_router_shares(residual + want, share_w)
+    assert want_shares.shape == (share_slots(n), m, rank) == (-(-n // SHARE_N), m, rank)
+    torch.testing.assert_close(shares.sum(0), want_shares.sum(0), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(want_shares.sum(0), (residual + want) @ share_w.T, rtol=1e-4, atol=1e-3)
+    if block_n in (None, 16):  # one slot a program: each slot is its columns' share
+        torch.testing.assert_close(shares, want_shares, rtol=1e-4, atol=1e-3)
+
+
+def test_shares_need_what_they_read():
+    x, w, mask = torch.randn(2, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE), random_mask(2, 4, 0.5)
+    res, sw = torch.randn(2, 32, device=DEVICE), torch.randn(4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"shares need residual \[M, N\] = \[2, 32\]"):
+        triton_masked_reduce_gemm(x, w, mask, residual=res)
+    with pytest.raises(ValueError, match="shares need residual"):
+        triton_masked_reduce_gemm(x, w, mask, residual=res, share_w=sw.double())
+    with pytest.raises(ValueError, match=f"output blocks of a multiple of {SHARE_N} channels, got 8"):
+        triton_masked_reduce_gemm(x, w, mask, residual=res, share_w=sw, block_n=8)
 
 
 def test_inactive_inputs_are_never_read():

@@ -8,9 +8,12 @@ pytest.importorskip("triton")
 from kernel_helpers import DEVICE  # noqa: E402
 
 from compresskit.routing import GroupRouter, decide  # noqa: E402
+from compresskit_wide.kernels.gemm_reduce import torch_router_shares  # noqa: E402
 from compresskit_wide.kernels.router import (  # noqa: E402
     torch_router_decide,
+    torch_router_decide_from_shares,
     triton_router_decide,
+    triton_router_decide_from_shares,
 )
 
 pytestmark = pytest.mark.triton
@@ -68,3 +71,43 @@ def test_validates_its_tensors():
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 8"):
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_m=8)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 40), (64, 5, 130)])
+@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
+@pytest.mark.parametrize("block_g", [1, 32])
+def test_decides_from_shares_as_the_router(m, d, rank, groups, bias, block_g):
+    """The decision's launch alone, from the bottleneck's shares (as the reduction kernel before it
+    writes them): ``decide(GroupRouter(x))`` wherever a group's two logits are not within fp32
+    rounding of each other; all groups on (+50) and off (-50) exactly."""
+    torch.manual_seed(m + d + groups + 2)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
+    with torch.no_grad():
+        router.up.bias.view(groups, 2)[:, 0] = bias
+    x = torch.randn(m, d, device=DEVICE)
+    logits = router(x)
+    ref = decide(logits, sample=False, tau=1.0).bool()
+    clear = (logits[..., 1] - logits[..., 0]).abs() > 1e-4 * (1 + logits.abs().amax(-1))
+    shares = torch_router_shares(x, router.down.weight)
+    tail = (router.down.bias, router.up.weight, router.up.bias)
+    for got in (
+        torch_router_decide_from_shares(shares, *tail, as_bool=True),
+        triton_router_decide_from_shares(shares, *tail, block_g=block_g, as_bool=True),
+    ):
+        assert got.dtype == torch.bool and torch.equal(got[clear], ref[clear])
+    assert clear.float().mean() > 0.98
+    as_float = triton_router_decide_from_shares(shares, *tail)
+    assert as_float.dtype == torch.float32
+    if bias:
+        assert torch.all(as_float == (1.0 if bias > 0 else 0.0))
+
+
+def test_the_decision_from_shares_validates_its_tensors():
+    shares, bd, wu, bu = torch.zeros(3, 2, 4), torch.zeros(4), torch.zeros(6, 4), torch.zeros(6)
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide_from_shares(shares, bd[:3], wu, bu)
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_decide_from_shares(shares.double(), bd, wu, bu)
+    with pytest.raises(ValueError, match="block_g must be a power of two >= 1, got 3"):
+        triton_router_decide_from_shares(shares, bd, wu, bu, block_g=3)

@@ -14,6 +14,13 @@ the groups itself: by default it compacts them into a list first; for few, wide 
 (``direct``: o_proj's 8 of 512 inputs) it steps through all groups in order and predicates off the
 weights of those no token needs, which saves the list's chain of dependent reads.
 
+With ``shares`` the kernel also hands the next block its router's first product: the block's
+caller adds the output to the residual, so each program, holding its output columns whole, adds
+them to the residual itself (rounded as that add rounds) and writes that slice's share of the next
+router's bottleneck, ``x_next[:, cols] @ w_down[:, cols].T`` in fp32, into slot
+``program * BLOCK_N / SHARE_N`` of ``[S, M, R]`` (``S = N / SHARE_N``; zeros in the slots a wider
+program spans beyond its first). The next router then needs only its decision's launch.
+
 At prefill sizes ``auto`` takes the dense fallback (``dense_masked_reduce_gemm``, cuBLAS): exact,
 as inactive inputs are zero, and the plain dense product where the input already is (after the
 fused SwiGLU kernel or the routed attention).
@@ -55,6 +62,21 @@ def torch_group_masked_input(x: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 def torch_masked_reduce_gemm(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Reference: zero the inactive input groups, then the dense product in fp32."""
     return (torch_group_masked_input(x.float(), mask) @ w.float().T).to(x.dtype)
+
+
+def share_slots(n: int) -> int:
+    """The shares of a bottleneck over ``n`` input columns: one a ``policy.SHARE_N`` columns."""
+    return cdiv(n, policy.SHARE_N)
+
+
+def torch_router_shares(x_next: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """Reference: the shares ``[S, M, R]`` of ``x_next @ w_down.T`` (``x_next: [M, N]``, ``w_down:
+    [R, N]`` fp32) over slices of ``policy.SHARE_N`` columns, in fp32."""
+    m, n = x_next.shape
+    pad = share_slots(n) * policy.SHARE_N - n
+    x = torch.nn.functional.pad(x_next.float(), (0, pad)).unflatten(-1, (-1, policy.SHARE_N))  # [M, S, SHARE_N]
+    w = torch.nn.functional.pad(w_down, (0, pad)).unflatten(-1, (-1, policy.SHARE_N))  # [R, S, SHARE_N]
+    return torch.einsum("msk,rsk->smr", x, w)
 
 
 def dense_masked_reduce_gemm(
@@ -107,12 +129,12 @@ if triton is not None:
 
     @triton.jit
     def triton_masked_reduce_gemm_kernel(
-        x_ptr, w_ptr, mask_ptr, out_ptr, list_ptr,
-        M, N, GW: tl.constexpr, G,
-        stride_xm, stride_wn, stride_mm, stride_om,
+        x_ptr, w_ptr, mask_ptr, out_ptr, list_ptr, res_ptr, sw_ptr, sh_ptr,
+        M, N, GW: tl.constexpr, G, R,
+        stride_xm, stride_wn, stride_mm, stride_om, stride_rm,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
-        DIRECT: tl.constexpr,
+        DIRECT: tl.constexpr, SHARES: tl.constexpr, SHARE_N: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
         # program (n-block tn, token tile tm). MMA row c * BLOCK_N + j: output channel j against the
         # step's c-th group; MMA column c * BLOCK_M + m: token m's inputs of that group (zero where
@@ -163,11 +185,28 @@ if triton is not None:
                     )  # fmt: skip
         out = tl.trans(packed_diagonal(acc, K_PACK, BLOCK_N, BLOCK_M))
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(
-            out_ptr + rows[:, None] * stride_om + cols[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & (cols < N)[None, :],
-        )
+        col_ok = cols < N
+        y = out.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+        if SHARES:
+            res_mask = row_ok[:, None] & col_ok[None, :]
+            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=res_mask, other=0.0)
+            x_next = (res.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+            slot = tn * (BLOCK_N // SHARE_N)
+            # R in chunks, so that the broadcast product stays within about 4k values a program
+            R_STEP: tl.constexpr = min(BLOCK_R, max(1, 4096 // (BLOCK_M * BLOCK_N)))
+            for r0 in tl.static_range(0, BLOCK_R, R_STEP):
+                rs = r0 + tl.arange(0, R_STEP)
+                r_ok = rs < R
+                wr = tl.load(sw_ptr + rs[:, None] * N + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+                share = tl.sum(x_next[:, None, :] * wr[None, :, :], axis=2)  # [BLOCK_M, R_STEP]
+                keep = row_ok[:, None] & r_ok[None, :]
+                tl.store(sh_ptr + (slot * M + rows)[:, None] * R + rs[None, :], share, mask=keep)
+                for j in tl.static_range(1, BLOCK_N // SHARE_N):  # the slots this program spans beyond its first
+                    in_n = (slot + j) * SHARE_N + 0 * rs < N  # (the last program's may lie past N: no such slot)
+                    zeros = tl.zeros_like(share)
+                    at = sh_ptr + ((slot + j) * M + rows)[:, None] * R + rs[None, :]
+                    tl.store(at, zeros, mask=keep & in_n[None, :])
 
     _tuned = {
         (pack, direct): autotuned(
@@ -203,15 +242,31 @@ def triton_masked_reduce_gemm(
     block_k: int | None = None,
     k_pack: int = policy.REDUCE_K_PACK,
     direct: bool | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    share_w: torch.Tensor | None = None,
+    shares: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_masked_reduce_gemm`, for any M (in tiles of 16 tokens; made for
     decode). ``k_pack``: active groups a product (a power of two). ``direct``: step through every
     group instead of a list of the needed ones; default for ``policy.FEW_GROUPS`` groups or fewer.
     Tiles are autotuned on a GPU; ``block_n`` (output channels a program) and ``block_k`` fix them
-    (and do in the CPU interpreter)."""
+    (and do in the CPU interpreter). With ``residual`` (``[M, N]``, what the output is added to) and
+    ``share_w`` (the next router's ``w_down``, ``[R, N]`` fp32): ``(out, shares)``, the shares
+    ``[S, M, R]`` of the next router's bottleneck (module docstring; ``shares``: a buffer for them)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
     if k_pack < 1 or k_pack & (k_pack - 1):
         raise ValueError(f"k_pack must be a power of two, got {k_pack}")
+    handing = residual is not None or share_w is not None
+    if handing and (
+        residual is None
+        or share_w is None
+        or residual.shape != (m, n)
+        or share_w.dim() != 2
+        or share_w.shape[1] != n
+        or share_w.dtype != torch.float32
+    ):
+        shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in (residual, share_w)]
+        raise ValueError(f"shares need residual [M, N] = [{m}, {n}] and share_w [R, {n}] fp32; got {shapes}")
     direct = groups <= policy.FEW_GROUPS if direct is None else direct
     x, w = x.contiguous(), w.contiguous()
     mask_u8 = mask_bytes(mask)
@@ -221,20 +276,32 @@ def triton_masked_reduce_gemm(
     block_g = max(16, next_power_of_2(groups))
     fixed = block_n is not None or interpreted()
     if fixed:
-        bn, bk = block_n or max(16 // k_pack, 1), block_k or min(32, max(16, next_power_of_2(gw)))
+        bn = block_n or max(16 // k_pack, policy.SHARE_N if handing else 1)
+        bk = block_k or min(32, max(16, next_power_of_2(gw)))
         if k_pack * bn < 16 or bk < 16:
             raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
     elif (k_pack, direct) not in _tuned:
         raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: 2, 4, 8")
     else:  # the narrowest tile of the table: the most programs, each with its own group list
         bn = min(meta["BLOCK_N"] for meta, _, _ in policy.per_packing(policy.REDUCE_DECODE_ROWS, k_pack))
+    if handing and bn % policy.SHARE_N:
+        raise ValueError(f"shares need output blocks of a multiple of {policy.SHARE_N} channels, got {bn}")
     lists = torch.empty(1 if direct else cdiv(n, bn) * cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)
-    args = (x, w, mask_u8, out, lists, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
+    r = share_w.shape[0] if handing else 1
+    if handing:
+        residual = residual.contiguous()
+        share_w = share_w.contiguous()
+        if shares is None:
+            shares = torch.empty((share_slots(n), m, r), dtype=torch.float32, device=x.device)
+    args = (x, w, mask_u8, out, lists, residual if handing else x, share_w if handing else x)
+    args += (shares if handing else x, m, n, gw, groups, r, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
+    args += (residual.stride(0) if handing else 0,)
     common = {"DOT_PRECISION": dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m, "DIRECT": direct}
+    common |= {"SHARES": handing, "SHARE_N": policy.SHARE_N, "BLOCK_R": next_power_of_2(r)}
     if fixed:
         grid = (cdiv(n, bn), cdiv(m, block_m))
         triton_masked_reduce_gemm_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
     else:
         grid = lambda cfg: (cdiv(n, cfg["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
         _tuned[(k_pack, direct)][grid](*args, **common, K_PACK=k_pack)
-    return out
+    return (out, shares) if handing else out

@@ -110,6 +110,7 @@ def check_gpu(device: torch.device) -> None:
 OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the fastest packing measured
 SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)
 REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
+SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narrowest reduction tile at REDUCE_K_PACK)
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
 ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64 splits (64 beat 32 at 32k)
 ATTN_DECODE_MAX_SPLITS = 64

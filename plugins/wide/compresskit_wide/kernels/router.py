@@ -13,6 +13,13 @@ and decides.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
 accuracy; a bf16 input is exact in TF32). Decisions equal the reference's except where a group's two
 logits tie within fp32 rounding (another summation order), as between two GEMM libraries.
+
+At decode the bottleneck may arrive as shares already (``router_decide_from_shares``): the reduction
+kernel of the block before writes ``x[:, cols] @ w_down[:, cols].T`` for its output columns of the
+next block's input (``gemm_reduce.py``), so that only the decision's launch is left: it sums the
+shares and decides.
+
+    shares: [S, M, R]   fp32 partial bottlenecks over S column slices of D (zero where a slice is empty)
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ def torch_router_decide(
     """Reference: exactly ``decide(GroupRouter(x), sample=False)`` for a 2-D ``x`` (as a bool mask
     with ``as_bool``)."""
     z = torch.nn.functional.linear(x.float(), w_down, b_down)
+    logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
+    execute = logits[..., 1] <= logits[..., 0]
+    return execute if as_bool else execute.to(logits.dtype)
+
+
+def torch_router_decide_from_shares(
+    shares: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, *, as_bool: bool = False
+) -> torch.Tensor:
+    """Reference: the decision from the bottleneck's shares ``[S, M, R]`` (summed, then as
+    :func:`torch_router_decide` from its bottleneck on)."""
+    z = shares.sum(0) + b_down
     logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
     execute = logits[..., 1] <= logits[..., 0]
     return execute if as_bool else execute.to(logits.dtype)
@@ -120,6 +138,30 @@ if triton is not None:
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
             DOT_PRECISION, BLOCK_G,
         )  # fmt: skip
+
+    @triton.jit
+    def triton_router_shares_kernel(
+        sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, S, M, R, G, stride_om,
+        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    ):  # fmt: skip
+        # program (token m, group block): the token's shares summed in one load (a tree over S), the
+        # bottleneck's bias added, both logits of the block's groups on the CUDA cores in fp32, compared
+        m = tl.program_id(0)
+        ss = tl.arange(0, BLOCK_S)
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        part = tl.load(
+            sh_ptr + (ss[:, None] * M + m) * R + rs[None, :], mask=(ss < S)[:, None] & r_ok[None, :], other=0.0
+        )
+        z = tl.sum(part, axis=0) + tl.load(bd_ptr + rs, mask=r_ok, other=0.0)  # [BLOCK_R]
+        gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        g_ok = gs < G
+        w_mask = g_ok[:, None] & r_ok[None, :]
+        w_exec = tl.load(wu_ptr + (2 * gs)[:, None] * R + rs[None, :], mask=w_mask, other=0.0)
+        w_skip = tl.load(wu_ptr + (2 * gs + 1)[:, None] * R + rs[None, :], mask=w_mask, other=0.0)
+        l_exec = tl.sum(w_exec * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs, mask=g_ok, other=0.0)
+        l_skip = tl.sum(w_skip * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
+        tl.store(out_ptr + m * stride_om + gs, tl.where(l_skip <= l_exec, 1.0, 0.0), mask=g_ok)
 
 
 def _check_blocks(**blocks: tuple[int | None, int]) -> None:
@@ -207,4 +249,40 @@ def triton_router_decide(
         ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
     )  # fmt: skip
+    return out.view(torch.bool) if as_bool else out
+
+
+def triton_router_decide_from_shares(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    block_g: int = 32,
+    as_bool: bool = False,
+) -> torch.Tensor:
+    """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
+    ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
+    its token)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    s, m, r = shares.shape
+    groups = w_up.shape[0] // 2
+    fp32 = (shares, b_down, w_up, b_up)
+    if (
+        b_down.shape != (r,)
+        or w_up.shape != (2 * groups, r)
+        or b_up.shape != (2 * groups,)
+        or any(t.dtype != torch.float32 for t in fp32)
+    ):
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in fp32)
+        raise ValueError(f"router tensors do not fit (shares, b_down, w_up, b_up): {shapes}")
+    _check_blocks(block_g=(block_g, 1))
+    shares, b_down, w_up, b_up = (t.contiguous() for t in fp32)
+    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=shares.device)
+    if m:
+        triton_router_shares_kernel[(m, cdiv(groups, block_g))](
+            shares, b_down, w_up, b_up, out, s, m, r, groups, out.stride(0),
+            BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g,
+        )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
