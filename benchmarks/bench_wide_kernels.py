@@ -219,6 +219,35 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     add_row(results, op, m, mask_kind, mask, ours, {"cuBLAS down": dense}, ok, err, decode)
 
 
+def case_handoff(m, n, k, groups, rank, next_groups, mask_kind, dtype, device, gen, results, label):
+    """A reduction at decode (``label``: down or o) and the next router's decision, as a block hands
+    them on: the kernel writing the next router's shares, then the decision's launch alone, against
+    the kernel, the residual add and the two-launch router (what runs without the handoff)."""
+    from compresskit_wide.kernels.router import triton_router_decide, triton_router_decide_from_shares
+
+    h = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    residual = torch.randn(m, n, device=device, dtype=dtype)
+    mask = make_mask(m, groups, 0.5, mask_kind, gen, device)
+    r = (torch.randn(rank, n, device=device) / n**0.5, torch.zeros(rank, device=device))
+    r += (torch.randn(2 * next_groups, rank, device=device) / rank**0.5, torch.zeros(2 * next_groups, device=device))
+
+    def ours():
+        out, shares = triton_masked_reduce_gemm(h, w, mask, residual=residual, share_w=r[0])
+        return out, triton_router_decide_from_shares(shares, *r[1:], as_bool=True)
+
+    def separate():
+        out = triton_masked_reduce_gemm(h, w, mask)
+        return out, triton_router_decide(residual + out, *r, as_bool=True)
+
+    (got_out, got), (ref_out, ref) = ours(), separate()
+    flips = (got != ref).float().mean().item()  # fp32 near-ties decided by another summation order
+    ok = torch.equal(got_out, ref_out) and flips <= 1e-3
+    add_row(
+        results, f"{label} + next router", m, mask_kind, mask, ours, {"kernel, add, router": separate}, ok, flips, True
+    )
+
+
 def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     """The whole SwiGLU block as the wide-triton executor runs it: the dispatch with
     backend="auto" (gate+up with the fused SwiGLU; down by the measured policy, on the zero-filled h)."""
@@ -542,6 +571,19 @@ def main() -> int:
             cases.append(
                 (f"down M={m} {kind}", lambda m=m, k=kind: case_down(m, d, ffn, group, k, dtype, device, gen, results))
             )
+            if m <= 16:  # the reduction kernels' decode sizes: down, then o, handing on the next router's shares
+                for label, k_in, g_in, g_next in (
+                    ("down", ffn, ffn // group, heads // attn_group),
+                    ("o", heads * head_dim, heads // attn_group, ffn // group),
+                ):
+                    cases.append(
+                        (
+                            f"{label} + next router M={m} {kind}",
+                            lambda m=m, kind=kind, label=label, k_in=k_in, g_in=g_in, g_next=g_next: case_handoff(
+                                m, d, k_in, g_in, 32, g_next, kind, dtype, device, gen, results, label
+                            ),
+                        )
+                    )
             cases.append(
                 (
                     f"FFN block M={m} {kind}",

@@ -3,7 +3,8 @@
     python benchmarks/hopper_codegen.py [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
 
-Each of WIDE's decode products (and the routed decode attention's split kernel) is compiled for sm_90
+Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue,
+and the routed decode attention's split kernel) is compiled for sm_90
 (the H200) at Llama-3.1-8B's shapes, one token, with a tile the H200's autotuner chose for it
 (``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher
 specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads
@@ -116,11 +117,14 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     gate_up = {**q, "N": FFN, "GW": GROUP, "G": FFN // GROUP, "stride_om": FFN, "stride_mm": FFN // GROUP}
     down = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, out_ptr=bf16, list_ptr="*i32", M=1, N=D, G=FFN // GROUP)
     down.update(stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP, stride_om=D)
+    # the next router's shares (read only with SHARES): the residual, its w_down (rank 32), the shares
+    down.update(res_ptr=bf16, sw_ptr="*fp32", sh_ptr="*fp32", R=32, stride_rm=D)
     o = {**down, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
     tf32 = {"DOT_PRECISION": "tf32"}
     packed = {**tf32, "BLOCK_M": 4, "K_PACK": 4}
-    listed = {**packed, "DIRECT": False}
-    direct = {**tf32, "BLOCK_M": 2, "K_PACK": 8, "DIRECT": True}
+    no_shares = {"SHARES": False, "SHARE_N": 16, "BLOCK_R": 32}  # the reductions' epilogue
+    listed = {**packed, **no_shares, "DIRECT": False}
+    direct = {**tf32, **no_shares, "BLOCK_M": 2, "K_PACK": 8, "DIRECT": True}
     kv_len, kv_heads = 8192, HEADS // ATTN_GROUP
     attn = dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, lens_ptr="*i32", mask_ptr=u8, m_ptr="*fp32", l_ptr="*fp32")
     attn.update(acc_ptr="*fp32", HQ=HEADS, HKV=kv_heads, S=kv_len, D=HEAD_DIM, SPLITS=32, SPLIT_LEN=kv_len // 32)
@@ -139,6 +143,11 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
          {**listed, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
         ("o, all 8 groups a step, no list (a table tile)", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
          {**direct, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 8, "BLOCK_K": 128}, 4, 4, "wgmma"),
+        ("down, listed, handing on the next router's shares", gemm_reduce.triton_masked_reduce_gemm_kernel, down,
+         {**listed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64, "SHARES": True}, 4, 6, "wgmma"),
+        ("o, 4 groups a step, no list, handing on shares", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
+         {**packed, **no_shares, "DIRECT": True, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 32, "BLOCK_K": 128,
+          "SHARES": True}, 4, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
     ]  # fmt: skip

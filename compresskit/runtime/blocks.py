@@ -6,6 +6,14 @@ own norm) and returns what it adds. Everything a block needs travels in its argu
 These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (WIDE's
 routed blocks route, then project only the kept groups); the helpers here (:func:`rope`,
 :func:`write_cache`, :func:`attend`) are theirs to use too.
+
+A plugin's block may also hand a tensor to the block after it (``hands_off = True``): its
+``forward`` then takes the keyword ``handoff`` (what the block before it handed on, or None) and
+returns ``(what it adds, its handoff or None)``. Once the runtime is built, it calls each such
+block's ``prepare_handoff(next_block)`` with the block that follows it in the model (None after the
+last), so that the block knows whom it hands to. What a handoff holds is the two blocks' business:
+WIDE's blocks hand the next router the first step of its product. A block that does not hand off
+receives nothing.
 """
 
 from __future__ import annotations

@@ -40,17 +40,26 @@ FUSE_RESIDUAL = True
 WRAPPED_KINDS = 8  # block classes one process may compile through AddThen (dense, a plugin's, the baselines')
 
 
+def call_block(block: nn.Module, x: torch.Tensor, *args, handoff: torch.Tensor | None = None):
+    """``(what block adds to x, what it hands to the next block)``: a block with ``hands_off``
+    receives the block before it's handoff and returns its own; any other returns None."""
+    if getattr(block, "hands_off", False):
+        return block(x, *args, handoff=handoff)
+    return block(x, *args), None
+
+
 class AddThen(nn.Module):
-    """``block`` after the residual add: ``(x, delta, *args) -> (x + delta, block(x + delta, *args))``,
-    so that a compiled block holds the add of what the block before it returned."""
+    """``block`` after the residual add: ``(x, delta, *args, handoff) -> (x + delta, block's output,
+    block's handoff)`` (:func:`call_block`), so that a compiled block holds the add of what the
+    block before it returned."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, *args, handoff: torch.Tensor | None = None):
         x = x + delta
-        return x, self.block(x, *args)
+        return x, *call_block(self.block, x, *args, handoff=handoff)
 
 
 @dataclass
@@ -196,6 +205,10 @@ class Runtime:
             attn, mlp = executor.runtime_blocks(layer, i, self.head_dim) if executor is not None else (None, None)
             attn = attn if attn is not None else Attention(layer, self.head_dim, dense=dense)
             self.blocks.append((attn, mlp if mlp is not None else MLP(layer, dense=dense)))
+        order = [b for pair in self.blocks for b in pair]  # as the model runs them
+        for block, after in zip(order, [*order[1:], None], strict=True):
+            if getattr(block, "hands_off", False):
+                block.prepare_handoff(after)
         graphable = all(b.graphable for pair in self.blocks for b in pair)
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
         # why a GPU runs this model eagerly, for the reports (None where it need not)
@@ -269,15 +282,18 @@ class Runtime:
 
     # -- the forward ---------------------------------------------------------------------------
     def _layers(self, x: torch.Tensor, step: Step, cache: StaticCache, blocks) -> torch.Tensor:
+        handoff = None  # what a block hands to the next (see blocks.py)
         if self.fuse_residual:  # each block adds the one before it (the first adds zeros)
             delta = torch.zeros_like(x)
             for i, (attn, mlp) in enumerate(blocks):
-                x, delta = attn(x, delta, step, cache.keys[i], cache.values[i])  # [B, T, hidden]
-                x, delta = mlp(x, delta, step)
+                x, delta, handoff = attn(x, delta, step, cache.keys[i], cache.values[i], handoff=handoff)
+                x, delta, handoff = mlp(x, delta, step, handoff=handoff)  # x: [B, T, hidden]
             return x + delta
         for i, (attn, mlp) in enumerate(blocks):
-            x = x + attn(x, step, cache.keys[i], cache.values[i])  # [B, T, hidden]
-            x = x + mlp(x, step)
+            y, handoff = call_block(attn, x, step, cache.keys[i], cache.values[i], handoff=handoff)
+            x = x + y  # [B, T, hidden]
+            y, handoff = call_block(mlp, x, step, handoff=handoff)
+            x = x + y
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:

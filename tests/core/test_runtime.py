@@ -36,6 +36,61 @@ def test_prefill_and_decode_logits_are_transformers(tiny, monkeypatch, fuse_resi
         rt.forward(torch.ones(2, 1, dtype=torch.long), cache)
 
 
+class _Relay(torch.nn.Module):
+    """A block that hands on how many blocks before it handed on (``hands_off``), around a dense one."""
+
+    hands_off = True
+    graphable = True
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.after, self.seen = inner, "not prepared", []
+
+    def prepare_handoff(self, after):
+        self.after = after
+
+    def forward(self, x, *args, handoff=None):
+        self.seen.append(None if handoff is None else int(handoff))
+        return self.inner(x, *args), (torch.zeros((), dtype=torch.long) if handoff is None else handoff) + 1
+
+
+class _RelayEvery:
+    """An executor whose blocks all hand on, but the MLP of ``quiet_layer`` (a dense block: hands nothing)."""
+
+    def __init__(self, quiet_layer: int) -> None:
+        self.quiet_layer = quiet_layer
+
+    def runtime_blocks(self, layer, index, head_dim):
+        from compresskit.runtime.blocks import MLP, Attention
+
+        mlp = MLP(layer) if index == self.quiet_layer else _Relay(MLP(layer))
+        return _Relay(Attention(layer, head_dim)), mlp
+
+
+@pytest.mark.parametrize("fuse_residual", [False, True])
+def test_blocks_hand_on_to_the_block_after_them(tiny, monkeypatch, fuse_residual):
+    """A block with ``hands_off`` is told the block after it once (None after the last) and receives
+    what the block before it handed on (None after one that hands nothing, and first), in both residual
+    forms; the logits stay the dense model's."""
+    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
+    model, _ = tiny
+    rt = Runtime(model, executor=_RelayEvery(quiet_layer=0))
+    order = [b for pair in rt.blocks for b in pair]
+    assert len(order) >= 4 and not isinstance(order[1], _Relay)
+    relays = [(i, b) for i, b in enumerate(order) if isinstance(b, _Relay)]
+    assert all(b.after is (order[i + 1] if i + 1 < len(order) else None) for i, b in relays)
+    ids = torch.randint(2, 300, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = rt.forward(ids, rt.new_cache(1, 6))
+        torch.testing.assert_close(got, model(ids).logits, rtol=1e-5, atol=1e-5)
+    want, run = [], 0  # each relay counts the relays right before it (None: the first, or after the quiet MLP)
+    for block in order:
+        if isinstance(block, _Relay):
+            want.append(run or None)
+        run = run + 1 if isinstance(block, _Relay) else 0
+    assert [b.seen for _, b in relays] == [[w] for w in want] and want[:3] == [None, None, 1]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_projections_of_one_input_run_as_one_product(family, tmp_path):
     """q / k / v and gate / up are stacked by rows into one weight (and bias: Qwen2's q / k / v have

@@ -71,23 +71,36 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
-@pytest.mark.parametrize(("routed_qkv", "fuse_residual"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("routed_qkv", "fuse_residual", "hand_off"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True), (False, False, True)],
+)
 def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
-    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual
+    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual, hand_off
 ):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without; with
     ``ROUTED_QKV`` q, k and v are one routed product, with ``FUSE_RESIDUAL`` each block adds the
-    residual itself."""
+    residual itself, with ``HAND_OFF_SHARES`` every router but the first decides from the shares the
+    block before it handed on."""
     from compresskit.runtime import runtime_for
+    from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
 
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
+    from_shares = []
+    real_from_shares = blocks.router_decide_from_shares
+    monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
     assert all((a.wqkv is not None) == routed_qkv for a, _ in fast.blocks)
+    order = [blk for pair in fast.blocks for blk in pair]
+    handing = [blk.next_router_down for blk in order]
+    want_handing = [after.router_down for after in order[1:]] + [None] if hand_off else [None] * len(order)
+    assert all(a is b for a, b in zip(handing, want_handing, strict=True))
     assert fast.mode == "eager"  # on the CPU
     ref = Runtime(model)  # the routed modules as they are
     gen = torch.Generator().manual_seed(1)
@@ -110,6 +123,8 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
             token = torch.randint(2, 300, (b,), generator=gen)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each forward (two prompts, six steps) decides every router but the first from shares, or none
+    assert len(from_shares) == (8 * (len(order) - 1) if hand_off else 0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
@@ -176,12 +191,14 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
 
 
-@pytest.mark.parametrize("routed_qkv", [False, True])
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv):
+@pytest.mark.parametrize(("routed_qkv", "hand_off"), [(False, False), (True, False), (True, True)])
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv, hand_off):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
-    q, k and v through one routed kernel."""
+    q, k and v through one routed kernel, with ``HAND_OFF_SHARES`` o's and down's kernels handing
+    the next router its shares."""
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -252,6 +269,10 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(ops.masked_out_gemm, (x, torch.cat([w, wu[:12]]), mask, None, False, "torch", 12))
     h, w_down = torch.randn(m, n, generator=gen), torch.randn(d, n, generator=gen)
     torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask, False, "torch"))
+    residual, next_down = torch.randn(m, d, generator=gen), torch.randn(3, d, generator=gen)
+    torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask, residual, next_down, False, "torch"))
+    shares = torch.randn(2, m, 3, generator=gen)
+    torch.library.opcheck(ops.router_decide_from_shares, (shares, r[1], r[2], torch.zeros(2 * g), "torch"))
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     heads = torch.rand(2, 2, generator=gen) > 0.5
     lens = torch.tensor([6, 4], dtype=torch.int32)
@@ -303,6 +324,9 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, mo
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", True)
     pairs.append((Runtime(model, dense=True, compile=True), Runtime(model, dense=True)))
+    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
+    # and the routers' shares handed from block to block
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", True)
     pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"

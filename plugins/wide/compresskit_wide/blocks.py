@@ -11,6 +11,11 @@ SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``),
 ``torch.compile`` traces a whole decode step and a whole prefill with them inside. Each block
 counts the real tokens it routed and the groups it ran (``stat_tokens`` / ``stat_skipped``, as
 ``compresskit.routing.measured_sparsity`` reads them).
+
+With ``HAND_OFF_SHARES`` a block whose last product runs the reduction kernel (o, down at decode
+sizes) hands the next WIDE block (the runtime's handoff, ``compresskit.runtime.blocks``) the shares
+of its router's first product, written by that kernel's programs; the next block's router then
+runs only its decision's launch (``router_decide_from_shares``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
+router_decide_from_shares = _ops.router_decide_from_shares.default
+masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
@@ -33,6 +40,9 @@ routed_attention_prefill = _ops.routed_attention_prefill.default
 # q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
 # launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
+# o's and down's reduction kernels write the next router's first product (an A/B switch, read when the
+# runtime is built; off until measured on a GPU)
+HAND_OFF_SHARES = False
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -41,8 +51,10 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
 
 
 class _Routing(Counting):
-    """A WIDE router's decision through ``router_decide``, counted (``Counting``) unless ``count``
-    is off."""
+    """A WIDE router's decision through ``router_decide`` (or from the shares the block before
+    handed on), counted (``Counting``) unless ``count`` is off; and what this block hands on."""
+
+    hands_off = True
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
         router = proj.router
@@ -50,15 +62,41 @@ class _Routing(Counting):
         self.backend = backend
         self.count_decisions = count
         self.setup_counts(proj, proj.groups)
+        self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
 
-    def decide(self, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted."""
-        x2 = x.reshape(-1, x.shape[-1])
+    def prepare_handoff(self, after: nn.Module | None) -> None:
+        """Hand the next block the shares of its router's first product where it is a WIDE block
+        (and ``HAND_OFF_SHARES`` is on)."""
+        routed = isinstance(after, _Routing) and HAND_OFF_SHARES
+        self.next_router_down = after.router_down if routed else None
+
+    def decide(self, x: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None) -> torch.Tensor:
+        """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
+        (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
-        execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.backend)
+        if shares is not None:
+            execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.backend)
+        else:
+            execute = router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
         if self.count_decisions:
             self.count(execute, valid)
         return execute
+
+    def last_product(
+        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], handoff)``: with
+        the next router's shares where this block hands off and the reduction kernel runs (``x``:
+        the block's input, to which the caller adds the output), else None."""
+        m = a.shape[0]
+        nxt = self.next_router_down
+        if nxt is not None and (
+            self.backend != "auto"
+            or a.device.type != "cuda"
+            or use_kernel("reduce", m, groups=execute.shape[-1], zeroed=zeroed)
+        ):
+            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
+        return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
 
 
 class WideAttention(Attention, _Routing):
@@ -87,9 +125,9 @@ class WideAttention(Attention, _Routing):
         stacked product would drag k and v through it, slower than q alone and then cuBLAS k / v."""
         return m <= DECODE_MAX_M or (self.backend == "auto" and not use_kernel("out", m))
 
-    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor, *, handoff=None):
         b, t, _ = x.shape
-        execute = self.decide(x, step.valid)  # [B * T, G]
+        execute = self.decide(x, step.valid, handoff)  # [B * T, G]
         h = self.norm(x)
         h2 = h.reshape(b * t, -1)
         if self.wqkv is not None and self._one_qkv_product(b * t):  # kept groups' queries, k and v for every token
@@ -114,10 +152,10 @@ class WideAttention(Attention, _Routing):
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y = masked_reduce_gemm(out, self.wo, execute, routed, self.backend)
+            y, shares = self.last_product(out, self.wo, execute, routed, x)
         else:
-            y = self.o_proj(mask_input_groups(out, execute))
-        return y.view(b, t, -1)
+            y, shares = self.o_proj(mask_input_groups(out, execute)), None
+        return y.view(b, t, -1), shares
 
 
 class WideMLP(nn.Module, _Routing):
@@ -131,13 +169,14 @@ class WideMLP(nn.Module, _Routing):
         self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
         self.wd = mlp.down_proj.base_layer.weight
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, *, handoff=None):
         b, t, _ = x.shape
-        execute = self.decide(x, step.valid)  # [B * T, G]
+        execute = self.decide(x, step.valid, handoff)  # [B * T, G]
         h = self.norm(x).reshape(b * t, -1)
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
-        return masked_reduce_gemm(g, self.wd, execute, True, self.backend).view(b, t, -1)
+        y, shares = self.last_product(g, self.wd, execute, True, x)
+        return y.view(b, t, -1), shares
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):

@@ -189,6 +189,7 @@ if triton is not None:
         y = out.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
         if SHARES:
+            tl.static_assert(BLOCK_N % SHARE_N == 0, "a program's output block spans whole share slots")
             res_mask = row_ok[:, None] & col_ok[None, :]
             res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=res_mask, other=0.0)
             x_next = (res.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -39,13 +39,17 @@ from compresskit_wide.kernels.common import interpreted
 from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
+    share_slots,
     torch_group_masked_input,
     torch_masked_reduce_gemm,
+    torch_router_shares,
     triton_masked_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
     torch_router_decide,
+    torch_router_decide_from_shares,
     triton_router_decide,
+    triton_router_decide_from_shares,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -128,6 +132,21 @@ def router_decide(
 
 
 @_operator(
+    lambda shares, b_down, w_up, b_up, backend="auto": shares.new_empty(
+        shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool
+    )
+)
+def router_decide_from_shares(
+    shares: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, backend: str = "auto"
+) -> torch.Tensor:
+    """``shares: [S, M, R]`` (the bottleneck's shares, as ``masked_reduce_gemm_shares`` hands them
+    on) -> execute mask ``[M, G]`` (bool): ``router_decide``'s decision, from its second step on."""
+    if _choose(backend, "router", shares.shape[1], shares) == "triton":
+        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
+    return torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
+
+
+@_operator(
     lambda x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0: x.new_empty(x.shape[0], w.shape[0])
 )
 def masked_out_gemm(
@@ -168,6 +187,37 @@ def masked_reduce_gemm(
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     return torch_masked_reduce_gemm(x, w, mask)
+
+
+def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto"):
+    n = w.shape[0]
+    shares = x.new_empty(share_slots(n), x.shape[0], share_w.shape[0], dtype=torch.float32)
+    return x.new_empty(x.shape[0], n), shares
+
+
+@_operator(_fake_reduce_shares)
+def masked_reduce_gemm_shares(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    residual: torch.Tensor,
+    share_w: torch.Tensor,
+    input_is_masked: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masked_reduce_gemm`` that also hands the next router its first step: ``(out, shares)``,
+    ``shares: [S, M, R]`` the shares of ``(residual + out) @ share_w.T`` (``residual: [M, N]``, what
+    the caller adds ``out`` to; ``share_w: [R, N]`` fp32, the next router's ``w_down``), for
+    ``router_decide_from_shares``. In the kernel each program writes its columns' share; elsewhere
+    the reference computes them after the product."""
+    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    if path == "triton":
+        return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
+    if path == "dense":
+        out = dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
+    else:
+        out = torch_masked_reduce_gemm(x, w, mask)
+    return out, torch_router_shares(residual + out, share_w)
 
 
 @_operator(lambda q, k, v, seq_lens, mask, backend="auto": q.new_empty(q.shape))
