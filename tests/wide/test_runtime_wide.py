@@ -386,21 +386,23 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused"])
+@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff"])
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
     step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
-    graph, and WIDE's q, k and v are one routed product), and the same greedy tokens; the counts of a
-    graph-replayed run equal the eager run's (warm-up runs are not counted)."""
+    graph, and WIDE's q, k and v are one routed product; "-handoff": fused, and the reductions hand the
+    next router its shares), and the same greedy tokens; the counts of a graph-replayed run equal the
+    eager run's (warm-up runs are not counted)."""
     from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    fused = method.endswith("-fused")
+    fused = method.endswith(("-fused", "-handoff"))
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
-    method = method.removesuffix("-fused")
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith("-handoff"))
+    method = method.removesuffix("-fused").removesuffix("-handoff")
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
