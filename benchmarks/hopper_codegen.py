@@ -146,8 +146,8 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         ("down, listed, handing on the next router's shares", gemm_reduce.triton_masked_reduce_gemm_kernel, down,
          {**listed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64, "SHARES": True}, 4, 6, "wgmma"),
         ("o, 4 groups a step, no list, handing on shares", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
-         {**packed, **no_shares, "DIRECT": True, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 32, "BLOCK_K": 128,
-          "SHARES": True}, 4, 4, "wgmma"),
+         {**packed, **no_shares, "DIRECT": True, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 32,
+          "BLOCK_K": 128, "SHARES": True}, 4, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
     ]  # fmt: skip
