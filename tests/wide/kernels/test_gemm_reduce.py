@@ -82,6 +82,8 @@ def test_shares_need_what_they_read():
         triton_masked_reduce_gemm(x, w, mask, residual=res, share_w=sw.double())
     with pytest.raises(ValueError, match=f"output blocks of a multiple of {SHARE_N} channels, got 8"):
         triton_masked_reduce_gemm(x, w, mask, residual=res, share_w=sw, block_n=8)
+    with pytest.raises(ValueError, match=r"shares must be a contiguous fp32 \[2, 2, 4\], got \(2, 2, 3\)"):
+        triton_masked_reduce_gemm(x, w, mask, residual=res, share_w=sw, shares=torch.empty(2, 2, 3, device=DEVICE))
 
 
 def test_inactive_inputs_are_never_read():

@@ -294,6 +294,10 @@ def triton_masked_reduce_gemm(
         share_w = share_w.contiguous()
         if shares is None:
             shares = torch.empty((share_slots(n), m, r), dtype=torch.float32, device=x.device)
+        elif shares.shape != (share_slots(n), m, r) or shares.dtype != torch.float32 or not shares.is_contiguous():
+            raise ValueError(
+                f"shares must be a contiguous fp32 [{share_slots(n)}, {m}, {r}], got {tuple(shares.shape)}"
+            )
     args = (x, w, mask_u8, out, lists, residual if handing else x, share_w if handing else x)
     args += (shares if handing else x, m, n, gw, groups, r, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     args += (residual.stride(0) if handing else 0,)
