@@ -211,8 +211,10 @@ class Pruner(abc.ABC):
         anneal). Returns values worth logging. Default: nothing."""
         return {}
 
-    def train_metrics(self, model: nn.Module) -> dict[str, float]:
-        """Values worth logging after a training step (e.g. the realised sparsity of the batch)."""
+    def train_metrics(self, model: nn.Module) -> dict[str, float | torch.Tensor]:
+        """Values worth logging after a training step (e.g. the realised sparsity of the batch): floats,
+        or 0-d tensors, which the trainer reads back from the device with the other logs of a few
+        steps at once (a float read on the device makes the host wait for it)."""
         return {}
 
     def reset_sparsity(self, model: nn.Module) -> None:  # noqa: B027 - optional hook

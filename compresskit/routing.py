@@ -469,10 +469,10 @@ class RoutedPruner(Pruner):
         the batch's tensors are released afterwards."""
         rho = batch_skip_fractions(self.projections, self._total_macs)
         release_batch(self.projections)
-        self._last_rho = {k: float(v.detach()) for k, v in rho.items()}
+        self._last_rho = {k: v.detach() for k, v in rho.items()}  # (read back with the step's other logs)
         return rho
 
-    def train_metrics(self, model: nn.Module) -> dict[str, float]:
+    def train_metrics(self, model: nn.Module) -> dict[str, float | torch.Tensor]:
         return {f"sparsity_{k}": v for k, v in getattr(self, "_last_rho", {}).items()}
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

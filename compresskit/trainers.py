@@ -45,6 +45,9 @@ from compresskit.tokens import token_mask
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint"  # a sharded checkpoint (torch.distributed.checkpoint), with several ranks
 HISTORY_POINTS = 1000  # entries of a stage's loss history kept in results.json (evenly spaced)
+# steps whose logged values stay on the device and are read back together: one wait for the device per this
+# many steps instead of several per micro-batch, so that the host queues the next step's work while the GPU runs
+LOG_EVERY = 10
 
 
 class TrainStageConfig(PluginConfig):
@@ -150,6 +153,20 @@ class RouterTrainer(Trainer):
         t0, tokens = time.perf_counter(), 0
         completed, saved = start, start  # steps finished, and the last step a checkpoint holds
         rng = _rng_state()  # the random state at the start of step `completed`
+        pending: list[dict] = []  # the logs of steps not yet read back from the device (values may be tensors)
+
+        def read_back() -> None:
+            """The pending steps' logs into ``history`` as floats (one transfer), and a non-finite loss
+            an error naming its step."""
+            tensors = [v for logs_ in pending for v in logs_.values() if isinstance(v, torch.Tensor)]
+            values = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
+            for logs_ in pending:
+                row = {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in logs_.items()}
+                if not math.isfinite(row["loss"]):
+                    raise FloatingPointError(f"{self.stage_name}: loss became {row['loss']} at step {int(row['step'])}")
+                history.append(row)
+            pending.clear()
+
         model.train()
         task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
         try:
@@ -164,6 +181,7 @@ class RouterTrainer(Trainer):
                         batch = next(batches)
                         if k % world != rank:
                             continue
+                        tokens += int(batch.attention_mask.sum())  # (counted on the host, before the copy)
                         batch = batch.to(device)
                         # each micro-batch's own noise (Gumbel, dropout): the same whatever the rank count
                         seed_everything(phase_seed(seed, f"step {step} micro-batch {k}"))
@@ -191,17 +209,14 @@ class RouterTrainer(Trainer):
                                         top_k=d.top_k,
                                     )
                                 loss = (1.0 - d.weight) * loss + d.weight * kl
-                                logs["kl"] = float(kl.detach())
+                                logs["kl"] = kl.detach()
                             if reg is not None:
                                 loss = loss + reg
                         (loss / c.grad_accum).backward()
-                        total_loss += float(loss.detach()) / c.grad_accum
-                        tokens += int(batch.attention_mask.sum())
-                        logs["lm_loss"] = float(out.loss.detach())
+                        total_loss = total_loss + loss.detach() / c.grad_accum
+                        logs["lm_loss"] = out.loss.detach()
                     if ranks is not None:  # the step's loss over all ranks (each rank's is a mean of its share)
-                        total_loss = distributed.mean(total_loss)
-                    if not math.isfinite(total_loss):
-                        raise FloatingPointError(f"{self.stage_name}: loss became {total_loss} at step {step}")
+                        total_loss = distributed.mean(float(total_loss))
                     with deferred():  # a signal waits until the step and its bookkeeping are whole
                         if c.grad_clip is not None:
                             torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
@@ -210,9 +225,12 @@ class RouterTrainer(Trainer):
                         if pruner is not None:
                             logs.update(pruner.train_metrics(model))
                         logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
-                        history.append({k: float(v) for k, v in logs.items()})
+                        pending.append(logs)
                         completed, rng = step + 1, _rng_state()
-                        if ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps):
+                        saving = ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps)
+                        if saving or completed % LOG_EVERY == 0 or completed == c.steps:
+                            read_back()  # (a checkpoint never holds a step whose loss was not finite)
+                        if saving:
                             if ranks is not None:
                                 meta = self._checkpoint_meta(completed, scheduler, history, completed == c.steps)
                                 distributed.save_checkpoint(ckpt, model, optimizer, meta, ranks)
@@ -223,12 +241,15 @@ class RouterTrainer(Trainer):
                             saved = completed
                     if task is not None:
                         task.advance(1)
-                        shown = {k: logs[k] for k in ("loss", "lm_loss", "kl") if k in logs}
-                        shown.update({k: v for k, v in logs.items() if k.startswith("sparsity")})
-                        shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
-                        task.update(**shown)
+                        if not pending and history:  # just read back: show the latest step's values
+                            last = history[-1]
+                            shown = {k: last[k] for k in ("loss", "lm_loss", "kl") if k in last}
+                            shown.update({k: v for k, v in last.items() if k.startswith("sparsity")})
+                            shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
+                            task.update(**shown)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished step for the resumed run
             # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
+            read_back()
             if ckpt is not None and completed > saved and ranks is None:
                 self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, rng=rng)
                 if progress is not None:

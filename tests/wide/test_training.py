@@ -391,3 +391,31 @@ def test_recipe_with_generated_text_and_distillation_end_to_end(tiny_model_dir, 
     generated_share = res["data"]["sources"][1]
     assert generated_share["test"] == 0 and generated_share["train"] == 2 * generated_share["documents"]  # trains only
     assert all("kl" in h for t in res["training"] for h in t["history"])
+
+
+def test_a_loss_that_is_not_finite_stops_the_stage_at_its_step(tiny_model_dir, tmp_path, monkeypatch):
+    """The logs of a few steps are read back from the device together (``LOG_EVERY``): a loss that
+    turns NaN at step 13 stops the stage naming step 13, and the checkpoint left behind is of a step
+    before it (here step 12, saved every 4), whose history holds every step up to it."""
+    import compresskit.trainers as trainers
+
+    monkeypatch.setattr(trainers, "LOG_EVERY", 5)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    ctx = RunContext(model_config=model.config, tokenizer=tok, seed=0, work_dir=tmp_path / "w")
+    pruner.prepare(model, ctx)
+    real_regularization, calls = pruner.regularization, []
+
+    def regularization(m):
+        calls.append(1)
+        reg = real_regularization(m)
+        return reg * float("nan") if len(calls) == 14 else reg  # the 14th step: step 13
+
+    monkeypatch.setattr(pruner, "regularization", regularization)
+    config = TrainStageConfig(steps=20, batch_size=2, seq_len=32, checkpoint_every=4)
+    with pytest.raises(FloatingPointError, match="router: loss became nan at step 13"):
+        RouterTrainer(config).fit(model, pruner, DataModule(tok), ctx)
+    saved = torch.load(tmp_path / "w" / "checkpoint.pt", weights_only=False)
+    assert saved["step"] == 12 and [int(h["step"]) for h in saved["history"]] == list(range(12))
+    assert all(isinstance(v, float) and v == v for h in saved["history"] for v in h.values())
