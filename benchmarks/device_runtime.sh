@@ -9,6 +9,8 @@
 #   BENCH="--shape llama-3.1-8b --prompt 1024 --new-tokens 64 --transformers static" CASE_TIMEOUT=560 \
 #     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
 #   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
+#   MEMORY="--shapes smollm2-135m --batch 8,32 --steps 30 --distill" bash benchmarks/device_runtime.sh memory
+#                                                          # and training throughput by batch size
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
 #   AB="--flag compresskit.runtime.blocks:STACK_PROJECTIONS" bash benchmarks/device_runtime.sh ab
 #                                                          # a switch off and on, end to end (bench_runtime_ab.py;
@@ -28,7 +30,7 @@ if [ "${1:-all}" = ab ]; then
   exit $?
 fi
 if [ "${1:-all}" = memory ]; then
-  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_train_memory.py --out "$out/train-memory"
+  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_train_memory.py --out "$out/train-memory" ${MEMORY:-}
   exit $?
 fi
 if [ "${1:-all}" != bench ]; then

@@ -90,3 +90,4 @@ def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
     rows = json.loads((tmp_path / "train_memory.json").read_text())["rows"]
     assert [r["stage"] for r in rows] == ["router", "lora"] and all(r["measured_peak_allocated"] is None for r in rows)
     assert rows[1]["trained_params"] > rows[0]["trained_params"] > 0
+    assert all(r["batch"] == 1 and r["tokens_per_s"] > 0 and not r["distill"] for r in rows)
