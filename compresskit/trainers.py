@@ -159,7 +159,9 @@ class RouterTrainer(Trainer):
             """The pending steps' logs into ``history`` as floats (one transfer), and a non-finite loss
             an error naming its step."""
             tensors = [v for logs_ in pending for v in logs_.values() if isinstance(v, torch.Tensor)]
-            values = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
+            values = iter(
+                torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist() if tensors else []
+            )
             for logs_ in pending:
                 row = {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in logs_.items()}
                 if not math.isfinite(row["loss"]):
