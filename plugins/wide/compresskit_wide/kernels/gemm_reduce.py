@@ -186,12 +186,12 @@ if triton is not None:
         out = tl.trans(packed_diagonal(acc, K_PACK, BLOCK_N, BLOCK_M))
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
+        in_tile = row_ok[:, None] & col_ok[None, :]
         y = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=in_tile)
         if SHARES:
             tl.static_assert(BLOCK_N % SHARE_N == 0, "a program's output block spans whole share slots")
-            res_mask = row_ok[:, None] & col_ok[None, :]
-            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=res_mask, other=0.0)
+            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=in_tile, other=0.0)
             x_next = (res.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
             slot = tn * (BLOCK_N // SHARE_N)
             # R in chunks, so that the broadcast product stays within about 4k values a program

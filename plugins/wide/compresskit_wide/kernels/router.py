@@ -17,7 +17,10 @@ logits tie within fp32 rounding (another summation order), as between two GEMM l
 At decode the bottleneck may arrive as shares already (``router_decide_from_shares``): the reduction
 kernel of the block before writes ``x[:, cols] @ w_down[:, cols].T`` for its output columns of the
 next block's input (``gemm_reduce.py``), so that only the decision's launch is left: it sums the
-shares and decides.
+shares and decides. That launch is a kernel of its own, not the two-launch router's second one:
+those are 256 shares a token at Llama-3.1-8B's width (one a 16 columns), against that router's
+32, which it sums one by one in a loop the compiler unrolls (at 256 shares: a large kernel, slow
+to compile); this one loads a token's shares at once and sums them as a tree.
 
     shares: [S, M, R]   fp32 partial bottlenecks over S column slices of D (zero where a slice is empty)
 """
@@ -47,7 +50,12 @@ def torch_router_decide(
 ) -> torch.Tensor:
     """Reference: exactly ``decide(GroupRouter(x), sample=False)`` for a 2-D ``x`` (as a bool mask
     with ``as_bool``)."""
-    z = torch.nn.functional.linear(x.float(), w_down, b_down)
+    return _decide(torch.nn.functional.linear(x.float(), w_down, b_down), w_up, b_up, as_bool)
+
+
+def _decide(z: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, as_bool: bool) -> torch.Tensor:
+    """The references' second step: the bottleneck ``z: [M, R]`` -> both logits of each group,
+    compared (1.0 / True where the group executes)."""
     logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
     execute = logits[..., 1] <= logits[..., 0]
     return execute if as_bool else execute.to(logits.dtype)
@@ -58,10 +66,7 @@ def torch_router_decide_from_shares(
 ) -> torch.Tensor:
     """Reference: the decision from the bottleneck's shares ``[S, M, R]`` (summed, then as
     :func:`torch_router_decide` from its bottleneck on)."""
-    z = shares.sum(0) + b_down
-    logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
-    execute = logits[..., 1] <= logits[..., 0]
-    return execute if as_bool else execute.to(logits.dtype)
+    return _decide(shares.sum(0) + b_down, w_up, b_up, as_bool)
 
 
 if triton is not None:
