@@ -2,8 +2,10 @@
 ``--shape`` bench (WIDE with routers calibrated to skip half of each router's groups, dense, the ideal
 half-width model) built with every ``--flag`` False, with each one True alone and, for several, with all
 True, in one process, repeats interleaved (each variant in turn, repeat after repeat) so that drift
-between them cancels. Reports whether each variant gives the baseline's greedy tokens. On a CPU
-everything runs eagerly (a smoke run, not a measurement).
+between them cancels. Reports how many of the baseline's greedy tokens each variant gives before its
+first different one (a change of rounding can flip a router's decision that sits on its threshold, and
+a random-weight model's near-flat logits turn that into another token). On a CPU everything runs
+eagerly (a smoke run, not a measurement).
 
     python benchmarks/bench_runtime_ab.py --flag compresskit.runtime.llama:FUSE_RESIDUAL \
         [--flag compresskit_wide.blocks:ROUTED_QKV ...] --out DIR
@@ -43,6 +45,11 @@ def variants(names: list[str]) -> list[tuple[str, ...]]:
     """The switches on in each variant: none (the baseline), each alone, and all where there are several."""
     out = [(), *((n,) for n in names)]
     return out + [tuple(names)] if len(names) > 1 else out
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share before their first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,6 +115,10 @@ def main(argv: list[str] | None = None) -> None:
                 row["tpot_gain"] = round(statistics.median(tpot[base]) / row["tpot_ms"], 3)
                 row["ttft_gain"] = round(statistics.median(ttft[base]) / row["ttft_ms"], 3)
                 row["same_greedy_tokens"] = tokens[key] == tokens[base]
+                row["equal_leading_tokens"] = min(
+                    leading_equal(a, b) for a, b in zip(tokens[key], tokens[base], strict=True)
+                )
+                row["new_tokens"] = args.new_tokens
             rows.append(row)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -125,12 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     (out / "runtime-ab.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# {', '.join(switches)}: off and on, end to end", "", json.dumps(meta), ""]
     lines += [
-        "| member | on | TTFT ms | TPOT ms | TTFT / TPOT x all off | same greedy tokens |",
+        "| member | on | TTFT ms | TPOT ms | TTFT / TPOT x all off | greedy tokens equal to all off |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         gain = f"{r['ttft_gain']}x / {r['tpot_gain']}x" if r["on"] else ""
-        same = str(r.get("same_greedy_tokens", ""))
+        same = f"{r['equal_leading_tokens']} of {r['new_tokens']}" if r["on"] else ""
         lines.append(
             f"| {r['member']} | {' + '.join(r['on']) or '(none)'} | {r['ttft_ms']} | {r['tpot_ms']} | {gain} | {same} |"
         )

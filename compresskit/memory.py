@@ -14,7 +14,10 @@ The peak memory per GPU is an estimate, the sum of:
   projection's input again (its adapter's own copy in the compute dtype, one byte more an element for the
   dropout mask);
 - **logits**: the micro-batch's logits in the compute dtype, their fp32 copy for the loss and its
-  gradient (and with distillation the teacher's fp32 logits and the KL's two distributions);
+  gradient; with distillation six fp32 tensors of the logits' size more, which the KL holds at once (the
+  teacher's and the student's logits at temperature, their two log-distributions, the teacher's
+  probabilities and the elementwise term; measured on the H200 at 12.2-12.9 bytes a logit above the
+  three this term counted before, docs/train-memory-h200.md);
 - a fixed 0.5 GiB for the CUDA context and workspaces.
 """
 
@@ -100,7 +103,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
             trainable += count_parameters(model) - before
             per_token_lora = _lora_inputs(model) * (elem + (1 if c.dropout > 0 else 0))
         tokens = c.batch_size * c.seq_len
-        logit_bytes = tokens * config.vocab_size * (elem + 8 + (12 if c.distill is not None else 0))
+        logit_bytes = tokens * config.vocab_size * (elem + 8 + (24 if c.distill is not None else 0))
         stages.append(
             StagePlan(
                 stage=stage.name,

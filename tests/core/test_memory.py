@@ -55,6 +55,22 @@ def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
     assert one.stages[1].activations - one.stages[0].activations == 2 * 64 * inputs * (4 + 1)
 
 
+def test_distillation_adds_the_kl_tensors_to_the_logits_only(recipe, tiny_model_dir):
+    """A stage that distils holds six more fp32 tensors of the logits' size (the KL's inputs at
+    temperature, their log-distributions, the teacher's probabilities, the elementwise term); nothing
+    else in its plan changes."""
+    from compresskit.modeling import load_config
+
+    config = load_config(str(tiny_model_dir))[0]
+    plain = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    recipe["training"][0]["config"]["distill"] = {"weight": 0.5, "temperature": 2.0}
+    distil = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    a, b = plain.stages[0], distil.stages[0]
+    assert b.logits - a.logits == 2 * 64 * config.vocab_size * 6 * 4
+    assert (a.weights, a.activations, a.trainable_state) == (b.weights, b.activations, b.trainable_state)
+    assert distil.stages[1] == plain.stages[1]  # the LoRA stage does not distil
+
+
 def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, monkeypatch):
     import yaml
     from transformers import AutoModelForCausalLM

@@ -483,6 +483,8 @@ def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
         (m, on) for m in ("compressed", "dense", "ideal half-width") for on in ways
     ]
     assert all(r["same_greedy_tokens"] and r["tpot_gain"] > 0 for r in rows if r["on"])
+    assert all(r["equal_leading_tokens"] == r["new_tokens"] == 3 for r in rows if r["on"])
+    assert "| 3 of 3 |" in (tmp_path / "runtime-ab.md").read_text()
     bad = subprocess.run(
         [sys.executable, str(script), "--flag", "compresskit.runtime.blocks:Step", "--out", str(tmp_path)],
         capture_output=True,

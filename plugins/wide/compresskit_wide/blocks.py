@@ -41,8 +41,8 @@ routed_attention_prefill = _ops.routed_attention_prefill.default
 # launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
 # o's and down's reduction kernels write the next router's first product (an A/B switch, read when the
-# runtime is built; off until measured on a GPU)
-HAND_OFF_SHARES = False
+# runtime is built)
+HAND_OFF_SHARES = True
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
