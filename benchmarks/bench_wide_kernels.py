@@ -222,7 +222,9 @@ def case_down(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 def case_handoff(m, n, k, groups, rank, next_groups, mask_kind, dtype, device, gen, results, label):
     """A reduction at decode (``label``: down or o) and the next router's decision, as a block hands
     them on: the kernel writing the next router's shares, then the decision's launch alone, against
-    the kernel, the residual add and the two-launch router (what runs without the handoff)."""
+    the kernel, the residual add and the two-launch router (what runs without the handoff), and
+    against cuBLAS's product, the add and the two-launch router (what runs where ``auto`` takes the
+    dense product: the input arrives zero-filled, after the SwiGLU kernel or the routed attention)."""
     from compresskit_wide.kernels.router import triton_router_decide, triton_router_decide_from_shares
 
     h = torch.randn(m, k, device=device, dtype=dtype)
@@ -240,11 +242,24 @@ def case_handoff(m, n, k, groups, rank, next_groups, mask_kind, dtype, device, g
         out = triton_masked_reduce_gemm(h, w, mask)
         return out, triton_router_decide(residual + out, *r, as_bool=True)
 
+    def dense():
+        out = h @ w.T
+        return out, triton_router_decide(residual + out, *r, as_bool=True)
+
     (got_out, got), (ref_out, ref) = ours(), separate()
     flips = (got != ref).float().mean().item()  # fp32 near-ties decided by another summation order
     ok = torch.equal(got_out, ref_out) and flips <= 1e-3
     add_row(
-        results, f"{label} + next router", m, mask_kind, mask, ours, {"kernel, add, router": separate}, ok, flips, True
+        results,
+        f"{label} + next router",
+        m,
+        mask_kind,
+        mask,
+        ours,
+        {"kernel, add, router": separate, "cuBLAS, add, router": dense},
+        ok,
+        flips,
+        True,
     )
 
 
