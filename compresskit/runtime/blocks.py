@@ -154,27 +154,30 @@ class Counting:
         self.groups, self.kind = groups, proj.kind
         self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
         dev = proj.base_layer.weight.device
-        self.register_buffer("stat_tokens", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
-        self.register_buffer("stat_executed", torch.zeros((), dtype=torch.float64, device=dev), persistent=False)
+        # (real tokens, executed (token, group) pairs): one buffer, which an operator may add to itself
+        self.register_buffer("stat_counts", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+
+    @property
+    def stat_tokens(self) -> torch.Tensor:
+        return self.stat_counts[0]
 
     @property
     def stat_skipped(self) -> torch.Tensor:
-        return self.stat_tokens * self.groups - self.stat_executed
+        return self.stat_counts[0] * self.groups - self.stat_counts[1]
 
     def reset_stats(self) -> None:
-        self.stat_tokens.zero_()
-        self.stat_executed.zero_()
+        self.stat_counts.zero_()
 
     def count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Add a decision: ``execute: [M, G]`` (bool, ``M`` the tokens in order) and ``valid``, the
         real-token mask (``[B, T]`` with ``B * T = M``) or None when every token is real."""
         if valid is None:
-            self.stat_tokens.add_(execute.shape[0])
-            self.stat_executed.add_(execute.sum(dtype=torch.float64))
+            self.stat_counts[0].add_(execute.shape[0])
+            self.stat_counts[1].add_(execute.sum(dtype=torch.float64))
         else:
             real = valid.reshape(-1, 1).bool()
-            self.stat_tokens.add_(real.sum(dtype=torch.float64))
-            self.stat_executed.add_((execute & real).sum(dtype=torch.float64))
+            self.stat_counts[0].add_(real.sum(dtype=torch.float64))
+            self.stat_counts[1].add_((execute & real).sum(dtype=torch.float64))
 
 
 class Attention(nn.Module):

@@ -191,14 +191,20 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
 
 
-@pytest.mark.parametrize(("routed_qkv", "hand_off"), [(False, False), (True, False), (True, True)])
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch, routed_qkv, hand_off):
+@pytest.mark.parametrize(
+    ("routed_qkv", "hand_off", "count_in_router"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+)
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(
+    tiny_model_dir, monkeypatch, routed_qkv, hand_off, count_in_router
+):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
     q, k and v through one routed kernel, with ``HAND_OFF_SHARES`` o's and down's kernels handing
-    the next router its shares."""
+    the next router its shares, with ``COUNT_IN_ROUTER`` the router kernels counting."""
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
+    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", count_in_router)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -218,18 +224,29 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, mon
     assert counts.tokens == 2 * 7 + 2 * 2 and 0.2 < counts.macs < 0.8
 
 
-def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir):
+@pytest.mark.parametrize("count_in_router", [False, True])
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9], [5, 6]], [[5, 6, 7, 8, 9]]])
+def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeypatch, count_in_router, prompts):
+    """A padded batch and a single prompt: the blocks' counts equal the routed modules'; with
+    ``COUNT_IN_ROUTER`` the router operators count where every token is real, the block elsewhere."""
     from compresskit.runtime import runtime_for
+    from compresskit_wide import blocks
 
+    monkeypatch.setattr(blocks, "COUNT_IN_ROUTER", count_in_router)
+    counted_by_router = []
+    for name in ("router_decide_counted", "router_decide_from_shares_counted"):
+        real = getattr(blocks, name)
+        monkeypatch.setattr(blocks, name, lambda *a, real=real: counted_by_router.append(1) or real(*a))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     pruner.reset_sparsity(model)
-    fast.generate([[5, 6, 7, 8, 9], [5, 6]], max_new_tokens=3)
+    fast.generate(prompts, max_new_tokens=3)
     got = _routing_counts(fast, model)
-    Runtime(model).generate([[5, 6, 7, 8, 9], [5, 6]], max_new_tokens=3)
+    Runtime(model).generate(prompts, max_new_tokens=3)
     want = pruner.sparsity(model)
-    assert got.tokens == want.tokens == 5 + 2 + 2 * 2
+    assert got.tokens == want.tokens == sum(map(len, prompts)) + 2 * len(prompts)
     assert abs(got.macs - want.macs) < 1e-9 and 0.2 < got.macs < 0.8
+    assert any(counted_by_router) == count_in_router
 
 
 def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
@@ -273,6 +290,10 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask, residual, next_down, False, "torch"))
     shares = torch.randn(2, m, 3, generator=gen)
     torch.library.opcheck(ops.router_decide_from_shares, (shares, r[1], r[2], torch.zeros(2 * g), "torch"))
+    counts = torch.zeros(2, dtype=torch.float64)  # counted in place (a mutated argument)
+    torch.library.opcheck(ops.router_decide_counted, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, "torch"))
+    args = (shares, r[1], r[2], torch.zeros(2 * g), counts, "torch")
+    torch.library.opcheck(ops.router_decide_from_shares_counted, args)
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     heads = torch.rand(2, 2, generator=gen) > 0.5
     lens = torch.tensor([6, 4], dtype=torch.int32)
@@ -327,6 +348,9 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, mo
     pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     # and the routers' shares handed from block to block
     monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", True)
+    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
+    # and the router operators counting their decisions (in place, inside the compiled graph)
+    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", True)
     pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"
@@ -386,23 +410,25 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff"])
+@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count"])
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
     step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
     graph, and WIDE's q, k and v are one routed product; "-handoff": fused, and the reductions hand the
-    next router its shares), and the same greedy tokens; the counts of a graph-replayed run equal the
-    eager run's (warm-up runs are not counted)."""
+    next router its shares; "-count": as "-handoff", the router kernels counting their decisions), and
+    the same greedy tokens; the counts of a graph-replayed run equal the eager run's (warm-up runs are
+    not counted)."""
     from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    fused = method.endswith(("-fused", "-handoff"))
+    fused = method.endswith(("-fused", "-handoff", "-count"))
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith("-handoff"))
-    method = method.removesuffix("-fused").removesuffix("-handoff")
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count")))
+    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith("-count"))
+    method = method.removesuffix("-fused").removesuffix("-handoff").removesuffix("-count")
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))

@@ -31,6 +31,8 @@ from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
+router_decide_counted = _ops.router_decide_counted.default
+router_decide_from_shares_counted = _ops.router_decide_from_shares_counted.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
@@ -43,6 +45,9 @@ ROUTED_QKV = True
 # o's and down's reduction kernels write the next router's first product (an A/B switch, read when the
 # runtime is built)
 HAND_OFF_SHARES = True
+# the router's decision launch counts the decision itself where every token is real, instead of the
+# block's own counting ops (an A/B switch, read when a block is built; off until measured on a GPU)
+COUNT_IN_ROUTER = False
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -61,6 +66,7 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.count_decisions = count
+        self.count_in_router = count and COUNT_IN_ROUTER
         self.setup_counts(proj, proj.groups)
         self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
 
@@ -74,10 +80,17 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.count_in_router and valid is None:  # every token real: the router's launch counts
+            if shares is not None:
+                return router_decide_from_shares_counted(
+                    shares, d.bias, r.weight, r.bias, self.stat_counts, self.backend
+                )
+            return router_decide_counted(x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, self.backend)
         if shares is not None:
             execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.backend)
         else:
-            execute = router_decide(x.reshape(-1, x.shape[-1]), d.weight, d.bias, r.weight, r.bias, self.backend)
+            execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.backend)
         if self.count_decisions:
             self.count(execute, valid)
         return execute

@@ -189,8 +189,10 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
             y,
             o,
             ops.routed_attention_decode(q, k, v, lens, amask, backend=backend),
-            ops.router_decide(x, *router, backend=backend),
+            ops.router_decide_counted(x, *router, counts, backend=backend),
         )
+
+    counts = torch.zeros(2, dtype=torch.float64, device="cuda")
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -200,6 +202,8 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, o, att, decision = step()
+    counts.zero_()  # (the warm-up call counted)
+    want = torch.zeros_like(counts)
     for seed in (3, 4):  # new inputs and masks, same buffers
         x.copy_(torch.randn_like(x))
         mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
@@ -212,3 +216,5 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
         ref_att = ops.torch_routed_attention_decode(q, k, v, lens, amask)
         torch.testing.assert_close(att.float(), ref_att.float(), rtol=3e-2, atol=3e-2)
         assert torch.equal(decision, ops.torch_router_decide(x, *router, as_bool=True))
+        ops.torch_count(decision, want)
+        assert torch.equal(counts, want)  # each replay counts its decision

@@ -111,3 +111,48 @@ def test_the_decision_from_shares_validates_its_tensors():
         triton_router_decide_from_shares(shares.double(), bd, wu, bu)
     with pytest.raises(ValueError, match="block_g must be a power of two >= 1, got 3"):
         triton_router_decide_from_shares(shares, bd, wu, bu, block_g=3)
+
+
+@pytest.mark.parametrize("m", [1, 3, 40])
+@pytest.mark.parametrize("groups", [3, 40, 130])
+@pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
+def test_both_launches_count_their_decision(m, groups, bias):
+    """With ``counts`` each deciding launch adds its tokens and their executed groups to what the
+    counters held (several group blocks and token blocks a launch, all on, all off), as the
+    reference counting does; the decision itself is unchanged."""
+    from compresskit_wide.kernels.router import torch_count
+
+    torch.manual_seed(m + groups)
+    router = GroupRouter(72, groups, 8).to(DEVICE)
+    with torch.no_grad():
+        router.up.bias.view(groups, 2)[:, 0] = bias
+    x = torch.randn(m, 72, device=DEVICE)
+    args = (router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    shares = torch_router_shares(x, router.down.weight)
+    start = torch.tensor([5.0, 7.0], dtype=torch.float64, device=DEVICE)
+    for decide_counted, decide_plain in (
+        (
+            lambda c: triton_router_decide(x, *args, block_g=16, as_bool=True, counts=c),
+            lambda: triton_router_decide(x, *args, block_g=16, as_bool=True),
+        ),
+        (
+            lambda c: triton_router_decide_from_shares(shares, *args[1:], block_g=16, as_bool=True, counts=c),
+            lambda: triton_router_decide_from_shares(shares, *args[1:], block_g=16, as_bool=True),
+        ),
+    ):
+        counts, want = start.clone(), start.clone()
+        got = decide_counted(counts)
+        assert torch.equal(got, decide_plain())
+        torch_count(got, want)
+        assert torch.equal(counts, want) and want[0] == 5 + m
+        if bias:
+            assert want[1] == 7 + (m * groups if bias > 0 else 0)
+
+
+def test_counts_are_validated():
+    x, wd, bd, wu, bu = torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4), torch.zeros(6, 4), torch.zeros(6)
+    for bad in (torch.zeros(2), torch.zeros(3, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)[::2]):
+        with pytest.raises(ValueError, match=r"counts must be a contiguous float64 \[2\]"):
+            triton_router_decide(x, wd, bd, wu, bu, counts=bad)
+        with pytest.raises(ValueError, match=r"counts must be a contiguous float64 \[2\]"):
+            triton_router_decide_from_shares(torch.zeros(3, 2, 4), bd, wu, bu, counts=bad)

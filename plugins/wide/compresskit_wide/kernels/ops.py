@@ -46,6 +46,7 @@ from compresskit_wide.kernels.gemm_reduce import (
     triton_masked_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
+    torch_count,
     torch_router_decide,
     torch_router_decide_from_shares,
     triton_router_decide,
@@ -56,12 +57,13 @@ BACKENDS = ("auto", "torch", "triton")
 _LIB = torch.library.Library("compresskit_wide", "DEF")  # the registrations live as long as it does
 
 
-def _operator(fake: Callable):
+def _operator(fake: Callable, mutates: tuple[str, ...] = ()):
     """Register the decorated function as the operator ``compresskit_wide::<its name>`` with the
-    fake kernel ``fake`` (same parameters; returns empty tensors of the output's shape)."""
+    fake kernel ``fake`` (same parameters; returns empty tensors of the output's shape); ``mutates``:
+    the parameters it writes in place."""
 
     def register(fn: Callable) -> Callable:
-        _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=()))
+        _LIB.define(fn.__name__ + torch.library.infer_schema(fn, mutates_args=mutates))
         _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"compresskit_wide::{fn.__name__}", fake, lib=_LIB)
         return fn
@@ -125,10 +127,37 @@ def router_decide(
 ) -> torch.Tensor:
     """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): a ``GroupRouter``'s deterministic decision
     (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
+    return _router_decide(x, w_down, b_down, w_up, b_up, backend, None)
+
+
+@_operator(
+    lambda x, w_down, b_down, w_up, b_up, counts, backend="auto": x.new_empty(
+        x.shape[0], w_up.shape[0] // 2, dtype=torch.bool
+    ),
+    mutates=("counts",),
+)
+def router_decide_counted(
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    counts: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``router_decide`` that adds the M tokens (every one real) and the groups they execute to
+    ``counts`` (fp64 ``[2]``, in place). (An operator of its own: an optional argument written in
+    place, passed as None, is what ``torch.compile``'s functionalization does not lower.)"""
+    return _router_decide(x, w_down, b_down, w_up, b_up, backend, counts)
+
+
+def _router_decide(x, w_down, b_down, w_up, b_up, backend: str, counts: torch.Tensor | None) -> torch.Tensor:
     if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
+        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, counts=counts)
     # the reference is the dense path too
-    return torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
+    execute = torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
+    torch_count(execute, counts)
+    return execute
 
 
 @_operator(
@@ -141,9 +170,33 @@ def router_decide_from_shares(
 ) -> torch.Tensor:
     """``shares: [S, M, R]`` (the bottleneck's shares, as ``masked_reduce_gemm_shares`` hands them
     on) -> execute mask ``[M, G]`` (bool): ``router_decide``'s decision, from its second step on."""
+    return _router_decide_from_shares(shares, b_down, w_up, b_up, backend, None)
+
+
+@_operator(
+    lambda shares, b_down, w_up, b_up, counts, backend="auto": shares.new_empty(
+        shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool
+    ),
+    mutates=("counts",),
+)
+def router_decide_from_shares_counted(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    counts: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``router_decide_from_shares`` that counts as ``router_decide_counted`` does."""
+    return _router_decide_from_shares(shares, b_down, w_up, b_up, backend, counts)
+
+
+def _router_decide_from_shares(shares, b_down, w_up, b_up, backend: str, counts: torch.Tensor | None) -> torch.Tensor:
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
-        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
-    return torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
+        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, counts=counts)
+    execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
+    torch_count(execute, counts)
+    return execute
 
 
 @_operator(

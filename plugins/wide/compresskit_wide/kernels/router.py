@@ -23,6 +23,10 @@ those are 256 shares a token at Llama-3.1-8B's width (one a 16 columns), against
 to compile); this one loads a token's shares at once and sums them as a tree.
 
     shares: [S, M, R]   fp32 partial bottlenecks over S column slices of D (zero where a slice is empty)
+
+Either launch that decides may also count its decision (``counts``: fp64 ``[2]``, the runtime block's
+counters): it adds the tokens it decided for and the groups they execute, with atomic adds (whole
+numbers in fp64: exact in any order), which saves the block its own counting launch.
 """
 
 from __future__ import annotations
@@ -61,6 +65,14 @@ def _decide(z: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, as_bool: bo
     return execute if as_bool else execute.to(logits.dtype)
 
 
+def torch_count(execute: torch.Tensor, counts: torch.Tensor | None) -> None:
+    """Reference counting: add ``execute: [M, G]``'s tokens and executed groups to ``counts``
+    (fp64 ``[2]``; nothing where None)."""
+    if counts is not None:
+        counts[0].add_(execute.shape[0])
+        counts[1].add_(execute.sum(dtype=torch.float64))
+
+
 def torch_router_decide_from_shares(
     shares: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, *, as_bool: bool = False
 ) -> torch.Tensor:
@@ -95,9 +107,16 @@ if triton is not None:
         return z
 
     @triton.jit
+    def _count(cnt_ptr, tokens, executed, first):
+        # the counters (fp64 [2]): the tokens once per token block (by its first group block), the
+        # executed groups by every program
+        tl.atomic_add(cnt_ptr + 1, executed.to(tl.float64))
+        tl.atomic_add(cnt_ptr, tokens.to(tl.float64), mask=first)
+
+    @triton.jit
     def _router_decide_store(
-        z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+        z, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr,
     ):  # fmt: skip
         # both logits of the groups of ``group_block`` from the bottleneck z (its bias added here), compared
         z += tl.load(bd_ptr + rs, mask=r_ok, other=0.0)[None, :]
@@ -111,7 +130,11 @@ if triton is not None:
         l_exec += tl.load(bu_ptr + 2 * gs, mask=g_ok, other=0.0)[None, :]
         l_skip += tl.load(bu_ptr + 2 * gs + 1, mask=g_ok, other=0.0)[None, :]
         execute = tl.where(l_skip <= l_exec, 1.0, 0.0)
-        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=row_ok[:, None] & g_ok[None, :])
+        in_tile = row_ok[:, None] & g_ok[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=in_tile)
+        if COUNT:
+            executed = tl.sum(tl.sum(tl.where(in_tile, execute, 0.0), axis=1), axis=0)
+            _count(cnt_ptr, tl.sum(row_ok.to(tl.float32), axis=0), executed, group_block == 0)
 
     @triton.jit
     def triton_router_partial_kernel(
@@ -129,8 +152,9 @@ if triton is not None:
 
     @triton.jit
     def triton_router_finish_kernel(
-        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
+        ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+        COUNT: tl.constexpr,
     ):  # fmt: skip
         # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
         # the loads are independent and issued together), then the decision
@@ -140,14 +164,14 @@ if triton is not None:
             share = ws_ptr + (s * M + rows)[:, None] * R + rs[None, :]
             z += tl.load(share, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         _router_decide_store(
-            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
-            DOT_PRECISION, BLOCK_G,
+            z, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
+            DOT_PRECISION, BLOCK_G, COUNT,
         )  # fmt: skip
 
     @triton.jit
     def triton_router_shares_kernel(
-        sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, S, M, R, G, stride_om,
-        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+        sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, S, M, R, G, stride_om,
+        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr,
     ):  # fmt: skip
         # program (token m, group block): the token's shares summed in one load (a tree over S), the
         # bottleneck's bias added, both logits of the block's groups on the CUDA cores in fp32, compared
@@ -166,7 +190,11 @@ if triton is not None:
         w_skip = tl.load(wu_ptr + (2 * gs + 1)[:, None] * R + rs[None, :], mask=w_mask, other=0.0)
         l_exec = tl.sum(w_exec * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs, mask=g_ok, other=0.0)
         l_skip = tl.sum(w_skip * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
-        tl.store(out_ptr + m * stride_om + gs, tl.where(l_skip <= l_exec, 1.0, 0.0), mask=g_ok)
+        execute = tl.where(l_skip <= l_exec, 1.0, 0.0)
+        tl.store(out_ptr + m * stride_om + gs, execute, mask=g_ok)
+        if COUNT:
+            one = tl.full([], 1.0, tl.float32)
+            _count(cnt_ptr, one, tl.sum(tl.where(g_ok, execute, 0.0), axis=0), tl.program_id(1) == 0)
 
 
 def _check_blocks(**blocks: tuple[int | None, int]) -> None:
@@ -174,6 +202,17 @@ def _check_blocks(**blocks: tuple[int | None, int]) -> None:
     for name, (value, smallest) in blocks.items():
         if value is not None and (value < smallest or value & (value - 1)):
             raise ValueError(f"{name} must be a power of two >= {smallest}, got {value}")
+
+
+def _check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
+    """``counts`` None, or a contiguous fp64 ``[2]`` on ``device``."""
+    if counts is not None and (
+        counts.shape != (2,) or counts.dtype != torch.float64 or not counts.is_contiguous() or counts.device != device
+    ):
+        raise ValueError(
+            f"counts must be a contiguous float64 [2] on {device}, got {tuple(counts.shape)} {counts.dtype} "
+            f"on {counts.device}"
+        )
 
 
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
@@ -204,13 +243,15 @@ def triton_router_decide(
     block_m: int | None = None,
     block_k: int | None = None,
     as_bool: bool = False,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
     D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
     ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``block_m`` tokens
     and ``block_k`` columns of D a step (powers of two, at least 16; default 16 and 128 at decode
     sizes, else ``policy.ROUTER_PREFILL_TILE``). ``as_bool``: the decision stored as bytes and returned as a
-    bool mask (what the routed operators read as it is)."""
+    bool mask (what the routed operators read as it is). ``counts``: fp64 ``[2]`` the decision is
+    counted into (module docstring)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -229,6 +270,7 @@ def triton_router_decide(
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
     _check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
+    _check_counts(counts, x.device)
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
@@ -251,8 +293,8 @@ def triton_router_decide(
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
     )  # fmt: skip
     triton_router_finish_kernel[grid](
-        ws, b_down, w_up, b_up, out, m, r, groups, out.stride(0), splits,
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g,
+        ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -265,10 +307,11 @@ def triton_router_decide_from_shares(
     *,
     block_g: int = 32,
     as_bool: bool = False,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
     ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
-    its token)."""
+    its token). ``counts``: as :func:`triton_router_decide`'s."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     s, m, r = shares.shape
@@ -283,11 +326,12 @@ def triton_router_decide_from_shares(
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in fp32)
         raise ValueError(f"router tensors do not fit (shares, b_down, w_up, b_up): {shapes}")
     _check_blocks(block_g=(block_g, 1))
+    _check_counts(counts, shares.device)
     shares, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=shares.device)
     if m:
         triton_router_shares_kernel[(m, cdiv(groups, block_g))](
-            shares, b_down, w_up, b_up, out, s, m, r, groups, out.stride(0),
-            BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g,
+            shares, b_down, w_up, b_up, out, out if counts is None else counts, s, m, r, groups, out.stride(0),
+            BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, COUNT=counts is not None,
         )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
