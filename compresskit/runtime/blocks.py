@@ -13,7 +13,11 @@ returns ``(what it adds, its handoff or None)``. Once the runtime is built, it c
 block's ``prepare_handoff(next_block)`` with the block that follows it in the model (None after the
 last), so that the block knows whom it hands to. What a handoff holds is the two blocks' business:
 WIDE's blocks hand the next router the first step of its product. A block that does not hand off
-receives nothing.
+receives nothing. A handing-off block may also take over the residual add (``adds_residual = True``):
+where the runtime adds each block's output inside the next block's graph, it then passes that
+output as the keyword ``delta`` instead of adding it, and the block returns ``(x + delta, what it
+adds, its handoff)``, so that it can fuse the add with its own first work; called without ``delta``
+it behaves as any handing-off block.
 """
 
 from __future__ import annotations

@@ -51,13 +51,17 @@ def call_block(block: nn.Module, x: torch.Tensor, *args, handoff: torch.Tensor |
 class AddThen(nn.Module):
     """``block`` after the residual add: ``(x, delta, *args, handoff) -> (x + delta, block's output,
     block's handoff)`` (:func:`call_block`), so that a compiled block holds the add of what the
-    block before it returned."""
+    block before it returned. A block whose ``adds_residual`` is true (a handing-off block that
+    fuses the add with its own first work) is given ``delta`` and returns the three itself."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self.block = block
+        self.block_adds = getattr(block, "adds_residual", False) and getattr(block, "hands_off", False)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor, *args, handoff: torch.Tensor | None = None):
+        if self.block_adds:
+            return self.block(x, *args, handoff=handoff, delta=delta)
         x = x + delta
         return x, *call_block(self.block, x, *args, handoff=handoff)
 

@@ -72,17 +72,26 @@ def _routing_counts(rt, model):
 
 
 @pytest.mark.parametrize(
-    ("routed_qkv", "fuse_residual", "hand_off"),
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True), (False, False, True)],
+    ("routed_qkv", "fuse_residual", "hand_off", "norm_in_router"),
+    [
+        (False, False, False, False),
+        (True, False, False, False),
+        (True, True, False, False),
+        (True, True, True, False),
+        (False, False, True, False),
+        (True, True, True, True),
+        (True, False, True, True),
+    ],
 )
 def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
-    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual, hand_off
+    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual, hand_off, norm_in_router
 ):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without; with
     ``ROUTED_QKV`` q, k and v are one routed product, with ``FUSE_RESIDUAL`` each block adds the
     residual itself, with ``HAND_OFF_SHARES`` every router but the first decides from the shares the
-    block before it handed on."""
+    block before it handed on, with ``NORM_IN_ROUTER`` (and the fused residual) that decision's
+    launch adds the residual and applies the norm too."""
     from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
@@ -90,9 +99,11 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
     monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
-    from_shares = []
-    real_from_shares = blocks.router_decide_from_shares
+    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", norm_in_router)
+    from_shares, with_norm = [], []
+    real_from_shares, real_with_norm = blocks.router_decide_from_shares, blocks.router_norm_from_shares
     monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
+    monkeypatch.setattr(blocks, "router_norm_from_shares", lambda *a: with_norm.append(1) or real_with_norm(*a))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
@@ -123,8 +134,11 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
             token = torch.randint(2, 300, (b,), generator=gen)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # each forward (two prompts, six steps) decides every router but the first from shares, or none
-    assert len(from_shares) == (8 * (len(order) - 1) if hand_off else 0)
+    # each forward (two prompts, six steps) decides every router but the first from shares, or none;
+    # with the norm in that launch where the runtime hands the blocks the residual's delta
+    decided = len(from_shares) + len(with_norm)
+    assert decided == (8 * (len(order) - 1) if hand_off else 0)
+    assert len(with_norm) == (decided if norm_in_router and fuse_residual else 0)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
@@ -192,19 +206,27 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
 
 
 @pytest.mark.parametrize(
-    ("routed_qkv", "hand_off", "count_in_router"),
-    [(False, False, False), (True, False, False), (True, True, False), (True, True, True)],
+    ("routed_qkv", "hand_off", "count_in_router", "norm_in_router"),
+    [
+        (False, False, False, False),
+        (True, False, False, False),
+        (True, True, False, False),
+        (True, True, True, False),
+        (True, True, True, True),
+    ],
 )
 def test_wide_blocks_on_the_kernels_match_the_routed_modules(
-    tiny_model_dir, monkeypatch, routed_qkv, hand_off, count_in_router
+    tiny_model_dir, monkeypatch, routed_qkv, hand_off, count_in_router, norm_in_router
 ):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
     q, k and v through one routed kernel, with ``HAND_OFF_SHARES`` o's and down's kernels handing
-    the next router its shares, with ``COUNT_IN_ROUTER`` the router kernels counting."""
+    the next router its shares, with ``COUNT_IN_ROUTER`` the router kernels counting, with
+    ``NORM_IN_ROUTER`` the decision's kernel adding the residual and applying the norm."""
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
     monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
     monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", count_in_router)
+    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", norm_in_router)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -290,6 +312,8 @@ def test_registered_ops_pass_opcheck():
     torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask, residual, next_down, False, "torch"))
     shares = torch.randn(2, m, 3, generator=gen)
     torch.library.opcheck(ops.router_decide_from_shares, (shares, r[1], r[2], torch.zeros(2 * g), "torch"))
+    args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
+    torch.library.opcheck(ops.router_norm_from_shares, (*args, torch.zeros(2, dtype=torch.float64), True, "torch"))
     counts = torch.zeros(2, dtype=torch.float64)  # counted in place (a mutated argument)
     torch.library.opcheck(ops.router_decide_counted, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, "torch"))
     args = (shares, r[1], r[2], torch.zeros(2 * g), counts, "torch")
@@ -352,6 +376,9 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, mo
     # and the router operators counting their decisions (in place, inside the compiled graph)
     monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", True)
     pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
+    # and the decision's launch adding the residual and applying the norm
+    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", True)
+    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"
         counters.clear()
@@ -410,12 +437,15 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count"])
+@pytest.mark.parametrize(
+    "method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count", "wide-norm"]
+)
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
     step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
     graph, and WIDE's q, k and v are one routed product; "-handoff": fused, and the reductions hand the
-    next router its shares; "-count": as "-handoff", the router kernels counting their decisions), and
+    next router its shares; "-count": as "-handoff", the router kernels counting their decisions;
+    "-norm": as "-count", the decision's kernel adding the residual and applying the norm), and
     the same greedy tokens; the counts of a graph-replayed run equal the eager run's (warm-up runs are
     not counted)."""
     from compresskit.routing import measured_sparsity
@@ -423,12 +453,13 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch,
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    fused = method.endswith(("-fused", "-handoff", "-count"))
+    fused = method.endswith(("-fused", "-handoff", "-count", "-norm"))
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count")))
-    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith("-count"))
-    method = method.removesuffix("-fused").removesuffix("-handoff").removesuffix("-count")
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count", "-norm")))
+    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith(("-count", "-norm")))
+    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", method.endswith("-norm"))
+    method = method.split("-")[0]
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))

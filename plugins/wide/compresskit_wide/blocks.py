@@ -33,6 +33,7 @@ router_decide = _ops.router_decide.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
 router_decide_counted = _ops.router_decide_counted.default
 router_decide_from_shares_counted = _ops.router_decide_from_shares_counted.default
+router_norm_from_shares = _ops.router_norm_from_shares.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
@@ -48,6 +49,12 @@ HAND_OFF_SHARES = True
 # the router's decision launch counts the decision itself where every token is real, instead of the
 # block's own counting ops (an A/B switch, read when a block is built; off until measured on a GPU)
 COUNT_IN_ROUTER = False
+# where the block before handed on the shares, the decision's launch also adds the residual and applies
+# the block's RMSNorm (router_norm_from_shares), one launch instead of two (an A/B switch, read when a
+# block is built; off until measured on a GPU)
+NORM_IN_ROUTER = False
+# norms whose forward is Llama's RMSNorm (what router_norm_from_shares computes)
+LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 def plain_weight(module: nn.Module) -> torch.Tensor | None:
@@ -62,6 +69,8 @@ class _Routing(Counting):
     hands_off = True
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
+        # (called after self.norm is set)
+        self.adds_residual = NORM_IN_ROUTER and type(self.norm).__name__ in LLAMA_RMS_NORMS
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
@@ -75,6 +84,28 @@ class _Routing(Counting):
         (and ``HAND_OFF_SHARES`` is on)."""
         routed = isinstance(after, _Routing) and HAND_OFF_SHARES
         self.next_router_down = after.router_down if routed else None
+
+    def enter(
+        self, x: torch.Tensor, delta: torch.Tensor | None, valid: torch.Tensor | None, shares: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's start: ``(execute [B * T, G], x, h [B * T, D])``, ``x`` the residual with
+        ``delta`` added (where the runtime hands it over: ``adds_residual``) and ``h`` its norm; the
+        decision, the add and the norm in one launch where the shares came, else as three steps."""
+        b, t, dim = x.shape
+        if delta is not None and shares is not None:
+            count = self.count_decisions and valid is None
+            execute, x2, h = router_norm_from_shares(
+                shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
+                delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, self.stat_counts, count,
+                self.backend,
+            )  # fmt: skip
+            if self.count_decisions and not count:
+                self.count(execute, valid)
+            return execute, x2.view(b, t, dim), h
+        if delta is not None:
+            x = x + delta
+        execute = self.decide(x, valid, shares)
+        return execute, x, self.norm(x).reshape(b * t, dim)
 
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
@@ -138,11 +169,12 @@ class WideAttention(Attention, _Routing):
         stacked product would drag k and v through it, slower than q alone and then cuBLAS k / v."""
         return m <= DECODE_MAX_M or (self.backend == "auto" and not use_kernel("out", m))
 
-    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor, *, handoff=None):
+    def forward(
+        self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor, *, handoff=None, delta=None
+    ):
         b, t, _ = x.shape
-        execute = self.decide(x, step.valid, handoff)  # [B * T, G]
-        h = self.norm(x)
-        h2 = h.reshape(b * t, -1)
+        execute, x, h2 = self.enter(x, delta, step.valid, handoff)  # [B * T, G], [B, T, D], [B * T, D]
+        h = h2.view(b, t, -1)
         if self.wqkv is not None and self._one_qkv_product(b * t):  # kept groups' queries, k and v for every token
             qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows)
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
@@ -168,7 +200,7 @@ class WideAttention(Attention, _Routing):
             y, shares = self.last_product(out, self.wo, execute, routed, x)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
-        return y.view(b, t, -1), shares
+        return (y.view(b, t, -1), shares) if delta is None else (x, y.view(b, t, -1), shares)
 
 
 class WideMLP(nn.Module, _Routing):
@@ -177,19 +209,18 @@ class WideMLP(nn.Module, _Routing):
     def __init__(self, layer: nn.Module, backend: str, count: bool = True) -> None:
         super().__init__()
         mlp = layer.mlp
-        self._setup_routing(mlp.down_proj, backend, count)
         self.norm = base_module(layer.post_attention_layernorm)  # under the router tap
+        self._setup_routing(mlp.down_proj, backend, count)
         self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
         self.wd = mlp.down_proj.base_layer.weight
 
-    def forward(self, x: torch.Tensor, step: Step, *, handoff=None):
+    def forward(self, x: torch.Tensor, step: Step, *, handoff=None, delta=None):
         b, t, _ = x.shape
-        execute = self.decide(x, step.valid, handoff)  # [B * T, G]
-        h = self.norm(x).reshape(b * t, -1)
+        execute, x, h = self.enter(x, delta, step.valid, handoff)  # [B * T, G], [B, T, D], [B * T, D]
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
         y, shares = self.last_product(g, self.wd, execute, True, x)
-        return y.view(b, t, -1), shares
+        return (y.view(b, t, -1), shares) if delta is None else (x, y.view(b, t, -1), shares)
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):

@@ -156,3 +156,45 @@ def test_counts_are_validated():
             triton_router_decide(x, wd, bd, wu, bu, counts=bad)
         with pytest.raises(ValueError, match=r"counts must be a contiguous float64 \[2\]"):
             triton_router_decide_from_shares(torch.zeros(3, 2, 4), bd, wu, bu, counts=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "d", "groups"), [(1, 72, 40), (3, 100, 7), (16, 64, 130)])
+def test_the_decision_with_the_add_and_norm(dtype, m, d, groups):
+    """``router_norm_from_shares``: the decision of the shares, ``x + delta`` exactly as the add
+    rounds, Llama's RMSNorm of it, and the counts, in one launch (D no power of two, one group
+    block and several). (bf16 on the GPU only: the interpreter rounds it by truncation.)"""
+    if dtype == torch.bfloat16 and str(DEVICE) == "cpu":
+        pytest.skip("bf16 rounding differs in Triton's interpreter")
+    from compresskit_wide.kernels.router import (
+        torch_count,
+        torch_router_norm_from_shares,
+        triton_router_norm_from_shares,
+    )
+
+    torch.manual_seed(m + d)
+    router = GroupRouter(d, groups, 8).to(DEVICE)
+    x, delta = (torch.randn(m, d, device=DEVICE).to(dtype) for _ in range(2))
+    w = (1 + torch.randn(d, device=DEVICE) / 4).to(dtype)
+    shares = torch_router_shares(x + delta, router.down.weight)
+    args = (shares, router.down.bias, router.up.weight, router.up.bias, x, delta, w, 1e-5)
+    want_execute, want_x, want_h = torch_router_norm_from_shares(*args)
+    assert torch.equal(want_h, w * torch.nn.functional.rms_norm(want_x.float(), (d,), eps=1e-5).to(dtype))
+    counts, want_counts = (torch.full((2,), 3.0, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    execute, x_new, h = triton_router_norm_from_shares(*args, block_g=16, counts=counts)
+    torch_count(want_execute, want_counts)
+    assert execute.dtype == torch.bool and torch.equal(execute, want_execute)
+    assert torch.equal(x_new, want_x) and torch.equal(counts, want_counts)
+    torch.testing.assert_close(h, want_h, rtol=1e-3, atol=1e-3)  # (the mean of squares in another order)
+    assert torch.equal(triton_router_norm_from_shares(*args)[0], want_execute)  # not counting
+
+
+def test_the_decision_with_the_norm_validates_its_tensors():
+    from compresskit_wide.kernels.router import triton_router_norm_from_shares
+
+    shares, bd, wu, bu = torch.zeros(3, 2, 4), torch.zeros(4), torch.zeros(6, 4), torch.zeros(6)
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="router and norm tensors do not fit"):
+        triton_router_norm_from_shares(shares, bd, wu, bu, x, x[:, :4], torch.zeros(8), 1e-5)
+    with pytest.raises(ValueError, match="router and norm tensors do not fit"):
+        triton_router_norm_from_shares(shares, bd, wu, bu, x, x, torch.zeros(7), 1e-5)

@@ -49,8 +49,10 @@ from compresskit_wide.kernels.router import (
     torch_count,
     torch_router_decide,
     torch_router_decide_from_shares,
+    torch_router_norm_from_shares,
     triton_router_decide,
     triton_router_decide_from_shares,
+    triton_router_norm_from_shares,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -197,6 +199,38 @@ def _router_decide_from_shares(shares, b_down, w_up, b_up, backend: str, counts:
     execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
     torch_count(execute, counts)
     return execute
+
+
+def _fake_router_norm(shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts, count, backend="auto"):
+    execute = shares.new_empty(shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool)
+    return execute, torch.empty_like(x), torch.empty_like(x)
+
+
+@_operator(_fake_router_norm, mutates=("counts",))
+def router_norm_from_shares(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    counts: torch.Tensor,
+    count: bool,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``router_decide_from_shares`` with the block's residual add and RMSNorm in the same launch:
+    ``(execute [M, G], x + delta, rms_norm(x + delta))`` for ``x, delta: [M, D]`` and the norm's
+    weight ``norm_w: [D]`` and ``eps``; with ``count`` the decision is counted into ``counts``
+    (fp64 ``[2]``; every token real)."""
+    if _choose(backend, "router", shares.shape[1], shares) == "triton":
+        return triton_router_norm_from_shares(
+            shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts=counts if count else None
+        )
+    execute, x_new, h = torch_router_norm_from_shares(shares, b_down, w_up, b_up, x, delta, norm_w, eps)
+    torch_count(execute, counts if count else None)
+    return execute, x_new, h
 
 
 @_operator(

@@ -24,6 +24,17 @@ to compile); this one loads a token's shares at once and sums them as a tree.
 
     shares: [S, M, R]   fp32 partial bottlenecks over S column slices of D (zero where a slice is empty)
 
+The decision from shares may also take over the block's residual add and RMSNorm
+(``router_norm_from_shares``): programs beside the deciding ones add the block before's output to
+the residual and normalise each token's row, so that the block runs one launch before its first
+product where it ran the decision's and the fused add and norm's.
+
+    x, delta: [M, D]    the residual and what the block before adds to it (the compute dtype)
+    norm_w:   [D]       the RMSNorm's weight; eps its epsilon
+    x_new:    [M, D]    x + delta, rounded to the dtype as the add rounds
+    h:        [M, D]    norm_w * (x_new * rsqrt(mean(x_new ** 2) + eps)) as Llama's RMSNorm computes it
+                        (fp32 statistics, rounded to the dtype, then times the weight)
+
 Either launch that decides may also count its decision (``counts``: fp64 ``[2]``, the runtime block's
 counters): it adds the tokens it decided for and the groups they execute, with atomic adds (whole
 numbers in fp64: exact in any order), which saves the block its own counting launch.
@@ -71,6 +82,31 @@ def torch_count(execute: torch.Tensor, counts: torch.Tensor | None) -> None:
     if counts is not None:
         counts[0].add_(execute.shape[0])
         counts[1].add_(execute.sum(dtype=torch.float64))
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference: Llama's RMSNorm of ``x: [..., D]``."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def torch_router_norm_from_shares(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: ``(execute [M, G] bool, x_new, h)`` (module docstring)."""
+    x_new = x + delta
+    return (
+        torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True),
+        x_new,
+        torch_rms_norm(x_new, norm_w, eps),
+    )
 
 
 def torch_router_decide_from_shares(
@@ -195,6 +231,34 @@ if triton is not None:
         if COUNT:
             one = tl.full([], 1.0, tl.float32)
             _count(cnt_ptr, one, tl.sum(tl.where(g_ok, execute, 0.0), axis=0), tl.program_id(1) == 0)
+
+    @triton.jit
+    def triton_router_norm_shares_kernel(
+        sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr,
+        S, M, R, G, D, stride_om, eps,
+        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        COUNT: tl.constexpr,
+    ):  # fmt: skip
+        # program (token m, j): j below the group blocks decides as triton_router_shares_kernel does;
+        # the last j adds the token's row to the residual and normalises it
+        m = tl.program_id(0)
+        if tl.program_id(1) < tl.cdiv(G, BLOCK_G):
+            triton_router_shares_kernel(
+                sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, S, M, R, G, stride_om, BLOCK_S, BLOCK_R, BLOCK_G,
+                COUNT,
+            )  # fmt: skip
+        else:
+            ds = tl.arange(0, BLOCK_D)
+            d_ok = ds < D
+            a = tl.load(x_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+            b = tl.load(dx_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+            x_new = (a + b).to(xn_ptr.dtype.element_ty)
+            tl.store(xn_ptr + m * D + ds, x_new, mask=d_ok)
+            xf = x_new.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            w = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)
+            normed = (xf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(h_ptr + m * D + ds, (w * normed).to(h_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _check_blocks(**blocks: tuple[int | None, int]) -> None:
@@ -335,3 +399,54 @@ def triton_router_decide_from_shares(
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, COUNT=counts is not None,
         )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
+
+
+def triton_router_norm_from_shares(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    *,
+    block_g: int = 32,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`torch_router_norm_from_shares`, in one launch: program (token, ``block_g``
+    groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``), one
+    program a token adds and normalises its row. Made for decode sizes."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    s, m, r = shares.shape
+    groups = w_up.shape[0] // 2
+    fp32 = (shares, b_down, w_up, b_up)
+    if (
+        b_down.shape != (r,)
+        or w_up.shape != (2 * groups, r)
+        or b_up.shape != (2 * groups,)
+        or any(t.dtype != torch.float32 for t in fp32)
+        or x.dim() != 2
+        or x.shape[0] != m
+        or delta.shape != x.shape
+        or delta.dtype != x.dtype
+        or norm_w.shape != (x.shape[1],)
+    ):
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (*fp32, x, delta, norm_w))
+        raise ValueError(f"router and norm tensors do not fit (shares, b_down, w_up, b_up, x, delta, norm_w): {shapes}")
+    _check_blocks(block_g=(block_g, 1))
+    _check_counts(counts, shares.device)
+    shares, b_down, w_up, b_up = (t.contiguous() for t in fp32)
+    x, delta, norm_w = x.contiguous(), delta.contiguous(), norm_w.contiguous()
+    d = x.shape[1]
+    out = torch.empty((m, groups), dtype=torch.uint8, device=shares.device)
+    x_new, h = torch.empty_like(x), torch.empty_like(x)
+    if m:
+        triton_router_norm_shares_kernel[(m, cdiv(groups, block_g) + 1)](
+            shares, b_down, w_up, b_up, out, out if counts is None else counts, x, delta, norm_w, x_new, h,
+            s, m, r, groups, d, out.stride(0), eps,
+            BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
+            COUNT=counts is not None,
+        )  # fmt: skip
+    return out.view(torch.bool), x_new, h
