@@ -92,7 +92,7 @@ class _Routing(Counting):
         ``delta`` added (where the runtime hands it over: ``adds_residual``) and ``h`` its norm; the
         decision, the add and the norm in one launch where the shares came, else as three steps."""
         b, t, dim = x.shape
-        if delta is not None and shares is not None:
+        if delta is not None and shares is not None and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
             count = self.count_decisions and valid is None
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
