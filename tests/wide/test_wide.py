@@ -454,3 +454,47 @@ def test_group_fractions_are_reported_beside_mac_fractions():
     assert d["attention"] == pytest.approx(groups["attention"] * share, abs=1e-5)
     assert rep.merge(rep).to_dict()["groups"] == groups
     assert cfg.num_attention_heads == 6
+
+
+def test_tile_disagreement_is_the_within_tile_variance_of_real_tokens():
+    """Tiles whose tokens agree on every group give 0; a group alternating within a tile gives its
+    variance 0.25; padded tokens and a partial last tile count only their real tokens; the gradient
+    reaches the decisions."""
+    from types import SimpleNamespace
+
+    from compresskit_wide.pruner import tile_disagreement
+
+    agree = torch.zeros(1, 8, 2)
+    agree[:, 4:, 0] = 1.0  # group 0: off for the first tile of 4, on for the second
+    alternate = torch.tensor([0.0, 1.0] * 4).view(1, 8, 1).expand(1, 8, 2).clone().requires_grad_()
+    proj = SimpleNamespace(last_skip=agree, last_valid=torch.ones(1, 8))
+    assert tile_disagreement([proj], 4).item() == 0.0
+    proj = SimpleNamespace(last_skip=alternate, last_valid=torch.ones(1, 8))
+    got = tile_disagreement([proj], 4)
+    assert got.item() == pytest.approx(0.25)
+    got.backward()
+    assert alternate.grad.abs().sum() > 0
+    # 7 tokens in tiles of 4: the last tile holds 3; the padded first token of row 2 is left out
+    skip = torch.tensor([[0.0, 0, 0, 0, 1, 1, 1], [1.0, 0, 0, 0, 0, 0, 0]]).unsqueeze(-1)
+    valid = torch.tensor([[1.0] * 7, [0.0] + [1.0] * 6])
+    assert tile_disagreement([SimpleNamespace(last_skip=skip, last_valid=valid)], 4).item() == 0.0
+    assert tile_disagreement([SimpleNamespace(last_skip=None, last_valid=None)], 4) is None
+
+
+def test_the_agreement_term_joins_the_loss_only_when_asked(tiny_model_dir):
+    """With ``agreement_coef`` the regularisation adds coef x the disagreement and logs it; without, the
+    loss is the sparsity term alone."""
+    from compresskit.modeling import load_model
+
+    losses = {}
+    for coef in (0.0, 3.0):
+        model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+        pruner = WidePruner(WidePrunerConfig(ffn_group_size=16, router_rank=8, agreement_coef=coef, agreement_tile=4))
+        pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+        model.train()
+        torch.manual_seed(0)
+        model(torch.randint(2, 300, (2, 12)))
+        losses[coef] = (pruner.regularization(model), pruner.train_metrics(model))
+    (plain, plain_logs), (joined, logs) = losses[0.0], losses[3.0]
+    assert "disagreement" not in plain_logs and 0 < logs["disagreement"] <= 0.25
+    assert joined.item() == pytest.approx(plain.item() + 3.0 * logs["disagreement"].item(), rel=1e-5)
