@@ -44,14 +44,6 @@ class WidePrunerConfig(PluginConfig):
         "macs: fraction of the decoder layers' linear-projection multiply-adds skipped.",
     )
     sparsity_coef: float = Field(20.0, ge=0.0, description="Weight of |target - realised| in the loss.")
-    agreement_coef: float = Field(
-        0.0,
-        ge=0.0,
-        description="Weight of the decisions' disagreement within tiles of agreement_tile consecutive tokens "
-        "(their variance per group; 0: off). Rewards groups that a whole tile runs or skips together: what a "
-        "prefill product that skips a group for a whole tile of tokens can use.",
-    )
-    agreement_tile: int = Field(64, ge=2, description="Consecutive tokens a tile of agreement_coef.")
     tau_start: float = Field(5.0, gt=0.0, description="Gumbel temperature at the first optimiser step.")
     tau_end: float = Field(0.5, gt=0.0, description="Gumbel temperature at the last optimiser step.")
 

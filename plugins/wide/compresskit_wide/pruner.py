@@ -87,11 +87,10 @@ class WidePruner(RoutedPruner):
         return targeted
 
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
-        c = self.config
-        agreement = tile_disagreement(self.projections, c.agreement_tile) if c.agreement_coef else None
         rho = self.batch_fractions()
         if not rho:
             return None
+        c = self.config
         if c.budget == "macs":
             loss = (c.target_sparsity - rho["macs"]).abs()
         elif c.target_sparsity is not None:
@@ -100,17 +99,7 @@ class WidePruner(RoutedPruner):
         else:
             targets = {"attention": c.target_attention, "ffn": c.target_ffn}
             loss = torch.stack([(targets[k] - rho[k]).abs() for k in ("attention", "ffn") if k in rho]).mean()
-        loss = c.sparsity_coef * loss
-        if agreement is not None:
-            self._last_agreement = agreement.detach()
-            loss = loss + c.agreement_coef * agreement
-        return loss
-
-    def train_metrics(self, model: nn.Module) -> dict[str, float | torch.Tensor]:
-        out = super().train_metrics(model)
-        if self.config.agreement_coef and getattr(self, "_last_agreement", None) is not None:
-            out["disagreement"] = self._last_agreement
-        return out
+        return c.sparsity_coef * loss
 
     def summary(self, model: nn.Module) -> PruneSummary:
         projs = routed_projections(model)
@@ -129,24 +118,3 @@ class WidePruner(RoutedPruner):
                 "budget": self.config.budget,
             },
         )
-
-
-def tile_disagreement(projections, tile: int) -> torch.Tensor | None:
-    """The mean over routed projections, tiles of ``tile`` consecutive real tokens and groups of the
-    variance of the last training batch's decisions (differentiable through the straight-through
-    masks): 0 where every tile's tokens agree on every group, 0.25 at most. None without a batch."""
-    terms = []
-    for proj in projections:
-        if proj.last_skip is None:
-            continue
-        skip, valid = proj.last_skip, proj.last_valid.to(proj.last_skip.dtype)  # [B, T, G], [B, T]
-        b, t, g = skip.shape
-        pad = -t % tile
-        skip = torch.nn.functional.pad(skip, (0, 0, 0, pad)).view(b, -1, tile, g)
-        w = torch.nn.functional.pad(valid, (0, pad)).view(b, -1, tile, 1)
-        n = w.sum(2, keepdim=True)  # [B, tiles, 1, 1]
-        mean = (w * skip).sum(2, keepdim=True) / n.clamp_min(1.0)
-        var = (w * (skip - mean) ** 2).sum(2, keepdim=True) / n.clamp_min(1.0)  # [B, tiles, 1, G]
-        has = (n > 0).to(var.dtype)
-        terms.append((var * has).sum() / (has.sum() * g).clamp_min(1.0))
-    return torch.stack(terms).mean() if terms else None
