@@ -194,7 +194,9 @@ def test_the_decision_with_the_norm_validates_its_tensors():
 
     shares, bd, wu, bu = torch.zeros(3, 2, 4), torch.zeros(4), torch.zeros(6, 4), torch.zeros(6)
     x = torch.zeros(2, 8)
-    with pytest.raises(ValueError, match="router and norm tensors do not fit"):
+    with pytest.raises(ValueError, match="norm tensors do not fit 2 tokens' shares"):
         triton_router_norm_from_shares(shares, bd, wu, bu, x, x[:, :4], torch.zeros(8), 1e-5)
-    with pytest.raises(ValueError, match="router and norm tensors do not fit"):
+    with pytest.raises(ValueError, match="norm tensors do not fit 2 tokens' shares"):
         triton_router_norm_from_shares(shares, bd, wu, bu, x, x, torch.zeros(7), 1e-5)
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_norm_from_shares(shares, bd[:3], wu, bu, x, x, torch.zeros(8), 1e-5)

@@ -363,19 +363,8 @@ def triton_router_decide(
     return out.view(torch.bool) if as_bool else out
 
 
-def triton_router_decide_from_shares(
-    shares: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    *,
-    block_g: int = 32,
-    as_bool: bool = False,
-    counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
-    ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
-    its token). ``counts``: as :func:`triton_router_decide`'s."""
+def _checked_shares(shares, b_down, w_up, b_up, block_g: int, counts) -> tuple[int, int, int, int]:
+    """``(S, M, R, G)`` of a decision from shares; an error where Triton is missing or they do not fit."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     s, m, r = shares.shape
@@ -391,7 +380,24 @@ def triton_router_decide_from_shares(
         raise ValueError(f"router tensors do not fit (shares, b_down, w_up, b_up): {shapes}")
     _check_blocks(block_g=(block_g, 1))
     _check_counts(counts, shares.device)
-    shares, b_down, w_up, b_up = (t.contiguous() for t in fp32)
+    return s, m, r, groups
+
+
+def triton_router_decide_from_shares(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    block_g: int = 32,
+    as_bool: bool = False,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
+    ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
+    its token). ``counts``: as :func:`triton_router_decide`'s."""
+    s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
+    shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=shares.device)
     if m:
         triton_router_shares_kernel[(m, cdiv(groups, block_g))](
@@ -417,27 +423,17 @@ def triton_router_norm_from_shares(
     """Triton version of :func:`torch_router_norm_from_shares`, in one launch: program (token, ``block_g``
     groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``), one
     program a token adds and normalises its row. Made for decode sizes."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    s, m, r = shares.shape
-    groups = w_up.shape[0] // 2
-    fp32 = (shares, b_down, w_up, b_up)
+    s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
     if (
-        b_down.shape != (r,)
-        or w_up.shape != (2 * groups, r)
-        or b_up.shape != (2 * groups,)
-        or any(t.dtype != torch.float32 for t in fp32)
-        or x.dim() != 2
+        x.dim() != 2
         or x.shape[0] != m
         or delta.shape != x.shape
         or delta.dtype != x.dtype
-        or norm_w.shape != (x.shape[1],)
+        or norm_w.shape != x.shape[1:]
     ):
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (*fp32, x, delta, norm_w))
-        raise ValueError(f"router and norm tensors do not fit (shares, b_down, w_up, b_up, x, delta, norm_w): {shapes}")
-    _check_blocks(block_g=(block_g, 1))
-    _check_counts(counts, shares.device)
-    shares, b_down, w_up, b_up = (t.contiguous() for t in fp32)
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, delta, norm_w))
+        raise ValueError(f"norm tensors do not fit {m} tokens' shares (x, delta, norm_w): {shapes}")
+    shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
     x, delta, norm_w = x.contiguous(), delta.contiguous(), norm_w.contiguous()
     d = x.shape[1]
     out = torch.empty((m, groups), dtype=torch.uint8, device=shares.device)
