@@ -2,9 +2,12 @@
 ``--shape`` bench (WIDE with routers calibrated to skip half of each router's groups, dense, the ideal
 half-width model) built with every ``--flag`` False, with each one True alone and, for several, with all
 True, in one process, repeats interleaved (each variant in turn, repeat after repeat) so that drift
-between them cancels. Reports how many of the baseline's greedy tokens each variant gives before its
-first different one (a change of rounding can flip a router's decision that sits on its threshold, and
-a random-weight model's near-flat logits turn that into another token). On a CPU everything runs
+between them cancels. Each variant's realised sparsity is counted over its timed runs. Reports how many
+of the baseline's greedy tokens each variant gives before its first different one (a change of rounding
+can flip a router's decision that sits on its threshold, and a random-weight model's near-flat logits
+turn that into another token), and, to tell rounding from a defect, the variant fed the baseline's
+tokens (teacher-forced): at how many steps its top token is the baseline's, and its largest logit
+difference against the baseline's logit scale (the largest absolute logit). On a CPU everything runs
 eagerly (a smoke run, not a measurement).
 
     python benchmarks/bench_runtime_ab.py --flag compresskit.runtime.llama:FUSE_RESIDUAL \
@@ -52,6 +55,20 @@ def leading_equal(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def teacher_forced(runtime, prompt: list[list[int]], tokens: list[list[int]]) -> torch.Tensor:
+    """fp32 logits ``[N, B, V]`` of ``runtime`` at each of ``tokens``' N steps, fed ``prompt`` then
+    ``tokens`` (each step's logits predict ``tokens[:, step]``)."""
+    device = runtime.device
+    ids = torch.tensor(prompt, device=device)
+    fed = torch.tensor(tokens, device=device)  # [B, N]
+    cache = runtime.new_cache(ids.shape[0], ids.shape[1] + fed.shape[1])
+    with torch.inference_mode():
+        out = [runtime.forward(ids, cache, last_only=True)[:, -1].float()]
+        for step in range(fed.shape[1] - 1):
+            out.append(runtime.decode(fed[:, step], cache).float())
+    return torch.stack(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flag", required=True, action="append", help="MODULE:NAME of a module-level boolean (repeatable)")
@@ -69,14 +86,15 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--flag: two switches of one name in {args.flag}")
     import transformers
 
-    from compresskit.runtime.bench import shape_members, time_runtime
+    from compresskit.runtime.bench import realised_sparsity, reset_counts, shape_members, time_runtime
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     initial = {name: getattr(module, name) for name, (module, _) in switches.items()}
-    runs: dict[tuple[str, tuple[str, ...]], object] = {}
+    runs: dict[tuple[str, tuple[str, ...]], object] = {}  # (member, switches on) -> its Member
     tokens: dict[tuple[str, tuple[str, ...]], list] = {}
+    logits: dict[tuple[str, tuple[str, ...]], torch.Tensor] = {}
     prompt = [list(range(3, 3 + args.context))] * args.batch
     try:
         for on in variants(list(switches)):
@@ -89,15 +107,19 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"--members: {', '.join(sorted(unknown))} not among this shape's members ({names})")
             for member in (m for m in members if not wanted or m.name in wanted):
                 tokens[member.name, on] = member.runtime.generate(prompt, max_new_tokens=args.new_tokens).tokens
-                runs[member.name, on] = member.runtime  # (that generate was its warm-up)
+                runs[member.name, on] = member  # (that generate was its warm-up)
+        for (name, on), member in runs.items():  # every variant fed the baseline's tokens
+            logits[name, on] = teacher_forced(member.runtime, prompt, tokens[name, ()])
     finally:
         for name, (module, _) in switches.items():
             setattr(module, name, initial[name])
     ttft: dict = {k: [] for k in runs}
     tpot: dict = {k: [] for k in runs}
+    for member in runs.values():
+        reset_counts(member.runtime, member.model, member.pruner)
     for _ in range(args.repeats):  # interleaved
-        for key, rt in runs.items():
-            a, b = time_runtime(rt, args.batch, args.context, args.new_tokens, 1)
+        for key, member in runs.items():
+            a, b = time_runtime(member.runtime, args.batch, args.context, args.new_tokens, 1)
             ttft[key].append(a)
             tpot[key].append(b)
     rows = []
@@ -110,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 "on": list(on),
                 "ttft_ms": round(statistics.median(ttft[key]), 3),
                 "tpot_ms": round(statistics.median(tpot[key]), 3),
+                "sparsity_macs": None if (sp := realised_sparsity(*_parts(runs[key]))) is None else round(sp, 4),
             }
             if on:
                 row["tpot_gain"] = round(statistics.median(tpot[base]) / row["tpot_ms"], 3)
@@ -119,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
                     leading_equal(a, b) for a, b in zip(tokens[key], tokens[base], strict=True)
                 )
                 row["new_tokens"] = args.new_tokens
+                got, want = logits[key], logits[base]
+                row["teacher_forced_top_equal"] = int((got.argmax(-1) == want.argmax(-1)).all(-1).sum())
+                row["logit_max_abs_diff"] = round(float((got - want).abs().max()), 4)
+                row["logit_scale"] = round(float(want.abs().max()), 4)
             rows.append(row)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -136,17 +163,29 @@ def main(argv: list[str] | None = None) -> None:
     (out / "runtime-ab.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# {', '.join(switches)}: off and on, end to end", "", json.dumps(meta), ""]
     lines += [
-        "| member | on | TTFT ms | TPOT ms | TTFT / TPOT x all off | greedy tokens equal to all off |",
-        "|---|---|---|---|---|---|",
+        "| member | on | TTFT ms | TPOT ms | TTFT / TPOT x all off | sparsity MACs | greedy tokens equal to all off "
+        "| teacher-forced: top token equal, max abs logit diff (logit scale) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gain = f"{r['ttft_gain']}x / {r['tpot_gain']}x" if r["on"] else ""
         same = f"{r['equal_leading_tokens']} of {r['new_tokens']}" if r["on"] else ""
+        forced = (
+            f"{r['teacher_forced_top_equal']} of {r['new_tokens']}, {r['logit_max_abs_diff']} ({r['logit_scale']})"
+            if r["on"]
+            else ""
+        )
+        sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
         lines.append(
-            f"| {r['member']} | {' + '.join(r['on']) or '(none)'} | {r['ttft_ms']} | {r['tpot_ms']} | {gain} | {same} |"
+            f"| {r['member']} | {' + '.join(r['on']) or '(none)'} | {r['ttft_ms']} | {r['tpot_ms']} | {gain} | {sp} "
+            f"| {same} | {forced} |"
         )
     (out / "runtime-ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[4:]))
+
+
+def _parts(member) -> tuple:
+    return member.runtime, member.model, member.pruner
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 
         router.up.bias.data.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
 
 
-def _sparsity(runtime, model, pruner) -> float | None:
+def realised_sparsity(runtime, model, pruner) -> float | None:
     """The realised fraction of projection MACs skipped since the last reset: from the runtime's
     counting blocks, else the pruner's own count (a routed model's modules)."""
     from compresskit.routing import measured_sparsity
@@ -142,7 +142,8 @@ def _sparsity(runtime, model, pruner) -> float | None:
     return None
 
 
-def _reset(runtime, model, pruner) -> None:
+def reset_counts(runtime, model, pruner) -> None:
+    """Start the realised sparsity's count afresh (the runtime's counting blocks and the pruner's)."""
     for b in runtime.stat_blocks():
         b.reset_stats()
     if pruner is not None:
@@ -235,9 +236,9 @@ def bench(
                     ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats, cache=m.transformers)
                     sparsity = None
                 else:
-                    _reset(m.runtime, m.model, m.pruner)
+                    reset_counts(m.runtime, m.model, m.pruner)
                     ttft, tpot = time_runtime(m.runtime, b, p, new_tokens, repeats)
-                    sparsity = _sparsity(m.runtime, m.model, m.pruner)
+                    sparsity = realised_sparsity(m.runtime, m.model, m.pruner)
                 rows.append(
                     Row(
                         m.name,
@@ -334,9 +335,9 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()
     with task_cm as task:
         rt = runtime_for(model, pruner)
-        _reset(rt, model, pruner)
+        reset_counts(rt, model, pruner)
         ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
-        sparsity = _sparsity(rt, model, pruner) if pruner is not None else 0.0
+        sparsity = realised_sparsity(rt, model, pruner) if pruner is not None else 0.0
         if pruner is not None:
             pruner.reset_sparsity(model)  # what the evaluator counts next starts from zero
         if task is not None:

@@ -460,8 +460,9 @@ def test_decode_attention_bench_checks_every_form_on_the_cpu():
 
 def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
     """``bench_runtime_ab.py`` on the tiny shape (eager on the CPU: a smoke run): each member with both
-    switches off, each alone and both on, the same greedy tokens every way for switches that change
-    no result; a name that is no boolean is refused."""
+    switches off, each alone and both on, the same greedy tokens and teacher-forced logits every way for
+    switches that change no result, the compressed member's realised sparsity; a name that is no
+    boolean is refused."""
     import json
     import subprocess
     import sys
@@ -484,7 +485,15 @@ def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
     ]
     assert all(r["same_greedy_tokens"] and r["tpot_gain"] > 0 for r in rows if r["on"])
     assert all(r["equal_leading_tokens"] == r["new_tokens"] == 3 for r in rows if r["on"])
-    assert "| 3 of 3 |" in (tmp_path / "runtime-ab.md").read_text()
+    # fed the baseline's tokens, every variant gives its logits (these switches only regroup the same products)
+    assert all(
+        r["teacher_forced_top_equal"] == 3 and r["logit_max_abs_diff"] < 1e-3 < r["logit_scale"]
+        for r in rows
+        if r["on"]
+    )
+    assert all((r["sparsity_macs"] is not None) == (r["member"] == "compressed") for r in rows)
+    assert all(0.2 < r["sparsity_macs"] < 0.8 for r in rows if r["member"] == "compressed")
+    assert "| 3 of 3 | 3 of 3, " in (tmp_path / "runtime-ab.md").read_text()
     bad = subprocess.run(
         [sys.executable, str(script), "--flag", "compresskit.runtime.blocks:Step", "--out", str(tmp_path)],
         capture_output=True,

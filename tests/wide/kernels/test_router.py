@@ -166,6 +166,8 @@ def test_the_decision_with_the_add_and_norm(dtype, m, d, groups):
     block and several). (bf16 on the GPU only: the interpreter rounds it by truncation.)"""
     if dtype == torch.bfloat16 and str(DEVICE) == "cpu":
         pytest.skip("bf16 rounding differs in Triton's interpreter")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     from compresskit_wide.kernels.router import (
         torch_count,
         torch_router_norm_from_shares,
@@ -179,7 +181,9 @@ def test_the_decision_with_the_add_and_norm(dtype, m, d, groups):
     shares = torch_router_shares(x + delta, router.down.weight)
     args = (shares, router.down.bias, router.up.weight, router.up.bias, x, delta, w, 1e-5)
     want_execute, want_x, want_h = torch_router_norm_from_shares(*args)
-    assert torch.equal(want_h, w * torch.nn.functional.rms_norm(want_x.float(), (d,), eps=1e-5).to(dtype))
+    llama_norm = LlamaRMSNorm(d, eps=1e-5).to(DEVICE, dtype)  # the norm the kernel stands in for
+    llama_norm.weight.data.copy_(w)
+    assert torch.equal(want_h, llama_norm(want_x))
     counts, want_counts = (torch.full((2,), 3.0, dtype=torch.float64, device=DEVICE) for _ in range(2))
     execute, x_new, h = triton_router_norm_from_shares(*args, block_g=16, counts=counts)
     torch_count(want_execute, want_counts)
