@@ -13,7 +13,7 @@ eagerly (a smoke run, not a measurement).
     python benchmarks/bench_runtime_ab.py --flag compresskit.runtime.llama:FUSE_RESIDUAL \
         [--flag compresskit_wide.blocks:ROUTED_QKV ...] --out DIR
         [--shape llama-3.1-8b] [--context 1024] [--batch 1] [--new-tokens 32] [--repeats 5]
-        [--members compressed,dense]
+        [--members compressed,dense] [--dtype float32]
 
 ``--flag MODULE:NAME`` names a module-level boolean read when blocks and graphs are built (for example
 ``compresskit.runtime.blocks:STACK_PROJECTIONS``); switches not named keep their values. Writes
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on a GPU, float32 on a CPU"
+    )
     ap.add_argument("--members", default="", help="comma-separated members to build (default: all)")
     args = ap.parse_args(argv)
     wanted = {m.strip() for m in args.members.split(",") if m.strip()}
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if gpu else torch.float32
     initial = {name: getattr(module, name) for name, (module, _) in switches.items()}
     runs: dict[tuple[str, tuple[str, ...]], object] = {}  # (member, switches on) -> its Member
     tokens: dict[tuple[str, tuple[str, ...]], list] = {}
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(device) if gpu else "CPU (eager: a smoke run, not a measurement)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
         "flags": list(dict.fromkeys(args.flag)),
         "command": "python benchmarks/bench_runtime_ab.py "
         + " ".join(f"--flag {f}" for f in dict.fromkeys(args.flag))

@@ -102,7 +102,11 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
     monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", norm_in_router)
     from_shares, with_norm = [], []
     real_from_shares, real_with_norm = blocks.router_decide_from_shares, blocks.router_norm_from_shares
+    real_counted = blocks.router_decide_from_shares_counted
     monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
+    monkeypatch.setattr(
+        blocks, "router_decide_from_shares_counted", lambda *a: from_shares.append(1) or real_counted(*a)
+    )
     monkeypatch.setattr(blocks, "router_norm_from_shares", lambda *a: with_norm.append(1) or real_with_norm(*a))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)

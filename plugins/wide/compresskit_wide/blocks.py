@@ -47,8 +47,8 @@ ROUTED_QKV = True
 # runtime is built)
 HAND_OFF_SHARES = True
 # the router's decision launch counts the decision itself where every token is real, instead of the
-# block's own counting ops (an A/B switch, read when a block is built; off until measured on a GPU)
-COUNT_IN_ROUTER = False
+# block's own counting ops (an A/B switch, read when a block is built)
+COUNT_IN_ROUTER = True
 # where the block before handed on the shares, the decision's launch also adds the residual and applies
 # the block's RMSNorm (router_norm_from_shares), one launch instead of two (an A/B switch, read when a
 # block is built; off until measured on a GPU)

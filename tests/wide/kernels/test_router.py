@@ -159,11 +159,14 @@ def test_counts_are_validated():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "d", "groups"), [(1, 72, 40), (3, 100, 7), (16, 64, 130)])
-def test_the_decision_with_the_add_and_norm(dtype, m, d, groups):
+@pytest.mark.parametrize(
+    ("m", "d", "groups", "rank"), [(1, 72, 40, 8), (3, 100, 7, 8), (16, 64, 130, 8), (1, 4096, 112, 32)]
+)
+def test_the_decision_with_the_add_and_norm(dtype, m, d, groups, rank):
     """``router_norm_from_shares``: the decision of the shares, ``x + delta`` exactly as the add
     rounds, Llama's RMSNorm of it, and the counts, in one launch (D no power of two, one group
-    block and several). (bf16 on the GPU only: the interpreter rounds it by truncation.)"""
+    block and several, and Llama-3.1-8B's FFN router: 4,096 wide, 256 shares, rank 32). (bf16 on the
+    GPU only: the interpreter rounds it by truncation.)"""
     if dtype == torch.bfloat16 and str(DEVICE) == "cpu":
         pytest.skip("bf16 rounding differs in Triton's interpreter")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -175,7 +178,7 @@ def test_the_decision_with_the_add_and_norm(dtype, m, d, groups):
     )
 
     torch.manual_seed(m + d)
-    router = GroupRouter(d, groups, 8).to(DEVICE)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
     x, delta = (torch.randn(m, d, device=DEVICE).to(dtype) for _ in range(2))
     w = (1 + torch.randn(d, device=DEVICE) / 4).to(dtype)
     shares = torch_router_shares(x + delta, router.down.weight)
