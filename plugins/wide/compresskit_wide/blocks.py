@@ -46,6 +46,9 @@ ROUTED_QKV = True
 # o's and down's reduction kernels write the next router's first product (an A/B switch, read when the
 # runtime is built)
 HAND_OFF_SHARES = True
+# the handoff's reduction kernel wherever a step has decode sizes (up to DECODE_MAX_M tokens), not only where
+# ``auto`` takes the plain reduction's kernel (an A/B switch, read when a block is built)
+HAND_OFF_BATCHES = False
 # the router's decision launch counts the decision itself where every token is real, instead of the
 # block's own counting ops (an A/B switch, read when a block is built)
 COUNT_IN_ROUTER = True
@@ -76,6 +79,7 @@ class _Routing(Counting):
         self.backend = backend
         self.count_decisions = count
         self.count_in_router = count and COUNT_IN_ROUTER
+        self.hand_off_batches = HAND_OFF_BATCHES
         self.setup_counts(proj, proj.groups)
         self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
 
@@ -134,12 +138,15 @@ class _Routing(Counting):
         the block's input, to which the caller adds the output), else None."""
         m = a.shape[0]
         nxt = self.next_router_down
+        batch = self.hand_off_batches and self.backend == "auto" and a.device.type == "cuda" and m <= DECODE_MAX_M
         if nxt is not None and (
             self.backend != "auto"
             or a.device.type != "cuda"
+            or batch
             or use_kernel("reduce", m, groups=execute.shape[-1], zeroed=zeroed)
         ):
-            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
+            backend = "triton" if batch else self.backend
+            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, backend)
         return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
 
 
