@@ -7,8 +7,9 @@ of the baseline's greedy tokens each variant gives before its first different on
 can flip a router's decision that sits on its threshold, and a random-weight model's near-flat logits
 turn that into another token), and, to tell rounding from a defect, the variant fed the baseline's
 tokens (teacher-forced): at how many steps its top token is the baseline's, and its largest logit
-difference against the baseline's logit scale (the largest absolute logit). On a CPU everything runs
-eagerly (a smoke run, not a measurement).
+difference against the baseline's logit scale (the largest absolute logit). The baseline's row gives
+the same for the baseline run eagerly (no compile, no graphs): the spread that rounding alone makes.
+On a CPU everything runs eagerly (a smoke run, not a measurement).
 
     python benchmarks/bench_runtime_ab.py --flag compresskit.runtime.llama:FUSE_RESIDUAL \
         [--flag compresskit_wide.blocks:ROUTED_QKV ...] --out DIR
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--flag: two switches of one name in {args.flag}")
     import transformers
 
+    from compresskit.runtime import Runtime, runtime_for
     from compresskit.runtime.bench import realised_sparsity, reset_counts, shape_members, time_runtime
 
     gpu = torch.cuda.is_available()
@@ -113,6 +115,16 @@ def main(argv: list[str] | None = None) -> None:
                 runs[member.name, on] = member  # (that generate was its warm-up)
         for (name, on), member in runs.items():  # every variant fed the baseline's tokens
             logits[name, on] = teacher_forced(member.runtime, prompt, tokens[name, ()])
+        for name in dict.fromkeys(m for m, _ in runs):  # the rounding floor: the baseline, eagerly
+            for flag, (module, _) in switches.items():
+                setattr(module, flag, False)
+            member = runs[name, ()]
+            eager = (
+                runtime_for(member.model, member.pruner, compile=False, graphs=False)
+                if member.pruner is not None
+                else Runtime(member.model, dense=True, compile=False, graphs=False)
+            )
+            logits[name, "eager"] = teacher_forced(eager, prompt, tokens[name, ()])
     finally:
         for name, (module, _) in switches.items():
             setattr(module, name, initial[name])
@@ -144,11 +156,11 @@ def main(argv: list[str] | None = None) -> None:
                 row["equal_leading_tokens"] = min(
                     leading_equal(a, b) for a, b in zip(tokens[key], tokens[base], strict=True)
                 )
-                row["new_tokens"] = args.new_tokens
-                got, want = logits[key], logits[base]
-                row["teacher_forced_top_equal"] = int((got.argmax(-1) == want.argmax(-1)).all(-1).sum())
-                row["logit_max_abs_diff"] = round(float((got - want).abs().max()), 4)
-                row["logit_scale"] = round(float(want.abs().max()), 4)
+            row["new_tokens"] = args.new_tokens
+            got, want = logits[key if on else (member, "eager")], logits[base]
+            row["teacher_forced_top_equal"] = int((got.argmax(-1) == want.argmax(-1)).all(-1).sum())
+            row["logit_max_abs_diff"] = round(float((got - want).abs().max()), 4)
+            row["logit_scale"] = round(float(want.abs().max()), 4)
             rows.append(row)
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -174,11 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         gain = f"{r['ttft_gain']}x / {r['tpot_gain']}x" if r["on"] else ""
         same = f"{r['equal_leading_tokens']} of {r['new_tokens']}" if r["on"] else ""
-        forced = (
-            f"{r['teacher_forced_top_equal']} of {r['new_tokens']}, {r['logit_max_abs_diff']} ({r['logit_scale']})"
-            if r["on"]
-            else ""
-        )
+        forced = f"{r['teacher_forced_top_equal']} of {r['new_tokens']}, {r['logit_max_abs_diff']} ({r['logit_scale']})"
+        forced = forced if r["on"] else f"run eagerly: {forced}"
         sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
         lines.append(
             f"| {r['member']} | {' + '.join(r['on']) or '(none)'} | {r['ttft_ms']} | {r['tpot_ms']} | {gain} | {sp} "

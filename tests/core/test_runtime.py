@@ -493,7 +493,9 @@ def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
     )
     assert all((r["sparsity_macs"] is not None) == (r["member"] == "compressed") for r in rows)
     assert all(0.2 < r["sparsity_macs"] < 0.8 for r in rows if r["member"] == "compressed")
-    assert "| 3 of 3 | 3 of 3, " in (tmp_path / "runtime-ab.md").read_text()
+    assert all(r["teacher_forced_top_equal"] == 3 and r["logit_max_abs_diff"] == 0 for r in rows if not r["on"])
+    md = (tmp_path / "runtime-ab.md").read_text()
+    assert "| 3 of 3 | 3 of 3, " in md and "| run eagerly: 3 of 3, 0.0 " in md  # (on the CPU all eager)
     bad = subprocess.run(
         [sys.executable, str(script), "--flag", "compresskit.runtime.blocks:Step", "--out", str(tmp_path)],
         capture_output=True,
