@@ -513,3 +513,17 @@ def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
     wrong = [*args, "--members", "dense,wide", "--out", str(tmp_path)]
     bad = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True)
     assert bad.returncode != 0 and "--members: wide not among this shape's members" in bad.stderr
+
+
+def test_rounding_floor_script_compares_compiled_with_eager():
+    """``rounding_floor.py`` on the tiny shape in fp32: the compiled WIDE runtime fed the eager run's
+    tokens gives its top tokens (fp32 rounding moves nothing a token depends on)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "benchmarks" / "rounding_floor.py"
+    args = ["--shape", "tiny", "--dtype", "float32", "--context", "8", "--new-tokens", "3"]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tiny float32 on cpu, compiled against eager: top token equal at 3 of 3 steps" in proc.stdout
