@@ -54,7 +54,7 @@ HAND_OFF_BATCHES = False
 COUNT_IN_ROUTER = True
 # where the block before handed on the shares, the decision's launch also adds the residual and applies
 # the block's RMSNorm (router_norm_from_shares), one launch instead of two (an A/B switch, read when a
-# block is built; off until measured on a GPU)
+# block is built; off: faster on the H200, its logits not yet checked in fp32, docs/runtime-h200.md)
 NORM_IN_ROUTER = False
 # norms whose forward is Llama's RMSNorm (what router_norm_from_shares computes)
 LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
