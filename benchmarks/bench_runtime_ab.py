@@ -138,16 +138,19 @@ def main(argv: list[str] | None = None) -> None:
             ttft[key].append(a)
             tpot[key].append(b)
     rows = []
-    for member in dict.fromkeys(m for m, _ in runs):  # in the order they were built
-        base = (member, ())
+    for name in dict.fromkeys(n for n, _ in runs):  # in the order they were built
+        base = (name, ())
         for on in variants(list(switches)):
-            key = (member, on)
+            key = (name, on)
+            m = runs[key]
             row = {
-                "member": member,
+                "member": name,
                 "on": list(on),
                 "ttft_ms": round(statistics.median(ttft[key]), 3),
                 "tpot_ms": round(statistics.median(tpot[key]), 3),
-                "sparsity_macs": None if (sp := realised_sparsity(*_parts(runs[key]))) is None else round(sp, 4),
+                "sparsity_macs": None
+                if (sp := realised_sparsity(m.runtime, m.model, m.pruner)) is None
+                else round(sp, 4),
             }
             if on:
                 row["tpot_gain"] = round(statistics.median(tpot[base]) / row["tpot_ms"], 3)
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                     leading_equal(a, b) for a, b in zip(tokens[key], tokens[base], strict=True)
                 )
             row["new_tokens"] = args.new_tokens
-            got, want = logits[key if on else (member, "eager")], logits[base]
+            got, want = logits[key if on else (name, "eager")], logits[base]
             row["teacher_forced_top_equal"] = int((got.argmax(-1) == want.argmax(-1)).all(-1).sum())
             row["logit_max_abs_diff"] = round(float((got - want).abs().max()), 4)
             row["logit_scale"] = round(float(want.abs().max()), 4)
@@ -195,10 +198,6 @@ def main(argv: list[str] | None = None) -> None:
         )
     (out / "runtime-ab.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[4:]))
-
-
-def _parts(member) -> tuple:
-    return member.runtime, member.model, member.pruner
 
 
 if __name__ == "__main__":
