@@ -442,15 +442,15 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count", "wide-norm", "wide-batches"]
+    "method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count", "wide-norm"]
 )
 def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
     step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
     graph, and WIDE's q, k and v are one routed product; "-handoff": fused, and the reductions hand the
-    next router its shares; "-count": as "-handoff", the router kernels counting their decisions;
-    "-norm": as "-count", the decision's kernel adding the residual and applying the norm; "-batches": as
-    "-count", the handoff's kernel at every decode size, the batch of two's steps included), and
+    next router its shares, at every decode size, the batch of two's steps included; "-count": as
+    "-handoff", the router kernels counting their decisions; "-norm": as "-count", the decision's kernel
+    adding the residual and applying the norm), and
     the same greedy tokens; the counts of a graph-replayed run equal the eager run's (warm-up runs are
     not counted)."""
     from compresskit.routing import measured_sparsity
@@ -458,14 +458,11 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch,
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    fused = method.endswith(("-fused", "-handoff", "-count", "-norm", "-batches"))
+    fused = method.endswith(("-fused", "-handoff", "-count", "-norm"))
     monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
     monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
-    monkeypatch.setattr(
-        "compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count", "-norm", "-batches"))
-    )
-    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith(("-count", "-norm", "-batches")))
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_BATCHES", method.endswith("-batches"))
+    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count", "-norm")))
+    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith(("-count", "-norm")))
     monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", method.endswith("-norm"))
     method = method.split("-")[0]
     if method == "wide":

@@ -43,19 +43,16 @@ routed_attention_prefill = _ops.routed_attention_prefill.default
 # q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
 # launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
-# o's and down's reduction kernels write the next router's first product (an A/B switch, read when the
-# runtime is built)
+# o's and down's reduction kernels write the next router's first product wherever ``auto`` takes the handoff
+# (policy "reduce_handoff": decode sizes) (an A/B switch, read when the runtime is built)
 HAND_OFF_SHARES = True
-# the handoff's reduction kernel wherever a step has decode sizes (up to DECODE_MAX_M tokens), not only where
-# ``auto`` takes the plain reduction's kernel (an A/B switch, read when a block is built)
-HAND_OFF_BATCHES = False
 # the router's decision launch counts the decision itself where every token is real, instead of the
 # block's own counting ops (an A/B switch, read when a block is built)
 COUNT_IN_ROUTER = True
 # where the block before handed on the shares, the decision's launch also adds the residual and applies
 # the block's RMSNorm (router_norm_from_shares), one launch instead of two (an A/B switch, read when a
-# block is built; off: faster on the H200, its logits not yet checked in fp32, docs/runtime-h200.md)
-NORM_IN_ROUTER = False
+# block is built)
+NORM_IN_ROUTER = True
 # norms whose forward is Llama's RMSNorm (what router_norm_from_shares computes)
 LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
@@ -79,7 +76,6 @@ class _Routing(Counting):
         self.backend = backend
         self.count_decisions = count
         self.count_in_router = count and COUNT_IN_ROUTER
-        self.hand_off_batches = HAND_OFF_BATCHES
         self.setup_counts(proj, proj.groups)
         self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
 
@@ -138,15 +134,12 @@ class _Routing(Counting):
         the block's input, to which the caller adds the output), else None."""
         m = a.shape[0]
         nxt = self.next_router_down
-        batch = self.hand_off_batches and self.backend == "auto" and a.device.type == "cuda" and m <= DECODE_MAX_M
         if nxt is not None and (
             self.backend != "auto"
             or a.device.type != "cuda"
-            or batch
-            or use_kernel("reduce", m, groups=execute.shape[-1], zeroed=zeroed)
+            or use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed)
         ):
-            backend = "triton" if batch else self.backend
-            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, backend)
+            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
         return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
 
 

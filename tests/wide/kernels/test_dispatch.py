@@ -48,6 +48,8 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
             stub = lambda *a, impl=impl, **k: calls.append(impl) or torch.zeros(1, 1, 1, 1)  # noqa: E731
             monkeypatch.setattr(ops, f"{impl}_{op}", stub)
 
+    monkeypatch.setattr(ops, "torch_router_shares", lambda *a: None)
+
     def ran(op, *args, **kwargs):
         calls.clear()
         getattr(ops, op)(*args, **kwargs)
@@ -64,6 +66,8 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
                 got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed)
                 assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed)
                 assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
+                handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
+                assert ran("masked_reduce_gemm_shares", *handoff) == policy.use_kernel("reduce_handoff", m)
     for b, ctx in ((1, 8192), (4, 8192), (1, 32768)):
         q, kv, lens = torch.zeros(b, 8, 16), torch.zeros(b, 2, ctx, 16), torch.full((b,), ctx)
         got = ran("routed_attention_decode", q, kv, kv, lens, torch.ones(b, 2, dtype=torch.bool))
@@ -75,6 +79,7 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     # the policy is not trivially one way or the other
     assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
+    assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
 
 
 def test_policy_is_data_with_a_reason_for_every_range():

@@ -296,8 +296,9 @@ def masked_reduce_gemm_shares(
     ``shares: [S, M, R]`` the shares of ``(residual + out) @ share_w.T`` (``residual: [M, N]``, what
     the caller adds ``out`` to; ``share_w: [R, N]`` fp32, the next router's ``w_down``), for
     ``router_decide_from_shares``. In the kernel each program writes its columns' share; elsewhere
-    the reference computes them after the product."""
-    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    the reference computes them after the product. Under "auto" on CUDA the kernel runs where
+    ``policy`` says the handoff (the product, the add and the next router's first step) measured faster."""
+    path = _choose(backend, "reduce_handoff", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
         return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
     if path == "dense":
