@@ -91,6 +91,9 @@ def test_prefill_matches_reference(b, hq, hkv, d, t, past, groups, sparsity):
         got = triton_routed_attention_prefill(q, k, v, mask, **tile)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         assert torch.count_nonzero(got[heads_off]) == 0
+        assert got.transpose(1, 2).is_contiguous()  # stored as [B, T, Hq, D], the layout o reads: no copy after
+    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the runtime's q: [B, T, Hq, D] seen as [B, Hq, T, D]
+    torch.testing.assert_close(triton_routed_attention_prefill(strided_q, k, v, mask), ref, rtol=1e-4, atol=1e-4)
     if shared % 2:
         with pytest.raises(ValueError, match="heads_per_program=2 must be 1, 2 or 4 and divide the heads of a group"):
             triton_routed_attention_prefill(q, k, v, mask, block_m=16, heads_per_program=2)

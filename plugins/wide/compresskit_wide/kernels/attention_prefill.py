@@ -4,7 +4,8 @@
     k, v: [B, Hkv, S, D]     keys and values of the cache plus the new tokens (S = past + T)
     mask: [B, T, Hq / A]     True = token t runs group g (A query heads)
     out:  [B, Hq, T, D]      causal attention (query t at position past + t) for active (t, head),
-                             exactly 0 for inactive
+                             exactly 0 for inactive; the kernel stores it as [B, T, Hq, D] (a transposed
+                             view is returned), the layout o reads, so that no copy follows
 
 Per sequence and head group the tokens are sorted active-first (the routing layout); program
 (b, heads, tile) takes one tile of the sorted tokens for one or more query heads of a group that
@@ -180,8 +181,9 @@ def triton_routed_attention_prefill(
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
     order, counts = layout if layout is not None else triton_routing_layout(mask)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1:  # the kernel reads any other strides as they are
+        q = q.contiguous()
+    out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, Hq, T, D]
     args = (
         q, k, v, out, order, counts, hq, t, s, d, groups, m_bucket(t), softmax_scale(d),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
