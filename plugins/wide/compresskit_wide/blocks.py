@@ -43,8 +43,8 @@ routed_attention_prefill = _ops.routed_attention_prefill.default
 # q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
 # launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
 ROUTED_QKV = True
-# o's and down's reduction kernels write the next router's first product wherever ``auto`` takes the handoff
-# (policy "reduce_handoff": decode sizes) (an A/B switch, read when the runtime is built)
+# o's and down's reduction kernels write the next router's first product wherever ``auto`` takes the handoff,
+# the policy range "reduce_handoff" (decode sizes; an A/B switch, read when the runtime is built)
 HAND_OFF_SHARES = True
 # the router's decision launch counts the decision itself where every token is real, instead of the
 # block's own counting ops (an A/B switch, read when a block is built)
