@@ -50,11 +50,10 @@ SHAPES = {
 }  # fmt: skip
 
 
-def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
-    """A Llama model of the known configuration ``name`` with random weights; ``half``: the ideal
-    half-width model (half the query heads and FFN channels, K/V heads kept), the bound of width
-    pruning at 50% on the same runtime."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def shape_config(name: str, *, half: bool = False):
+    """The ``LlamaConfig`` of the known configuration ``name``; ``half``: the ideal half-width model's
+    (half the query heads and FFN channels, K/V heads kept; a ValueError where the heads do not halve)."""
+    from transformers import LlamaConfig
 
     shape = dict(SHAPES[name])
     if half:
@@ -63,11 +62,54 @@ def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
             raise ValueError(f"--shape {name}: {heads} query heads over {kv} KV heads have no half-width model")
         shape["num_attention_heads"] = heads // 2
         shape["intermediate_size"] = shape["intermediate_size"] // 2
-    config = LlamaConfig(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+    return LlamaConfig(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
+
+
+def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
+    """A Llama model of the known configuration ``name`` with random weights; ``half``: the ideal
+    half-width model, the bound of width pruning at 50% on the same runtime."""
+    from transformers import AutoModelForCausalLM
+
+    config = shape_config(name, half=half)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | None = None) -> tuple[int, list[str]]:
+    """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
+    the models that make it up)``: the model (WIDE's routers add well under 1%), the ideal half-width
+    model where the shape has one, and with ``transformers="static"`` a dense copy of the model."""
+    from transformers import AutoModelForCausalLM
+
+    def params(config) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+    full = params(shape_config(name))
+    total, models = full, ["the model"]
+    try:
+        total += params(shape_config(name, half=True))
+        models.append("the ideal half-width model")
+    except ValueError:
+        pass
+    if transformers == "static":
+        total += full
+        models.append("a dense copy for transformers")
+    return total * torch.empty((), dtype=dtype).element_size(), models
+
+
+SHAPE_MEMORY_SHARE = 0.8  # of the free memory, what a --shape run's weights may take: caches, activations, compiling
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for new tensors on ``device``: the GPU's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: str | None = None, **options) -> list:

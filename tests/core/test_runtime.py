@@ -269,6 +269,32 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     assert code == 2 and "Did you mean: llama-3.1-8b" in capsys.readouterr().err
 
 
+def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(capsys, monkeypatch):
+    """The weights ``--shape`` would build (the model and the ideal half-width model) are checked
+    against the free memory first: one line naming what fits, exit 2, nothing allocated."""
+    import compresskit.runtime.bench as bench_mod
+
+    monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 8 * 2**30)
+    monkeypatch.setattr(bench_mod, "shape_members", lambda *a, **k: pytest.fail("built a model that does not fit"))
+    argv = ["bench", "--shape", "llama-3.1-8b", "--device", "cpu", "--transformers", "off"]
+    assert main([*argv, "--dtype", "float32"]) == 2
+    err = capsys.readouterr().err
+    assert "--shape llama-3.1-8b: its weights take 47.33 GiB in float32 (the model, the ideal half-width model)" in err
+    assert "8.00 GiB free; give a smaller --shape (smollm2-135m, tiny)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 40 * 2**30)
+    assert main([*argv, "--dtype", "float32"]) == 2  # in bf16 it would fit: said first
+    assert "40.00 GiB free; give --dtype bfloat16 or a smaller --shape" in capsys.readouterr().err
+    n, models = bench_mod.shape_weight_bytes("llama-3.2-1b", torch.bfloat16, transformers="static")
+    assert models == ["the model", "the ideal half-width model", "a dense copy for transformers"]
+    half = bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16, half=True)
+    full = bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16)
+    assert n == 2 * (2 * sum(p.numel() for p in full.parameters()) + sum(p.numel() for p in half.parameters()))
+    n, models = bench_mod.shape_weight_bytes("smollm2-135m", torch.float32)  # 9 query heads: no half-width model
+    smol = bench_mod.shape_model("smollm2-135m", device="meta", dtype=torch.float32)
+    assert models == ["the model"] and n == 4 * sum(p.numel() for p in smol.parameters())
+
+
 def test_generator_from_the_python_api(tiny_model_dir):
     import compresskit
 
