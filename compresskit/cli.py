@@ -353,7 +353,15 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         options["prefill_graphs"] = True
     elif args.prefill_graphs == "off":
         options["prefill_graphs"] = False
+
+    def check_positions(limit: int | None) -> None:
+        if limit is not None and max(prompts) + args.new_tokens > limit:
+            raise CompressKitError(
+                f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
+            )
+
     if args.shape is not None:
+        check_positions(SHAPES[args.shape]["max_position_embeddings"])  # before anything is built
         cuda = torch.cuda.is_available() and args.device != "cpu"
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
         device = torch.device("cuda" if cuda else "cpu")
@@ -388,11 +396,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         if args.transformers != "off":
             name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
             members.append(Member(name, dense, transformers=args.transformers))
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and max(prompts) + args.new_tokens > limit:
-        raise CompressKitError(
-            f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
-        )
+    check_positions(getattr(model.config, "max_position_embeddings", None))
     rows = bench(
         members,
         batches=batches,

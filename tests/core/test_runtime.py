@@ -271,7 +271,8 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
 
 def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(capsys, monkeypatch):
     """The weights ``--shape`` would build (the model and the ideal half-width model) are checked
-    against the free memory first: one line naming what fits, exit 2, nothing allocated."""
+    against the free memory first: one line naming what fits, exit 2, nothing allocated; so are the
+    shape's positions against the prompt and new tokens."""
     import compresskit.runtime.bench as bench_mod
 
     monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 8 * 2**30)
@@ -285,6 +286,8 @@ def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(ca
     monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 40 * 2**30)
     assert main([*argv, "--dtype", "float32"]) == 2  # in bf16 it would fit: said first
     assert "40.00 GiB free; give --dtype bfloat16 or a smaller --shape" in capsys.readouterr().err
+    assert main(["bench", "--shape", "smollm2-135m", "--prompt", "8190", "--new-tokens", "4"]) == 2
+    assert "--prompt 8190 + --new-tokens 4 exceed the model's 8192 positions" in capsys.readouterr().err
     n, models = bench_mod.shape_weight_bytes("llama-3.2-1b", torch.bfloat16, transformers="static")
     assert models == ["the model", "the ideal half-width model", "a dense copy for transformers"]
     half = bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16, half=True)
