@@ -56,7 +56,8 @@ class Plan:
     stages: list[StagePlan]
 
 
-def _meta_model(config):
+def meta_model(config):
+    """The model of ``config`` on the meta device: its parameters' shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -72,7 +73,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
 
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
-    model = _meta_model(config).to(dtype)
+    model = meta_model(config).to(dtype)
     pruner = None
     if resolved.pruner is not None:
         pruner = resolved.pruner.cls(resolved.pruner.config)

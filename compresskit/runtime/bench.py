@@ -81,11 +81,10 @@ def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | Non
     """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
     the models that make it up)``: the model (WIDE's routers add well under 1%), the ideal half-width
     model where the shape has one, and with ``transformers="static"`` a dense copy of the model."""
-    from transformers import AutoModelForCausalLM
+    from compresskit.memory import meta_model
 
     def params(config) -> int:
-        with torch.device("meta"):
-            return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        return sum(p.numel() for p in meta_model(config).parameters())
 
     full = params(shape_config(name))
     total, models = full, ["the model"]
@@ -97,7 +96,7 @@ def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | Non
     if transformers == "static":
         total += full
         models.append("a dense copy for transformers")
-    return total * torch.empty((), dtype=dtype).element_size(), models
+    return total * dtype.itemsize, models
 
 
 SHAPE_MEMORY_SHARE = 0.8  # of the free memory, what a --shape run's weights may take: caches, activations, compiling
