@@ -240,8 +240,11 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     ]
     for r in runs:
         columns += [c for c in result_columns(r["metrics"]) if c not in columns]
-    header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", "TTFT x dense", "TPOT x dense"]
-    header += ["seeds"]
+    # each perplexity over the dense model's on the same text, one column: in and out of domain side by side
+    ppl = [c for c in columns if c[2].split(":")[0] == "token_perplexity"]
+    ratio_header = [f"ppl x dense ({', '.join(c[0].replace(' ppl', '') for c in ppl)})"] if ppl else []
+    header += [c[0] for c in columns] + ["zero-shot avg", "recovery (zero-shot)", *ratio_header]
+    header += ["TTFT x dense", "TPOT x dense", "seeds"]
     timed = any((r.get("speed") or {}).get("measured") for r in runs)
     rows = []
     for r in runs:
@@ -260,11 +263,23 @@ def compare_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         row += [
             _with_spread(zs, r.get("zero_shot_spread"), "{:.4f}"),
             _fmt(zs / dz if zs is not None and dz else None, "{:.3f}"),
+            *([_ppl_ratios(r, ppl)] if ppl else []),
             *_speedups(r.get("speed"), reference=timed and not r.get("pruner") and not r.get("speed")),
             _seeds(r),
         ]
         rows.append(row)
     return header, rows
+
+
+def _ppl_ratios(run: dict[str, Any], columns: list[tuple[str, str, str, str]]) -> str:
+    """The run's perplexity over its dense reference's, for each perplexity column ("-" where either is
+    missing), as "3.0x, 7.2x"."""
+    dense = (run.get("dense") or {}).get("metrics", {})
+    cells = []
+    for _, task, metric, _ in columns:
+        value, ref = run["metrics"].get(task, {}).get(metric), dense.get(task, {}).get(metric)
+        cells.append(f"{value / ref:.1f}x" if value is not None and ref else "-")
+    return ", ".join(cells)
 
 
 _TITLE = "comparison (sparsity = realised fraction of prunable MACs skipped)"

@@ -85,3 +85,27 @@ def test_the_dense_row_is_the_speed_reference_once_runs_were_timed():
     assert cells["untimed"] == ["not measured"] * 2
     header, rows = compare_rows(group_runs([timed])[0].runs)
     assert rows[1][header.index("TPOT x dense")] == "1.25x"
+
+
+def test_each_perplexity_is_shown_against_the_dense_models_in_one_column():
+    """Held-out and out-of-domain perplexity over the dense model's, side by side: how much more a
+    pruned model loses outside its training text."""
+    from compresskit.report import compare_rows
+
+    a, b = run("a", 100), run("b", 100)
+    for r, (held, code) in ((a, (30.0, 70.0)), (b, (45.0, None))):
+        r["metrics"] = {"piqa": {"acc": 0.5}, "perplexity": {"token_perplexity": held}}
+        if code is not None:
+            r["metrics"]["code_perplexity"] = {"token_perplexity": code}
+        r["dense"]["metrics"] = {
+            "piqa": {"acc": 0.6},
+            "perplexity": {"token_perplexity": 15.0},
+            "code_perplexity": {"token_perplexity": 7.0},
+        }
+    (group,) = group_runs([a, b])
+    header, rows = compare_rows(group.runs)
+    col = header.index("ppl x dense (held-out, code)")
+    assert [r[col] for r in rows] == ["1.0x, 1.0x", "2.0x, 10.0x", "3.0x, -"]
+    assert header.index("recovery (zero-shot)") < col < header.index("TTFT x dense")
+    header, rows = compare_rows([run("no-ppl", 100)])  # held-out perplexity is a default column: not measured
+    assert rows[0][header.index("ppl x dense (held-out)")] == "-"
