@@ -318,19 +318,16 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     from rich.table import Table
 
     from compresskit import artifacts
-    from compresskit.memory import size
     from compresskit.modeling import load_model
     from compresskit.plot import speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
     from compresskit.runtime.bench import (
-        SHAPE_MEMORY_SHARE,
         SHAPES,
         Member,
-        available_bytes,
         bench,
         markdown,
         shape_members,
-        shape_weight_bytes,
+        shape_memory_error,
         speedups,
     )
 
@@ -365,19 +362,9 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         cuda = torch.cuda.is_available() and args.device != "cpu"
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
         device = torch.device("cuda" if cuda else "cpu")
-        need, models = shape_weight_bytes(args.shape, dtype, transformers=args.transformers)
-        free = available_bytes(device)
-        fits = lambda name, dt: shape_weight_bytes(name, dt)[0] <= SHAPE_MEMORY_SHARE * free  # noqa: E731
-        if need > SHAPE_MEMORY_SHARE * free:  # caches, activations and compilation need the rest
-            smaller = [s for s in SHAPES if fits(s, dtype)]
-            options_left = [f"a smaller --shape ({', '.join(smaller)})"] if smaller else ["more free memory"]
-            if dtype.itemsize > 2 and fits(args.shape, torch.bfloat16):
-                options_left.insert(0, "--dtype bfloat16")
-            raise CompressKitError(
-                f"--shape {args.shape}: its weights take {size(need)} in {str(dtype).removeprefix('torch.')} "
-                f"({', '.join(models)}) and this {'GPU' if cuda else 'machine'} has {size(free)} free; give "
-                + " or ".join(options_left)
-            )
+        too_large = shape_memory_error(args.shape, dtype, device, transformers=args.transformers)
+        if too_large:
+            raise CompressKitError(too_large)
         members = shape_members(
             args.shape,
             sparsity=args.sparsity,

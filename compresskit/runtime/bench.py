@@ -111,6 +111,26 @@ def available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device, *, transformers: str | None = None):
+    """Why the configuration ``name``'s members in ``dtype`` would not fit ``device``'s free memory (their
+    weights above ``SHAPE_MEMORY_SHARE`` of it), naming what would fit; None where they fit."""
+    from compresskit.memory import size
+
+    free = available_bytes(device)
+    need, models = shape_weight_bytes(name, dtype, transformers=transformers)
+    if need <= SHAPE_MEMORY_SHARE * free:
+        return None
+    fits = lambda shape, dt: shape_weight_bytes(shape, dt)[0] <= SHAPE_MEMORY_SHARE * free  # noqa: E731
+    smaller = [s for s in SHAPES if fits(s, dtype)]
+    options = [f"a smaller --shape ({', '.join(smaller)})"] if smaller else ["more free memory"]
+    if dtype.itemsize > 2 and fits(name, torch.bfloat16):
+        options.insert(0, "--dtype bfloat16")
+    return (
+        f"--shape {name}: its weights take {size(need)} in {str(dtype).removeprefix('torch.')} ({', '.join(models)}) "
+        f"and this {'GPU' if device.type == 'cuda' else 'machine'} has {size(free)} free; give " + " or ".join(options)
+    )
+
+
 def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: str | None = None, **options) -> list:
     """The bench's members for a known ``shape`` (random weights): WIDE with its untrained routers
     calibrated to skip ``sparsity`` of each router's groups ("compressed"), the same weights dense, the
