@@ -669,6 +669,20 @@ def main() -> int:
                         ),
                     )
                 )
+    # a narrow model's prefill router (SmolLM2-135M: D = 576, 12 FFN groups of 128 channels), where the
+    # token blocks are few: tokens a program, and the default shares of D against one
+    narrow_d = 64 if args.smoke else 576
+    for m in sorted({prefill_m[0], prefill_m[len(prefill_m) // 2]}):
+        for block_m in (16, 32, 64):
+            for split in (None, 1):
+                cases.append(
+                    (
+                        f"router sweep D={narrow_d} M={m} G=12 block_m={block_m}" + (f" split={split}" if split else ""),
+                        lambda m=m, bm=block_m, s=split: case_router(
+                            m, narrow_d, 12, 32, dtype, device, gen, results, split=s, block_m=bm
+                        ),
+                    )
+                )
     for ctx in contexts:
         for batch in batches:
             for kind in ("exact", "iid"):
