@@ -677,7 +677,8 @@ def main() -> int:
             for split in (None, 1):
                 cases.append(
                     (
-                        f"router sweep D={narrow_d} M={m} G=12 block_m={block_m}" + (f" split={split}" if split else ""),
+                        f"router sweep D={narrow_d} M={m} G=12 block_m={block_m}"
+                        + (f" split={split}" if split else ""),
                         lambda m=m, bm=block_m, s=split: case_router(
                             m, narrow_d, 12, 32, dtype, device, gen, results, split=s, block_m=bm
                         ),
