@@ -343,8 +343,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             stage_ctx.teacher_cache = _teacher_cache(rec, model, data, stage.config, stage_ctx, ranks, progress)
         trainers.append((stage.cls(stage.config), stage_ctx))
     live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
-    if resolved.pruner is not None and live and needs_copy(resolved.pruner.cls(resolved.pruner.config)):
-        # the pruner changes weights and cannot show the dense model: distill from a copy
+    pruner_copy = resolved.pruner is not None and needs_copy(resolved.pruner.cls(resolved.pruner.config))
+    if live and (pruner_copy or any(getattr(s.cls, "changes_weights", False) for s in resolved.training)):
+        # the pruner or a stage changes weights, so the model cannot show the dense one: distill from a copy
         ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         trainers = [(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in trainers]
     model, pruner = attach(model)

@@ -244,6 +244,9 @@ class Trainer(abc.ABC):
     # trains a model sharded over several ranks (``ctx.ranks``): its ``fit`` splits the micro-batches
     # and leaves ``finish`` to the run, and ``setup(model, pruner, ctx)`` rebuilds its structure
     shardable: ClassVar[bool] = False
+    # trains the model's own weights, so that they no longer show the dense model: a distilling run keeps a
+    # copy of the dense model as its teacher
+    changes_weights: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()

@@ -5,7 +5,9 @@ and each stage's trainable parameters set up as in the real run, so the paramete
 The peak memory per GPU is an estimate, the sum of:
 
 - **weights**: every parameter in the model's dtype, divided over the ranks when sharded (FSDP2),
-  plus two decoder layers gathered whole (the one running and the one prefetched);
+  plus two decoder layers gathered whole (the one running and the one prefetched), plus the dense copy a
+  distilling run keeps as its teacher where the model cannot show the dense one (a pruner that changes
+  weights, or a ``finetune`` stage);
 - **trainable state**: the trained parameters in fp32 with their gradient and AdamW's two moments
   (16 bytes a parameter), divided over the ranks when sharded;
 - **activations**: what backward keeps per token and layer of a micro-batch with the backbone frozen
@@ -67,9 +69,10 @@ def meta_model(config):
 def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
     computing in ``dtype``."""
+    from compresskit.distill import needs_copy
     from compresskit.interfaces import RunContext
     from compresskit.modeling import count_parameters, decoder_layers
-    from compresskit.trainers import inject_lora
+    from compresskit.trainers import inject_lora, lora_target_names
 
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
@@ -89,13 +92,16 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     routers = sum(1 for n, _ in model.named_modules() if n.endswith(".router"))
     per_token_layer = (9 * d + 2 * kv + 4 * f) * elem
     per_token_router = routers * d * 4
+    live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
+    changes = any(getattr(s.cls, "changes_weights", False) for s in resolved.training)
+    teacher = params * elem if live and (needs_copy(pruner) or changes) else 0  # (not sharded: one per rank)
     stages = []
     for stage in resolved.training:
         c = stage.config
         if stage.name == "none":
             continue
         trainable = 0
-        if pruner is not None and pruner.state != "new" and (stage.name != "lora" or c.train_pruner_params):
+        if pruner is not None and pruner.state != "new" and getattr(c, "train_pruner_params", True):
             trainable += sum(p.numel() for p in pruner.trainable_parameters(model))
         per_token_lora = 0
         if stage.name == "lora":
@@ -103,6 +109,9 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
             inject_lora(model, c)
             trainable += count_parameters(model) - before
             per_token_lora = _lora_inputs(model) * (elem + (1 if c.dropout > 0 else 0))
+        if stage.name == "finetune":
+            names = lora_target_names(model, c.target_modules)
+            trainable += sum(model.get_submodule(n).weight.numel() for n in names)
         tokens = c.batch_size * c.seq_len
         logit_bytes = tokens * config.vocab_size * (elem + 8 + (24 if c.distill is not None else 0))
         stages.append(
@@ -111,7 +120,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
                 steps=c.steps,
                 tokens_per_step=tokens * c.grad_accum * world,
                 trainable_params=trainable,
-                weights=(params * elem) // world + (2 * layer_bytes if sharded else 0),
+                weights=(params * elem) // world + (2 * layer_bytes if sharded else 0) + teacher,
                 trainable_state=(16 * trainable) // (world if sharded else 1),
                 activations=tokens * (per_token_layer * len(layers) + per_token_router + per_token_lora),
                 logits=logit_bytes,

@@ -442,11 +442,66 @@ class LoraTrainer(RouterTrainer):
         set_peft_model_state_dict(model, state)
 
 
-def _check_keys(expected: set[str], state: dict[str, torch.Tensor]) -> None:
+class FinetuneStageConfig(TrainStageConfig):
+    lr: float = Field(2e-5, gt=0.0, description="Peak learning rate (AdamW).")
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS), description="Projections whose weights are trained in full."
+    )
+    train_pruner_params: bool = Field(True, description="Also train the pruner's parameters (e.g. routers).")
+
+
+class FinetuneTrainer(RouterTrainer):
+    """``finetune``: the projections' own weights trained in full (with the pruner's parameters), where a
+    LoRA adapter's rank limits what recovery can reach. On a GPU under bf16 autocast the trained weights
+    are held in fp32 during the stage (AdamW's updates would vanish in bf16) and go back to the model's
+    dtype at its end. A distilling stage then needs the dense model as a kept copy (``changes_weights``):
+    the model's own weights are no longer the dense ones."""
+
+    Config = FinetuneStageConfig
+    stage_name = "finetune"
+    shardable = False
+    changes_weights = True
+
+    def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
+        c = self.config
+        names = lora_target_names(model, c.target_modules)
+        master = c.autocast_bf16 and ctx.device.type == "cuda"  # (without autocast the inputs keep the dtype)
+        self._dtypes = {}
+        params = []
+        for name in names:
+            w = model.get_submodule(name).weight
+            self._dtypes[name] = w.dtype
+            if master and w.dtype != torch.float32:
+                w.data = w.data.float()
+            params.append(w)
+        if pruner is not None and c.train_pruner_params:
+            params += pruner.trainable_parameters(model)
+        return params
+
+    def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
+        for name, dtype in self._dtypes.items():
+            w = model.get_submodule(name).weight
+            w.data = w.data.to(dtype)
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trained projections' weights, as LoRA's merged ones are saved."""
+        names = lora_target_names(model, self.config.target_modules)
+        return {f"finetuned.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
+
+    def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        names = lora_target_names(model, self.config.target_modules)
+        _check_keys({f"finetuned.{n}.weight" for n in names}, state, "finetune")
+        with torch.no_grad():
+            for key, value in state.items():
+                w = model.get_submodule(key[len("finetuned.") : -len(".weight")]).weight
+                w.copy_(value.to(w.device, w.dtype))
+
+
+def _check_keys(expected: set[str], state: dict[str, torch.Tensor], stage: str = "lora") -> None:
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ArtifactError(
-            f"lora: saved tensors do not match the model: missing {missing[:2]} ({len(missing)}), "
+            f"{stage}: saved tensors do not match the model: missing {missing[:2]} ({len(missing)}), "
             f"unexpected {unexpected[:2]} ({len(unexpected)})"
         )
 

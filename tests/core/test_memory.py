@@ -107,3 +107,23 @@ def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
     assert [r["stage"] for r in rows] == ["router", "lora"] and all(r["measured_peak_allocated"] is None for r in rows)
     assert rows[1]["trained_params"] > rows[0]["trained_params"] > 0
     assert all(r["batch"] == 1 and r["tokens_per_s"] > 0 and not r["distill"] for r in rows)
+
+
+def test_finetune_counts_the_projections_and_a_distilling_run_its_teacher_copy(recipe, tiny_model_dir):
+    """A ``finetune`` stage trains every targeted projection's weight besides the routers; once it
+    exists, a distilling run keeps the dense model as a copy (the model's own weights move), and the
+    plan counts that copy in every stage's weights."""
+    from compresskit.modeling import load_config, load_model
+
+    config = load_config(str(tiny_model_dir))[0]
+    base = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    recipe["training"][1] = {"name": "finetune", "config": {"steps": 5, "batch_size": 2, "seq_len": 64}}
+    tuned = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    model, _ = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    projections = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in targets)
+    assert tuned.stages[1].trainable_params == base.stages[0].trainable_params + projections
+    assert tuned.stages[1].weights == base.stages[0].weights  # no teacher: nothing distills
+    recipe["training"][0]["config"]["distill"] = {"weight": 0.5}
+    distil = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    assert all(s.weights == base.stages[0].weights + tuned.params * 4 for s in distil.stages)

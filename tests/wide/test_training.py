@@ -15,11 +15,14 @@ from compresskit.data import DataModule
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
 from compresskit.trainers import (
+    FinetuneStageConfig,
+    FinetuneTrainer,
     LoraStageConfig,
     LoraTrainer,
     RouterTrainer,
     TrainStageConfig,
     even_subsample,
+    lora_target_names,
     lr_schedule,
 )
 
@@ -144,6 +147,78 @@ def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
 
     assert all(k.startswith("merged.") for k in load_file(str(out / manifest["training"][0]["file"])))
     assert res.results["metrics"]["piqa"]["acc"] >= 0
+
+
+def test_finetune_stage_trains_the_projections_and_reloads(tiny_model_dir, tmp_path):
+    """``finetune`` trains the projections' weights in full: they move, the saved run holds them
+    (``finetuned.<name>.weight``) and reloads to the logits the run evaluated."""
+    res = apply(recipe(tiny_model_dir, tmp_path, [stage("router"), stage("finetune", lr=1e-3)]))
+    out = tmp_path / "run" / "model"
+    manifest = json.loads((out / "compresskit.json").read_text())
+    assert [s["name"] for s in manifest["training"]] == ["finetune"]
+    from safetensors.torch import load_file
+
+    saved = load_file(str(out / manifest["training"][0]["file"]))
+    names = {k.removeprefix("finetuned.").removesuffix(".weight") for k in saved}
+    assert all(k.startswith("finetuned.") for k in saved) and len(saved) == 7 * 2  # 7 projections, 2 layers
+    assert any(n.endswith("down_proj.base_layer") for n in names)  # the routed projections' own weights
+    base, _ = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(saved["finetuned." + q], base.get_parameter(q))
+    m1, _, _ = artifacts.load(out, dtype="float32", device="cpu")
+    m2, _, _ = artifacts.load(out, dtype="float32", device="cpu")
+    ids = torch.randint(2, 300, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(m1(ids).logits, m2(ids).logits)
+    ev = api.eval_model(
+        str(out),
+        evaluation=api.EvaluationSection(tasks=["piqa"], limit=4, batch_size=4, max_length=512),
+        dtype="float32",
+        device="cpu",
+    )
+    assert ev["metrics"] == res.results["metrics"]
+
+
+def test_finetune_holds_fp32_weights_under_autocast_and_gives_the_dtype_back(tiny_model_dir):
+    """On a GPU with bf16 autocast the trained weights are fp32 during the stage (AdamW's small updates
+    would vanish in bf16) and the model's dtype again after it; without autocast they keep their dtype."""
+    model, tok = load_model(str(tiny_model_dir), dtype="bfloat16", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+    trainer = FinetuneTrainer(FinetuneStageConfig(target_modules=["q_proj", "down_proj"]))
+    gpu = RunContext(model_config=model.config, tokenizer=tok, device=torch.device("cuda"))
+    params = trainer.setup(model, pruner, gpu)
+    names = lora_target_names(model, ["q_proj", "down_proj"])
+    weights = [model.get_submodule(n).weight for n in names]
+    assert len(weights) == 4 and all(w.dtype == torch.float32 and any(w is p for p in params) for w in weights)
+    assert len(params) == 4 + len(pruner.trainable_parameters(model))
+    assert model.model.layers[0].self_attn.k_proj.weight.dtype == torch.bfloat16  # not a target
+    trainer.finish(model, pruner, gpu)
+    assert all(w.dtype == torch.bfloat16 for w in weights)
+    cpu = RunContext(model_config=model.config, tokenizer=tok, device=torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in trainer.setup(model, None, cpu))
+
+
+def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, tmp_path, monkeypatch):
+    """Once a stage trains the model's own weights, the model with its pruner off is no longer the dense
+    model: the run distills from a kept copy, even for WIDE, which otherwise shows the dense model itself."""
+    import compresskit.trainers as trainers
+
+    seen = []
+    real = trainers.teacher_logits
+
+    def spy(model, pruner, teacher, input_ids):
+        seen.append(teacher is not None and teacher is not model)
+        return real(model, pruner, teacher, input_ids)
+
+    monkeypatch.setattr(trainers, "teacher_logits", spy)
+    distill = {"weight": 0.5}
+    apply(recipe(tiny_model_dir, tmp_path, [stage("router", steps=2, distill=distill), stage("finetune", steps=2)]))
+    assert seen and all(seen)
+    seen.clear()
+    apply(recipe(tiny_model_dir, tmp_path / "b", [stage("router", steps=2, distill=distill)]))
+    assert seen and not any(seen)  # WIDE alone: the dense view, no copy
 
 
 def test_interrupted_training_resumes_bit_exactly(tiny_model_dir, tmp_path, monkeypatch):
