@@ -120,6 +120,22 @@ def needs_copy(pruner: Pruner | None) -> bool:
     return pruner is not None and not pruner.can_view_dense
 
 
+def teacher_copy_needed(stages) -> bool:
+    """Whether a run's distilling stages (``stages``: resolved training stages, in order) need the dense
+    model as a kept copy because the model's own weights moved before or during one of them: a stage
+    whose trainer ``changes_weights`` (``finetune``) up to and including it, or a LoRA stage that merged
+    its adapters before it. (A pruner that cannot show the dense model is :func:`needs_copy`'s.) Stages
+    that read cached teacher logits need nothing."""
+    moved = False
+    for stage in stages:
+        moved = moved or getattr(stage.cls, "changes_weights", False)
+        distill = getattr(stage.config, "distill", None)
+        if moved and distill is not None and not distill.cache:
+            return True
+        moved = moved or bool(getattr(stage.config, "merge", False))
+    return False
+
+
 def teacher_logits(model: nn.Module, pruner: Pruner | None, teacher: nn.Module | None, input_ids: torch.Tensor):
     """The dense model's logits for ``input_ids``, without gradients: ``teacher`` (a kept copy) where
     given, else ``model`` with the pruner and any LoRA adapters switched off."""

@@ -244,8 +244,8 @@ class Trainer(abc.ABC):
     # trains a model sharded over several ranks (``ctx.ranks``): its ``fit`` splits the micro-batches
     # and leaves ``finish`` to the run, and ``setup(model, pruner, ctx)`` rebuilds its structure
     shardable: ClassVar[bool] = False
-    # trains the model's own weights, so that they no longer show the dense model: a distilling run keeps a
-    # copy of the dense model as its teacher
+    # trains the model's own weights, so that they no longer show the dense model: a stage that distils during
+    # or after it gets a kept copy of the dense model as its teacher (distill.teacher_copy_needed)
     changes_weights: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None) -> None:

@@ -69,7 +69,7 @@ def meta_model(config):
 def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
     computing in ``dtype``."""
-    from compresskit.distill import needs_copy
+    from compresskit.distill import needs_copy, teacher_copy_needed
     from compresskit.interfaces import RunContext
     from compresskit.modeling import count_parameters, decoder_layers
     from compresskit.trainers import inject_lora, lora_target_names
@@ -93,8 +93,8 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     per_token_layer = (9 * d + 2 * kv + 4 * f) * elem
     per_token_router = routers * d * 4
     live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
-    changes = any(getattr(s.cls, "changes_weights", False) for s in resolved.training)
-    teacher = params * elem if live and (needs_copy(pruner) or changes) else 0  # (not sharded: one per rank)
+    copied = live and (needs_copy(pruner) or teacher_copy_needed(resolved.training))
+    teacher = params * elem if copied else 0  # (not sharded: one per rank)
     stages = []
     for stage in resolved.training:
         c = stage.config

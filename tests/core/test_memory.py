@@ -110,9 +110,9 @@ def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
 
 
 def test_finetune_counts_the_projections_and_a_distilling_run_its_teacher_copy(recipe, tiny_model_dir):
-    """A ``finetune`` stage trains every targeted projection's weight besides the routers; once it
-    exists, a distilling run keeps the dense model as a copy (the model's own weights move), and the
-    plan counts that copy in every stage's weights."""
+    """A ``finetune`` stage trains every targeted projection's weight besides the routers; where a stage
+    distils during or after it, the run keeps the dense model as a copy (the model's own weights move),
+    and the plan counts that copy in every stage's weights."""
     from compresskit.modeling import load_config, load_model
 
     config = load_config(str(tiny_model_dir))[0]
@@ -124,6 +124,9 @@ def test_finetune_counts_the_projections_and_a_distilling_run_its_teacher_copy(r
     projections = sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in targets)
     assert tuned.stages[1].trainable_params == base.stages[0].trainable_params + projections
     assert tuned.stages[1].weights == base.stages[0].weights  # no teacher: nothing distills
-    recipe["training"][0]["config"]["distill"] = {"weight": 0.5}
+    recipe["training"][0]["config"]["distill"] = {"weight": 0.5}  # before the weights move: the dense view
+    early = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    assert all(s.weights == base.stages[0].weights for s in early.stages)
+    recipe["training"][1]["config"]["distill"] = {"weight": 0.5}
     distil = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
     assert all(s.weights == base.stages[0].weights + tuned.params * 4 for s in distil.stages)

@@ -201,8 +201,9 @@ def test_finetune_holds_fp32_weights_under_autocast_and_gives_the_dtype_back(tin
 
 
 def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, tmp_path, monkeypatch):
-    """Once a stage trains the model's own weights, the model with its pruner off is no longer the dense
-    model: the run distills from a kept copy, even for WIDE, which otherwise shows the dense model itself."""
+    """Once a stage has moved the model's own weights (``finetune``, during it; a merged LoRA, after it),
+    the model with its pruner off is no longer the dense model: a stage that distils then distils from a
+    kept copy, even for WIDE, which otherwise shows the dense model itself."""
     import compresskit.trainers as trainers
 
     seen = []
@@ -214,11 +215,22 @@ def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, 
 
     monkeypatch.setattr(trainers, "teacher_logits", spy)
     distill = {"weight": 0.5}
-    apply(recipe(tiny_model_dir, tmp_path, [stage("router", steps=2, distill=distill), stage("finetune", steps=2)]))
-    assert seen and all(seen)
-    seen.clear()
-    apply(recipe(tiny_model_dir, tmp_path / "b", [stage("router", steps=2, distill=distill)]))
-    assert seen and not any(seen)  # WIDE alone: the dense view, no copy
+    runs = {
+        "finetune distils": (
+            [stage("router", steps=2, distill=distill), stage("finetune", steps=2, distill=distill)],
+            True,
+        ),
+        "only before finetune": ([stage("router", steps=2, distill=distill), stage("finetune", steps=2)], False),
+        "after a merged LoRA": (
+            [stage("lora", steps=2, r=4, merge=True), stage("router", steps=2, distill=distill)],
+            True,
+        ),
+        "WIDE alone": ([stage("router", steps=2, distill=distill)], False),  # the dense view, no copy
+    }
+    for i, (name, (stages, copied)) in enumerate(runs.items()):
+        seen.clear()
+        apply(recipe(tiny_model_dir, tmp_path / str(i), stages))
+        assert seen and all(s == copied for s in seen), name
 
 
 def test_interrupted_training_resumes_bit_exactly(tiny_model_dir, tmp_path, monkeypatch):
