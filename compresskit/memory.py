@@ -110,7 +110,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
             trainable += count_parameters(model) - before
             per_token_lora = _lora_inputs(model) * (elem + (1 if c.dropout > 0 else 0))
         if stage.name == "finetune":
-            names = lora_target_names(model, c.target_modules)
+            names = lora_target_names(model, c.target_modules, "finetune")
             trainable += sum(model.get_submodule(n).weight.numel() for n in names)
         tokens = c.batch_size * c.seq_len
         logit_bytes = tokens * config.vocab_size * (elem + 8 + (24 if c.distill is not None else 0))

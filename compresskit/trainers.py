@@ -371,7 +371,7 @@ class LoraStageConfig(TrainStageConfig):
     merge: bool = Field(False, description="Fold the adapters into the weights at the end of the stage.")
 
 
-def lora_target_names(model: nn.Module, targets: list[str]) -> list[str]:
+def lora_target_names(model: nn.Module, targets: list[str], stage: str = "lora") -> list[str]:
     """FQNs of the ``nn.Linear`` modules for each target name: ``<...>.<target>`` itself, or
     ``<...>.<target>.base_layer`` where a pruner wrapped it."""
     hits = []
@@ -382,7 +382,7 @@ def lora_target_names(model: nn.Module, targets: list[str]) -> list[str]:
         if parts[-1] in targets or (parts[-1] == "base_layer" and len(parts) > 1 and parts[-2] in targets):
             hits.append(name)
     if not hits:
-        raise RecipeError(f"training: lora target_modules {targets} matched no linear layer of the model")
+        raise RecipeError(f"training: {stage} target_modules {targets} matched no linear layer of the model")
     return hits
 
 
@@ -464,7 +464,7 @@ class FinetuneTrainer(RouterTrainer):
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
         c = self.config
-        names = lora_target_names(model, c.target_modules)
+        names = lora_target_names(model, c.target_modules, "finetune")
         master = c.autocast_bf16 and ctx.device.type == "cuda"  # (without autocast the inputs keep the dtype)
         self._dtypes = {}
         params = []
@@ -485,11 +485,11 @@ class FinetuneTrainer(RouterTrainer):
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The trained projections' weights, as LoRA's merged ones are saved."""
-        names = lora_target_names(model, self.config.target_modules)
+        names = lora_target_names(model, self.config.target_modules, "finetune")
         return {f"finetuned.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
 
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        names = lora_target_names(model, self.config.target_modules)
+        names = lora_target_names(model, self.config.target_modules, "finetune")
         _check_keys({f"finetuned.{n}.weight" for n in names}, state, "finetune")
         with torch.no_grad():
             for key, value in state.items():

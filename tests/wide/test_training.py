@@ -198,6 +198,10 @@ def test_finetune_holds_fp32_weights_under_autocast_and_gives_the_dtype_back(tin
     assert all(w.dtype == torch.bfloat16 for w in weights)
     cpu = RunContext(model_config=model.config, tokenizer=tok, device=torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in trainer.setup(model, None, cpu))
+    from compresskit.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"finetune target_modules \['nope'\] matched no linear layer"):
+        FinetuneTrainer(FinetuneStageConfig(target_modules=["nope"])).setup(model, None, cpu)
 
 
 def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, tmp_path, monkeypatch):
