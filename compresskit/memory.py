@@ -7,7 +7,7 @@ The peak memory per GPU is an estimate, the sum of:
 - **weights**: every parameter in the model's dtype, divided over the ranks when sharded (FSDP2),
   plus two decoder layers gathered whole (the one running and the one prefetched), plus the dense copy a
   distilling run keeps as its teacher where the model cannot show the dense one (a pruner that changes
-  weights, or a ``finetune`` stage);
+  weights, or a stage that distils during or after a ``finetune`` stage or a merged LoRA);
 - **trainable state**: the trained parameters in fp32 with their gradient and AdamW's two moments
   (16 bytes a parameter), divided over the ranks when sharded;
 - **activations**: what backward keeps per token and layer of a micro-batch with the backbone frozen
