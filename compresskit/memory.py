@@ -72,7 +72,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     from compresskit.distill import needs_copy, teacher_copy_needed
     from compresskit.interfaces import RunContext
     from compresskit.modeling import count_parameters, decoder_layers
-    from compresskit.trainers import inject_lora, lora_target_names
+    from compresskit.trainers import inject_lora, projection_names
 
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
@@ -110,7 +110,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
             trainable += count_parameters(model) - before
             per_token_lora = _lora_inputs(model) * (elem + (1 if c.dropout > 0 else 0))
         if stage.name == "finetune":
-            names = lora_target_names(model, c.target_modules, "finetune")
+            names = projection_names(model, c.target_modules, "finetune")
             trainable += sum(model.get_submodule(n).weight.numel() for n in names)
         tokens = c.batch_size * c.seq_len
         logit_bytes = tokens * config.vocab_size * (elem + 8 + (24 if c.distill is not None else 0))

@@ -371,9 +371,9 @@ class LoraStageConfig(TrainStageConfig):
     merge: bool = Field(False, description="Fold the adapters into the weights at the end of the stage.")
 
 
-def lora_target_names(model: nn.Module, targets: list[str], stage: str = "lora") -> list[str]:
+def projection_names(model: nn.Module, targets: list[str], stage: str = "lora") -> list[str]:
     """FQNs of the ``nn.Linear`` modules for each target name: ``<...>.<target>`` itself, or
-    ``<...>.<target>.base_layer`` where a pruner wrapped it."""
+    ``<...>.<target>.base_layer`` where a pruner wrapped it (what a ``stage``'s ``target_modules`` name)."""
     hits = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
@@ -416,7 +416,7 @@ class LoraTrainer(RouterTrainer):
         """What a saved model needs to reproduce this stage: the adapter tensors (peft's
         ``get_peft_model_state_dict``), or after a merge, the merged weights of the adapted layers."""
         if self.config.merge:
-            names = lora_target_names(model, self.config.target_modules)
+            names = projection_names(model, self.config.target_modules)
             return {f"merged.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
         from peft import get_peft_model_state_dict
 
@@ -425,7 +425,7 @@ class LoraTrainer(RouterTrainer):
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Re-apply a saved stage to a freshly prepared model."""
         if self.config.merge:
-            names = lora_target_names(model, self.config.target_modules)
+            names = projection_names(model, self.config.target_modules)
             expected = {f"merged.{n}.weight" for n in names}
             _check_keys(expected, state)
             with torch.no_grad():
@@ -464,7 +464,7 @@ class FinetuneTrainer(RouterTrainer):
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
         c = self.config
-        names = lora_target_names(model, c.target_modules, "finetune")
+        names = projection_names(model, c.target_modules, "finetune")
         master = c.autocast_bf16 and ctx.device.type == "cuda"  # (without autocast the inputs keep the dtype)
         self._dtypes = {}
         params = []
@@ -485,11 +485,11 @@ class FinetuneTrainer(RouterTrainer):
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The trained projections' weights, as LoRA's merged ones are saved."""
-        names = lora_target_names(model, self.config.target_modules, "finetune")
+        names = projection_names(model, self.config.target_modules, "finetune")
         return {f"finetuned.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
 
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        names = lora_target_names(model, self.config.target_modules, "finetune")
+        names = projection_names(model, self.config.target_modules, "finetune")
         _check_keys({f"finetuned.{n}.weight" for n in names}, state, "finetune")
         with torch.no_grad():
             for key, value in state.items():
@@ -522,7 +522,7 @@ def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
 def inject_lora(model: nn.Module, config: LoraStageConfig) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
-    names = lora_target_names(model, config.target_modules)
+    names = projection_names(model, config.target_modules)
     lora = LoraConfig(
         r=config.r, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none", target_modules=names
     )

@@ -22,8 +22,8 @@ from compresskit.trainers import (
     RouterTrainer,
     TrainStageConfig,
     even_subsample,
-    lora_target_names,
     lr_schedule,
+    projection_names,
 )
 
 
@@ -189,7 +189,7 @@ def test_finetune_holds_fp32_weights_under_autocast_and_gives_the_dtype_back(tin
     trainer = FinetuneTrainer(FinetuneStageConfig(target_modules=["q_proj", "down_proj"]))
     gpu = RunContext(model_config=model.config, tokenizer=tok, device=torch.device("cuda"))
     params = trainer.setup(model, pruner, gpu)
-    names = lora_target_names(model, ["q_proj", "down_proj"])
+    names = projection_names(model, ["q_proj", "down_proj"])
     weights = [model.get_submodule(n).weight for n in names]
     assert len(weights) == 4 and all(w.dtype == torch.float32 and any(w is p for p in params) for w in weights)
     assert len(params) == 4 + len(pruner.trainable_parameters(model))
