@@ -20,7 +20,7 @@ from typing import Any
 
 from compresskit import artifacts, distributed
 from compresskit.data import DataModule, check_source, load_documents, write_generated
-from compresskit.distill import needs_copy, teacher_copy_needed
+from compresskit.distill import keeps_teacher_copy
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
@@ -342,9 +342,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         if distill is not None and distill.cache:  # the dense model's top-k logits, before the pruner attaches
             stage_ctx.teacher_cache = _teacher_cache(rec, model, data, stage.config, stage_ctx, ranks, progress)
         trainers.append((stage.cls(stage.config), stage_ctx))
-    live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
-    pruner_copy = resolved.pruner is not None and needs_copy(resolved.pruner.cls(resolved.pruner.config))
-    if live and (pruner_copy or teacher_copy_needed(resolved.training)):
+    planned = resolved.pruner.cls(resolved.pruner.config) if resolved.pruner is not None else None
+    if keeps_teacher_copy(resolved.training, planned):
         # the pruner or a stage changes weights, so the model cannot show the dense one: distill from a copy
         ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         trainers = [(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in trainers]

@@ -120,17 +120,21 @@ def needs_copy(pruner: Pruner | None) -> bool:
     return pruner is not None and not pruner.can_view_dense
 
 
-def teacher_copy_needed(stages) -> bool:
-    """Whether a run's distilling stages (``stages``: resolved training stages, in order) need the dense
-    model as a kept copy because the model's own weights moved before or during one of them: a stage
-    whose trainer ``changes_weights`` (``finetune``) up to and including it, or a LoRA stage that merged
-    its adapters before it. (A pruner that cannot show the dense model is :func:`needs_copy`'s.) Stages
-    that read cached teacher logits need nothing."""
+def keeps_teacher_copy(stages, pruner: Pruner | None) -> bool:
+    """Whether a run with these training stages (resolved, in order) keeps a copy of the dense model
+    as its teacher: some stage distils live (not from cached logits) and either ``pruner`` cannot show
+    the dense model (:func:`needs_copy`) or the model's own weights moved before or during such a
+    stage: a stage whose trainer ``changes_weights`` (``finetune``) up to and including it, or a LoRA
+    stage that merged its adapters before it."""
+    live = [getattr(s.config, "distill", None) is not None and not s.config.distill.cache for s in stages]
+    if not any(live):
+        return False
+    if needs_copy(pruner):
+        return True
     moved = False
-    for stage in stages:
+    for stage, distils in zip(stages, live, strict=True):
         moved = moved or getattr(stage.cls, "changes_weights", False)
-        distill = getattr(stage.config, "distill", None)
-        if moved and distill is not None and not distill.cache:
+        if moved and distils:
             return True
         moved = moved or bool(getattr(stage.config, "merge", False))
     return False

@@ -245,7 +245,7 @@ class Trainer(abc.ABC):
     # and leaves ``finish`` to the run, and ``setup(model, pruner, ctx)`` rebuilds its structure
     shardable: ClassVar[bool] = False
     # trains the model's own weights, so that they no longer show the dense model: a stage that distils during
-    # or after it gets a kept copy of the dense model as its teacher (distill.teacher_copy_needed)
+    # or after it gets a kept copy of the dense model as its teacher (distill.keeps_teacher_copy)
     changes_weights: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None) -> None:

@@ -69,7 +69,7 @@ def meta_model(config):
 def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
     computing in ``dtype``."""
-    from compresskit.distill import needs_copy, teacher_copy_needed
+    from compresskit.distill import keeps_teacher_copy
     from compresskit.interfaces import RunContext
     from compresskit.modeling import count_parameters, decoder_layers
     from compresskit.trainers import inject_lora, projection_names
@@ -92,9 +92,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     routers = sum(1 for n, _ in model.named_modules() if n.endswith(".router"))
     per_token_layer = (9 * d + 2 * kv + 4 * f) * elem
     per_token_router = routers * d * 4
-    live = [s for s in resolved.training if getattr(s.config, "distill", None) and not s.config.distill.cache]
-    copied = live and (needs_copy(pruner) or teacher_copy_needed(resolved.training))
-    teacher = params * elem if copied else 0  # (not sharded: one per rank)
+    teacher = params * elem if keeps_teacher_copy(resolved.training, pruner) else 0  # (not sharded: one per rank)
     stages = []
     for stage in resolved.training:
         c = stage.config
