@@ -176,7 +176,8 @@ PY
         name=$(basename "$r" .yaml)${seed:+-seed$seed}
         sets=()
         [ -n "$seed" ] && sets=(--set "seed=$seed")
-        [ "$dir" != - ] && sets+=(--set "output.dir=$dir")
+        # `if`, not `&&`: a false test as the last command would return non-zero and end the queue (set -e)
+        if [ "$dir" != - ]; then sets+=(--set "output.dir=$dir"); fi
       }
       echo "${#selected[@]} jobs on $queues queues, $threads CPU threads each"
       for ((q = 0; q < queues; q++)); do

@@ -91,11 +91,24 @@ def _reusable(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
 
 def _needs_timing(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
     """Whether a finished run's speed is to be measured again: its ``evaluation.speed`` settings
-    changed, or it could not be measured where the run ran and can be here."""
-    if results.get("recipe_hash") != resolved.hash():
-        return True
+    changed, or it could not be measured where the run ran and can be here. A speed measured at the
+    settings asked for is kept where nothing is measured (``measure: false``, or ``auto`` on a CPU):
+    timing a GPU run's model on a CPU, or not at all, must not wipe the GPU's numbers."""
     speed = results.get("speed")
-    return not (speed and speed.get("measured")) and _timing_device(resolved) is not None
+    measured = bool(speed and speed.get("measured"))
+    here = _timing_device(resolved)
+    if results.get("recipe_hash") != resolved.hash():
+        return not (measured and here is None and _same_speed_settings(results, resolved))
+    return not measured and here is not None
+
+
+def _same_speed_settings(results: dict[str, Any], resolved: ResolvedRecipe) -> bool:
+    """Whether a finished run was timed with the ``evaluation.speed`` settings of ``resolved``, whether
+    to measure apart."""
+    recipe = results.get("recipe")
+    old = recipe.get("evaluation", {}).get("speed") if isinstance(recipe, dict) else None
+    new = resolved.to_dict()["evaluation"]["speed"]
+    return isinstance(old, dict) and {**old, "measure": None} == {**new, "measure": None}
 
 
 def _timing_device(resolved: ResolvedRecipe) -> str | None:

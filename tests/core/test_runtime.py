@@ -387,7 +387,8 @@ def test_the_dense_base_is_timed_once_a_process(tiny_model_dir, monkeypatch):
 def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
     """A run whose recipe changes in ``evaluation.speed`` alone (or whose speed could not be measured
     where it ran) keeps its training and quality numbers: ``apply`` and ``compare`` time its saved model
-    again and rewrite its results; any other change still needs a new output directory."""
+    again and rewrite its results, except that turning measurement off keeps what was measured at the
+    same settings; any other change still needs a new output directory."""
     import copy
     import json
 
@@ -421,7 +422,11 @@ def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
     timed = json.loads((tmp_path / "run" / "results.json").read_text())
     assert timed["speed"]["new_tokens"] == 4 and timed["metrics"] == first["metrics"]
 
-    recipe["evaluation"]["speed"]["measure"] = False  # settings that measure nothing: said so, no stale numbers
+    recipe["evaluation"]["speed"]["measure"] = False  # nothing measured now: the numbers of these settings kept
+    kept = apply(recipe)
+    assert kept.reused and not kept.retimed and kept.results["speed"] == timed["speed"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == timed  # the file untouched
+    recipe["evaluation"]["speed"]["prompt"] = 8  # other settings that measure nothing: said so, no stale numbers
     assert apply(recipe).results["speed"] == {"measured": False, "reason": "evaluation.speed.measure is false"}
 
     recipe["evaluation"]["perplexity_docs"] = 2  # a quality setting: not the same run any more
