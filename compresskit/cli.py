@@ -318,7 +318,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     from rich.table import Table
 
     from compresskit import artifacts
-    from compresskit.modeling import load_model
+    from compresskit.modeling import load_model, resolve_device, resolve_dtype
     from compresskit.plot import speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
     from compresskit.runtime.bench import (
@@ -359,9 +359,8 @@ def cmd_bench(args, out: Console, err: Console) -> int:
 
     if args.shape is not None:
         check_positions(SHAPES[args.shape]["max_position_embeddings"])  # before anything is built
-        cuda = torch.cuda.is_available() and args.device != "cpu"
-        dtype = {"auto": torch.bfloat16 if cuda else torch.float32}.get(args.dtype) or getattr(torch, args.dtype)
-        device = torch.device("cuda" if cuda else "cpu")
+        device = resolve_device(args.device, field="--device")
+        dtype = resolve_dtype(args.dtype, device)
         too_large = shape_memory_error(args.shape, dtype, device, transformers=args.transformers)
         if too_large:
             raise CompressKitError(too_large)

@@ -175,11 +175,13 @@ def materialize_alias(source: ModelSource, progress: Progress | None = None) -> 
     return target
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, field: str = "model.device") -> torch.device:
+    """``auto``: a GPU where there is one, else the CPU; a GPU asked for where there is none is an error
+    naming ``field``."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RecipeError("model.device: 'cuda' was asked for but no CUDA device is available here; allowed: auto, cpu")
+        raise RecipeError(f"{field}: {device!r} was asked for but no CUDA device is available here; allowed: auto, cpu")
     return torch.device(device)
 
 

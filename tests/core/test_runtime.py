@@ -251,6 +251,10 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a GPU asked for where there is none: said, for a model and for a shape
+        for target in ([str(tiny_model_dir)], ["--shape", "tiny"]):
+            assert main(["bench", *target, "--device", "cuda"]) == 2
+            assert "'cuda' was asked for but no CUDA device is available here" in capsys.readouterr().err
 
 
 def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
