@@ -28,7 +28,7 @@ from compresskit.modeling import cache_dir, count_parameters, load_model, local_
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.runtime.bench import measure_speed, unmeasured_reason
-from compresskit.seeding import phase_seed, seed_everything
+from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks
 
@@ -249,7 +249,8 @@ def apply(
         distributed.barrier()
 
         try:
-            return _run_staged(resolved, staging, out, progress, ranks)
+            with deterministic_algorithms(rec.deterministic):
+                return _run_staged(resolved, staging, out, progress, ranks)
         except CompressKitError:
             if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
                 shutil.rmtree(staging, ignore_errors=True)

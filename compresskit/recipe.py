@@ -288,6 +288,12 @@ class Recipe(_Section):
     schema_version: int = SCHEMA_VERSION
     name: str | None = None
     seed: int = 0
+    deterministic: bool = Field(
+        False,
+        description="Deterministic algorithms only (torch.use_deterministic_algorithms, a fixed cuBLAS "
+        "workspace): a run repeated on the same GPU and versions gives the same numbers, at some cost in "
+        "speed. Off, a GPU's atomic adds and library heuristics make runs of one seed differ slightly.",
+    )
     model: ModelSection
     data: DataSection = DataSection()
     pruner: PluginSection | None = None
@@ -526,6 +532,11 @@ class ResolvedPlugin:
     path: str  # YAML path of the section, e.g. "training.0"
 
 
+# top-level fields added after runs were saved: left out of the resolved recipe (and its hash) at their
+# default, so that those runs stay the same recipe's and are reused
+OMITTED_AT_DEFAULT = {"deterministic": False}
+
+
 @dataclass
 class ResolvedRecipe:
     """A recipe with every plugin loaded and every plugin config validated (defaults filled)."""
@@ -545,6 +556,9 @@ class ResolvedRecipe:
         for i, stage in enumerate(self.training):
             data["training"][i]["config"] = stage.config.model_dump(mode="json")
         data["executor"]["config"] = self.executor.config.model_dump(mode="json")
+        for key, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
+            if data.get(key) == default:
+                del data[key]
         return data
 
     def hash(self) -> str:

@@ -164,6 +164,9 @@ def _training_note(training: list[dict[str, Any]] | None) -> str | None:
     return "Training: " + "; ".join(stages) + "." if stages else None
 
 
+DETERMINISTIC_NOTE = "Deterministic algorithms only (`deterministic: true`; torch.use_deterministic_algorithms)."
+
+
 def results_markdown(results: dict[str, Any]) -> str:
     ev = results["evaluation"]
     items = ", ".join(f"{k}: {v['n_items']}" for k, v in ev["tasks"].items())
@@ -194,6 +197,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
         *filter(None, [_training_note(results.get("training"))]),
+        *([DETERMINISTIC_NOTE] if (results.get("recipe") or {}).get("deterministic") else []),
         _sparsity_note(results["sparsity"]),
         _speed_note(results.get("speed")),
         "",

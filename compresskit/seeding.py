@@ -8,8 +8,11 @@ cache, another stage's number of steps) cannot change what the phase draws.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -26,3 +29,27 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """Inside, with ``enabled``, torch runs deterministic algorithms only (an op without one raises)
+    and cuBLAS a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, unless set already; it must be set
+    before the process's first cuBLAS call on a GPU); the previous settings come back on exit."""
+    if not enabled:
+        yield
+        return
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

@@ -510,3 +510,49 @@ def test_a_loss_that_is_not_finite_stops_the_stage_at_its_step(tiny_model_dir, t
     saved = torch.load(tmp_path / "w" / "checkpoint.pt", weights_only=False)
     assert saved["step"] == 12 and [int(h["step"]) for h in saved["history"]] == list(range(12))
     assert all(isinstance(v, float) and v == v for h in saved["history"] for v in h.values())
+
+
+def test_deterministic_mode_changes_no_number_on_the_cpu_and_restores_torch(tiny_model_dir, tmp_path):
+    """``deterministic: true`` runs the same pipeline with torch's deterministic algorithms (a CPU's
+    are deterministic already: the same tensors and metrics), puts torch's settings back after the
+    run, and is part of the recipe's hash only when on (runs saved before the field stay reusable)."""
+    from compresskit.recipe import load_recipe
+
+    stages = [stage("router", steps=3), stage("lora", steps=2, r=4, alpha=8)]
+    plain = recipe(tiny_model_dir, tmp_path / "plain", stages)
+    strict = {**recipe(tiny_model_dir, tmp_path / "strict", stages), "deterministic": True}
+    assert "deterministic" not in load_recipe(plain).to_dict()
+    assert load_recipe(strict).to_dict()["deterministic"] is True
+    assert load_recipe(strict).hash() != load_recipe(plain).hash()
+    before = torch.are_deterministic_algorithms_enabled()
+    runs = [apply(plain), apply(strict)]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    _assert_same_tensors(*(_saved_tensors(tmp_path / n / "run" / "model") for n in ("plain", "strict")))
+    assert runs[0].results["metrics"] == runs[1].results["metrics"]
+    assert runs[1].results["recipe"]["deterministic"] is True
+    assert "Deterministic algorithms only" in (tmp_path / "strict" / "run" / "results.md").read_text()
+    assert "Deterministic" not in (tmp_path / "plain" / "run" / "results.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deterministic_runs_on_a_gpu_repeat_bit_for_bit(tiny_model_dir, tmp_path):
+    """Two processes running one recipe with ``deterministic: true`` on a GPU train the same routers
+    and LoRA bit for bit and report the same numbers (each process starts its cuBLAS with the fixed
+    workspace)."""
+    import subprocess
+    import sys
+
+    stages = [stage("router", steps=6), stage("lora", steps=4, r=4, alpha=8)]
+    for name in ("a", "b"):
+        r = {**recipe(tiny_model_dir, tmp_path / name, stages), "deterministic": True}
+        r["model"] = {**r["model"], "device": "cuda", "dtype": "bfloat16"}
+        r["evaluation"] = {**r["evaluation"], "tasks": ["perplexity", "piqa"], "perplexity_docs": 1}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(json.dumps(r))
+        done = subprocess.run([sys.executable, "-m", "compresskit", "apply", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same_tensors(*(_saved_tensors(tmp_path / n / "run" / "model") for n in ("a", "b")))
+    a, b = (json.loads((tmp_path / n / "run" / "results.json").read_text()) for n in ("a", "b"))
+    assert a["metrics"] == b["metrics"] and a["sparsity"] == b["sparsity"]
+    assert [t["history"] for t in a["training"]] == [t["history"] for t in b["training"]]
