@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from compresskit.errors import RecipeError
+
 
 def phase_seed(seed: int, phase: str) -> int:
     """A 63-bit seed for ``phase`` of a run with recipe seed ``seed``: sha256 of both."""
@@ -33,9 +35,10 @@ def seed_everything(seed: int) -> None:
 
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool) -> Iterator[None]:
-    """Inside, with ``enabled``, torch runs deterministic algorithms only (an op without one raises)
-    and cuBLAS a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, unless set already; it must be set
-    before the process's first cuBLAS call on a GPU); the previous settings come back on exit."""
+    """Inside, with ``enabled``, torch runs deterministic algorithms only (an op without one ends the
+    run with a :class:`RecipeError` naming it and the field) and cuBLAS a fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``, unless set already; it must be set before the process's first cuBLAS
+    call on a GPU); the previous settings come back on exit."""
     if not enabled:
         yield
         return
@@ -50,6 +53,14 @@ def deterministic_algorithms(enabled: bool) -> Iterator[None]:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
         yield
+    except RuntimeError as exc:
+        if "does not have a deterministic implementation" not in str(exc):
+            raise
+        op = str(exc).split(" does not have", 1)[0].strip()
+        raise RecipeError(
+            f"deterministic: true, but {op} (run by this pipeline on this device) has no deterministic "
+            "implementation in this torch; set deterministic: false to run it"
+        ) from exc
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

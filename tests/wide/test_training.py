@@ -534,6 +534,20 @@ def test_deterministic_mode_changes_no_number_on_the_cpu_and_restores_torch(tiny
     assert "Deterministic" not in (tmp_path / "plain" / "run" / "results.md").read_text()
 
 
+def test_an_op_without_a_deterministic_form_is_one_error_naming_the_field():
+    from compresskit.errors import RecipeError
+    from compresskit.seeding import deterministic_algorithms
+
+    with pytest.raises(
+        RecipeError, match=r"deterministic: true, but put_ \(run by this pipeline.*deterministic: false"
+    ):
+        with deterministic_algorithms(True):
+            torch.zeros(5).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+    assert not torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms(True), pytest.raises(RuntimeError, match="not about determinism"):
+        raise RuntimeError("not about determinism")  # other errors pass through unchanged
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_deterministic_runs_on_a_gpu_repeat_bit_for_bit(tiny_model_dir, tmp_path):
