@@ -299,13 +299,42 @@ def compare_tables(groups: list[Group]) -> list[Table]:
             table.add_column(h, justify="left" if i < 2 else "right")
         for row in rows:
             table.add_row(*row)
+        table.caption = speed_footnote(group.runs)
         tables.append(table)
     return tables
 
 
+def speed_footnote(runs: list[dict[str, Any]]) -> str | None:
+    """How the speed columns of ``runs`` were measured (device, runtime mode, batch, prompt, new tokens,
+    repeats), or, where runs were timed under different settings, each setting with its runs: speedups
+    timed differently are not comparable. None where no run's speed was measured."""
+    settings: dict[tuple, list[str]] = {}
+    for run in runs:
+        speed = run.get("speed") or {}
+        if speed.get("measured"):
+            key = tuple(speed.get(k) for k in ("device", "mode", "batch", "prompt", "new_tokens", "repeats"))
+            settings.setdefault(key, []).append(run["name"])
+    if not settings:
+        return None
+
+    def describe(key: tuple) -> str:
+        device, mode, batch, prompt, new_tokens, repeats = key
+        return (
+            f"{device}, {mode}, batch {batch}, a {prompt}-token prompt, {new_tokens} new tokens, medians of {repeats}"
+        )
+
+    if len(settings) == 1:
+        return (
+            "Speed: TTFT and TPOT of each run over its dense base, timed in the same process on the compresskit "
+            f"runtime ({describe(next(iter(settings)))})."
+        )
+    listed = "; ".join(f"{', '.join(names)}: {describe(key)}" for key, names in settings.items())
+    return f"Speed: warning, the runs were timed under {len(settings)} different settings ({listed})."
+
+
 def compare_markdown(groups: list[Group] | list[dict[str, Any]]) -> str:
     """Markdown tables, one per evaluation group (headed by what sets it apart when there are
-    several); a list of runs is grouped first."""
+    several), each with a line on how its speed was measured; a list of runs is grouped first."""
     groups = _as_groups(groups)
     parts = []
     for group in groups:
@@ -313,6 +342,9 @@ def compare_markdown(groups: list[Group] | list[dict[str, Any]]) -> str:
         if group.label:
             parts.append(f"### Evaluation {group.label}\n")
         parts.append(_md_table(header, rows) + "\n")
+        note = speed_footnote(group.runs)
+        if note:
+            parts.append(note + "\n")
     return "\n".join(parts)
 
 

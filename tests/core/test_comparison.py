@@ -109,3 +109,34 @@ def test_each_perplexity_is_shown_against_the_dense_models_in_one_column():
     assert header.index("recovery (zero-shot)") < col < header.index("TTFT x dense")
     header, rows = compare_rows([run("no-ppl", 100)])  # held-out perplexity is a default column: not measured
     assert rows[0][header.index("ppl x dense (held-out)")] == "-"
+
+
+def test_the_speed_columns_say_how_they_were_measured_and_warn_when_timed_differently():
+    from compresskit.report import speed_footnote
+
+    def timed(name, prompt=512, device="NVIDIA H200"):
+        r = run(name, 100)
+        r["speed"] = {
+            "measured": True,
+            "device": device,
+            "mode": "compiled + CUDA graphs",
+            "batch": 1,
+            "prompt": prompt,
+            "new_tokens": 32,
+            "repeats": 3,
+            "ttft_speedup": 1.5,
+            "tpot_speedup": 1.2,
+        }
+        return r
+
+    untimed = run("untimed", 100)
+    untimed["speed"] = {"measured": False, "reason": "no GPU"}
+    assert speed_footnote([untimed]) is None
+    assert "Speed:" not in compare_markdown(group_runs([untimed]))
+    one = speed_footnote([timed("a"), timed("b"), untimed])
+    assert one.startswith("Speed: TTFT and TPOT of each run over its dense base") and "warning" not in one
+    assert "NVIDIA H200, compiled + CUDA graphs, batch 1, a 512-token prompt, 32 new tokens, medians of 3" in one
+    two = speed_footnote([timed("a"), timed("b", prompt=2048), timed("c")])
+    assert "warning, the runs were timed under 2 different settings" in two
+    assert "a, c: NVIDIA H200, compiled + CUDA graphs, batch 1, a 512-token prompt" in two and "b: NVIDIA H200" in two
+    assert two in compare_markdown(group_runs([timed("a"), timed("b", prompt=2048), timed("c")]))
