@@ -416,8 +416,7 @@ class LoraTrainer(RouterTrainer):
         """What a saved model needs to reproduce this stage: the adapter tensors (peft's
         ``get_peft_model_state_dict``), or after a merge, the merged weights of the adapted layers."""
         if self.config.merge:
-            names = projection_names(model, self.config.target_modules)
-            return {f"merged.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
+            return projection_weights(model, self.config.target_modules, "merged", "lora")
         from peft import get_peft_model_state_dict
 
         return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
@@ -425,13 +424,7 @@ class LoraTrainer(RouterTrainer):
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Re-apply a saved stage to a freshly prepared model."""
         if self.config.merge:
-            names = projection_names(model, self.config.target_modules)
-            expected = {f"merged.{n}.weight" for n in names}
-            _check_keys(expected, state)
-            with torch.no_grad():
-                for key, value in state.items():
-                    w = model.get_submodule(key[len("merged.") : -len(".weight")]).weight
-                    w.copy_(value.to(w.device, w.dtype))
+            load_projection_weights(model, self.config.target_modules, state, "merged", "lora")
             return
         from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -485,16 +478,28 @@ class FinetuneTrainer(RouterTrainer):
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The trained projections' weights, as LoRA's merged ones are saved."""
-        names = projection_names(model, self.config.target_modules, "finetune")
-        return {f"finetuned.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
+        return projection_weights(model, self.config.target_modules, "finetuned", "finetune")
 
     def restore(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        names = projection_names(model, self.config.target_modules, "finetune")
-        _check_keys({f"finetuned.{n}.weight" for n in names}, state, "finetune")
-        with torch.no_grad():
-            for key, value in state.items():
-                w = model.get_submodule(key[len("finetuned.") : -len(".weight")]).weight
-                w.copy_(value.to(w.device, w.dtype))
+        load_projection_weights(model, self.config.target_modules, state, "finetuned", "finetune")
+
+
+def projection_weights(model: nn.Module, targets: list[str], prefix: str, stage: str) -> dict[str, torch.Tensor]:
+    """The weights of the projections ``targets`` name, on the CPU, as ``<prefix>.<module>.weight``."""
+    names = projection_names(model, targets, stage)
+    return {f"{prefix}.{n}.weight": model.get_submodule(n).weight.detach().cpu() for n in names}
+
+
+def load_projection_weights(
+    model: nn.Module, targets: list[str], state: dict[str, torch.Tensor], prefix: str, stage: str
+) -> None:
+    """Copy what :func:`projection_weights` saved into the model (its keys checked first)."""
+    names = projection_names(model, targets, stage)
+    _check_keys({f"{prefix}.{n}.weight" for n in names}, state, stage)
+    with torch.no_grad():
+        for key, value in state.items():
+            w = model.get_submodule(key[len(prefix) + 1 : -len(".weight")]).weight
+            w.copy_(value.to(w.device, w.dtype))
 
 
 def _check_keys(expected: set[str], state: dict[str, torch.Tensor], stage: str = "lora") -> None:
