@@ -17,6 +17,7 @@ than by the multiply-adds? Each tile is first checked against the reference."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -69,6 +70,18 @@ def occupancy(compiled, warps: int) -> int | None:
     return int(min(by_smem, by_regs, by_warps))
 
 
+def launch(x, w, out, order, counts, grid, meta, warps, stages, gpu):
+    """One launch of the sorted-tile kernel with the tile fixed; returns the compiled kernel."""
+    from compresskit_wide.kernels.gemm_out import triton_masked_out_gemm_kernel
+
+    (m, d), n, groups = x.shape, w.shape[0], counts.shape[0]
+    return triton_masked_out_gemm_kernel[grid](
+        x, w, w, out, order, counts, m, n, d, n // groups, groups, groups, m_bucket(m),
+        x.stride(0), w.stride(0), out.stride(0),
+        FUSE_SWIGLU=False, DOT_PRECISION="tf32" if gpu else "ieee", **meta, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1024,2048,4096")
@@ -80,8 +93,6 @@ def main() -> int:
     if where is None:
         return 2
     dev, dt = where
-    from compresskit_wide.kernels.gemm_out import triton_masked_out_gemm_kernel
-
     gpu = dev.type == "cuda"
     if gpu:
         from bench_wide_kernels import gpu_time
@@ -92,13 +103,16 @@ def main() -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 1
     gen = torch.Generator().manual_seed(0)
     rows, lines, ok = [], [], True
-    header = "| tokens | mask | BLOCK_M x N x K, warps, stages | active programs | programs | at once | us | cuBLAS us | x cuBLAS |"
+    header = (
+        "| tokens | mask | BLOCK_M x N x K, warps, stages | active programs | programs | at once | us | cuBLAS us "
+        "| x cuBLAS |"
+    )
     lines += [header, "|---|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
     for m in tokens:
         x = torch.randn(m, d, generator=gen).to(dev, dt)
         w = (torch.randn(n, d, generator=gen) / d**0.5).to(dev, dt)
-        dense_us = gpu_time(lambda: x @ w.T)[0] * 1e3 if gpu else float("nan")
+        dense_us = gpu_time(functools.partial(torch.matmul, x, w.T))[0] * 1e3 if gpu else float("nan")
         for kind in args.masks.split(","):
             mask = make_mask(m, groups, kind, gen).to(dev)
             order, counts = triton_routing_layout(mask)
@@ -111,14 +125,7 @@ def main() -> int:
                 out = torch.empty(m, n, device=dev, dtype=dt)
                 grid = (cdiv(m, bm) * cdiv(gw, bn) * groups,)
 
-                def call(out=out, grid=grid, meta=meta, warps=warps, stages=stages):
-                    return triton_masked_out_gemm_kernel[grid](
-                        x, w, w, out, order, counts, m, n, d, gw, groups, groups, m_bucket(m),
-                        x.stride(0), w.stride(0), out.stride(0),
-                        FUSE_SWIGLU=False, DOT_PRECISION="tf32" if gpu else "ieee", **meta,
-                        num_warps=warps, num_stages=stages,
-                    )  # fmt: skip
-
+                call = functools.partial(launch, x, w, out, order, counts, grid, meta, warps, stages, gpu)
                 compiled = call()
                 good = torch.allclose(out.float(), want, rtol=3e-2, atol=3e-2)
                 ok &= good
