@@ -96,6 +96,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1024,2048,4096")
     parser.add_argument("--masks", default="exact,iid,all,balanced")
+    parser.add_argument(
+        "--tiles",
+        choices=["all", "two"],
+        default="all",
+        help="two: only 128 x 128 x 64 and 128 x 256 x 64 (8 warps, 3 stages)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -109,6 +115,8 @@ def main() -> int:
     d, n, groups = (4096, 4096, 8) if gpu else (64, 64, 4)
     tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
     tiles = policy.OUT_PREFILL + EXTRA if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}, 4, 2)]
+    if args.tiles == "two" and gpu:
+        tiles = [t for t in tiles if t[0]["BLOCK_M"] == 128 and t[0]["BLOCK_K"] == 64 and t[1:] == (8, 3)]
     gw = n // groups
     sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else 1
     gen = torch.Generator().manual_seed(0)

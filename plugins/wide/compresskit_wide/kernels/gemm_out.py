@@ -249,7 +249,9 @@ if triton is not None:
         # whatever the groups' counts. A tile split between programs is finished by the one that
         # holds its last K steps: the others each write their fp32 part to their workspace slot
         # first thing and raise their flag; it adds them last, after its own tiles. It waits only
-        # on lower programs, which start before it and wait on nobody before writing.
+        # on lower programs, which start before it and wait on nobody before writing. One loop
+        # over this program's segments (its leading part, its whole tiles, its finishing part),
+        # so that one pipelined K loop serves them all.
         pid = tl.program_id(0)
         gs = tl.arange(0, BLOCK_G)
         cnt = tl.load(counts_ptr + gs, mask=gs < G, other=0)
@@ -261,38 +263,45 @@ if triton is not None:
         total = tl.sum(per_g, axis=0) * iters
         start = (pid * total) // PROGRAMS
         stop = ((pid + 1) * total) // PROGRAMS
+        held = stop > start
         first, k_first = start // iters, start % iters
-        last, k_last = (stop - 1) // iters, stop - ((stop - 1) // iters) * iters  # K steps of `last` held
-        ws = (
-            ws_ptr + pid * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        )
-        full_begin = first + (k_first > 0)
-        full_end = last + (k_last == iters)
-        if stop > start:
-            # 1. the leading K steps of a tile another program finishes: this program's part, out first
-            if (k_last < iters) & ((first < last) | (k_first == 0)):
-                g, rows, in_range, active, tn = _tile_rows(
-                    order_ptr, last, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n
-                )
-                acc, cols, col_ok = _tile_product(
-                    x_ptr, w_ptr, rows, active, g, tn, 0, k_last, K, GW, N, stride_xm, stride_wn,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-                tl.store(ws, acc)
+        last = tl.maximum(stop - 1, 0) // iters
+        k_last = stop - last * iters  # the K steps of `last` this program holds, from its first
+        # a leading part of a tile another program finishes: the first K steps of `last`, or (all
+        # within one tile) a middle stretch; and the finishing part: the last K steps of `first`
+        lead = held & (k_last < iters)
+        finish = held & (k_first > 0) & ((first < last) | (k_last == iters))
+        whole = tl.where(held, tl.maximum(last + (k_last == iters) - first - (k_first > 0), 0), 0)
+        segments = lead.to(tl.int32) + whole + finish.to(tl.int32)
+        rows_ws = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        for j in range(0, segments):
+            is_lead = lead & (j == 0)
+            is_finish = finish & (j == segments - 1)
+            tile = tl.where(is_lead, last, tl.where(is_finish, first, first + (k_first > 0) + j - lead.to(tl.int32)))
+            k_begin = tl.where(is_lead, tl.where(first == last, k_first, 0), tl.where(is_finish, k_first, 0))
+            k_end = tl.where(is_lead, k_last, iters)
+            g, rows, in_range, active, tn = _tile_rows(order_ptr, tile, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n)
+            acc, cols, col_ok = _tile_product(
+                x_ptr, w_ptr, rows, active, g, tn, k_begin, k_end, K, GW, N, stride_xm, stride_wn,
+                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            if is_lead:
+                tl.store(ws_ptr + pid * BLOCK_M * BLOCK_N + rows_ws, acc)
                 tl.atomic_xchg(flag_ptr + pid, 1)
-                full_end = last
-            elif (first == last) & (k_first > 0) & (k_last < iters):  # steps inside one tile: a middle part
-                g, rows, in_range, active, tn = _tile_rows(
-                    order_ptr, first, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n
-                )
-                acc, cols, col_ok = _tile_product(
-                    x_ptr, w_ptr, rows, active, g, tn, k_first, k_last, K, GW, N, stride_xm, stride_wn,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-                tl.store(ws, acc)
-                tl.atomic_xchg(flag_ptr + pid, 1)
-                full_end = full_begin
-        # 2. this program's share of the tiles no token of which is active: zeros, no weight read
+            else:
+                if is_finish:
+                    # the program holding the tile's first K step, then each after it up to this one
+                    q = ((first * iters + 1) * PROGRAMS - 1) // total
+                    while q < pid:
+                        if ((q + 1) * total) // PROGRAMS > (q * total) // PROGRAMS:  # (some hold no step)
+                            while tl.atomic_cas(flag_ptr + q, 1, 0) != 1:  # taken, and lowered for the next call
+                                pass
+                            acc += tl.load(ws_ptr + q * BLOCK_M * BLOCK_N + rows_ws, cache_modifier=".cg")
+                        q += 1
+                acc = tl.where(active[:, None], acc, 0.0)
+                tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=in_range[:, None] & col_ok[None, :])  # fmt: skip
+        # this program's share of the tiles no token of which is active: zeros, no weight read
         zero_g = (tl.cdiv(tl.where(gs < LAUNCHED, M, 0), BLOCK_M) - tl.cdiv(cnt, BLOCK_M)) * tiles_n
         zero_ends = tl.cumsum(zero_g, axis=0)
         for z in range(pid, tl.sum(zero_g, axis=0), PROGRAMS):
@@ -309,37 +318,6 @@ if triton is not None:
             tl.store(
                 out_ptr + rows[:, None] * stride_om + cols[None, :], zeros, mask=in_range[:, None] & col_ok[None, :]
             )
-        # 3. whole tiles
-        for t in range(full_begin, full_end):
-            g, rows, in_range, active, tn = _tile_rows(order_ptr, t, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n)
-            acc, cols, col_ok = _tile_product(
-                x_ptr, w_ptr, rows, active, g, tn, 0, iters, K, GW, N, stride_xm, stride_wn,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            acc = tl.where(active[:, None], acc, 0.0)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=in_range[:, None] & col_ok[None, :])  # fmt: skip
-        # 4. the trailing K steps of a tile begun by lower programs: their parts added, the tile finished
-        if (stop > start) & (k_first > 0) & ((first < last) | (k_last == iters)):
-            g, rows, in_range, active, tn = _tile_rows(order_ptr, first, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n)
-            acc, cols, col_ok = _tile_product(
-                x_ptr, w_ptr, rows, active, g, tn, k_first, iters, K, GW, N, stride_xm, stride_wn,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            # the program holding the tile's first K step, then each after it up to this one
-            q = ((first * iters + 1) * PROGRAMS - 1) // total
-            while q < pid:
-                if ((q + 1) * total) // PROGRAMS > (
-                    q * total
-                ) // PROGRAMS:  # (fewer steps than programs: some hold none)
-                    while tl.atomic_cas(flag_ptr + q, 1, 0) != 1:  # taken, and lowered for the next call
-                        pass
-                    part = ws_ptr + q * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-                    acc += tl.load(part + tl.arange(0, BLOCK_N)[None, :], cache_modifier=".cg")
-                q += 1
-            acc = tl.where(active[:, None], acc, 0.0)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=in_range[:, None] & col_ok[None, :])  # fmt: skip
 
     _tuned_prefill = autotuned(
         triton_masked_out_gemm_kernel,
