@@ -12,9 +12,7 @@ multiply (tiles holding an active token, from the routing layout's counts), all 
 programs that fit on the GPU at once (occupancy from the compiled kernel's shared memory, registers
 and warps), GPU time with the L2 flushed (median of 30) and cuBLAS's time / ours. The question it
 answers: is the time set by the number of active tiles against the SMs (rounds of tiles), rather
-than by the multiply-adds? Then the stream-K kernel (``stream_k=True``: the active tiles' K steps split
-evenly over one or two programs an SM) with a few tiles. Each row is first checked against the
-reference."""
+than by the multiply-adds? Each tile is first checked against the reference."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ import benchmark_report as report  # noqa: E402  (beside this script)
 
 from compresskit_wide.kernels import policy  # noqa: E402
 from compresskit_wide.kernels.common import cdiv, m_bucket  # noqa: E402
-from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
 
 # tiles beyond the table: wider channel blocks (cuBLAS-like 128 x 256), longer K steps, deeper pipelines
@@ -42,14 +40,6 @@ EXTRA = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 5),
     ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 6),
-]
-
-
-# the stream-K kernel: (tile, warps, stages, programs an SM)
-STREAM_K = [
-    (({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3), 1),
-    (({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4), 1),
-    (({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3), 2),
 ]
 
 
@@ -160,29 +150,6 @@ def main() -> int:
                 rows.append(row)
                 line = (
                     f"| {m} | {kind} | {label} | {active} | {grid[0]} | {slots} | {us:.1f} | {dense_us:.1f} "
-                    f"| {dense_us / us:.2f}x |" + ("" if good else " WRONG")
-                )
-                lines.append(line)
-                print(line, flush=True)
-            for (meta, warps, stages), per_sm in STREAM_K if gpu else [((tiles[0][0], 4, 2), 1)]:
-                policy.OUT_STREAM_K = (meta, warps, stages)
-                out = torch.empty(m, n, device=dev, dtype=dt)
-                fixed = {} if gpu else {"block_m": 16, "block_n": 16, "block_k": 16}
-                call = functools.partial(
-                    triton_masked_out_gemm, x, w, mask, layout=(order, counts), out=out, stream_k=True,
-                    programs=sms * per_sm if gpu else 3, **fixed,
-                )  # fmt: skip
-                call()
-                good = torch.allclose(out.float(), want, rtol=3e-2, atol=3e-2)
-                ok &= good
-                us = gpu_time(call)[0] * 1e3 if gpu else float("nan")
-                label = f"stream-K {meta['BLOCK_M']} x {meta['BLOCK_N']} x {meta['BLOCK_K']}, {warps}, {stages}"
-                rows.append(
-                    {"tokens": m, "mask": kind, "tile": meta, "warps": warps, "stages": stages, "ok": good,
-                     "stream_k": True, "programs": sms * per_sm, "us": us, "cublas_us": dense_us}
-                )  # fmt: skip
-                line = (
-                    f"| {m} | {kind} | {label} | | {sms * per_sm} | | {us:.1f} | {dense_us:.1f} "
                     f"| {dense_us / us:.2f}x |" + ("" if good else " WRONG")
                 )
                 lines.append(line)
