@@ -163,3 +163,28 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert all(r["prefill_profile"]["wall_ms_per_call"] > 0 for r in rows)
     assert all(r["prefill_profile"]["top_host_ops_self_us_per_call"] for r in rows)
     assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
+
+
+def test_prefill_tile_sweep_smoke(tmp_path):
+    """``sweep_out_prefill.py`` runs every mask kind through the sorted-tile kernel and checks each
+    row against the reference (tiny shapes in the interpreter here), writing its table and JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[3] / "benchmarks" / "sweep_out_prefill.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    args = ["--smoke"] if DEVICE == "cpu" else ["--tiles", "two", "--tokens", "1024"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(tmp_path)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "sweep-out-prefill.json").read_text())["rows"]
+    assert {r["mask"] for r in rows} == {"exact", "iid", "all", "balanced"} and all(r["ok"] for r in rows)
+    # balanced: half of each token's groups, and every group exactly half of the tokens
+    sys.path.insert(0, str(script.parent))
+    from sweep_out_prefill import make_mask
+
+    mask = make_mask(40, 8, "balanced", torch.Generator().manual_seed(0))
+    assert (mask.sum(0) == 20).all() and (mask.sum(1) == 4).all()
