@@ -193,3 +193,65 @@ def test_dense_fallback_equals_reference(fuse, sparsity):
     dense = x @ w.T if w_up is None else torch.nn.functional.silu(x @ w.T) * (x @ w_up.T)
     torch.testing.assert_close(raw, dense, rtol=0, atol=0)
     torch.testing.assert_close(raw[~inactive], got[~inactive], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "groups", "dense_rows", "programs"),
+    [(45, 40, 3, 0, 3), (70, 48, 4, 0, 5), (45, 40, 3, 48, 4), (40, 48, 3, 0, 13), (100, 64, 2, 0, 2)],
+)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("sk_rounds", [0, 1, 99])
+def test_stream_k_matches_reference(m, k, groups, dense_rows, programs, sparsity, sk_rounds):
+    """The data-parallel + stream-K prefill kernel: whole rounds of tiles, then the tiles left over
+    (with ``sk_rounds`` full rounds more; 99: every tile) split between programs at any K step (K
+    no multiple of the step, more programs than steps in some), dense rows, every output written,
+    nothing after it, and its flags lowered again after the call."""
+    from compresskit_wide.kernels import gemm_out
+
+    n = 16 * 2 * groups + dense_rows
+    x, w, _ = inputs(m, k, n, False, seed=m + programs)
+    mask = random_mask(m, groups, sparsity, seed=m * 3 + groups)
+    buf = poisoned(m, n)
+    got = triton_masked_out_gemm(
+        x, w, mask, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16, stream_k=True,
+        programs=programs, sk_rounds=sk_rounds,
+    )  # fmt: skip
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, None, dense_rows), rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
+    assert all(int(flags.sum()) == 0 for _, flags in gemm_out._STREAM_K.values())
+
+
+def test_stream_k_one_active_token_over_many_programs():
+    """One active (token, group) pair: a single tile's K steps over more programs than steps, so
+    that programs holding nothing lie between those that hold a part."""
+    x, w, _ = inputs(17, 64, 32, False, seed=3)
+    mask = torch.zeros(17, 2, dtype=torch.bool, device=DEVICE)
+    mask[3, 0] = True
+    got = triton_masked_out_gemm(x, w, mask, block_m=16, block_n=16, block_k=16, stream_k=True, programs=7)
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_stream_k_refuses_the_fused_swiglu_and_bad_counts():
+    x, w, _ = inputs(20, 64, 32, False, seed=4)
+    with pytest.raises(ValueError, match="stream_k is for the plain product"):
+        triton_masked_out_gemm(x, w, random_mask(20, 2, 0.5), w, stream_k=True)
+    with pytest.raises(ValueError, match="sk_rounds >= 0"):
+        triton_masked_out_gemm(x, w, random_mask(20, 2, 0.5), stream_k=True, sk_rounds=-1)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("m", [17, 300, 1000])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("sk_rounds", [0, 1])
+def test_bf16_stream_k(m, sparsity, sk_rounds):
+    """The data-parallel + stream-K kernel with its GPU tile and one program an SM, in bf16, twice
+    in a row (the flags it leaves must serve the next call)."""
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    mask = random_mask(m, 4, sparsity)
+    ref = torch_masked_out_gemm(x, w, mask)
+    for _ in range(2):
+        buf = poisoned(m, 2048, torch.bfloat16)
+        got = triton_masked_out_gemm(x, w, mask, out=buf[:m], stream_k=True, sk_rounds=sk_rounds)
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * 16)
+        assert torch.isnan(buf[m:]).all()
