@@ -12,10 +12,7 @@ multiply (tiles holding an active token, from the routing layout's counts), all 
 programs that fit on the GPU at once (occupancy from the compiled kernel's shared memory, registers
 and warps), GPU time with the L2 flushed (median of 30) and cuBLAS's time / ours. The question it
 answers: is the time set by the number of active tiles against the SMs (rounds of tiles), rather
-than by the multiply-adds? Then the data-parallel + stream-K kernel (``stream_k=True``: whole rounds
-of tiles, one program an SM, and the K steps of the tiles left over split evenly over the programs;
-``sk_rounds``: full rounds split too) with a few tiles. Each row is first checked against the
-reference."""
+than by the multiply-adds? Each tile is first checked against the reference."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ import benchmark_report as report  # noqa: E402  (beside this script)
 
 from compresskit_wide.kernels import policy  # noqa: E402
 from compresskit_wide.kernels.common import cdiv, m_bucket  # noqa: E402
-from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
 
 # tiles beyond the table: wider channel blocks (cuBLAS-like 128 x 256), longer K steps, deeper pipelines
@@ -43,13 +40,6 @@ EXTRA = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 5),
     ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 6),
-]
-
-# the data-parallel + stream-K kernel: (tile, warps, stages), full rounds split in K too
-STREAM_K = [
-    (({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3), 0),
-    (({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3), 1),
-    (({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, 8, 3), 0),
 ]
 
 
@@ -160,33 +150,6 @@ def main() -> int:
                 rows.append(row)
                 line = (
                     f"| {m} | {kind} | {label} | {active} | {grid[0]} | {slots} | {us:.1f} | {dense_us:.1f} "
-                    f"| {dense_us / us:.2f}x |" + ("" if good else " WRONG")
-                )
-                lines.append(line)
-                print(line, flush=True)
-            programs = sms if gpu else 3
-            for (meta, warps, stages), sk_rounds in STREAM_K if gpu else [((tiles[0][0], 4, 2), 0)]:
-                policy.OUT_STREAM_K = (meta, warps, stages)
-                out = torch.empty(m, n, device=dev, dtype=dt)
-                fixed = {} if gpu else {"block_m": 16, "block_n": 16, "block_k": 16}
-                call = functools.partial(
-                    triton_masked_out_gemm, x, w, mask, layout=(order, counts), out=out, stream_k=True,
-                    programs=programs, sk_rounds=sk_rounds, **fixed,
-                )  # fmt: skip
-                call()
-                good = torch.allclose(out.float(), want, rtol=3e-2, atol=3e-2)
-                ok &= good
-                us = gpu_time(call)[0] * 1e3 if gpu else float("nan")
-                bm, bn = meta["BLOCK_M"], meta["BLOCK_N"]
-                active = sum(cdiv(c, bm) for c in host_counts) * cdiv(gw, bn)
-                label = f"DP + stream-K ({sk_rounds} rounds split) {bm} x {bn} x {meta['BLOCK_K']}, {warps}, {stages}"
-                rows.append(
-                    {"tokens": m, "mask": kind, "tile": meta, "warps": warps, "stages": stages, "ok": good,
-                     "stream_k": True, "sk_rounds": sk_rounds, "active_programs": active, "programs": programs,
-                     "us": us, "cublas_us": dense_us}
-                )  # fmt: skip
-                line = (
-                    f"| {m} | {kind} | {label} | {active} | {programs} | | {us:.1f} | {dense_us:.1f} "
                     f"| {dense_us / us:.2f}x |" + ("" if good else " WRONG")
                 )
                 lines.append(line)

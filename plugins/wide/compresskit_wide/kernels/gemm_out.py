@@ -199,152 +199,6 @@ if triton is not None:
             y = tl.where(on[:, None], tl.trans(y), 0.0)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    @triton.jit
-    def _tile_rows(order_ptr, tile, cnt, ends, per_g, gs, M, G, BLOCK_M: tl.constexpr, TILES_N):
-        """Tile ``tile`` of the active-tile list (group-major, channel block fastest): its group, its
-        token slots' rows (the layout's order; a dense-rows group: in order), which of them are
-        active and in range, and its channel block."""
-        g = tl.sum((ends <= tile).to(tl.int32), axis=0)
-        local = tile - tl.sum(tl.where(gs == g, ends - per_g, 0), axis=0)
-        count = tl.sum(tl.where(gs == g, cnt, 0), axis=0)
-        slots = (local // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_range = slots < M
-        rows = tl.load(
-            order_ptr + tl.minimum(g, G - 1) * M + slots, mask=in_range, other=0
-        )  # (read, unused, by dense rows)
-        rows = tl.where(g < G, rows, slots)
-        return g, rows, in_range, slots < count, local % TILES_N
-
-    @triton.jit
-    def _tile_product(
-        x_ptr, w_ptr, rows, active, g, tn, k_begin, k_end, K, GW, N, stride_xm, stride_wn,
-        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """K steps ``k_begin`` to ``k_end`` of the tile's product, fp32: ``(acc, cols, col_ok)``."""
-        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = ((tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW) & (cols < N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(k_begin, k_end):
-            ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            k_ok = ks < K
-            a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0
-            )
-            b = tl.load(
-                w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        return acc, cols, col_ok
-
-    @triton.jit
-    def triton_masked_out_gemm_streamk_kernel(
-        x_ptr, w_ptr, out_ptr, order_ptr, counts_ptr, ws_ptr, flag_ptr,
-        M, N, K, GW, G, LAUNCHED, PROGRAMS,
-        stride_xm, stride_wn, stride_om,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, SK_ROUNDS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # prefill, data-parallel rounds then stream-K: the active tiles (those with an active token), in
-        # a list, go whole to the programs, one a program a round, for as many full rounds of PROGRAMS
-        # tiles as there are less SK_ROUNDS; the K steps of the tiles left over are split evenly over the
-        # programs, so that no round runs on a few SMs while the others idle. A tile split between
-        # programs is finished by the one that holds its last K steps: the others each write their fp32
-        # part to their workspace slot first thing and raise their flag; it adds them last, after its
-        # whole tiles. It waits only on lower programs, which start before it and wait on nobody before
-        # writing.
-        pid = tl.program_id(0)
-        gs = tl.arange(0, BLOCK_G)
-        cnt = tl.load(counts_ptr + gs, mask=gs < G, other=0)
-        cnt = tl.where(gs < G, cnt, tl.where(gs < LAUNCHED, M, 0))  # dense-rows groups: every token
-        tiles_n = tl.cdiv(GW, BLOCK_N)
-        per_g = tl.cdiv(cnt, BLOCK_M) * tiles_n
-        ends = tl.cumsum(per_g, axis=0)
-        iters = tl.cdiv(K, BLOCK_K)
-        n_tiles = tl.sum(per_g, axis=0)
-        dp = tl.maximum(n_tiles // PROGRAMS - SK_ROUNDS, 0) * PROGRAMS  # tiles run whole, in rounds
-        total = (n_tiles - dp) * iters  # the K steps split over the programs
-        start = (pid * total) // PROGRAMS
-        stop = ((pid + 1) * total) // PROGRAMS
-        first, k_first = dp + start // iters, start % iters
-        last = dp + tl.maximum(stop - 1, 0) // iters
-        k_last = stop - (last - dp) * iters  # K steps of `last` held
-        ws = (
-            ws_ptr + pid * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        )
-        full_begin = first + (k_first > 0)
-        full_end = tl.where(stop > start, last + (k_last == iters), full_begin)
-        if stop > start:
-            # 1. the leading K steps of a tile another program finishes: this program's part, out first
-            if (k_last < iters) & ((first < last) | (k_first == 0)):
-                g, rows, in_range, active, tn = _tile_rows(
-                    order_ptr, last, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n
-                )
-                acc, cols, col_ok = _tile_product(
-                    x_ptr, w_ptr, rows, active, g, tn, 0, k_last, K, GW, N, stride_xm, stride_wn,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-                tl.store(ws, acc)
-                tl.atomic_xchg(flag_ptr + pid, 1)
-                full_end = last
-            elif (first == last) & (k_first > 0) & (k_last < iters):  # steps inside one tile: a middle part
-                g, rows, in_range, active, tn = _tile_rows(
-                    order_ptr, first, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n
-                )
-                acc, cols, col_ok = _tile_product(
-                    x_ptr, w_ptr, rows, active, g, tn, k_first, k_last, K, GW, N, stride_xm, stride_wn,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                )  # fmt: skip
-                tl.store(ws, acc)
-                tl.atomic_xchg(flag_ptr + pid, 1)
-                full_end = full_begin
-        # 2. this program's share of the tiles no token of which is active: zeros, no weight read
-        zero_g = (tl.cdiv(tl.where(gs < LAUNCHED, M, 0), BLOCK_M) - tl.cdiv(cnt, BLOCK_M)) * tiles_n
-        zero_ends = tl.cumsum(zero_g, axis=0)
-        for z in range(pid, tl.sum(zero_g, axis=0), PROGRAMS):
-            g = tl.sum((zero_ends <= z).to(tl.int32), axis=0)
-            local = z - tl.sum(tl.where(gs == g, zero_ends - zero_g, 0), axis=0)
-            count = tl.sum(tl.where(gs == g, cnt, 0), axis=0)
-            slots = tl.cdiv(count, BLOCK_M) * BLOCK_M + (local // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-            in_range = slots < M
-            rows = tl.load(order_ptr + tl.minimum(g, G - 1) * M + slots, mask=in_range, other=0)
-            tn = local % tiles_n
-            cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = ((tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW) & (cols < N)
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-            tl.store(
-                out_ptr + rows[:, None] * stride_om + cols[None, :], zeros, mask=in_range[:, None] & col_ok[None, :]
-            )
-        # 3. whole tiles: this program's one a data-parallel round, then those inside its K steps
-        for j in range(0, dp // PROGRAMS + tl.maximum(full_end - full_begin, 0)):
-            t = tl.where(j < dp // PROGRAMS, pid + j * PROGRAMS, full_begin + j - dp // PROGRAMS)
-            g, rows, in_range, active, tn = _tile_rows(order_ptr, t, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n)
-            acc, cols, col_ok = _tile_product(
-                x_ptr, w_ptr, rows, active, g, tn, 0, iters, K, GW, N, stride_xm, stride_wn,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            acc = tl.where(active[:, None], acc, 0.0)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=in_range[:, None] & col_ok[None, :])  # fmt: skip
-        # 4. the trailing K steps of a tile begun by lower programs: their parts added, the tile finished
-        if (stop > start) & (k_first > 0) & ((first < last) | (k_last == iters)):
-            g, rows, in_range, active, tn = _tile_rows(order_ptr, first, cnt, ends, per_g, gs, M, G, BLOCK_M, tiles_n)
-            acc, cols, col_ok = _tile_product(
-                x_ptr, w_ptr, rows, active, g, tn, k_first, iters, K, GW, N, stride_xm, stride_wn,
-                DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-            # the program holding the tile's first K step, then each after it up to this one
-            q = (((first - dp) * iters + 1) * PROGRAMS - 1) // total
-            while q < pid:
-                if ((q + 1) * total) // PROGRAMS > (q * total) // PROGRAMS:  # (some programs hold no step)
-                    while tl.atomic_cas(flag_ptr + q, 1, 0) != 1:  # taken, and lowered for the next call
-                        pass
-                    part = ws_ptr + q * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N
-                    acc += tl.load(part + tl.arange(0, BLOCK_N)[None, :], cache_modifier=".cg")
-                q += 1
-            acc = tl.where(active[:, None], acc, 0.0)
-            tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=in_range[:, None] & col_ok[None, :])  # fmt: skip
-
     _tuned_prefill = autotuned(
         triton_masked_out_gemm_kernel,
         policy.OUT_PREFILL,
@@ -385,20 +239,13 @@ def triton_masked_out_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     k_pack: int | None = None,
-    stream_k: bool = False,
-    programs: int | None = None,
-    sk_rounds: int = 0,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens the
     decode kernel (``k_pack``: K chunks a product, a power of two; default ``policy.out_k_pack``);
     more, the sorted-tile kernel on the routing layout of ``mask`` (``layout``: computed here when
     not given; share it between the projections of a block). ``dense_rows``: the last rows of ``w``
     run for every token. Tiles are autotuned on a GPU; ``block_*`` fix them (and do in the CPU
-    interpreter). ``stream_k`` (prefill, the plain product): the active tiles run whole in rounds of
-    ``programs`` (default: one an SM; tile ``policy.OUT_STREAM_K`` on a GPU), one a program, and the
-    K steps of the tiles left over (those of the last ``sk_rounds`` full rounds too) are split evenly
-    over the programs, for token counts whose active tiles fill the SMs unevenly; calls on one device
-    must not overlap (they share a workspace)."""
+    interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -439,27 +286,6 @@ def triton_masked_out_gemm(
     order, counts = layout if layout is not None else triton_routing_layout(mask)
     if order.shape != (groups, m) or not order.is_contiguous():
         raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
-    if stream_k:
-        if fuse:
-            raise ValueError("stream_k is for the plain product, not the fused SwiGLU")
-        meta, warps, stages = policy.OUT_STREAM_K
-        bm, bn, bk = (
-            (block_m or 16, block_n or 16, block_k or 16)
-            if fixed
-            else (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"])
-        )
-        if programs is None:
-            programs = 3 if interpreted() else torch.cuda.get_device_properties(x.device).multi_processor_count
-        if programs < 1 or sk_rounds < 0:
-            raise ValueError(f"stream_k needs programs >= 1 and sk_rounds >= 0, got {programs} and {sk_rounds}")
-        ws, flags = _stream_k_buffers(x.device, programs, bm, bn)
-        triton_masked_out_gemm_streamk_kernel[(programs,)](
-            x, w, out, order, counts, ws, flags, m, n, k, gw, groups, launched, programs,
-            x.stride(0), w.stride(0), out.stride(0),
-            DOT_PRECISION=common["DOT_PRECISION"], BLOCK_G=max(16, next_power_of_2(launched)), SK_ROUNDS=sk_rounds,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **({} if fixed else {"num_warps": warps, "num_stages": stages}),
-        )  # fmt: skip
-        return out
     args = (x, w, w_up, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
     args += (x.stride(0), w.stride(0), out.stride(0))
     if fixed:
@@ -470,19 +296,3 @@ def triton_masked_out_gemm(
         grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched,)  # noqa: E731
         _tuned_prefill[grid](*args, **common)
     return out
-
-
-_STREAM_K: dict = {}
-
-
-def _stream_k_buffers(device: torch.device, programs: int, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stream-K kernel's workspace (an fp32 tile a program) and flags (zero between calls: each
-    raised flag is lowered by the program that takes its part), allocated once per device and size."""
-    key = (str(device), programs, bm, bn)
-    if key not in _STREAM_K:
-        with torch.inference_mode(False):
-            _STREAM_K[key] = (
-                torch.empty(programs * bm * bn, dtype=torch.float32, device=device),
-                torch.zeros(programs, dtype=torch.int32, device=device),
-            )
-    return _STREAM_K[key]

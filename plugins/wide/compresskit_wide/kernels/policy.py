@@ -163,8 +163,6 @@ OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
 ]
-# the data-parallel + stream-K variant of that product (one program an SM): one tile, fixed
-OUT_STREAM_K = ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3)
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
 ATTN_PREFILL = [
     ({"BLOCK_M": bm, "BLOCK_N": bn, "HP": hp}, warps, stages)
