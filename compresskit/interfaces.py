@@ -120,7 +120,6 @@ class Pruner(abc.ABC):
         prunes_before_training: finalize right after calibration, so that the training stages
             (LoRA recovery, distillation) train the pruned model (the static pruners).
         can_view_dense: ``dense_view`` shows the unpruned model (the distillation teacher).
-        routes_tokens: the pruner decides per token with routers (``set_training_decisions``).
         contract_config: config kwargs that suit the tiny test model of
             :func:`compresskit.testing.tiny_llama` (used by ``compresskit plugins check``).
         runtime_executor: the executor (by plugin name) whose blocks run this pruner's models on the
@@ -196,14 +195,6 @@ class Pruner(abc.ABC):
 
     can_view_dense: ClassVar[bool] = False
     prunes_before_training: ClassVar[bool] = False
-    routes_tokens: ClassVar[bool] = False
-
-    def set_training_decisions(self, mode: str) -> None:
-        """How per-token decisions are drawn while a stage trains (``routes_tokens`` pruners):
-        ``sample`` (the default) or ``argmax``, the decisions inference makes. Default: the pruner
-        makes no per-token decisions; only ``sample`` is accepted."""
-        if mode != "sample":
-            raise RuntimeError(f"{type(self).__name__} makes no per-token decisions (routes_tokens is False)")
 
     def dense_view(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which ``model`` computes what the unpruned model does (the distillation

@@ -594,14 +594,6 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
     pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
     training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
     executor = validate_plugin("executor", recipe.executor, "executor")
-    for i, stage in enumerate(training):
-        mode = getattr(stage.config, "decisions", "sample")
-        if mode != "sample" and (pruner is None or not pruner.cls.routes_tokens):
-            what = f"pruner {pruner.name!r} makes no per-token decisions" if pruner else "the recipe has no pruner"
-            raise RecipeError(
-                f"training.{i}.config.decisions: {mode!r} needs a pruner that routes tokens (wide, dynamic-depth); "
-                f"{what} (allowed here: 'sample')"
-            )
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 
 

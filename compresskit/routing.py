@@ -54,22 +54,17 @@ class GroupRouter(nn.Module):
         return logits.unflatten(-1, (self.groups, 2))  # [B, T, G, 2]
 
 
-def decide(logits: torch.Tensor, *, sample: bool, tau: float, straight_through: bool = False) -> torch.Tensor:
+def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
     """Execute mask ``[B, T, G]`` from ``logits: [B, T, G, 2]``.
 
     sample=True (training): a hard two-way Gumbel-softmax sample with a straight-through
     gradient (exact 0/1 forward; the gradient of ``softmax((logits + g) / tau)``).
-    sample=False: deterministic, as at inference; a group is skipped iff its skip logit is
-    larger (a tie executes). With ``straight_through`` the 0/1 mask carries the gradient of
-    ``softmax(logits / tau)`` (training on the decisions inference makes); without, none.
+    sample=False (inference): deterministic; a group is skipped iff its skip logit is larger
+    (a tie executes).
     """
     if sample:
         return F.gumbel_softmax(logits, tau=tau, hard=True, dim=-1)[..., 0]
-    hard = (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
-    if not straight_through:
-        return hard
-    soft = torch.softmax(logits / tau, dim=-1)[..., 0]
-    return hard + (soft - soft.detach())
+    return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
 
 
 def linear_tau(step: int, total_steps: int, tau_start: float, tau_end: float) -> float:
@@ -142,7 +137,6 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
-        self.sample_in_training = True  # False: training decides by argmax too (straight-through gradient)
         self.track_stats = True  # count the realised sparsity (three small kernels a decision; off for serving)
         # an executor's one-call inference decision, x_raw [B, T, D] -> execute [B, T, G] (the router's
         # deterministic decision, computed by a kernel); None: the router module, then ``decide``
@@ -194,10 +188,7 @@ class RoutedProjection(nn.Module):
             execute = self.fast_decide(x_raw)  # [B, T, G]
         else:
             logits = self.router(x_raw)  # [B, T, G, 2]
-            learning = self.training and not self.deterministic
-            execute = decide(
-                logits, sample=learning and self.sample_in_training, tau=self.tau, straight_through=learning
-            )
+            execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
         self._take(execute, mask_for(x_raw) if self.training else declared_mask(x_raw))
 
@@ -466,12 +457,6 @@ class RoutedPruner(Pruner):
 
     def trainable_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return routers(model)
-
-    routes_tokens = True
-
-    def set_training_decisions(self, mode: Literal["sample", "argmax"]) -> None:
-        for proj in self.projections:
-            proj.sample_in_training = mode == "sample"
 
     def on_train_step(self, step: int, total_steps: int) -> dict[str, float]:
         tau = linear_tau(step, total_steps, self.config.tau_start, self.config.tau_end)

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
@@ -69,12 +69,6 @@ class TrainStageConfig(PluginConfig):
     )
     distill: DistillConfig | None = Field(
         None, description="Also learn the dense model's next-token distributions (KL; see compresskit.distill)."
-    )
-    decisions: Literal["sample", "argmax"] = Field(
-        "sample",
-        description="How a routing pruner's per-token decisions are drawn in this stage: sample (hard "
-        "Gumbel-softmax, the WIDE reference) or argmax (the decisions inference makes, with a straight-through "
-        "gradient), so that the stage trains the model on the masks it will run with.",
     )
 
     @model_validator(mode="after")
@@ -133,8 +127,6 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
-        if pruner is not None:
-            pruner.set_training_decisions(c.decisions)
         trainable = {id(p) for p in params}
         for p in model.parameters():
             p.requires_grad_(id(p) in trainable)

@@ -85,22 +85,6 @@ def test_training_stage_path():
         load_recipe({**BASE, "training": [{"name": "none"}, {"name": "nope"}]})
 
 
-def test_argmax_decisions_need_a_pruner_that_routes_tokens():
-    lora = {"name": "lora", "config": {"decisions": "argmax"}}
-    for pruner, what in (({"name": "static-width"}, "pruner 'static-width' makes no"), (None, "has no pruner")):
-        raw = {**BASE, "training": [lora], **({"pruner": pruner} if pruner else {})}
-        with pytest.raises(RecipeError, match=r"training\.0\.config\.decisions: 'argmax'") as exc:
-            load_recipe(raw)
-        assert what in str(exc.value) and "'sample'" in str(exc.value)
-    assert (
-        load_recipe({**BASE, "pruner": {"name": "wide"}, "training": [lora]}).training[0].config.decisions == "argmax"
-    )
-    with pytest.raises(RecipeError, match=r"training\.0\.config\.decisions.*'sample'"):
-        load_recipe(
-            {**BASE, "pruner": {"name": "wide"}, "training": [{"name": "lora", "config": {"decisions": "max"}}]}
-        )
-
-
 def test_overrides_types_and_lists():
     raw = apply_overrides(
         {**BASE, "training": [{"name": "none"}]},

@@ -87,37 +87,6 @@ def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
     assert results[0.8] == pytest.approx(0.8, abs=0.12)
 
 
-def test_a_stage_with_argmax_decisions_trains_on_the_inference_masks(tiny_model_dir):
-    """``decisions: argmax``: the stage's forward makes exactly the decisions inference makes (no
-    Gumbel noise) and the routers still learn through the straight-through gradient."""
-    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8, target_sparsity=0.5))
-    ctx = RunContext(model_config=model.config, tokenizer=tok, seed=0)
-    pruner.prepare(model, ctx)
-    ids = torch.randint(2, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-
-    def train_vs_eval_logits():
-        with torch.no_grad():
-            model.train()
-            trained = model(ids).logits
-            model.eval()
-            return trained, model(ids).logits
-
-    trained, inferred = train_vs_eval_logits()
-    assert not torch.allclose(trained, inferred)  # sampled decisions differ from the argmax ones
-    before = [p.detach().clone() for p in pruner.trainable_parameters(model)]
-    config = LoraStageConfig(steps=6, batch_size=2, seq_len=32, r=4, alpha=8, dropout=0.0, lr=1e-2, decisions="argmax")
-    summary = LoraTrainer(config).fit(model, pruner, DataModule(tok), ctx)
-    assert all(0.0 <= h["sparsity_ffn"] <= 1.0 for h in summary.history)
-    assert any(not torch.equal(a, b) for a, b in zip(before, pruner.trainable_parameters(model), strict=True))
-    trained, inferred = train_vs_eval_logits()
-    torch.testing.assert_close(trained, inferred, rtol=0, atol=0)
-    pruner.set_training_decisions("sample")
-    trained, inferred = train_vs_eval_logits()
-    assert not torch.allclose(trained, inferred)
-
-
 def test_two_stages_save_and_reload_with_identical_logits(tiny_model_dir, tmp_path):
     res = apply(recipe(tiny_model_dir, tmp_path, [stage("router"), stage("lora", r=4, alpha=8)]))
     out = tmp_path / "run"

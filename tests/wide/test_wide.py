@@ -59,18 +59,6 @@ def test_decision_rule():
     assert sampled[..., 0].mean().item() == pytest.approx(torch.sigmoid(torch.tensor(1.0)).item(), abs=0.04)
 
 
-def test_argmax_decisions_carry_the_softmax_gradient():
-    logits = torch.tensor([[[[1.0, 0.0], [0.0, 2.0], [0.5, 0.5]]]], requires_grad=True)
-    execute = decide(logits, sample=False, tau=2.0, straight_through=True)
-    assert execute.tolist() == [[[1.0, 0.0, 1.0]]]  # the inference decision, exactly
-    weights = torch.tensor([1.0, -2.0, 3.0])
-    (execute * weights).sum().backward()
-    ref = logits.detach().clone().requires_grad_(True)
-    (torch.softmax(ref / 2.0, dim=-1)[..., 0] * weights).sum().backward()
-    torch.testing.assert_close(logits.grad, ref.grad)
-    assert decide(logits, sample=False, tau=2.0).grad_fn is None  # inference: no gradient
-
-
 def test_temperature_schedule_is_linear_per_step():
     assert linear_tau(0, 11, 5.0, 0.5) == 5.0
     assert linear_tau(10, 11, 5.0, 0.5) == 0.5
