@@ -23,6 +23,7 @@ Sample YAML::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -139,9 +140,10 @@ class RouterTrainer(Trainer):
         world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
         per_step = c.grad_accum * world  # micro-batches of one optimiser step, over all ranks
         start, history, done = 0, [], False
+        before = Totals()  # what the steps before a resume cost (tokens, seconds, peak memory)
         ckpt = (work / (CHECKPOINT_DIR if ranks else CHECKPOINT)) if work else None
         if ckpt is not None and ckpt.exists():
-            start, history, done = self._load_checkpoint(ckpt, named, optimizer, scheduler, model, ranks)
+            start, history, done, before = self._load_checkpoint(ckpt, named, optimizer, scheduler, model, ranks)
             if ctx.progress is not None:
                 ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
         device = ctx.device
@@ -153,6 +155,17 @@ class RouterTrainer(Trainer):
         t0, tokens = time.perf_counter(), 0
         completed, saved = start, start  # steps finished, and the last step a checkpoint holds
         rng = _rng_state()  # the random state at the start of step `completed`
+
+        def totals(collective: bool = True) -> Totals:
+            """The stage's cost so far, the steps before a resume included (with several ranks and
+            ``collective``, summed / maximised over them: every rank must call it)."""
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            spent = tokens
+            if ranks is not None and collective:
+                spent = round(distributed.mean(tokens) * world)
+                peak = distributed.maximum(peak) if peak is not None else None
+            return before.plus(spent, time.perf_counter() - t0, peak)
+
         pending: list[dict] = []  # the logs of steps not yet read back from the device (values may be tensors)
 
         def read_back() -> None:
@@ -234,12 +247,15 @@ class RouterTrainer(Trainer):
                             read_back()  # (a checkpoint never holds a step whose loss was not finite)
                         if saving:
                             if ranks is not None:
-                                meta = self._checkpoint_meta(completed, scheduler, history, completed == c.steps)
+                                meta = self._checkpoint_meta(
+                                    completed, scheduler, history, completed == c.steps, totals()
+                                )
                                 distributed.save_checkpoint(ckpt, model, optimizer, meta, ranks)
                             else:
                                 self._save_checkpoint(
-                                    ckpt, completed, named, optimizer, scheduler, history, completed == c.steps
-                                )
+                                    ckpt, completed, named, optimizer, scheduler, history, completed == c.steps,
+                                    totals(),
+                                )  # fmt: skip
                             saved = completed
                     if task is not None:
                         task.advance(1)
@@ -253,44 +269,46 @@ class RouterTrainer(Trainer):
             # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
             read_back()
             if ckpt is not None and completed > saved and ranks is None:
-                self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, rng=rng)
+                self._save_checkpoint(
+                    ckpt, completed, named, optimizer, scheduler, history, False, totals(), rng=rng
+                )  # fmt: skip
                 if progress is not None:
                     progress.log(f"{self.stage_name}: interrupted; checkpoint at step {completed} of {c.steps}")
             raise
         finally:
             model.eval()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        if peak is not None and ranks is not None:
-            peak = distributed.maximum(peak)
-        if peak is not None and progress is not None:
-            progress.log(f"{self.stage_name}: peak GPU memory {peak / 2**30:.2f} GiB (the dry run estimates it)")
+        spent = totals()
+        if spent.peak_memory_bytes is not None and progress is not None:
+            peak_gib = spent.peak_memory_bytes / 2**30
+            progress.log(f"{self.stage_name}: peak GPU memory {peak_gib:.2f} GiB (the dry run estimates it)")
         for p in params:
             p.requires_grad_(False)
         if ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model
             self.finish(model, pruner, ctx)
-        else:
-            tokens = round(distributed.mean(tokens) * world)
         return TrainSummary(
             stage=self.stage_name,
             steps=c.steps,
-            tokens=tokens,
+            tokens=spent.tokens,
             final_loss=history[-1]["loss"] if history else None,
-            seconds=time.perf_counter() - t0,
+            seconds=spent.seconds,
             history=even_subsample(history, HISTORY_POINTS),
-            peak_memory_bytes=peak,
+            peak_memory_bytes=spent.peak_memory_bytes,
         )
 
     def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
         """Called after the last step (LoRA merges here)."""
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save_checkpoint(self, path: Path, step, named, optimizer, scheduler, history, done, rng=None) -> None:
-        """The stage after ``step`` finished steps. ``rng``: the random state to resume from (by
-        default the current one, which is the next step's when saved at a step's end)."""
+    def _save_checkpoint(
+        self, path: Path, step, named, optimizer, scheduler, history, done, spent: Totals, rng=None
+    ) -> None:
+        """The stage after ``step`` finished steps, which cost ``spent``. ``rng``: the random state to
+        resume from (by default the current one, which is the next step's when saved at a step's end)."""
         rng = rng or _rng_state()
         state = {
             "step": step,
             "done": done,
+            "totals": dataclasses.asdict(spent),
             "params": {k: v.detach().cpu() for k, v in named.items()},
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
@@ -304,10 +322,11 @@ class RouterTrainer(Trainer):
         torch.save(state, tmp)
         os.replace(tmp, path)
 
-    def _checkpoint_meta(self, step, scheduler, history, done) -> dict:
+    def _checkpoint_meta(self, step, scheduler, history, done, spent: Totals) -> dict:
         return {
             "step": step,
             "done": done,
+            "totals": dataclasses.asdict(spent),
             "scheduler": scheduler.state_dict(),
             "history": history,
             "config": self.config.model_dump(mode="json"),
@@ -321,7 +340,7 @@ class RouterTrainer(Trainer):
                     f"{path}: checkpoint of a different {self.stage_name!r} configuration; delete it to restart"
                 )
             scheduler.load_state_dict(meta["scheduler"])
-            return meta["step"], meta["history"], meta["done"]
+            return meta["step"], meta["history"], meta["done"], Totals(**meta.get("totals", {}))
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # a torn or foreign file: say which and why
@@ -347,7 +366,22 @@ class RouterTrainer(Trainer):
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        return state["step"], state["history"], state["done"]
+        return state["step"], state["history"], state["done"], Totals(**state.get("totals", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Totals:
+    """What a training stage has cost so far, kept in its checkpoints so that a resumed stage reports
+    the whole stage: tokens trained on (over all ranks), seconds of training, peak GPU memory (bytes;
+    None off the GPU). A checkpoint written before these were kept reads as zero."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    peak_memory_bytes: int | None = None
+
+    def plus(self, tokens: int, seconds: float, peak: int | None) -> Totals:
+        peaks = [p for p in (self.peak_memory_bytes, peak) if p is not None]
+        return Totals(self.tokens + tokens, self.seconds + seconds, max(peaks) if peaks else None)
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

@@ -164,7 +164,7 @@ def _train_and_resume(rank, world, port, model_dir, data_dir, out, interrupt_at)
     state = distributed.full_state_dict(model)
     if ranks.main:
         routers = {k: v for k, v in state.items() if ".router." in k}
-        torch.save({"routers": routers, "history": summary.history}, out)
+        torch.save({"routers": routers, "history": summary.history, "tokens": summary.tokens}, out)
     distributed.close()
 
 
@@ -181,6 +181,7 @@ def test_a_sharded_checkpoint_resumes_where_the_run_stopped(tiny_model_dir, tmp_
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
     for name, value in a["routers"].items():
         torch.testing.assert_close(b["routers"][name], value)
+    assert b["tokens"] == a["tokens"] > 0  # the steps before the stop counted too, over both ranks
     meta = torch.load(tmp_path / "w2" / "checkpoint" / "meta.pt", weights_only=False)
     assert meta["world"] == 2 and meta["step"] == 4 and meta["done"]
 

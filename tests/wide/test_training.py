@@ -266,6 +266,11 @@ def test_interrupted_training_resumes_bit_exactly(tiny_model_dir, tmp_path, monk
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref_model(ids).logits)
     assert resumed.results["metrics"] == full.results["metrics"]
+    # the summaries count the whole stages, the steps before the interruption included
+    for before, after in zip(full.results["training"], resumed.results["training"], strict=True):
+        assert after["tokens"] == before["tokens"] > 0
+        assert after["final_loss"] == before["final_loss"]
+    assert resumed.results["training"][0]["seconds"] > 0.0  # finished before the interruption
     assert not partial.exists()
 
 
