@@ -147,17 +147,24 @@ PY
       for r in ${EXTRA:-}; do
         jobs+=("$r"$'\t-\t'"runs/extra/$(basename "$r" .yaml)")
       done
-      # self-generated text and the dense reference, each written once on GPU 0 before the parallel runs
-      # (both are cached by what decides them, which the seed is not)
-      CUDA_VISIBLE_DEVICES=0 python3 - "$*" ${EXTRA:-} <<'PY'
+      selected=()  # the jobs ONLY keeps, dealt round-robin to the queues
+      for job in "${jobs[@]}"; do
+        IFS=$'\t' read -r r seed dir <<<"$job"
+        [ "$seed" = - ] && seed=
+        name=$(basename "$r" .yaml)${seed:+-seed$seed}
+        [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] || selected+=("$job")
+      done
+      # self-generated text and the dense reference of the selected jobs' recipes, each written once on
+      # GPU 0 before the parallel runs (both are cached by what decides them, which the seed is not)
+      CUDA_VISIBLE_DEVICES=0 python3 - $(printf '%s\n' "${selected[@]}" | cut -f1 | sort -u) <<'PY'
 import sys
 from compresskit.api import dense_reference
 from compresskit.data import DataModule, load_documents, write_generated
 from compresskit.modeling import load_model
 from compresskit.progress import Progress
-from compresskit.recipe import load_comparison, load_recipe
+from compresskit.recipe import load_recipe
 loaded = {}
-for m in [*(m for spec in sys.argv[1].split() for m in load_comparison(spec)[0]), *sys.argv[2:]]:
+for m in sys.argv[1:]:
     resolved = load_recipe(m)
     rec = resolved.recipe
     key = (rec.model.name_or_path, rec.model.dtype, rec.model.device)
@@ -174,13 +181,6 @@ PY
       ngpu=$(nvidia-smi -L | wc -l)
       queues=$((ngpu * ${PER_GPU:-1}))
       mkdir -p /tmp/logs && rm -f /tmp/logs/oom
-      selected=()  # the jobs ONLY keeps, dealt round-robin to the queues
-      for job in "${jobs[@]}"; do
-        IFS=$'\t' read -r r seed dir <<<"$job"
-        [ "$seed" = - ] && seed=
-        name=$(basename "$r" .yaml)${seed:+-seed$seed}
-        [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]] || selected+=("$job")
-      done
       # each job its share of the cores: torch's CPU thread pool sized for all of them in every process would
       # make the processes' threads compete with the Python threads that launch their GPU work
       threads=$(( $(nproc) / queues > 0 ? $(nproc) / queues : 1 ))
