@@ -156,12 +156,12 @@ class RouterTrainer(Trainer):
         completed, saved = start, start  # steps finished, and the last step a checkpoint holds
         rng = _rng_state()  # the random state at the start of step `completed`
 
-        def totals(collective: bool = True) -> Totals:
-            """The stage's cost so far, the steps before a resume included (with several ranks and
-            ``collective``, summed / maximised over them: every rank must call it)."""
+        def totals() -> Totals:
+            """The stage's cost so far, the steps before a resume included (with several ranks, summed /
+            maximised over them: every rank must call it)."""
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             spent = tokens
-            if ranks is not None and collective:
+            if ranks is not None:
                 spent = round(distributed.mean(tokens) * world)
                 peak = distributed.maximum(peak) if peak is not None else None
             return before.plus(spent, time.perf_counter() - t0, peak)
@@ -246,16 +246,14 @@ class RouterTrainer(Trainer):
                         if saving or completed % LOG_EVERY == 0 or completed == c.steps:
                             read_back()  # (a checkpoint never holds a step whose loss was not finite)
                         if saving:
+                            last, spent = completed == c.steps, totals()
                             if ranks is not None:
-                                meta = self._checkpoint_meta(
-                                    completed, scheduler, history, completed == c.steps, totals()
-                                )
+                                meta = self._checkpoint_meta(completed, scheduler, history, last, spent)
                                 distributed.save_checkpoint(ckpt, model, optimizer, meta, ranks)
                             else:
                                 self._save_checkpoint(
-                                    ckpt, completed, named, optimizer, scheduler, history, completed == c.steps,
-                                    totals(),
-                                )  # fmt: skip
+                                    ckpt, completed, named, optimizer, scheduler, history, last, spent
+                                )
                             saved = completed
                     if task is not None:
                         task.advance(1)
@@ -269,9 +267,7 @@ class RouterTrainer(Trainer):
             # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
             read_back()
             if ckpt is not None and completed > saved and ranks is None:
-                self._save_checkpoint(
-                    ckpt, completed, named, optimizer, scheduler, history, False, totals(), rng=rng
-                )  # fmt: skip
+                self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, totals(), rng=rng)
                 if progress is not None:
                     progress.log(f"{self.stage_name}: interrupted; checkpoint at step {completed} of {c.steps}")
             raise
