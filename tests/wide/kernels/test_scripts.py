@@ -1,7 +1,12 @@
 """The benchmark scripts run: on tiny shapes in the CPU interpreter here (on the GPU on the device),
 and the Hopper code-generation check, which needs no GPU."""
 
+import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,22 +15,24 @@ pytest.importorskip("triton")
 
 pytestmark = pytest.mark.triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BENCHMARKS = Path(__file__).parents[3] / "benchmarks"
+# the kernels in the interpreter on the CPU; on a GPU as they are
+KERNEL_ENV = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+# Triton's compiler, not the interpreter (the code-generation checks need no GPU)
+COMPILER_ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def run_script(name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``benchmarks/<name> args...`` in a fresh interpreter, its output captured."""
+    return subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True, env=env)
 
 
 @pytest.mark.slow
 def test_benchmark_script_smoke(tmp_path):
     """The H200 benchmark script runs end to end on tiny shapes and checks every case; a case run
     alone draws what it draws among the others."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_kernels.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, env=env
-    )
+    proc = run_script("bench_wide_kernels.py", "--smoke", "--out", str(tmp_path), env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["results"] and all(r["correct"] for r in data["results"])
@@ -34,11 +41,8 @@ def test_benchmark_script_smoke(tmp_path):
     # label): the same bound (the mask's) and, in the interpreter's fixed tiles, the same error (on a
     # GPU the two processes may autotune other tiles, which round differently)
     alone = tmp_path / "alone"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(alone), "--only", r"^(q|gate\+up) M=3 iid"],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = run_script(
+        "bench_wide_kernels.py", "--smoke", "--out", str(alone), "--only", r"^(q|gate\+up) M=3 iid", env=KERNEL_ENV
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     key = lambda r: (r["op"], r["M"], r["mask"])  # noqa: E731
@@ -55,17 +59,9 @@ def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(t
     got through at o's width and 16 tokens before the hook counted the steps), and at down's
     width with 4 tokens the whole table is kept (the tiles measured there). The direct variant's
     flat loop keeps its whole table at both widths. (``hopper_codegen.py --reduce-tiles``.)"""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "hopper_codegen.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     out = tmp_path / "tiles.json"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--reduce-tiles", "--json", str(out)], capture_output=True, text=True, env=env
-    )
+    proc = run_script("hopper_codegen.py", "--reduce-tiles", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     cases = {(r["variant"], r["group_width"], r["tokens"]) for r in rows}
@@ -85,15 +81,9 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     stream their operands through a software pipeline, fit the H200's shared memory and spill no
     registers; the routers' deciding launches run on the CUDA cores, unpipelined, without spills.
     The check sees an unpipelined product (one stage) as one."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "hopper_codegen.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     out = tmp_path / "codegen.json"
-    proc = subprocess.run([sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, env=env)
+    proc = run_script("hopper_codegen.py", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
     assert [r["mma"] for r in rows] == ["wgmma"] * 7 + ["mma"] + ["none"] * 3
@@ -104,11 +94,10 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
         "import runpy, sys; g = runpy.run_path(sys.argv[1]); name, k, a, c, w, s, mma = g['cases']()[0]; "
         "print(g['compile_for_hopper'](k, a, c, w, 1)['async_copies'])"
     )
-    proc = subprocess.run([sys.executable, "-c", one_stage, str(script)], capture_output=True, text=True, env=env)
+    script = str(BENCHMARKS / "hopper_codegen.py")
+    proc = subprocess.run([sys.executable, "-c", one_stage, script], capture_output=True, text=True, env=COMPILER_ENV)
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "0", proc.stdout + proc.stderr
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, env={**env, "TRITON_INTERPRET": "1"}
-    )
+    proc = run_script("hopper_codegen.py", env={**COMPILER_ENV, "TRITON_INTERPRET": "1"})
     assert proc.returncode == 2 and "replaces Triton's compiler" in proc.stderr
 
 
@@ -116,14 +105,8 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 def test_host_overhead_script_runs():
     """benchmarks/bench_wide_host.py: the four rows, dense first, WIDE's routed modules running
     more operators per layer than dense."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_host.py"
-    cmd = [sys.executable, str(script), "--layers", "2", "--prompt", "5", "--repeats", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_script("bench_wide_host.py", "--layers", "2", "--prompt", "5", "--repeats", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     extra = [float(x) for x in re.findall(r"\(\s*([+-][0-9.]+) a layer vs dense\)", proc.stdout)]
     assert len(extra) == 4 and extra[0] == 0.0 and all(x > 0 for x in extra[1:]), proc.stdout
@@ -135,15 +118,8 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     against the masked dense reference, realised sparsity reported where counted, and the
     static-cache decode steps and the prefill (eager on the CPU, CUDA graphs on a GPU) run without
     error."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "bench_wide_e2e.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
-    cmd = [sys.executable, str(script), "--smoke", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = run_script("bench_wide_e2e.py", "--smoke", "--out", str(tmp_path), env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "e2e.json").read_text())["results"]
     assert [r["model"] for r in rows] == [
@@ -165,25 +141,17 @@ def test_end_to_end_benchmark_script_smoke(tmp_path):
     assert all((r["prefill_profile"]["kernels_per_call"] > 0) == (DEVICE == "cuda") for r in rows)
 
 
-def test_prefill_tile_sweep_smoke(tmp_path):
+def test_prefill_tile_sweep_smoke(tmp_path, monkeypatch):
     """``sweep_out_prefill.py`` runs every mask kind through the sorted-tile kernel and checks each
     row against the reference (tiny shapes in the interpreter here), writing its table and JSON."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).parents[3] / "benchmarks" / "sweep_out_prefill.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
     args = ["--smoke"] if DEVICE == "cpu" else ["--tiles", "two", "--tokens", "1024"]
-    proc = subprocess.run(
-        [sys.executable, str(script), *args, "--out", str(tmp_path)], capture_output=True, text=True, env=env
-    )
+    proc = run_script("sweep_out_prefill.py", *args, "--out", str(tmp_path), env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "sweep-out-prefill.json").read_text())["rows"]
     assert {r["mask"] for r in rows} == {"exact", "iid", "all", "balanced"} and all(r["ok"] for r in rows)
     # balanced: half of each token's groups, and every group exactly half of the tokens
-    sys.path.insert(0, str(script.parent))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     from sweep_out_prefill import make_mask
 
     mask = make_mask(40, 8, "balanced", torch.Generator().manual_seed(0))
