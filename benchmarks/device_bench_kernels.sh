@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# The WIDE kernels on the device machine (H200): their tests on the GPU (tests/wide/kernels and the
-# wide-triton executor's, native Triton, fp32 and bf16, autotuned tiles), then
-# benchmarks/bench_wide_kernels.py, leaving kernel-tests.log, bench.json, bench.md and bench.log in $OUT.
+# The WIDE kernels on the device machine (H200): their tests on the GPU (tests/wide/kernels, native
+# Triton, fp32 and bf16, autotuned tiles), then benchmarks/bench_wide_kernels.py, leaving
+# kernel-tests.log, bench.json, bench.md and bench.log in $OUT.
 # Through the device tool, from the repo root, carrying [".whl"] (the Python packages the device
 # lacks; see benchmarks/fetch_device_wheels.sh):   bash benchmarks/device_bench_kernels.sh [--only REGEX]
 # Environment: TESTS_K="expr" selects tests (pytest -k; TESTS_K=none skips them), SHARDS=N runs them as
 # N processes side by side (pytest-xdist's -n, carried in .whl), BENCH=0 skips the kernel benchmark,
 # BEFORE=DIR first runs DIR's own copy of the benchmark on DIR's kernels (an earlier commit, unpacked
 # with `git archive COMMIT compresskit plugins/wide benchmarks | tar -x -C DIR`, DIR carried too), so
-# that before and after are measured side by side on one machine: $OUT/before/ and $OUT/ hold the two,
-# E2E="args" also runs benchmarks/bench_wide_e2e.py with those arguments ("-" for its defaults),
-# leaving e2e.json / e2e.md / e2e.log in $OUT (with BEFORE, DIR's copy of it first, into $OUT/before).
+# that before and after are measured side by side on one machine: $OUT/before/ and $OUT/ hold the two.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
@@ -20,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS_K:-}" != none ]; then
   workers=()
   [ "${SHARDS:-1}" -gt 1 ] && workers=(-n "$SHARDS")
-  python3 -m pytest -q -p no:cacheprovider -rfEs "${workers[@]}" tests/wide/kernels tests/wide/test_executor.py \
+  python3 -m pytest -q -p no:cacheprovider -rfEs "${workers[@]}" tests/wide/kernels \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/kernel-tests.log" | tail -n 15
 fi
 if [ -n "${BEFORE:-}" ]; then
@@ -28,15 +26,7 @@ if [ -n "${BEFORE:-}" ]; then
   if [ "${BENCH:-1}" != 0 ]; then
     python3 "$BEFORE/benchmarks/bench_wide_kernels.py" --out "$OUT/before" "$@" 2>&1 | tee "$OUT/before/bench.log"
   fi
-  if [ -n "${E2E:-}" ]; then
-    args=$E2E; [ "$args" = - ] && args=""
-    python3 "$BEFORE/benchmarks/bench_wide_e2e.py" --out "$OUT/before" $args 2>&1 | tee "$OUT/before/e2e.log"
-  fi
 fi
 if [ "${BENCH:-1}" != 0 ]; then
   python3 benchmarks/bench_wide_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-fi
-if [ -n "${E2E:-}" ]; then
-  [ "$E2E" = - ] && E2E=""
-  python3 benchmarks/bench_wide_e2e.py --out "$OUT" $E2E 2>&1 | tee "$OUT/e2e.log"
 fi

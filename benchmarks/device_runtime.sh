@@ -12,9 +12,6 @@
 #   MEMORY="--shapes smollm2-135m --batch 8,32 --steps 30 --distill" bash benchmarks/device_runtime.sh memory
 #                                                          # and training throughput by batch size
 #   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
-#   AB="--flag compresskit.runtime.blocks:STACK_PROJECTIONS" bash benchmarks/device_runtime.sh ab
-#                                                          # a switch off and on, end to end (bench_runtime_ab.py;
-#                                                          # several --flag: each alone and all together too)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}
@@ -23,10 +20,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, '| transformers', transformers.__version__, '| triton', triton.__version__)"
 if [ "${1:-all}" = profile ]; then
   timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/profile_runtime.py --out "$out/profile" ${PROFILE:-}
-  exit $?
-fi
-if [ "${1:-all}" = ab ]; then
-  timeout "${CASE_TIMEOUT:-500}" python3 benchmarks/bench_runtime_ab.py --out "$out/runtime-ab" ${AB:?AB="--flag MODULE:NAME ..."}
   exit $?
 fi
 if [ "${1:-all}" = memory ]; then

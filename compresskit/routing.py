@@ -137,17 +137,8 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
-        self.track_stats = True  # count the realised sparsity (three small kernels a decision; off for serving)
-        # an executor's one-call inference decision, x_raw [B, T, D] -> execute [B, T, G] (the router's
-        # deterministic decision, computed by a kernel); None: the router module, then ``decide``
-        self.fast_decide: Callable[[torch.Tensor], torch.Tensor] | None = None
-        # an executor's inference product, (x [B, T, K], execute [B, T, G], whether x's inactive groups
-        # are zero already) -> [B, T, N] (a kernel that reads only the active groups); None: the
-        # masker, then the base layer
-        self.fast_product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
-        self._input_zeroed = False  # this pass's input has its inactive groups zeroed already (mark_input_zeroed)
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
         self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
         self.reset_stats()
@@ -184,35 +175,23 @@ class RoutedProjection(nn.Module):
 
     def route(self, x_raw: torch.Tensor) -> None:
         """Decide for the tokens of ``x_raw: [B, T, D]`` (the raw residual stream)."""
-        if self.fast_decide is not None and not self.training:
-            execute = self.fast_decide(x_raw)  # [B, T, G]
-        else:
-            logits = self.router(x_raw)  # [B, T, G, 2]
-            execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
+        logits = self.router(x_raw)  # [B, T, G, 2]
+        execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
         self._take(execute, mask_for(x_raw) if self.training else declared_mask(x_raw))
 
-    def mark_input_zeroed(self) -> None:
-        """Called by whatever produces this pass's input when it has already zeroed every inactive
-        group exactly (a routed kernel that writes zeros for them): the next forward then skips its
-        masking (two elementwise launches a pass). Cleared by that forward and by a new decision."""
-        _plain_set(self, "_input_zeroed", True)
-
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         _plain_set(self, "_mask", execute)
-        _plain_set(self, "_input_zeroed", False)
         if self.has_followers:  # handed on, then released by the follower
             _plain_set(self, "_decision", (execute, valid))
         if self.training:
             self.last_skip, self.last_valid = 1.0 - execute, valid
-        elif self.track_stats:
+        else:
             self._count(execute, valid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _DENSE.get():  # the dense model (dense_view): no decision was made, none is read
             return self.base_layer(x)
-        zeroed = self._input_zeroed  # (read before a follower takes its decision)
-        _plain_set(self, "_input_zeroed", False)
         if self.leader is not None:
             decision = self.leader._decision
             _plain_set(self.leader, "_decision", None)
@@ -225,9 +204,7 @@ class RoutedProjection(nn.Module):
                 f"({None if mask is None else tuple(mask.shape)} vs {tuple(x.shape)}); the router tap did not run"
             )
         _plain_set(self, "_mask", None)
-        if self.fast_product is not None and not self.training:
-            return self.fast_product(x, mask, zeroed)
-        return self.base_layer(x if zeroed else self.masker(x, mask))
+        return self.base_layer(self.masker(x, mask))
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, layer={self.layer_idx}, groups={self.groups}"
@@ -486,9 +463,5 @@ class RoutedPruner(Pruner):
             proj.reset_stats()
 
     def sparsity(self, model: nn.Module) -> SparsityReport | None:
-        """The realised sparsity counted since the last reset; None when counting is off (an
-        executor converted the model with ``track_stats: false``): not measured, rather than 0."""
-        projections = [p for _, p in routed_projections(model)]
-        if not all(p.track_stats for p in projections):
-            return None
-        return measured_sparsity(projections, self._model_config)
+        """The realised sparsity counted since the last reset."""
+        return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)

@@ -63,9 +63,6 @@ def is_routed(module: nn.Module) -> bool:
     return isinstance(module, (RoutedProjection, RouterTap))
 
 
-STACK_PROJECTIONS = True  # blocks built while it is False call q / k / v and gate / up one by one (an A/B switch)
-
-
 def stacked_linear(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(weight, bias)`` of several ``nn.Linear`` modules that read one input (q, k and v; gate and
     up) stacked by rows, so that one product replaces several: at decode each product is a launch
@@ -75,8 +72,8 @@ def stacked_linear(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor
     (another runtime on the same model). None where the modules are not all plain ``nn.Linear`` of
     one input size, dtype and device, with biases on all or none. A runtime reads the stacked
     tensors it was built with: build it after the last change that replaces a weight tensor (an
-    in-place change, as a LoRA merge makes, is seen). None too while ``STACK_PROJECTIONS`` is False."""
-    if not STACK_PROJECTIONS or not modules or any(type(m) is not nn.Linear for m in modules):
+    in-place change, as a LoRA merge makes, is seen)."""
+    if not modules or any(type(m) is not nn.Linear for m in modules):
         return None
     first = modules[0].weight
     if (

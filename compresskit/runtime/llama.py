@@ -33,10 +33,6 @@ KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently us
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
 RECOMPILE_LIMIT = 64
-# each block adds the previous block's output to the residual stream inside its own compiled graph, where
-# the add fuses with the block's norm, instead of one eager add per block between graphs (an A/B switch,
-# read when a runtime is built)
-FUSE_RESIDUAL = True
 WRAPPED_KINDS = 8  # block classes one process may compile through AddThen (dense, a plugin's, the baselines')
 
 
@@ -223,8 +219,9 @@ class Runtime:
             raise CompressKitError("runtime: prefill_graphs asked, but decode steps are not replayed as CUDA graphs")
         self.prefill_graphs = self.graphs and prefill_graphs in (True, "auto")
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        self.fuse_residual = FUSE_RESIDUAL
-        called = [(AddThen(a), AddThen(m)) for a, m in self.blocks] if self.fuse_residual else self.blocks
+        # each block adds the previous block's output to the residual stream inside its own compiled graph,
+        # where the add fuses with the block's norm (``AddThen``), not as one eager add between graphs
+        called = [(AddThen(a), AddThen(m)) for a, m in self.blocks]
         self._steps = called  # what a decode step calls: the blocks, or their compiled forms
         self._prefill = called  # what a prompt's forward calls
         if self.compiled:  # one compilation per block class and shape, shared by every layer
@@ -287,18 +284,11 @@ class Runtime:
     # -- the forward ---------------------------------------------------------------------------
     def _layers(self, x: torch.Tensor, step: Step, cache: StaticCache, blocks) -> torch.Tensor:
         handoff = None  # what a block hands to the next (see blocks.py)
-        if self.fuse_residual:  # each block adds the one before it (the first adds zeros)
-            delta = torch.zeros_like(x)
-            for i, (attn, mlp) in enumerate(blocks):
-                x, delta, handoff = attn(x, delta, step, cache.keys[i], cache.values[i], handoff=handoff)
-                x, delta, handoff = mlp(x, delta, step, handoff=handoff)  # x: [B, T, hidden]
-            return x + delta
+        delta = torch.zeros_like(x)  # each block adds the one before it (the first adds zeros)
         for i, (attn, mlp) in enumerate(blocks):
-            y, handoff = call_block(attn, x, step, cache.keys[i], cache.values[i], handoff=handoff)
-            x = x + y  # [B, T, hidden]
-            y, handoff = call_block(mlp, x, step, handoff=handoff)
-            x = x + y
-        return x
+            x, delta, handoff = attn(x, delta, step, cache.keys[i], cache.values[i], handoff=handoff)
+            x, delta, handoff = mlp(x, delta, step, handoff=handoff)  # x: [B, T, hidden]
+        return x + delta
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.model.model.norm(x))

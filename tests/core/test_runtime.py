@@ -16,14 +16,10 @@ def tiny(tiny_model_dir):
     return load_model(str(tiny_model_dir), dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("fuse_residual", [False, True])
-def test_prefill_and_decode_logits_are_transformers(tiny, monkeypatch, fuse_residual):
-    """The runtime's logits are transformers', with the residual added between the blocks or inside
-    each block (``FUSE_RESIDUAL``)."""
-    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
+def test_prefill_and_decode_logits_are_transformers(tiny):
+    """The runtime's logits are transformers' (each block adding the residual of the one before it)."""
     model, _ = tiny
     rt = Runtime(model)
-    assert rt.fuse_residual == fuse_residual
     ids = torch.randint(2, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = rt.new_cache(2, 12)
     with torch.no_grad():
@@ -67,12 +63,10 @@ class _RelayEvery:
         return _Relay(Attention(layer, head_dim)), mlp
 
 
-@pytest.mark.parametrize("fuse_residual", [False, True])
-def test_blocks_hand_on_to_the_block_after_them(tiny, monkeypatch, fuse_residual):
+def test_blocks_hand_on_to_the_block_after_them(tiny):
     """A block with ``hands_off`` is told the block after it once (None after the last) and receives
-    what the block before it handed on (None after one that hands nothing, and first), in both residual
-    forms; the logits stay the dense model's."""
-    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
+    what the block before it handed on (None after one that hands nothing, and first); the logits stay
+    the dense model's."""
     model, _ = tiny
     rt = Runtime(model, executor=_RelayEvery(quiet_layer=0))
     order = [b for pair in rt.blocks for b in pair]
@@ -494,74 +488,3 @@ def test_decode_attention_bench_checks_every_form_on_the_cpu():
     res = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "every variant matches SDPA" in res.stdout
-
-
-def test_runtime_ab_script_builds_every_member_every_way(tmp_path):
-    """``bench_runtime_ab.py`` on the tiny shape (eager on the CPU: a smoke run): each member with both
-    switches off, each alone and both on, the same greedy tokens and teacher-forced logits every way for
-    switches that change no result, the compressed member's realised sparsity; a name that is no
-    boolean is refused."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parents[2] / "benchmarks" / "bench_runtime_ab.py"
-    flags = [
-        "--flag",
-        "compresskit.runtime.blocks:STACK_PROJECTIONS",
-        "--flag",
-        "compresskit.runtime.llama:FUSE_RESIDUAL",
-    ]
-    args = [*flags, "--shape", "tiny", "--context", "12", "--new-tokens", "3", "--repeats", "1"]
-    proc = subprocess.run([sys.executable, str(script), *args, "--out", str(tmp_path)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads((tmp_path / "runtime-ab.json").read_text())["rows"]
-    ways = [[], ["STACK_PROJECTIONS"], ["FUSE_RESIDUAL"], ["STACK_PROJECTIONS", "FUSE_RESIDUAL"]]
-    assert [(r["member"], r["on"]) for r in rows] == [
-        (m, on) for m in ("compressed", "dense", "ideal half-width") for on in ways
-    ]
-    assert all(r["same_greedy_tokens"] and r["tpot_gain"] > 0 for r in rows if r["on"])
-    assert all(r["equal_leading_tokens"] == r["new_tokens"] == 3 for r in rows if r["on"])
-    # fed the baseline's tokens, every variant gives its logits (these switches only regroup the same products)
-    assert all(
-        r["teacher_forced_top_equal"] == 3 and r["logit_max_abs_diff"] < 1e-3 < r["logit_scale"]
-        for r in rows
-        if r["on"]
-    )
-    assert all((r["sparsity_macs"] is not None) == (r["member"] == "compressed") for r in rows)
-    assert all(0.2 < r["sparsity_macs"] < 0.8 for r in rows if r["member"] == "compressed")
-    assert all(r["teacher_forced_top_equal"] == 3 and r["logit_max_abs_diff"] == 0 for r in rows if not r["on"])
-    md = (tmp_path / "runtime-ab.md").read_text()
-    assert "| 3 of 3 | 3 of 3, " in md and "| run eagerly: 3 of 3, 0.0 " in md  # (on the CPU all eager)
-    bad = subprocess.run(
-        [sys.executable, str(script), "--flag", "compresskit.runtime.blocks:Step", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "has no boolean 'Step'" in bad.stderr
-    one = subprocess.run(
-        [sys.executable, str(script), *args[:2], *args[4:], "--members", "dense", "--out", str(tmp_path / "one")],
-        capture_output=True,
-        text=True,
-    )
-    assert one.returncode == 0, one.stderr
-    rows = json.loads((tmp_path / "one" / "runtime-ab.json").read_text())["rows"]
-    assert [(r["member"], r["on"]) for r in rows] == [("dense", []), ("dense", ["STACK_PROJECTIONS"])]
-    wrong = [*args, "--members", "dense,wide", "--out", str(tmp_path)]
-    bad = subprocess.run([sys.executable, str(script), *wrong], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--members: wide not among this shape's members" in bad.stderr
-
-
-def test_rounding_floor_script_compares_compiled_with_eager():
-    """``rounding_floor.py`` on the tiny shape in fp32: the compiled WIDE runtime fed the eager run's
-    tokens gives its top tokens (fp32 rounding moves nothing a token depends on)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parents[2] / "benchmarks" / "rounding_floor.py"
-    args = ["--shape", "tiny", "--dtype", "float32", "--context", "8", "--new-tokens", "3"]
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "tiny float32 on cpu, compiled against eager: top token equal at 3 of 3 steps" in proc.stdout

@@ -71,50 +71,27 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
-@pytest.mark.parametrize(
-    ("routed_qkv", "fuse_residual", "hand_off", "norm_in_router"),
-    [
-        (False, False, False, False),
-        (True, False, False, False),
-        (True, True, False, False),
-        (True, True, True, False),
-        (False, False, True, False),
-        (True, True, True, True),
-        (True, False, True, True),
-    ],
-)
-def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
-    tiny_model_dir, monkeypatch, routed_qkv, fuse_residual, hand_off, norm_in_router
-):
+def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir, monkeypatch):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
-    as tensors) give the logits of the model's own routed modules, with padding and without; with
-    ``ROUTED_QKV`` q, k and v are one routed product, with ``FUSE_RESIDUAL`` each block adds the
-    residual itself, with ``HAND_OFF_SHARES`` every router but the first decides from the shares the
-    block before it handed on, with ``NORM_IN_ROUTER`` (and the fused residual) that decision's
-    launch adds the residual and applies the norm too."""
+    as tensors) give the logits of the model's own routed modules, with padding and without: q, k and v
+    are one routed product, each block adds the residual itself, every router but the first decides
+    from the shares the block before it handed on, and that decision's launch adds the residual and
+    applies the norm too."""
     from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
 
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
-    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fuse_residual)
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
-    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", norm_in_router)
     from_shares, with_norm = [], []
     real_from_shares, real_with_norm = blocks.router_decide_from_shares, blocks.router_norm_from_shares
-    real_counted = blocks.router_decide_from_shares_counted
     monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
-    monkeypatch.setattr(
-        blocks, "router_decide_from_shares_counted", lambda *a: from_shares.append(1) or real_counted(*a)
-    )
     monkeypatch.setattr(blocks, "router_norm_from_shares", lambda *a: with_norm.append(1) or real_with_norm(*a))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
-    assert all((a.wqkv is not None) == routed_qkv for a, _ in fast.blocks)
+    assert all(a.wqkv is not None for a, _ in fast.blocks)
     order = [blk for pair in fast.blocks for blk in pair]
     handing = [blk.next_router_down for blk in order]
-    want_handing = [after.router_down for after in order[1:]] + [None] if hand_off else [None] * len(order)
+    want_handing = [after.router_down for after in order[1:]] + [None]
     assert all(a is b for a, b in zip(handing, want_handing, strict=True))
     assert fast.mode == "eager"  # on the CPU
     ref = Runtime(model)  # the routed modules as they are
@@ -138,22 +115,19 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(
             token = torch.randint(2, 300, (b,), generator=gen)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # each forward (two prompts, six steps) decides every router but the first from shares, or none;
-    # with the norm in that launch where the runtime hands the blocks the residual's delta
-    decided = len(from_shares) + len(with_norm)
-    assert decided == (8 * (len(order) - 1) if hand_off else 0)
-    assert len(with_norm) == (decided if norm_in_router and fuse_residual else 0)
+    # each forward (two prompts, six steps) decides every router but the first from shares, with the
+    # norm in that launch (the runtime hands the blocks the residual's delta)
+    assert len(with_norm) == 8 * (len(order) - 1) and not from_shares
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
-def test_routed_qkv_in_other_families(tmp_path, monkeypatch, family):
-    """With ``ROUTED_QKV``: Qwen2's q / k / v carry biases, so its blocks keep q and the k / v product
+def test_routed_qkv_in_other_families(tmp_path, family):
+    """Qwen2's q / k / v carry biases, so its blocks keep q and the k / v product
     apart; Mistral's have none, so one routed product serves. Both give the routed modules' logits at
     a prompt and at decode."""
     from compresskit.runtime import runtime_for
     from compresskit.testing import save_tiny_model
 
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)
     model_dir = save_tiny_model(tmp_path / family, family=family)
     model, pruner = _wide_model(model_dir)
     fast, ref = runtime_for(model, pruner), Runtime(model)
@@ -168,14 +142,13 @@ def test_routed_qkv_in_other_families(tmp_path, monkeypatch, family):
 
 
 def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, monkeypatch):
-    """With ``ROUTED_QKV``, q, k and v are one routed product at decode and at prefill while q runs
+    """q, k and v are one routed product at decode and at prefill while q runs
     dense; where ``auto`` takes q's prefill kernel (here made to from 8 tokens) q runs alone and k, v
     in their own product. Both ways give the routed modules' logits."""
     from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
 
     real_use_kernel = blocks.use_kernel
-    monkeypatch.setattr(blocks, "ROUTED_QKV", True)
     monkeypatch.setattr(blocks, "DECODE_MAX_M", 2)
     monkeypatch.setattr(
         blocks, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
@@ -209,28 +182,11 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
 
 
-@pytest.mark.parametrize(
-    ("routed_qkv", "hand_off", "count_in_router", "norm_in_router"),
-    [
-        (False, False, False, False),
-        (True, False, False, False),
-        (True, True, False, False),
-        (True, True, True, False),
-        (True, True, True, True),
-    ],
-)
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(
-    tiny_model_dir, monkeypatch, routed_qkv, hand_off, count_in_router, norm_in_router
-):
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
-    logits of the routed modules at a prompt and at decode, and the counts; with ``ROUTED_QKV``
-    q, k and v through one routed kernel, with ``HAND_OFF_SHARES`` o's and down's kernels handing
-    the next router its shares, with ``COUNT_IN_ROUTER`` the router kernels counting, with
-    ``NORM_IN_ROUTER`` the decision's kernel adding the residual and applying the norm."""
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", routed_qkv)
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", hand_off)
-    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", count_in_router)
-    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", norm_in_router)
+    logits of the routed modules at a prompt and at decode, and the counts (q, k and v through one
+    routed kernel, o's and down's kernels handing the next router its shares, the router kernels
+    counting, the decision's kernel adding the residual and applying the norm)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -250,19 +206,22 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(
     assert counts.tokens == 2 * 7 + 2 * 2 and 0.2 < counts.macs < 0.8
 
 
-@pytest.mark.parametrize("count_in_router", [False, True])
 @pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9], [5, 6]], [[5, 6, 7, 8, 9]]])
-def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeypatch, count_in_router, prompts):
-    """A padded batch and a single prompt: the blocks' counts equal the routed modules'; with
-    ``COUNT_IN_ROUTER`` the router operators count where every token is real, the block elsewhere."""
+def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeypatch, prompts):
+    """A padded batch and a single prompt: the blocks' counts equal the routed modules'; the router
+    operators count where every token is real (their ``count`` flag), the block elsewhere."""
     from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
 
-    monkeypatch.setattr(blocks, "COUNT_IN_ROUTER", count_in_router)
     counted_by_router = []
-    for name in ("router_decide_counted", "router_decide_from_shares_counted"):
+    for name in ("router_decide", "router_decide_from_shares", "router_norm_from_shares"):
         real = getattr(blocks, name)
-        monkeypatch.setattr(blocks, name, lambda *a, real=real: counted_by_router.append(1) or real(*a))
+
+        def recording(*a, real=real):
+            counted_by_router.append(a[-2])  # (..., counts, count, backend)
+            return real(*a)
+
+        monkeypatch.setattr(blocks, name, recording)
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     pruner.reset_sparsity(model)
@@ -272,7 +231,8 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     want = pruner.sparsity(model)
     assert got.tokens == want.tokens == sum(map(len, prompts)) + 2 * len(prompts)
     assert abs(got.macs - want.macs) < 1e-9 and 0.2 < got.macs < 0.8
-    assert any(counted_by_router) == count_in_router
+    # the padded prompt's tokens are counted by the block, every decode step's by the router's launch
+    assert any(counted_by_router) and all(counted_by_router) == (len(prompts) == 1)
 
 
 def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
@@ -306,7 +266,9 @@ def test_registered_ops_pass_opcheck():
     mask = torch.rand(m, g, generator=gen) > 0.5
     ops = torch.ops.compresskit_wide
     r = (torch.randn(3, d, generator=gen), torch.randn(3, generator=gen), torch.randn(2 * g, 3, generator=gen))
-    torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), "torch"))
+    counts = torch.zeros(2, dtype=torch.float64)  # counted in place (a mutated argument)
+    for count in (False, True):
+        torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, count, "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, wu, True, "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, None, False, "torch"))
     torch.library.opcheck(ops.masked_out_gemm, (x, torch.cat([w, wu[:12]]), mask, None, False, "torch", 12))
@@ -315,13 +277,11 @@ def test_registered_ops_pass_opcheck():
     residual, next_down = torch.randn(m, d, generator=gen), torch.randn(3, d, generator=gen)
     torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask, residual, next_down, False, "torch"))
     shares = torch.randn(2, m, 3, generator=gen)
-    torch.library.opcheck(ops.router_decide_from_shares, (shares, r[1], r[2], torch.zeros(2 * g), "torch"))
+    for count in (False, True):
+        args = (shares, r[1], r[2], torch.zeros(2 * g), counts, count, "torch")
+        torch.library.opcheck(ops.router_decide_from_shares, args)
     args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
-    torch.library.opcheck(ops.router_norm_from_shares, (*args, torch.zeros(2, dtype=torch.float64), True, "torch"))
-    counts = torch.zeros(2, dtype=torch.float64)  # counted in place (a mutated argument)
-    torch.library.opcheck(ops.router_decide_counted, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, "torch"))
-    args = (shares, r[1], r[2], torch.zeros(2 * g), counts, "torch")
-    torch.library.opcheck(ops.router_decide_from_shares_counted, args)
+    torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     heads = torch.rand(2, 2, generator=gen) > 0.5
     lens = torch.tensor([6, 4], dtype=torch.int32)
@@ -355,7 +315,7 @@ def test_the_ops_are_cheap_dispatches_that_compile_whole():
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
 
 
-def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, monkeypatch):
+def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     """``torch.compile`` traces whole decode blocks (``fullgraph``: the WIDE ops are registered operators, every
     index a tensor); the compiled prefill (symbolic shapes, padded and not; every
     block one graph, WIDE's ops inside) and decode steps give the eager logits. (CUDA graphs need a GPU:
@@ -369,20 +329,6 @@ def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir, mo
         (Runtime(model, dense=True, compile=True), Runtime(model, dense=True)),
         (runtime_for(model, pruner, compile=True), runtime_for(model, pruner)),
     ]
-    # q, k and v as one routed product; each block adding the residual inside its graph
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", True)
-    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", True)
-    pairs.append((Runtime(model, dense=True, compile=True), Runtime(model, dense=True)))
-    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
-    # and the routers' shares handed from block to block
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", True)
-    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
-    # and the router operators counting their decisions (in place, inside the compiled graph)
-    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", True)
-    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
-    # and the decision's launch adding the residual and applying the norm
-    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", True)
-    pairs.append((runtime_for(model, pruner, compile=True), runtime_for(model, pruner)))
     for fast, eager in pairs:
         assert fast.mode == "compiled"
         counters.clear()
@@ -441,30 +387,17 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "method", ["dense", "wide", "dense-fused", "wide-fused", "wide-handoff", "wide-count", "wide-norm"]
-)
-def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, monkeypatch, method):
+@pytest.mark.parametrize("method", ["dense", "wide"])
+def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
     """On a GPU in fp32: compiled decode steps replayed as CUDA graphs give the eager runtime's logits
-    step by step (the WIDE kernels inside, under ``auto``; "-fused": each block adds the residual in its
-    graph, and WIDE's q, k and v are one routed product; "-handoff": fused, and the reductions hand the
-    next router its shares, at every decode size, the batch of two's steps included; "-count": as
-    "-handoff", the router kernels counting their decisions; "-norm": as "-count", the decision's kernel
-    adding the residual and applying the norm), and
-    the same greedy tokens; the counts of a graph-replayed run equal the eager run's (warm-up runs are
-    not counted)."""
+    step by step (the WIDE kernels inside, under ``auto``: the reductions hand the next router its
+    shares at every decode size, the batch of two's steps included), and the same greedy tokens; the
+    counts of a graph-replayed run equal the eager run's (warm-up runs are not counted)."""
     from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     pruner = None
-    fused = method.endswith(("-fused", "-handoff", "-count", "-norm"))
-    monkeypatch.setattr("compresskit_wide.blocks.ROUTED_QKV", fused)
-    monkeypatch.setattr("compresskit.runtime.llama.FUSE_RESIDUAL", fused)
-    monkeypatch.setattr("compresskit_wide.blocks.HAND_OFF_SHARES", method.endswith(("-handoff", "-count", "-norm")))
-    monkeypatch.setattr("compresskit_wide.blocks.COUNT_IN_ROUTER", method.endswith(("-count", "-norm")))
-    monkeypatch.setattr("compresskit_wide.blocks.NORM_IN_ROUTER", method.endswith("-norm"))
-    method = method.split("-")[0]
     if method == "wide":
         cls = plugins.load("pruner", "wide")
         pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))

@@ -331,9 +331,9 @@ def test_cold_and_warm_dense_cache_give_identical_saved_tensors(tiny_model_dir, 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir, tmp_path, backend):
-    """The executor rewires the model for speed after the model is saved: the saved keys are the
-    pruner's own (no executor wrapper in their names), they equal a torch-executor run's, and the
-    reloaded model scores exactly what the run reported."""
+    """A run with the wide-triton executor saves what a torch-executor run saves: the pruner's own
+    keys (no wrapper in their names), the same tensors, and the reloaded model scores exactly what
+    the run reported."""
     stages = [stage("router", steps=4)]
     r = recipe(tiny_model_dir, tmp_path / "triton", stages)
     r["executor"] = {"name": "wide-triton", "config": {"backend": backend}}
@@ -351,11 +351,13 @@ def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir
     assert ev["metrics"] == res.results["metrics"] == ref.results["metrics"]
 
 
-def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path):
+def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path, monkeypatch):
+    """A pruner whose ``sparsity`` says "not measured" (None) is reported so, never as 0."""
     from compresskit.report import compare_markdown, results_markdown
+    from compresskit_wide.pruner import WidePruner
 
+    monkeypatch.setattr(WidePruner, "sparsity", lambda self, model: None)
     r = recipe(tiny_model_dir, tmp_path, [stage("router", steps=2)])
-    r["executor"] = {"name": "wide-triton", "config": {"backend": "torch", "track_stats": False}}
     res = apply(r)
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res.results["sparsity"] is None and saved["sparsity"] is None

@@ -335,22 +335,6 @@ def test_state_dict_round_trip_and_key_checks():
         p2.load_state_dict(other, {**state, "wide.extra": torch.zeros(1)})
 
 
-def test_state_dict_keys_do_not_depend_on_the_executor():
-    """wide-triton wraps each MLP (``mlp.base_layer.down_proj``): the pruner still saves and loads under
-    the names it gave its projections."""
-    from compresskit_wide.executor import TritonExecutor
-
-    model = tiny_llama()
-    pruner = wide(model)
-    model = pruner.finalize(model)
-    before = pruner.state_dict(model)
-    model = TritonExecutor(TritonExecutor.Config(backend="torch")).convert(model)
-    assert any(".base_layer.down_proj" in n for n, _ in routed_projections(model))
-    after = pruner.state_dict(model)
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    pruner.load_state_dict(model, before)
-
-
 # -- cached decoding ------------------------------------------------------------------------------
 
 
@@ -378,61 +362,6 @@ def test_routed_projection_needs_its_tap():
     assert isinstance(proj, RoutedProjection)
     with pytest.raises(RuntimeError, match="router tap did not run"):
         proj(torch.zeros(1, 2, 48))
-
-
-def test_mark_input_zeroed_skips_the_masking_once():
-    """A producer that zeroed the inactive groups itself (the routed attention kernels) marks the
-    projection: its next forward takes the input as it is; the mark is gone after that forward and
-    with a new decision. Unmarked, the projection zeroes the inactive groups itself."""
-    base = torch.nn.Linear(8, 3, bias=False)
-    proj = RoutedProjection(base, GroupRouter(8, 2, 4), kind="attention", layer_idx=0, macs_per_group=12)
-    proj.eval()
-    x = torch.randn(1, 2, 8)
-    execute = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
-    masked = x * execute.repeat_interleave(4, dim=-1)
-
-    def run(mark: bool) -> torch.Tensor:
-        proj._take(execute, None)
-        if mark:
-            proj.mark_input_zeroed()
-        with torch.no_grad():
-            return proj(x)
-
-    torch.testing.assert_close(run(False), base(masked))
-    torch.testing.assert_close(run(True), base(x))  # as marked: not masked again
-    torch.testing.assert_close(run(False), base(masked))  # the mark lasted one forward
-    proj.mark_input_zeroed()
-    torch.testing.assert_close(run(False), base(masked))  # a new decision clears a stale mark
-
-
-def test_fast_product_replaces_mask_and_product_in_inference_only():
-    """An executor's ``fast_product`` gets the input, the decision and whether the input is zeroed
-    already (``mark_input_zeroed``), and its result is the projection's output, at inference;
-    training keeps the masker and the base layer (their gradients)."""
-    base = torch.nn.Linear(8, 3, bias=False)
-    proj = RoutedProjection(base, GroupRouter(8, 2, 4), kind="attention", layer_idx=0, macs_per_group=12)
-    x = torch.randn(1, 2, 8)
-    execute = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
-    calls = []
-
-    class Product(torch.nn.Module):
-        def forward(self, x, mask, zeroed):
-            calls.append((mask, zeroed))
-            return torch.full((*x.shape[:-1], 3), 7.0)
-
-    proj.fast_product = Product()
-    proj.eval()
-    for mark in (False, True):
-        proj._take(execute, None)
-        if mark:
-            proj.mark_input_zeroed()
-        with torch.no_grad():
-            assert torch.equal(proj(x), torch.full((1, 2, 3), 7.0))
-    assert [z for _, z in calls] == [False, True] and all(m is execute for m, _ in calls)
-    proj.train()
-    proj._take(execute, None)
-    torch.testing.assert_close(proj(x), base(x * execute.repeat_interleave(4, dim=-1)))
-    assert len(calls) == 2
 
 
 def test_group_fractions_are_reported_beside_mac_fractions():

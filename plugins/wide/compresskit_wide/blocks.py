@@ -12,8 +12,8 @@ SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``),
 counts the real tokens it routed and the groups it ran (``stat_tokens`` / ``stat_skipped``, as
 ``compresskit.routing.measured_sparsity`` reads them).
 
-With ``HAND_OFF_SHARES`` a block whose last product runs the reduction kernel (o, down at decode
-sizes) hands the next WIDE block (the runtime's handoff, ``compresskit.runtime.blocks``) the shares
+A block whose last product runs the reduction kernel (o, down at decode sizes) hands the next WIDE
+block (the runtime's handoff, ``compresskit.runtime.blocks``) the shares
 of its router's first product, written by that kernel's programs; the next block's router then
 runs only its decision's launch (``router_decide_from_shares``).
 """
@@ -31,8 +31,6 @@ from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
-router_decide_counted = _ops.router_decide_counted.default
-router_decide_from_shares_counted = _ops.router_decide_from_shares_counted.default
 router_norm_from_shares = _ops.router_norm_from_shares.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
@@ -40,19 +38,6 @@ masked_reduce_gemm = _ops.masked_reduce_gemm.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
 
-# q / k / v as one routed product (k, v its dense rows) wherever q's prefill kernel does not run: at decode one
-# launch where q's kernel and cuBLAS's k / v product were two (an A/B switch, read when a block is built)
-ROUTED_QKV = True
-# o's and down's reduction kernels write the next router's first product wherever ``auto`` takes the handoff,
-# the policy range "reduce_handoff" (decode sizes; an A/B switch, read when the runtime is built)
-HAND_OFF_SHARES = True
-# the router's decision launch counts the decision itself where every token is real, instead of the
-# block's own counting ops (an A/B switch, read when a block is built)
-COUNT_IN_ROUTER = True
-# where the block before handed on the shares, the decision's launch also adds the residual and applies
-# the block's RMSNorm (router_norm_from_shares), one launch instead of two (an A/B switch, read when a
-# block is built)
-NORM_IN_ROUTER = True
 # norms whose forward is Llama's RMSNorm (what router_norm_from_shares computes)
 LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
@@ -70,20 +55,19 @@ class _Routing(Counting):
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
         # (called after self.norm is set)
-        self.adds_residual = NORM_IN_ROUTER and type(self.norm).__name__ in LLAMA_RMS_NORMS
+        # where the block before handed on the shares, the decision's launch also adds the residual and
+        # applies the block's RMSNorm (router_norm_from_shares): one launch instead of two
+        self.adds_residual = type(self.norm).__name__ in LLAMA_RMS_NORMS
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.count_decisions = count
-        self.count_in_router = count and COUNT_IN_ROUTER
         self.setup_counts(proj, proj.groups)
         self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
 
     def prepare_handoff(self, after: nn.Module | None) -> None:
-        """Hand the next block the shares of its router's first product where it is a WIDE block
-        (and ``HAND_OFF_SHARES`` is on)."""
-        routed = isinstance(after, _Routing) and HAND_OFF_SHARES
-        self.next_router_down = after.router_down if routed else None
+        """Hand the next block the shares of its router's first product where it is a WIDE block."""
+        self.next_router_down = after.router_down if isinstance(after, _Routing) else None
 
     def enter(
         self, x: torch.Tensor, delta: torch.Tensor | None, valid: torch.Tensor | None, shares: torch.Tensor | None
@@ -111,18 +95,13 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.count_in_router and valid is None:  # every token real: the router's launch counts
-            if shares is not None:
-                return router_decide_from_shares_counted(
-                    shares, d.bias, r.weight, r.bias, self.stat_counts, self.backend
-                )
-            return router_decide_counted(x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, self.backend)
+        count = self.count_decisions and valid is None  # every token real: the router's launch counts
         if shares is not None:
-            execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.backend)
+            execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
         else:
-            execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.backend)
-        if self.count_decisions:
+            x2 = x.reshape(-1, x.shape[-1])
+            execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
+        if self.count_decisions and not count:
             self.count(execute, valid)
         return execute
 
@@ -148,8 +127,9 @@ class WideAttention(Attention, _Routing):
         super().__init__(layer, head_dim, dense=True)
         self._setup_routing(layer.self_attn.o_proj, backend, count)
         self.wq, self.wo = plain_weight(self.q_proj), plain_weight(self.o_proj)
-        # q / k / v stacked without biases (stacked_linear): one routed product, k and v its dense rows
-        routed_qkv = ROUTED_QKV and self.wq is not None and self.qkv is not None and self.qkv[1] is None
+        # q / k / v stacked without biases (stacked_linear): one routed product, k and v its dense rows,
+        # wherever q's prefill kernel does not run (at decode one launch where q's kernel and k / v were two)
+        routed_qkv = self.wq is not None and self.qkv is not None and self.qkv[1] is None
         self.wqkv = self.qkv[0] if routed_qkv else None
         self.qkv_sizes = [self.q_proj.out_features, *self.kv_sizes] if routed_qkv else None
         self.kv_rows = sum(self.kv_sizes) if routed_qkv else 0

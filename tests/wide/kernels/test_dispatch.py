@@ -194,7 +194,7 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
             y,
             o,
             ops.routed_attention_decode(q, k, v, lens, amask, backend=backend),
-            ops.router_decide_counted(x, *router, counts, backend=backend),
+            ops.router_decide(x, *router, counts, True, backend=backend),
         )
 
     counts = torch.zeros(2, dtype=torch.float64, device="cuda")

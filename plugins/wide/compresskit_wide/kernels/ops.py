@@ -1,8 +1,8 @@
 """The routed operators, dispatched by backend, each registered as a PyTorch operator
 (``torch.ops.compresskit_wide.<name>``) so that ``torch.compile`` traces a whole runtime step with
 them inside (one opaque call each; the fake implementation gives the tracer the output's shape and
-dtype). The runtime's blocks call the operators; the ``wide-triton`` executor, the tests and the
-benchmarks call the same functions directly.
+dtype). The runtime's blocks call the operators; the tests and the benchmarks call the same
+functions directly.
 
 ``backend``: "torch" runs the references (``torch_*``: the semantics, the CPU path, the autograd
 path); "triton" the Triton kernels (``triton_*``; an error naming the reason where they cannot
@@ -116,44 +116,27 @@ def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto
     return torch_group_masked_input(x, mask)
 
 
-@_operator(
-    lambda x, w_down, b_down, w_up, b_up, backend="auto": x.new_empty(x.shape[0], w_up.shape[0] // 2, dtype=torch.bool)
-)
+def _fake_decide(x, w_down, b_down, w_up, b_up, counts, count, backend="auto"):
+    return x.new_empty(x.shape[0], w_up.shape[0] // 2, dtype=torch.bool)
+
+
+@_operator(_fake_decide, mutates=("counts",))
 def router_decide(
     x: torch.Tensor,
     w_down: torch.Tensor,
     b_down: torch.Tensor,
     w_up: torch.Tensor,
     b_up: torch.Tensor,
+    counts: torch.Tensor,
+    count: bool,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): a ``GroupRouter``'s deterministic decision
-    (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases)."""
-    return _router_decide(x, w_down, b_down, w_up, b_up, backend, None)
-
-
-@_operator(
-    lambda x, w_down, b_down, w_up, b_up, counts, backend="auto": x.new_empty(
-        x.shape[0], w_up.shape[0] // 2, dtype=torch.bool
-    ),
-    mutates=("counts",),
-)
-def router_decide_counted(
-    x: torch.Tensor,
-    w_down: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    counts: torch.Tensor,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """``router_decide`` that adds the M tokens (every one real) and the groups they execute to
-    ``counts`` (fp64 ``[2]``, in place). (An operator of its own: an optional argument written in
-    place, passed as None, is what ``torch.compile``'s functionalization does not lower.)"""
-    return _router_decide(x, w_down, b_down, w_up, b_up, backend, counts)
-
-
-def _router_decide(x, w_down, b_down, w_up, b_up, backend: str, counts: torch.Tensor | None) -> torch.Tensor:
+    (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases); with ``count`` the M tokens (every
+    one real) and the groups they execute are added to ``counts`` (fp64 ``[2]``, in place). (A flag
+    and a tensor always passed: an optional tensor written in place, passed as None, is what
+    ``torch.compile``'s functionalization does not lower.)"""
+    counts = counts if count else None
     if _choose(backend, "router", x.shape[0], x) == "triton":
         return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, counts=counts)
     # the reference is the dense path too
@@ -162,38 +145,24 @@ def _router_decide(x, w_down, b_down, w_up, b_up, backend: str, counts: torch.Te
     return execute
 
 
-@_operator(
-    lambda shares, b_down, w_up, b_up, backend="auto": shares.new_empty(
-        shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool
-    )
-)
+def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto"):
+    return shares.new_empty(shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool)
+
+
+@_operator(_fake_decide_from_shares, mutates=("counts",))
 def router_decide_from_shares(
-    shares: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, backend: str = "auto"
-) -> torch.Tensor:
-    """``shares: [S, M, R]`` (the bottleneck's shares, as ``masked_reduce_gemm_shares`` hands them
-    on) -> execute mask ``[M, G]`` (bool): ``router_decide``'s decision, from its second step on."""
-    return _router_decide_from_shares(shares, b_down, w_up, b_up, backend, None)
-
-
-@_operator(
-    lambda shares, b_down, w_up, b_up, counts, backend="auto": shares.new_empty(
-        shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool
-    ),
-    mutates=("counts",),
-)
-def router_decide_from_shares_counted(
     shares: torch.Tensor,
     b_down: torch.Tensor,
     w_up: torch.Tensor,
     b_up: torch.Tensor,
     counts: torch.Tensor,
+    count: bool,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``router_decide_from_shares`` that counts as ``router_decide_counted`` does."""
-    return _router_decide_from_shares(shares, b_down, w_up, b_up, backend, counts)
-
-
-def _router_decide_from_shares(shares, b_down, w_up, b_up, backend: str, counts: torch.Tensor | None) -> torch.Tensor:
+    """``shares: [S, M, R]`` (the bottleneck's shares, as ``masked_reduce_gemm_shares`` hands them
+    on) -> execute mask ``[M, G]`` (bool): ``router_decide``'s decision from its second step on,
+    counted as it counts."""
+    counts = counts if count else None
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
         return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, counts=counts)
     execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
