@@ -111,8 +111,8 @@ def partial_traffic(row: dict, out_features: int, in_features: int, tflops: floa
 def load(args):
     if args.smoke or args.shape:
         from compresskit import plugins
+        from compresskit.bench import calibrate_routers, shape_model
         from compresskit.interfaces import RunContext
-        from compresskit.runtime.bench import calibrate_routers, shape_model
 
         model = shape_model("tiny" if args.smoke else args.shape, device="cpu", dtype=torch.float32)
         cls = plugins.load("pruner", "wide")

@@ -6,7 +6,7 @@ training steps, on one GPU, and the tokens a second those steps trained.
     python benchmarks/bench_train_memory.py --shapes smollm2-135m --batch 8,32 --steps 30 --distill --out DIR
                                                                                # throughput: batch sizes, distillation
 
-For each shape (``compresskit.runtime.bench.SHAPES``, random weights in bf16, built on the GPU) and each
+For each shape (``compresskit.bench.SHAPES``, random weights in bf16, built on the GPU) and each
 stage (WIDE routers; LoRA with the routers), the script plans the stage as ``compresskit apply --dry-run``
 does, then trains it for ``--steps`` steps on random token ids (memory does not depend on the text, and
 the GPU machine lacks the embedded model's package) with the peak-memory counter reset after the model is
@@ -55,10 +55,10 @@ def stages(steps: int, batch: int, seq: int, distill: bool) -> list[dict]:
 
 def main() -> int:
     from compresskit import plugins
+    from compresskit.bench import SHAPES, shape_model
     from compresskit.interfaces import RunContext
     from compresskit.memory import CONTEXT_BYTES, plan, size
     from compresskit.recipe import load_recipe
-    from compresskit.runtime.bench import SHAPES, shape_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="smollm2-135m,llama-3.1-8b")

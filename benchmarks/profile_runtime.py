@@ -3,7 +3,7 @@
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
 
-Each member of ``compresskit bench --shape`` (``runtime.bench.shape_members``) decodes after a prompt of
+Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members``) decodes after a prompt of
 ``--context`` tokens; its decode steps run compiled but not graph-replayed (the same kernels a graph
 replays, each visible to the profiler), ``--steps`` of them under ``torch.profiler``. The kernels'
 device time per step is summed by kind: cuBLAS / CUTLASS products, WIDE's Triton kernels, attention,
@@ -126,7 +126,7 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
 
 
 def main() -> int:
-    from compresskit.runtime.bench import shape_members
+    from compresskit.bench import shape_members
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -147,7 +147,7 @@ def main() -> int:
     if args.smoke:
         args.shape, args.context, args.steps = "tiny", 16, 2
     options = {"compile": cuda, "graphs": False}
-    members = shape_members(args.shape, sparsity=args.sparsity, device=device, dtype=dtype, **options)
+    members = shape_members(args.shape, method="wide", sparsity=args.sparsity, device=device, dtype=dtype, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}
     wanted = {n.strip() for n in args.members.split(",") if n.strip()}

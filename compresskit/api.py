@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from compresskit import artifacts, distributed
-from compresskit.data import DataModule, check_source, load_documents, write_generated
+from compresskit.bench import measure_speed, unmeasured_reason
+from compresskit.data import DataModule, check_source, load_documents
 from compresskit.distill import keeps_teacher_copy
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery
+from compresskit.generation import write_generated
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
-from compresskit.runtime.bench import measure_speed, unmeasured_reason
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks

@@ -318,18 +318,19 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     from rich.table import Table
 
     from compresskit import artifacts
-    from compresskit.modeling import load_model, resolve_device, resolve_dtype
-    from compresskit.plot import speedup_vs_batch
-    from compresskit.runtime import Runtime, runtime_for
-    from compresskit.runtime.bench import (
+    from compresskit.bench import (
         SHAPES,
         Member,
         bench,
         markdown,
+        routed_pruner,
         shape_members,
         shape_memory_error,
         speedups,
     )
+    from compresskit.modeling import load_model, resolve_device, resolve_dtype
+    from compresskit.plot import speedup_vs_batch
+    from compresskit.runtime import Runtime, runtime_for
 
     batches = _int_list(args.batch, "--batch")
     prompts = _int_list(args.prompt, "--prompt")
@@ -341,6 +342,8 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
     if not 0.0 <= args.sparsity < 1.0:
         raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
+    if args.shape is not None:
+        routed_pruner(args.method)  # a name that is no routing pruner: one line, before anything is built
     if args.output is not None:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
@@ -366,6 +369,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             raise CompressKitError(too_large)
         members = shape_members(
             args.shape,
+            method=args.method,
             sparsity=args.sparsity,
             device=device,
             dtype=dtype,
@@ -407,6 +411,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         "command": "compresskit " + " ".join(args.argv),
     }
     if args.shape is not None:
+        meta["method"] = args.method
         meta["routers"] = f"untrained, biases calibrated to skip {args.sparsity} of each router's groups"
     table = Table(title=f"{meta['model']}: TTFT and TPOT against {base} (medians of {args.repeats})")
     cols = ("model", "decode", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs")
@@ -658,6 +663,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="a saved run's model/ directory, an HF directory or an alias")
     p.add_argument("--shape", help="instead of MODEL: a known configuration with random weights (speed only)")
     p.add_argument("--sparsity", type=float, default=0.5, help="with --shape: the fraction of groups the routers skip")
+    p.add_argument(
+        "--method",
+        default="wide",
+        help="with --shape: the routing pruner (a plugin name), its routers untrained and calibrated (default wide)",
+    )
     p.add_argument(
         "--compile",
         default="auto",

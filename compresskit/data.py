@@ -62,7 +62,7 @@ class SourceDocuments:
     articles: list[Article]
     weight: float = 1.0
     info: dict[str, Any] | None = None  # files: [{path, sha256, documents}]; hf: name, split, fingerprint
-    pending: Any = None  # a generated source's Generation until write_generated has run
+    pending: Any = None  # a generated source's Generation until generation.write_generated has run
 
 
 def wiki_dump_path() -> Path:
@@ -272,11 +272,11 @@ def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[s
             {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "documents": len(docs)}
         )
         articles += [_article(f"{path}#{i}", len(articles) + i, d) for i, d in enumerate(docs)]
-    _at_least_two(articles, _FIELD, ", ".join(source.files))
+    at_least_two(articles, _FIELD, ", ".join(source.files))
     return articles, files
 
 
-def _at_least_two(articles: list[Article], field: str, what: str) -> None:
+def at_least_two(articles: list[Article], field: str, what: str) -> None:
     if len(articles) < 2:
         raise RecipeError(
             f"{field}: {len(articles)} non-empty documents in {what}; "
@@ -291,7 +291,7 @@ def load_hub_documents(source: HubSource, *, allow_download: bool = False) -> tu
     ``allow_download``). A document's title is ``<name>:<split>#<row>``."""
     import datasets
 
-    from compresskit.tasks import hub_offline
+    from compresskit.hub import hub_offline
 
     field = "data.source.hf"
     folder = Path(source.hf).expanduser()
@@ -320,7 +320,7 @@ def load_hub_documents(source: HubSource, *, allow_download: bool = False) -> tu
         ds = ds.select(range(min(source.max_documents, len(ds))))
     docs = [_text_of(r, source.text_field, f"row {i}", field) for i, r in enumerate(ds)]
     articles = [_article(f"{source.hf}:{source.split}#{i}", i, d) for i, d in enumerate(docs) if _non_empty(d)]
-    _at_least_two(articles, field, source.hf)
+    at_least_two(articles, field, source.hf)
     info = {
         "hf": source.hf,
         "config": source.config,
@@ -340,7 +340,7 @@ def load_documents(section: DataSection, *, allow_download: bool = False) -> lis
         elif getattr(source, "files", None) is not None:
             articles, files = load_file_documents(source)
             out.append(SourceDocuments("files", articles, weight, {"files": files}))
-        elif getattr(source, "generated", None) is not None:  # written by the model: write_generated
+        elif getattr(source, "generated", None) is not None:  # written by the model: generation.write_generated
             out.append(SourceDocuments("generated", [], weight, None, pending=source.generated))
         else:
             articles, info = load_hub_documents(source, allow_download=allow_download)
@@ -368,143 +368,6 @@ def _format_chat(article: Article, tokenizer) -> Article:
         )
     text = tokenizer.apply_chat_template(json.loads(article.text), tokenize=False)
     return Article(title=article.title, pageid=article.pageid, text=text)
-
-
-# ---------------------------------------------------------------------------------------------
-# text the dense model writes
-
-
-def shipped_prompts() -> list[str]:
-    """The varied openings shipped in ``compresskit/resources/prompts`` (``\\n``: a line break)."""
-    from importlib import resources
-
-    text = (resources.files("compresskit") / "resources" / "prompts" / "prompts.txt").read_text()
-    return [ln.replace("\\n", "\n") for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-
-
-def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model_id: str, progress=None) -> None:
-    """Fill in every ``generated`` source of ``documents``: the dense ``model`` continues the openings
-    into documents, once, on the runtime where it runs the model's architecture (compiled, with CUDA
-    graphs, on a GPU), else through transformers' ``generate``. They are cached
-    (``<cache>/generated/<key>.json``) by everything that decides them: the model, its dtype and
-    device type, the settings and openings, the engine and the transformers version."""
-    import transformers
-
-    from compresskit import artifacts
-    from compresskit.modeling import cache_dir
-
-    for src in documents:
-        if src.pending is None:
-            continue
-        spec = src.pending
-        prompts = spec.prompts or shipped_prompts()
-        param = next(model.parameters())
-        engine = generation_engine(model)
-        key_src = {
-            "model": model_id,
-            "model_files": _files_identity(model_id),  # a local model folder: its files as they are now
-            "dtype": str(param.dtype),
-            "device": param.device.type,
-            "settings": spec.model_dump(mode="json", exclude={"prompts"}),
-            "prompts": hashlib.sha256("\n\n".join(prompts).encode()).hexdigest(),
-            "engine": engine,
-            "transformers": transformers.__version__,
-        }
-        key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
-        path = cache_dir() / "generated" / f"{key}.json"
-        if path.is_file():
-            texts = json.loads(path.read_text())["documents"]
-        else:
-            texts = _generate(model, tokenizer, spec, prompts, engine, progress)
-            artifacts.write_json(path, {"key": key_src, "documents": texts})
-        src.articles = [Article(f"generated:{key}#{i}", i, t.strip()) for i, t in enumerate(texts) if t.strip()]
-        _at_least_two(src.articles, "data.source.generated", f"{len(texts)} written documents")
-        src.info = {"generated": key, "documents": len(src.articles), "model": model_id, "engine": engine}
-        src.pending = None
-
-
-def generation_engine(model) -> str:
-    """What writes the ``generated`` text: ``"runtime"`` where the runtime runs the model's
-    architecture (the Llama family), else ``"transformers"`` (its ``generate``)."""
-    from compresskit.runtime.llama import SUPPORTED
-
-    return "runtime" if getattr(model.config, "model_type", None) in SUPPORTED else "transformers"
-
-
-def _files_identity(model_id: str) -> list[tuple[str, int, int]] | None:
-    """(name, size, mtime) of each file of a local model folder; None for a hub id or an alias."""
-    folder = Path(model_id).expanduser()
-    if not folder.is_dir():
-        return None
-    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir()) if p.is_file()]
-
-
-def _generate(model, tokenizer, spec, prompts: list[str], engine: str, progress) -> list[str]:
-    """``spec.documents`` continuations of the openings, in turn, sampled in seeded batches (each
-    batch its own seed, so the text does not depend on what ran before it)."""
-    import contextlib
-
-    chat = getattr(tokenizer, "chat_template", None) is not None
-    side, pad = tokenizer.padding_side, tokenizer.pad_token_id
-    tokenizer.padding_side = "left"
-    pad_id = pad if pad is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    runtime = None
-    if engine == "runtime":
-        from compresskit.runtime import Runtime
-
-        runtime = Runtime(model)
-    texts: list[str] = []
-    task_cm = (
-        progress.task("writing the generated text", total=spec.documents) if progress else contextlib.nullcontext()
-    )
-    try:
-        with task_cm as task:
-            for start in range(0, spec.documents, spec.batch_size):
-                batch = [prompts[i % len(prompts)] for i in range(start, min(spec.documents, start + spec.batch_size))]
-                if chat:
-                    inputs = [
-                        tokenizer.apply_chat_template(
-                            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                        )
-                        for p in batch
-                    ]
-                else:
-                    inputs = batch
-                seed = spec.seed * 1_000_003 + start
-                if runtime is not None:
-                    ids = [tokenizer(x, add_special_tokens=not chat)["input_ids"] for x in inputs]
-                    new = runtime.generate(
-                        ids,
-                        max_new_tokens=spec.max_new_tokens,
-                        temperature=spec.temperature,
-                        top_p=spec.top_p,
-                        eos_token_id=tokenizer.eos_token_id,
-                        seed=seed,
-                    ).tokens
-                else:
-                    enc = tokenizer(inputs, return_tensors="pt", padding=True, add_special_tokens=not chat).to(device)
-                    torch.manual_seed(seed)
-                    with torch.inference_mode():
-                        out = model.generate(
-                            **enc,
-                            do_sample=True,
-                            temperature=spec.temperature,
-                            top_p=spec.top_p,
-                            max_new_tokens=spec.max_new_tokens,
-                            pad_token_id=pad_id,
-                        )
-                    new = out[:, enc["input_ids"].shape[1] :]
-                written = tokenizer.batch_decode(new, skip_special_tokens=True)
-                texts += [f"{p}{w}" for p, w in zip(inputs if chat else batch, written, strict=True)]
-                if task is not None:
-                    task.advance(len(batch))
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return texts
 
 
 def source_labels(kinds: list[str]) -> list[str]:
@@ -557,7 +420,9 @@ class DataModule:
         self.test_sources: list[str] = []  # the label of each held-out document's source
         for src, label in zip(sources, self.labels, strict=True):
             if src.pending is not None:
-                raise RuntimeError("a generated source is not written yet: call data.write_generated first")
+                raise RuntimeError(
+                    "a generated source is not written yet: call compresskit.generation.write_generated first"
+                )
             arts = [_format_chat(a, tokenizer) for a in src.articles]
             if src.kind == "generated":  # the dense model wrote it: training text only, never a judge of the pruned one
                 train, test = arts, []

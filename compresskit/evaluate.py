@@ -185,7 +185,7 @@ def evaluate(
 
     progress = progress or Progress()
     model.eval()
-    with _quiet():
+    with task_registry.quiet_lm_eval():
         lm = _progress_lm(model, tokenizer, section=section, progress=progress)
         manager = TaskManager(include_defaults=False)
         external = task_registry.lm_eval_manager(section) if task_registry.lm_eval_names(section) else None
@@ -215,7 +215,7 @@ def evaluate(
             pruner.reset_sparsity(model)
         t0 = time.perf_counter()
         offline = task_registry.hub_offline(not allow_download)
-        with torch.inference_mode(), _quiet(), _recording_pad_lengths(lm), offline:
+        with torch.inference_mode(), task_registry.quiet_lm_eval(), _recording_pad_lengths(lm), offline:
             out = simple_evaluate(
                 model=lm,
                 tasks=[configs[name] if builtin else name],
@@ -251,25 +251,6 @@ def evaluate(
             overall = rep if overall is None or not rep.dynamic else overall.merge(rep)
     result.sparsity = overall
     return result
-
-
-@contextlib.contextmanager
-def _quiet():
-    """lm-eval and datasets log at INFO/WARNING and draw tqdm bars; keep the terminal ours."""
-    import logging
-
-    names = ("lm_eval", "lm-eval", "datasets", "transformers", "lm_eval.models.huggingface")
-    saved = {n: logging.getLogger(n).level for n in names}
-    try:
-        for n in names:
-            logging.getLogger(n).setLevel(logging.ERROR)
-        import datasets
-
-        datasets.disable_progress_bars()
-        yield
-    finally:
-        for n, lvl in saved.items():
-            logging.getLogger(n).setLevel(lvl)
 
 
 def recovery(

@@ -17,16 +17,16 @@ import abc
 import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-if TYPE_CHECKING:
-    from compresskit.data import DataModule
-    from compresskit.progress import Progress
-    from compresskit.sparsity import SparsityReport
+# The ground floor of the core: this module imports no other module of compresskit. Where a signature
+# takes one of theirs, it says which in a comment: ``data`` is a ``compresskit.data.DataModule``,
+# ``progress`` a ``compresskit.progress.Progress`` and a sparsity report a
+# ``compresskit.sparsity.SparsityReport``.
 
 
 class PluginConfig(BaseModel):
@@ -52,7 +52,7 @@ class RunContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
     seed: int = 0  # this phase's seed, derived from the recipe's (compresskit.seeding.phase_seed)
-    progress: Progress | None = None
+    progress: Any = None  # a compresskit.progress.Progress, or None
     work_dir: Any = None  # a pathlib.Path where a plugin may keep checkpoints (resume), or None
     teacher: Any = None  # the dense model kept for distillation where the pruner cannot show it (or None)
     ranks: Any = None  # compresskit.distributed.Ranks when training on several ranks (the model sharded), else None
@@ -220,7 +220,7 @@ class Pruner(abc.ABC):
     def reset_sparsity(self, model: nn.Module) -> None:  # noqa: B027 - optional hook
         """Start measuring the realised sparsity afresh (dynamic methods)."""
 
-    def sparsity(self, model: nn.Module) -> SparsityReport | None:
+    def sparsity(self, model: nn.Module) -> Any:  # a compresskit.sparsity.SparsityReport, or None
         """The realised sparsity since the last :meth:`reset_sparsity`. None means *not measured*:
         results then say so (``sparsity: null``), never 0. A pruner that skips nothing returns a
         report with nothing skipped."""
@@ -252,7 +252,7 @@ class Trainer(abc.ABC):
         self.config = config if config is not None else self.Config()
 
     @abc.abstractmethod
-    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: Any, ctx: RunContext) -> TrainSummary:
         """Train in place and report."""
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
@@ -272,7 +272,7 @@ class NoopTrainer(Trainer):
 
     shardable = True
 
-    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: Any, ctx: RunContext) -> TrainSummary:
         return TrainSummary(stage="none")
 
 

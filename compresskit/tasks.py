@@ -27,20 +27,22 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-import os
 import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+from compresskit.hub import hub_offline
 
-if TYPE_CHECKING:
-    from compresskit.data import Article, DataModule
-    from compresskit.recipe import EvaluationSection
+# The tasks sit below the recipe, the data and the evaluator, which all read this registry; so they
+# import none of them. ``data`` below is a run's ``compresskit.data.DataModule``, ``section`` its
+# ``compresskit.recipe.EvaluationSection`` and an article anything with ``title`` and ``text``
+# (``compresskit.data.Article``).
+Builder = Callable[[Any, Any, Any], dict[str, Any]]  # (data, tokenizer, section) -> lm-eval task config
 
 # metric -> True when higher is better (recovery and table arrows)
 HIGHER_IS_BETTER = {
@@ -80,7 +82,7 @@ class TaskSpec:
     columns: tuple[Column, ...]
     zero_shot: bool
     limited: bool
-    build: Callable[[DataModule, Any, EvaluationSection], dict[str, Any]]
+    build: Builder
 
 
 def piqa_docs() -> list[dict[str, Any]]:
@@ -107,7 +109,7 @@ def _usable(s: str) -> bool:
     return 6 <= len(s.split()) <= 60
 
 
-def next_sentence_docs(articles: list[Article], n_items: int, seed: int = 0) -> list[dict[str, Any]]:
+def next_sentence_docs(articles: list, n_items: int, seed: int = 0) -> list[dict[str, Any]]:
     """Deterministic 4-way next-sentence items from held-out articles.
 
     Each item: two consecutive sentences of one paragraph as context, the sentence that follows
@@ -153,13 +155,19 @@ def next_sentence_docs(articles: list[Article], n_items: int, seed: int = 0) -> 
     return docs
 
 
+@dataclass(frozen=True)
+class _Document:
+    title: str
+    text: str
+
+
 def domain_docs(name: str) -> list[dict[str, str]]:
     """The shipped documents of one domain (``resources/domains/<name>.jsonl``): title and text."""
     path = resources.files("compresskit") / "resources" / "domains" / f"{name}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def perplexity_docs(articles: list[Article], tokenizer, sources: list[str] | None = None) -> list[dict[str, Any]]:
+def perplexity_docs(articles: list, tokenizer, sources: list[str] | None = None) -> list[dict[str, Any]]:
     """Rolling-perplexity documents; ``sources``: each article's source label, which then also gets a
     token perplexity of its own (``token_perplexity:<label>``)."""
     return [
@@ -207,7 +215,7 @@ _MC_METRICS = [
 ]
 
 
-def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+def _perplexity_task(data, tokenizer, section) -> dict[str, Any]:
     several = len(set(data.test_sources)) > 1  # held-out text of several sources: each its own perplexity too
     docs = perplexity_docs(data.test, tokenizer, data.test_sources if several else None)
     if section.perplexity_docs is not None:
@@ -215,11 +223,9 @@ def _perplexity_task(data: DataModule, tokenizer, section: EvaluationSection) ->
     return _rolling("ck_heldout_perplexity", docs, sorted({d["source"] for d in docs} - {""}))
 
 
-def _domain_task(name: str) -> Callable[[DataModule, Any, EvaluationSection], dict[str, Any]]:
-    def build(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
-        from compresskit.data import Article
-
-        articles = [Article(d["title"], i, d["text"]) for i, d in enumerate(domain_docs(name))]
+def _domain_task(name: str) -> Builder:
+    def build(data, tokenizer, section) -> dict[str, Any]:
+        articles = [_Document(d["title"], d["text"]) for d in domain_docs(name)]
         return _rolling(f"ck_{name}_perplexity", perplexity_docs(articles, tokenizer))
 
     return build
@@ -264,11 +270,11 @@ def _multiple_choice(task: str, docs: list[dict[str, Any]], text: str, choices: 
     }
 
 
-def _piqa_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+def _piqa_task(data, tokenizer, section) -> dict[str, Any]:
     return _multiple_choice("ck_piqa", piqa_docs(), "Question: {{goal}}\nAnswer:", "{{[sol1, sol2]}}")
 
 
-def _next_sentence_task(data: DataModule, tokenizer, section: EvaluationSection) -> dict[str, Any]:
+def _next_sentence_task(data, tokenizer, section) -> dict[str, Any]:
     docs = next_sentence_docs(data.test, section.next_sentence_items, seed=data.split_seed)
     if not docs:
         raise CompressKitError(
@@ -360,36 +366,31 @@ def builtin(name: str) -> bool:
     return name in REGISTRY
 
 
-def lm_eval_names(section: EvaluationSection) -> list[str]:
+def lm_eval_names(section) -> list[str]:
     """The recipe's tasks that lm-eval resolves (task or group names)."""
     return [name for name in section.tasks if not builtin(name)]
 
 
 @contextlib.contextmanager
-def hub_offline(offline: bool = True):
-    """No dataset download while lm-eval builds its tasks: the Hugging Face hub client and
-    ``datasets`` read only their local caches (``HF_HOME``), and a dataset not there fails at once
-    instead of waiting on the network. ``offline=False`` (``model.allow_download``) changes nothing."""
-    if not offline:
-        yield
-        return
-    import datasets.config
-    import huggingface_hub.constants
+def quiet_lm_eval():
+    """lm-eval and datasets log at INFO/WARNING and draw tqdm bars; keep the terminal ours."""
+    import logging
 
-    saved = (huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"))
-    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    names = ("lm_eval", "lm-eval", "datasets", "transformers", "lm_eval.models.huggingface")
+    saved = {n: logging.getLogger(n).level for n in names}
     try:
+        for n in names:
+            logging.getLogger(n).setLevel(logging.ERROR)
+        import datasets
+
+        datasets.disable_progress_bars()
         yield
     finally:
-        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved[:2]
-        if saved[2] is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = saved[2]
+        for n, lvl in saved.items():
+            logging.getLogger(n).setLevel(lvl)
 
 
-def lm_eval_manager(section: EvaluationSection, names: list[str] | None = None):
+def lm_eval_manager(section, names: list[str] | None = None):
     """lm-eval's ``TaskManager`` over ``evaluation.task_paths`` (folders of task YAML files), and over
     lm-eval's own task index only where some of ``names`` are not found in those folders (indexing
     lm-eval's ~15k task files takes seconds)."""
@@ -404,7 +405,7 @@ def lm_eval_manager(section: EvaluationSection, names: list[str] | None = None):
     return TaskManager(include_path=paths)
 
 
-def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = False) -> None:
+def check_lm_eval_tasks(section, *, allow_download: bool = False) -> None:
     """Before any model is loaded: every task that is not built in is an lm-eval task or group whose
     data loads here (offline unless ``allow_download``), and ``task_paths`` are folders. One
     :class:`RecipeError` naming the field and the task otherwise."""
@@ -414,9 +415,7 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
             raise RecipeError(f"evaluation.task_paths: {path!r} is not a folder (of lm-eval task YAML files)")
     if not names:
         return
-    from compresskit.evaluate import _quiet as _quiet_lm_eval
-
-    with _quiet_lm_eval():
+    with quiet_lm_eval():
         manager = lm_eval_manager(section, names)
     known = set(manager.all_tasks)
     for name in names:
@@ -428,7 +427,7 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
                 f"or one of lm-eval's {len(known):,} tasks and groups (lm-eval ls tasks), or a task YAML in "
                 "evaluation.task_paths"
             )
-    with hub_offline(not allow_download), _quiet_lm_eval():
+    with hub_offline(not allow_download), quiet_lm_eval():
         for name in names:
             try:
                 manager.load([name])
@@ -443,7 +442,7 @@ def check_lm_eval_tasks(section: EvaluationSection, *, allow_download: bool = Fa
                 raise RecipeError(f"evaluation.tasks: {name!r} cannot load its data: {how}: {first}") from exc
 
 
-def fewshot(section: EvaluationSection, name: str) -> int:
+def fewshot(section, name: str) -> int:
     """Few-shot examples for task ``name`` (0 for the built-in tasks, which are zero-shot)."""
     if builtin(name):
         return 0

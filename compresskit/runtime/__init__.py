@@ -1,7 +1,7 @@
 """A lean inference runtime for Llama-family models (Llama, Mistral, Qwen2, Qwen3), written as one
 readable forward per block with a static KV cache, in the manner of gpt-fast. It shares the loaded
-Hugging Face model's weights (no copy) and knows nothing of any pruning method: a dense model, a
-static-width or a static-depth one (smaller shapes, fewer layers) runs on it unchanged.
+Hugging Face model's weights (no copy) and knows nothing of any pruning method: a dense model, or
+one that static pruning left narrower or shallower (smaller shapes, fewer layers), runs on it unchanged.
 
 A pruning method's own layers run on it as blocks its executor supplies
 (``Executor.runtime_blocks``; ``runtime_for`` picks the pruner's). On a GPU the decode steps are

@@ -3,16 +3,16 @@
 own norm) and returns what it adds. Everything a block needs travels in its arguments as tensors
 (``Step``), so a block compiles with ``torch.compile`` and replays in a CUDA graph.
 
-These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (WIDE's
-routed blocks route, then project only the kept groups); the helpers here (:func:`rope`,
+These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (a routing
+pruner's blocks route, then run only what they kept); the helpers here (:func:`rope`,
 :func:`write_cache`, :func:`attend`) are theirs to use too.
 
 A plugin's block may also hand a tensor to the block after it (``hands_off = True``): its
 ``forward`` then takes the keyword ``handoff`` (what the block before it handed on, or None) and
 returns ``(what it adds, its handoff or None)``. Once the runtime is built, it calls each such
 block's ``prepare_handoff(next_block)`` with the block that follows it in the model (None after the
-last), so that the block knows whom it hands to. What a handoff holds is the two blocks' business:
-WIDE's blocks hand the next router the first step of its product. A block that does not hand off
+last), so that the block knows whom it hands to. What a handoff holds is the two blocks' business
+(a router's first product, for example). A block that does not hand off
 receives nothing. A handing-off block may also take over the residual add (``adds_residual = True``):
 where the runtime adds each block's output inside the next block's graph, it then passes that
 output as the keyword ``delta`` instead of adding it, and the block returns ``(x + delta, what it
@@ -66,7 +66,7 @@ def is_routed(module: nn.Module) -> bool:
 def stacked_linear(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(weight, bias)`` of several ``nn.Linear`` modules that read one input (q, k and v; gate and
     up) stacked by rows, so that one product replaces several: at decode each product is a launch
-    and a pass over its weight, and a wider one uses the GPU better. The modules keep their
+    and a pass over its weight, and a larger one uses the GPU better. The modules keep their
     Parameters, re-pointed at their rows of the stacked tensors (no second copy of the weights stays;
     the model computes, trains and saves as before). Modules stacked once are found stacked again
     (another runtime on the same model). None where the modules are not all plain ``nn.Linear`` of

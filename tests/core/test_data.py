@@ -227,7 +227,8 @@ def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model
     """The ``generated`` source: the model continues the openings in turn on the runtime,
     reproducibly (seeded batches), the documents are cached by the model and the settings, and a
     second read writes nothing; other settings write other text."""
-    from compresskit.data import load_documents, write_generated
+    from compresskit.data import load_documents
+    from compresskit.generation import write_generated
     from compresskit.modeling import load_model
     from compresskit.recipe import DataSection
     from compresskit.runtime import Runtime
@@ -266,7 +267,8 @@ def test_generated_text_is_written_once_by_the_dense_model_and_cached(tiny_model
 def test_generated_text_of_an_architecture_the_runtime_lacks_comes_from_transformers(tiny_model_dir, monkeypatch):
     """A model type the runtime does not run writes through transformers' ``generate``, sampled and
     seeded the same way, under its own cache key."""
-    from compresskit.data import generation_engine, load_documents, write_generated
+    from compresskit.data import load_documents
+    from compresskit.generation import generation_engine, write_generated
     from compresskit.modeling import load_model
     from compresskit.recipe import DataSection
 

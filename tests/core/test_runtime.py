@@ -252,8 +252,10 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
 
 
 def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
-    """``--shape``: random weights of a known configuration; WIDE's untrained routers calibrated to the
-    asked sparsity, the same weights dense, and the ideal half-width model, on one runtime."""
+    """``--shape``: random weights of a known configuration; a routing pruner (``--method``, found through
+    the plugin registry) with its untrained routers calibrated to the asked sparsity, the same weights
+    dense, and the ideal half-width model, on one runtime. A method that is no routing pruner, or no
+    pruner, is one line and exit 2."""
     import json
 
     out = tmp_path / "bench"
@@ -263,15 +265,26 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     rows = json.loads((out / "bench.json").read_text())["results"]
     assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"]
     assert 0.1 < rows[0]["sparsity_macs"] < 0.4  # a quarter of the groups, on tokens it was not calibrated on
+    assert json.loads((out / "bench.json").read_text())["meta"]["method"] == "wide"
     code = main(["bench", "--shape", "llama-8b"])
     assert code == 2 and "Did you mean: llama-3.1-8b" in capsys.readouterr().err
+    depth = tmp_path / "depth"
+    code = main([*argv, "--method", "dynamic-depth", "--transformers", "off", "--output", str(depth)])
+    assert code == 0, capsys.readouterr().err
+    rows = json.loads((depth / "bench.json").read_text())["results"]
+    assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"] and rows[0]["sparsity_macs"] > 0
+    assert main(["bench", "--shape", "tiny", "--method", "static-width"]) == 2
+    err = capsys.readouterr().err
+    assert "--method static-width: --shape builds models whose routers are calibrated" in err and "wide" in err
+    assert main(["bench", "--shape", "tiny", "--method", "wdie"]) == 2
+    assert "Did you mean: wide?" in capsys.readouterr().err
 
 
 def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(capsys, monkeypatch):
     """The weights ``--shape`` would build (the model and the ideal half-width model) are checked
     against the free memory first: one line naming what fits, exit 2, nothing allocated; so are the
     shape's positions against the prompt and new tokens."""
-    import compresskit.runtime.bench as bench_mod
+    import compresskit.bench as bench_mod
 
     monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 8 * 2**30)
     monkeypatch.setattr(bench_mod, "shape_members", lambda *a, **k: pytest.fail("built a model that does not fit"))
@@ -357,10 +370,9 @@ def test_speed_of_a_static_pruner_is_timed_against_the_reloaded_base(tiny_recipe
 def test_the_dense_base_is_timed_once_a_process(tiny_model_dir, monkeypatch):
     """A comparison times many runs of one base: the base's own timing is measured for the first and
     reused for the others with the same settings (new settings, or no base named, time it again)."""
-    from compresskit import plugins
+    from compresskit import bench, plugins
     from compresskit.interfaces import RunContext
     from compresskit.recipe import SpeedSection
-    from compresskit.runtime import bench
 
     cls = plugins.load("pruner", "wide")
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")

@@ -10,9 +10,8 @@ triton = pytest.importorskip("triton")
 
 from kernel_helpers import DEVICE, random_mask  # noqa: E402
 
-from compresskit.errors import KernelUnavailableError  # noqa: E402
 from compresskit_wide.kernels import autotune, ops, policy  # noqa: E402
-from compresskit_wide.kernels.common import cdiv, next_power_of_2  # noqa: E402
+from compresskit_wide.kernels.common import KernelUnavailableError, cdiv, next_power_of_2  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

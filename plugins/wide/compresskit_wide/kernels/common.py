@@ -1,4 +1,4 @@
-"""Helpers the WIDE kernels share: host arithmetic for launches, output masking, and the
+"""Helpers the WIDE kernels share: their error type, host arithmetic for launches, output masking, and the
 ``tl.jit`` building blocks used by more than one op (the K-packed product's diagonal, the
 online-softmax step of the routed attention)."""
 
@@ -14,6 +14,11 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel was asked for (``backend="triton"``) where it cannot run; the message says why.
+    The kernels' own error type: they import nothing of ``compresskit``."""
 
 
 def interpreted() -> bool:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import torch
 
-from compresskit.errors import KernelUnavailableError
 from compresskit_wide.kernels import policy
 from compresskit_wide.kernels.attention_decode import (
     dense_routed_attention_decode,
@@ -35,7 +34,7 @@ from compresskit_wide.kernels.attention_prefill import (
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
-from compresskit_wide.kernels.common import interpreted
+from compresskit_wide.kernels.common import KernelUnavailableError, interpreted
 from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,

@@ -79,7 +79,7 @@ def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
 
 def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | None = None) -> tuple[int, list[str]]:
     """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
-    the models that make it up)``: the model (WIDE's routers add well under 1%), the ideal half-width
+    the models that make it up)``: the model (a routing pruner's routers add well under 1%), the ideal half-width
     model where the shape has one, and with ``transformers="static"`` a dense copy of the model."""
     from compresskit.memory import meta_model
 
@@ -131,21 +131,46 @@ def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device, *, t
     )
 
 
-def shape_members(shape: str, *, sparsity: float, device, dtype, transformers: str | None = None, **options) -> list:
-    """The bench's members for a known ``shape`` (random weights): WIDE with its untrained routers
-    calibrated to skip ``sparsity`` of each router's groups ("compressed"), the same weights dense, the
-    ideal half-width model where the shape has one, and with ``transformers`` ("dynamic" or "static",
-    its cache) the dense model through transformers' ``generate`` (with the dynamic cache the routed
-    model seen dense, no copy; with the static cache, which ``generate`` compiles on a GPU, a dense copy
-    of the same weights, so that nothing routed is traced). ``options`` go to the runtimes (``compile``,
-    ``graphs``)."""
+def routed_pruner(method: str):
+    """The pruner class registered as ``method`` (through the plugin registry), where it routes per token
+    (``compresskit.routing.RoutedPruner``: what ``--shape`` builds with untrained routers); a
+    ``CompressKitError`` naming the routed pruners otherwise."""
     from compresskit import plugins
+    from compresskit.errors import CompressKitError
+    from compresskit.routing import RoutedPruner
+
+    def routes(name: str) -> bool:
+        try:
+            return issubclass(plugins.load("pruner", name), RoutedPruner)
+        except CompressKitError:  # a plugin that does not load is no candidate
+            return False
+
+    cls = plugins.load("pruner", method)
+    if not issubclass(cls, RoutedPruner):
+        routed = [n for n in plugins.names("pruner") if routes(n)]
+        raise CompressKitError(
+            f"--method {method}: --shape builds models whose routers are calibrated, so it takes a routing "
+            f"pruner ({', '.join(routed)}); time a saved run of {method} with compresskit bench MODEL"
+        )
+    return cls
+
+
+def shape_members(
+    shape: str, *, method: str, sparsity: float, device, dtype, transformers: str | None = None, **options
+) -> list:
+    """The bench's members for a known ``shape`` (random weights): the routing pruner ``method`` (a
+    plugin name) applied with untrained routers calibrated to skip ``sparsity`` of each router's groups
+    ("compressed"), the same weights dense, the ideal half-width model where the shape has one, and
+    with ``transformers`` ("dynamic" or "static", its cache) the dense model through transformers'
+    ``generate`` (with the dynamic cache the routed model seen dense, no copy; with the static cache,
+    which ``generate`` compiles on a GPU, a dense copy of the same weights, so that nothing routed is
+    traced). ``options`` go to the runtimes (``compile``, ``graphs``)."""
     from compresskit.interfaces import RunContext
     from compresskit.runtime import Runtime, runtime_for
 
+    cls = routed_pruner(method)
     model = shape_model(shape, device=device, dtype=dtype)
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(target_sparsity=0.5))
+    pruner = cls(cls.Config(**({"target_sparsity": sparsity} if "target_sparsity" in cls.Config.model_fields else {})))
     pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
     model = pruner.finalize(model)
     calibrate_routers(model, sparsity)

@@ -1,0 +1,124 @@
+"""The shape of the code, kept: the core's modules import each other without a circle, ``interfaces``
+is the ground floor, the data layer knows nothing of the runtime, the runtime names no plugin, the
+kernels stand alone, and no module holds a boolean switch. Read from the source with ``ast``: every
+import counts, at module level, inside a function or under ``TYPE_CHECKING``."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "compresskit"
+KERNELS = ROOT / "plugins" / "wide" / "compresskit_wide" / "kernels"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path, root: Path) -> set[str]:
+    """Every module name ``path`` imports, absolute (relative imports resolved), at any depth of its
+    code; ``from a import b`` counts ``a`` and ``a.b`` (``b`` may be a module)."""
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+def graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package tree it imports."""
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
+    return {m: {i for i in imported(p, root) if i in files and i != m} for m, p in files.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_circle():
+    """(The check below can fail: a made-up graph with a circle is found.)"""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_core_imports_without_a_circle():
+    edges = graph(CORE)
+    assert len(edges) > 20  # (the tree was found)
+    assert cycles(edges) == []
+
+
+def test_interfaces_is_the_ground_floor():
+    assert graph(CORE)["compresskit.interfaces"] == set()
+
+
+def test_the_data_layer_does_not_import_the_runtime():
+    edges = graph(CORE)
+    assert not {m for m in edges["compresskit.data"] if m.startswith("compresskit.runtime")}
+    assert not {m for m in edges["compresskit.tasks"] if m in ("compresskit.data", "compresskit.recipe")}
+
+
+@pytest.mark.parametrize("path", sorted(KERNELS.glob("*.py")), ids=lambda p: p.name)
+def test_the_kernels_import_nothing_of_compresskit(path):
+    core = {m for m in imported(path, KERNELS.parent) if m == "compresskit" or m.startswith("compresskit.")}
+    assert core == set()
+
+
+def test_the_runtime_names_no_plugin():
+    """The runtime's code names no plugin (a pruner's blocks come through its executor, found in the
+    plugin registry by the name the pruner gives)."""
+    for path in (CORE / "runtime").rglob("*.py"):
+        assert not re.search(r"wide|depth.skip|dynamic.depth|static.width", path.read_text(), re.IGNORECASE), path
+
+
+@pytest.mark.parametrize("root", [CORE, ROOT / "plugins"], ids=["core", "plugins"])
+def test_no_module_holds_a_boolean_switch(root):
+    """A choice a user makes is a validated config field; a choice the code made is code, not a constant."""
+    switches = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in root.rglob("*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, bool)
+    ]
+    assert switches == []
