@@ -292,12 +292,15 @@ class Executor(abc.ABC):
     def convert(self, model: nn.Module) -> nn.Module:
         """Cheap structural runtime swap; returns the model to evaluate."""
 
-    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int) -> tuple[nn.Module | None, nn.Module | None]:
-        """The ``(attention, mlp)`` blocks the inference runtime (``compresskit.runtime``) runs decoder
-        layer ``index`` with, or None for either to take the runtime's dense block. A block follows
-        the contract of ``compresskit.runtime.blocks``: ``attention(x, step, keys, values)`` and
-        ``mlp(x, step)`` read the residual stream ``x: [B, T, hidden]`` and return what they add; every
-        decision is a tensor made in the forward (so the block compiles and replays in a CUDA
-        graph). Blocks that count what they skip expose ``stat_tokens`` / ``stat_skipped`` (with
-        ``layer_idx``, ``kind``, ``groups``, ``macs_per_group``, as the routed projections do)."""
-        return None, None
+    def runtime_blocks(self, model: nn.Module, head_dim: int) -> list[tuple[nn.Module | None, nn.Module | None]] | None:
+        """The ``(attention, mlp)`` blocks the inference runtime (``compresskit.runtime``) runs each
+        decoder layer of ``model`` with, one pair a layer in order; None for a block (or for the whole
+        list) to take the runtime's dense block. A block keeps the contract of
+        ``compresskit.runtime.blocks.Block``: ``block(x, delta, carry, step, *cache) -> (x + delta, out,
+        carry)``, reading the residual stream ``x: [B, T, hidden]`` with the previous block's output
+        ``delta`` still to add, and what the block before handed on (``carry``, or None); every
+        decision is a tensor made in the forward (so the block compiles and replays in a CUDA graph).
+        All blocks come at once so that a plugin may link its own blocks to each other (what one
+        carries to the next). Blocks that count what they skip expose ``stat_tokens`` /
+        ``stat_skipped`` (``compresskit.routing.Counting``)."""
+        return None

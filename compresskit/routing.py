@@ -210,6 +210,43 @@ class RoutedProjection(nn.Module):
         return f"kind={self.kind}, layer={self.layer_idx}, groups={self.groups}"
 
 
+class Counting:
+    """For a runtime block that routes (mixed into an ``nn.Module``): the counters of its decisions, on
+    the device and added inside its forward (so a replayed CUDA graph counts its replays), with what
+    :func:`measured_sparsity` reads: ``stat_tokens`` (real tokens routed),
+    ``stat_skipped`` ((token, group) pairs skipped), ``layer_idx``, ``kind``, ``groups``,
+    ``macs_per_group``, taken from the routed projection ``proj`` the block stands for."""
+
+    def setup_counts(self, proj: nn.Module, groups: int) -> None:
+        self.groups, self.kind = groups, proj.kind
+        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
+        dev = proj.base_layer.weight.device
+        # (real tokens, executed (token, group) pairs): one buffer, which an operator may add to itself
+        self.register_buffer("stat_counts", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+
+    @property
+    def stat_tokens(self) -> torch.Tensor:
+        return self.stat_counts[0]
+
+    @property
+    def stat_skipped(self) -> torch.Tensor:
+        return self.stat_counts[0] * self.groups - self.stat_counts[1]
+
+    def reset_stats(self) -> None:
+        self.stat_counts.zero_()
+
+    def count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Add a decision: ``execute: [M, G]`` (bool, ``M`` the tokens in order) and ``valid``, the
+        real-token mask (``[B, T]`` with ``B * T = M``) or None when every token is real."""
+        if valid is None:
+            self.stat_counts[0].add_(execute.shape[0])
+            self.stat_counts[1].add_(execute.sum(dtype=torch.float64))
+        else:
+            real = valid.reshape(-1, 1).bool()
+            self.stat_counts[0].add_(real.sum(dtype=torch.float64))
+            self.stat_counts[1].add_((execute & real).sum(dtype=torch.float64))
+
+
 class RouterTap(nn.Module):
     """Replaces a norm: routes its input (the raw residual) for ``target``, returns ``norm(x)``."""
 

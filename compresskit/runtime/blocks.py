@@ -1,23 +1,21 @@
-"""The runtime's blocks. A decoder layer is ``x = x + attention(x, step, keys, values)`` then
-``x = x + mlp(x, step)``: each block reads the residual stream ``x: [B, T, hidden]`` (it applies its
-own norm) and returns what it adds. Everything a block needs travels in its arguments as tensors
-(``Step``), so a block compiles with ``torch.compile`` and replays in a CUDA graph.
+"""The runtime's blocks, and the one contract every block keeps, dense or a plugin's.
 
-These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (a routing
-pruner's blocks route, then run only what they kept); the helpers here (:func:`rope`,
-:func:`write_cache`, :func:`attend`) are theirs to use too.
+A decoder layer is two blocks, attention then MLP. A block reads the residual stream ``x: [B, T,
+hidden]`` (it applies its own norm) and returns what it adds. Everything a block needs travels in
+its arguments as tensors (``Step``), so a block compiles with ``torch.compile`` and replays in a
+CUDA graph. The contract (:class:`Block`)::
 
-A plugin's block may also hand a tensor to the block after it (``hands_off = True``): its
-``forward`` then takes the keyword ``handoff`` (what the block before it handed on, or None) and
-returns ``(what it adds, its handoff or None)``. Once the runtime is built, it calls each such
-block's ``prepare_handoff(next_block)`` with the block that follows it in the model (None after the
-last), so that the block knows whom it hands to. What a handoff holds is the two blocks' business
-(a router's first product, for example). A block that does not hand off
-receives nothing. A handing-off block may also take over the residual add (``adds_residual = True``):
-where the runtime adds each block's output inside the next block's graph, it then passes that
-output as the keyword ``delta`` instead of adding it, and the block returns ``(x + delta, what it
-adds, its handoff)``, so that it can fuse the add with its own first work; called without ``delta``
-it behaves as any handing-off block.
+    block(x, delta, carry, step, *cache) -> (x + delta, out, carry_out)
+
+``delta`` is what the block before returned (zeros before the first): each block adds it inside its
+own compiled graph, where the add fuses with the block's first work (its norm). ``carry`` is what
+the block before handed on, or None: a plugin whose blocks fuse across the boundary between them
+passes whatever tensor its next block reads; a block that hands nothing returns None. ``cache`` is
+the layer's ``(keys, values)`` for an attention block, nothing for an MLP block.
+
+These are the dense blocks. A plugin supplies its own through ``Executor.runtime_blocks`` (all of a
+model's at once, so that it can link its blocks to each other); the helpers here (:func:`rope`,
+:func:`write_cache`, :func:`attend`, :func:`stacked_linear`) are theirs to use too.
 """
 
 from __future__ import annotations
@@ -144,44 +142,22 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, scale=scale, enable_gqa=True)
 
 
-class Counting:
-    """For a block that routes (mixed into an ``nn.Module``): the counters of its decisions, on the
-    device and added inside its forward (so a replayed CUDA graph counts its replays), with what
-    ``compresskit.routing.measured_sparsity`` reads: ``stat_tokens`` (real tokens routed),
-    ``stat_skipped`` ((token, group) pairs skipped), ``layer_idx``, ``kind``, ``groups``,
-    ``macs_per_group``, taken from the routed projection ``proj`` the block stands for."""
+class Block(nn.Module):
+    """One sublayer on the runtime. ``forward(x, delta, carry, step, *cache) -> (x, out, carry)``: the
+    residual stream with ``delta`` added, what this block adds to it, and what it hands the next block
+    (None). This forward adds ``delta``, calls ``compute(x, step, *cache)`` (the sublayer's output)
+    and hands nothing on; a plugin's block whose work fuses with the add or across blocks overrides
+    ``forward`` itself. ``graphable``: whether the block may be compiled and captured in a CUDA graph
+    (False for one that keeps state between calls)."""
 
-    def setup_counts(self, proj: nn.Module, groups: int) -> None:
-        self.groups, self.kind = groups, proj.kind
-        self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
-        dev = proj.base_layer.weight.device
-        # (real tokens, executed (token, group) pairs): one buffer, which an operator may add to itself
-        self.register_buffer("stat_counts", torch.zeros(2, dtype=torch.float64, device=dev), persistent=False)
+    graphable = True
 
-    @property
-    def stat_tokens(self) -> torch.Tensor:
-        return self.stat_counts[0]
-
-    @property
-    def stat_skipped(self) -> torch.Tensor:
-        return self.stat_counts[0] * self.groups - self.stat_counts[1]
-
-    def reset_stats(self) -> None:
-        self.stat_counts.zero_()
-
-    def count(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Add a decision: ``execute: [M, G]`` (bool, ``M`` the tokens in order) and ``valid``, the
-        real-token mask (``[B, T]`` with ``B * T = M``) or None when every token is real."""
-        if valid is None:
-            self.stat_counts[0].add_(execute.shape[0])
-            self.stat_counts[1].add_(execute.sum(dtype=torch.float64))
-        else:
-            real = valid.reshape(-1, 1).bool()
-            self.stat_counts[0].add_(real.sum(dtype=torch.float64))
-            self.stat_counts[1].add_((execute & real).sum(dtype=torch.float64))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, *cache: torch.Tensor):
+        x = x + delta
+        return x, self.compute(x, step, *cache), None
 
 
-class Attention(nn.Module):
+class Attention(Block):
     """A Llama-family self-attention: norm, q / k / v (one product where they stack:
     :func:`stacked_linear`), (Qwen3's per-head norms), RoPE, cache write, attention, o. ``dense=True``
     reads the modules under any routing wrapper (the base model); ``False`` calls the layer's modules
@@ -222,7 +198,7 @@ class Attention(nn.Module):
             k, v = self.k_proj(h), self.v_proj(h)
         return self.heads(q, k, v, step)
 
-    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         h = self.norm(x)
         if self.qkv is not None:
@@ -234,7 +210,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
+class MLP(Block):
     """A Llama-family MLP after its norm: ``down(act(gate(h)) * up(h))``, gate and up in one product
     where they stack (:func:`stacked_linear`); else the model's own module."""
 
@@ -253,7 +229,7 @@ class MLP(nn.Module):
                 self.mlp = None
         self.graphable = not is_routed(self.norm) and not (self.mlp is not None and _has_routed(self.mlp))
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = self.norm(x)
         if self.mlp is not None:
             return self.mlp(h)

@@ -23,7 +23,7 @@ from torch import nn
 
 from compresskit.errors import CompressKitError
 from compresskit.modeling import decoder_layers
-from compresskit.runtime.blocks import MLP, Attention, Step, base_module
+from compresskit.runtime.blocks import MLP, Attention, Block, Step, base_module
 from compresskit.tokens import token_mask
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -33,33 +33,9 @@ KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently us
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
 RECOMPILE_LIMIT = 64
-WRAPPED_KINDS = 8  # block classes one process may compile through AddThen (dense, a plugin's, the baselines')
-
-
-def call_block(block: nn.Module, x: torch.Tensor, *args, handoff: torch.Tensor | None = None):
-    """``(what block adds to x, what it hands to the next block)``: a block with ``hands_off``
-    receives the block before it's handoff and returns its own; any other returns None."""
-    if getattr(block, "hands_off", False):
-        return block(x, *args, handoff=handoff)
-    return block(x, *args), None
-
-
-class AddThen(nn.Module):
-    """``block`` after the residual add: ``(x, delta, *args, handoff) -> (x + delta, block's output,
-    block's handoff)`` (:func:`call_block`), so that a compiled block holds the add of what the
-    block before it returned. A block whose ``adds_residual`` is true (a handing-off block that
-    fuses the add with its own first work) is given ``delta`` and returns the three itself."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-        self.block_adds = getattr(block, "adds_residual", False) and getattr(block, "hands_off", False)
-
-    def forward(self, x: torch.Tensor, delta: torch.Tensor, *args, handoff: torch.Tensor | None = None):
-        if self.block_adds:
-            return self.block(x, *args, handoff=handoff, delta=delta)
-        x = x + delta
-        return x, *call_block(self.block, x, *args, handoff=handoff)
+# block classes one process may compile that share ``Block.forward`` (torch.compile counts compilations per
+# function): dense, a plugin's, the baselines'
+BLOCK_KINDS = 8
 
 
 @dataclass
@@ -129,11 +105,10 @@ class _DecodeGraph:
 
 def _compile(block: nn.Module, prefill: bool = False):
     """A decode step's block: one graph of static shapes. A prompt's: symbolic shapes (one compilation
-    for every length), where a plugin's block may still break its graph. Blocks wrapped in ``AddThen``
-    share its ``forward`` (torch.compile counts compilations per function), so its limit covers
-    ``WRAPPED_KINDS`` block classes."""
+    for every length), where a plugin's block may still break its graph. Block classes that inherit
+    ``Block.forward`` share its compilations, so the limit covers ``BLOCK_KINDS`` of them."""
     config = torch._dynamo.config
-    limit = RECOMPILE_LIMIT * (WRAPPED_KINDS if isinstance(block, AddThen) else 1)
+    limit = RECOMPILE_LIMIT * BLOCK_KINDS
     config.recompile_limit = max(config.recompile_limit, limit)
     if hasattr(config, "accumulated_recompile_limit"):  # (a cap over all of a function's compilations)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, limit)
@@ -169,7 +144,7 @@ class Runtime:
     """The runtime over a loaded Llama-family ``model``: its weights are used where they are.
 
     ``executor``: a plugin executor whose ``runtime_blocks`` supply the blocks of the layers it
-    runs (the runtime's dense blocks elsewhere). ``dense``: run the model's base computation (routing
+    runs (the runtime's dense blocks where it gives None). ``dense``: run the model's base computation (routing
     wrappers looked through), e.g. the dense reference of a routed model. ``compile`` / ``graphs``:
     decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
     every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes).
@@ -200,15 +175,17 @@ class Runtime:
         self.rotary = model.model.rotary_emb
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.blocks: list[tuple[nn.Module, nn.Module]] = []
+        supplied = executor.runtime_blocks(model, self.head_dim) if executor is not None else None
+        if supplied is not None and len(supplied) != len(self.layers):
+            raise CompressKitError(
+                f"runtime: executor {type(executor).__name__} supplied blocks for {len(supplied)} layers; "
+                f"the model has {len(self.layers)}"
+            )
+        self.blocks: list[tuple[Block, Block]] = []
         for i, layer in enumerate(self.layers):
-            attn, mlp = executor.runtime_blocks(layer, i, self.head_dim) if executor is not None else (None, None)
+            attn, mlp = supplied[i] if supplied is not None else (None, None)
             attn = attn if attn is not None else Attention(layer, self.head_dim, dense=dense)
             self.blocks.append((attn, mlp if mlp is not None else MLP(layer, dense=dense)))
-        order = [b for pair in self.blocks for b in pair]  # as the model runs them
-        for block, after in zip(order, [*order[1:], None], strict=True):
-            if getattr(block, "hands_off", False):
-                block.prepare_handoff(after)
         graphable = all(b.graphable for pair in self.blocks for b in pair)
         why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
         # why a GPU runs this model eagerly, for the reports (None where it need not)
@@ -219,15 +196,12 @@ class Runtime:
             raise CompressKitError("runtime: prefill_graphs asked, but decode steps are not replayed as CUDA graphs")
         self.prefill_graphs = self.graphs and prefill_graphs in (True, "auto")
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        # each block adds the previous block's output to the residual stream inside its own compiled graph,
-        # where the add fuses with the block's norm (``AddThen``), not as one eager add between graphs
-        called = [(AddThen(a), AddThen(m)) for a, m in self.blocks]
-        self._steps = called  # what a decode step calls: the blocks, or their compiled forms
-        self._prefill = called  # what a prompt's forward calls
+        self._steps = self.blocks  # what a decode step calls: the blocks, or their compiled forms
+        self._prefill = self.blocks  # what a prompt's forward calls
         if self.compiled:  # one compilation per block class and shape, shared by every layer
-            self._steps = [(_compile(a), _compile(m)) for a, m in called]
+            self._steps = [(_compile(a), _compile(m)) for a, m in self.blocks]
             # prompts: one compilation with symbolic lengths (elementwise work fused, fewer launches)
-            self._prefill = [(_compile(a, prefill=True), _compile(m, prefill=True)) for a, m in called]
+            self._prefill = [(_compile(a, prefill=True), _compile(m, prefill=True)) for a, m in self.blocks]
 
     @property
     def mode(self) -> str:
@@ -283,11 +257,12 @@ class Runtime:
 
     # -- the forward ---------------------------------------------------------------------------
     def _layers(self, x: torch.Tensor, step: Step, cache: StaticCache, blocks) -> torch.Tensor:
-        handoff = None  # what a block hands to the next (see blocks.py)
-        delta = torch.zeros_like(x)  # each block adds the one before it (the first adds zeros)
+        # each block adds the one before it inside its own graph (the first adds zeros), and hands the next
+        # block what it carries (the contract: blocks.py)
+        delta, carry = torch.zeros_like(x), None
         for i, (attn, mlp) in enumerate(blocks):
-            x, delta, handoff = attn(x, delta, step, cache.keys[i], cache.values[i], handoff=handoff)
-            x, delta, handoff = mlp(x, delta, step, handoff=handoff)  # x: [B, T, hidden]
+            x, delta, carry = attn(x, delta, carry, step, cache.keys[i], cache.values[i])
+            x, delta, carry = mlp(x, delta, carry, step)  # x: [B, T, hidden]
         return x + delta
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:

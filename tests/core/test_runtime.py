@@ -8,6 +8,7 @@ from compresskit.cli import main
 from compresskit.errors import CompressKitError
 from compresskit.modeling import load_model
 from compresskit.runtime import Runtime
+from compresskit.runtime.blocks import MLP, Attention, Block
 from compresskit.runtime.llama import _pick
 
 
@@ -32,47 +33,46 @@ def test_prefill_and_decode_logits_are_transformers(tiny):
         rt.forward(torch.ones(2, 1, dtype=torch.long), cache)
 
 
-class _Relay(torch.nn.Module):
-    """A block that hands on how many blocks before it handed on (``hands_off``), around a dense one."""
+class _Relay(Block):
+    """A block that carries on how many relays ran right before it, around a dense one."""
 
-    hands_off = True
-    graphable = True
-
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: Block) -> None:
         super().__init__()
-        self.inner, self.after, self.seen = inner, "not prepared", []
+        self.inner, self.seen = inner, []
 
-    def prepare_handoff(self, after):
-        self.after = after
-
-    def forward(self, x, *args, handoff=None):
-        self.seen.append(None if handoff is None else int(handoff))
-        return self.inner(x, *args), (torch.zeros((), dtype=torch.long) if handoff is None else handoff) + 1
+    def forward(self, x, delta, carry, step, *cache):
+        self.seen.append(None if carry is None else int(carry))
+        x, out, _ = self.inner(x, delta, None, step, *cache)
+        return x, out, (torch.zeros((), dtype=torch.long) if carry is None else carry) + 1
 
 
 class _RelayEvery:
-    """An executor whose blocks all hand on, but the MLP of ``quiet_layer`` (a dense block: hands nothing)."""
+    """An executor whose blocks all carry on, but the MLP of ``quiet_layer`` (None: the runtime's dense
+    block, which carries nothing); or, with ``layers``, blocks for that many layers."""
 
-    def __init__(self, quiet_layer: int) -> None:
-        self.quiet_layer = quiet_layer
+    def __init__(self, quiet_layer: int, layers: int | None = None) -> None:
+        self.quiet_layer, self.layers = quiet_layer, layers
 
-    def runtime_blocks(self, layer, index, head_dim):
-        from compresskit.runtime.blocks import MLP, Attention
+    def runtime_blocks(self, model, head_dim):
+        from compresskit.modeling import decoder_layers
 
-        mlp = MLP(layer) if index == self.quiet_layer else _Relay(MLP(layer))
-        return _Relay(Attention(layer, head_dim)), mlp
+        layers = decoder_layers(model)[: self.layers]
+        return [
+            (_Relay(Attention(layer, head_dim)), None if i == self.quiet_layer else _Relay(MLP(layer)))
+            for i, layer in enumerate(layers)
+        ]
 
 
-def test_blocks_hand_on_to_the_block_after_them(tiny):
-    """A block with ``hands_off`` is told the block after it once (None after the last) and receives
-    what the block before it handed on (None after one that hands nothing, and first); the logits stay
-    the dense model's."""
+def test_blocks_carry_on_to_the_block_after_them(tiny):
+    """The one block contract (``Block``): a plugin's blocks, supplied for every layer at once, receive
+    what the block before carried on (None first, and after the runtime's dense block, which carries
+    nothing); the logits stay the dense model's. Blocks for another number of layers are one clear
+    error."""
     model, _ = tiny
     rt = Runtime(model, executor=_RelayEvery(quiet_layer=0))
     order = [b for pair in rt.blocks for b in pair]
-    assert len(order) >= 4 and not isinstance(order[1], _Relay)
-    relays = [(i, b) for i, b in enumerate(order) if isinstance(b, _Relay)]
-    assert all(b.after is (order[i + 1] if i + 1 < len(order) else None) for i, b in relays)
+    assert len(order) >= 4 and isinstance(order[1], MLP) and not isinstance(order[1], _Relay)
+    relays = [b for b in order if isinstance(b, _Relay)]
     ids = torch.randint(2, 300, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         got = rt.forward(ids, rt.new_cache(1, 6))
@@ -82,7 +82,9 @@ def test_blocks_hand_on_to_the_block_after_them(tiny):
         if isinstance(block, _Relay):
             want.append(run or None)
         run = run + 1 if isinstance(block, _Relay) else 0
-    assert [b.seen for _, b in relays] == [[w] for w in want] and want[:3] == [None, None, 1]
+    assert [b.seen for b in relays] == [[w] for w in want] and want[:3] == [None, None, 1]
+    with pytest.raises(CompressKitError, match="supplied blocks for 1 layers; the model has 2"):
+        Runtime(model, executor=_RelayEvery(quiet_layer=0, layers=1))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

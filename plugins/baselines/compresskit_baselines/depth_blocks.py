@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from compresskit import Executor, PluginConfig
-from compresskit.routing import RoutedProjection, decide
-from compresskit.runtime.blocks import MLP, Attention, Counting, Step, rope, write_cache
+from compresskit.modeling import decoder_layers
+from compresskit.routing import Counting, RoutedProjection, decide
+from compresskit.runtime.blocks import MLP, Attention, Step, rope, write_cache
 
 
 def _on_host(tokens: int) -> bool:
@@ -53,7 +54,7 @@ class SkipAttention(Attention, _Skipping):
         super().__init__(layer, head_dim, dense=True)
         self._setup_routing(layer.self_attn.o_proj)
 
-    def forward(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         run = self.decide(x, step.valid)
         if _on_host(b * t) and not bool(run):  # K and V for the cache only
@@ -65,7 +66,7 @@ class SkipAttention(Attention, _Skipping):
             _, k = rope(k, k, step.cos, step.sin)  # (transformers' rotation takes a pair)
             write_cache(keys, values, k, v, step.slots)
             return torch.zeros_like(x)
-        return super().forward(x, step, keys, values) * run[..., None].to(x.dtype)
+        return super().compute(x, step, keys, values) * run[..., None].to(x.dtype)
 
 
 class SkipMLP(MLP, _Skipping):
@@ -73,11 +74,11 @@ class SkipMLP(MLP, _Skipping):
         super().__init__(layer, dense=True)  # the SwiGLU under the routed down_proj
         self._setup_routing(layer.mlp.down_proj)
 
-    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         run = self.decide(x, step.valid)
         if _on_host(x.shape[0] * x.shape[1]) and not bool(run):
             return torch.zeros_like(x)
-        return super().forward(x, step) * run[..., None].to(x.dtype)
+        return super().compute(x, step) * run[..., None].to(x.dtype)
 
 
 class DepthSkipExecutor(Executor):
@@ -86,9 +87,13 @@ class DepthSkipExecutor(Executor):
     def convert(self, model: nn.Module) -> nn.Module:
         return model  # evaluation: the routed modules as they are
 
-    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int):
-        """Skipping blocks for a layer routed per sublayer; a layer with one decision for both (granularity
-        ``layer``: the FFN follows the attention's router) runs its own modules."""
+    def runtime_blocks(self, model: nn.Module, head_dim: int):
+        """Skipping blocks for each layer routed per sublayer; a layer with one decision for both
+        (granularity ``layer``: the FFN follows the attention's router) runs its own modules."""
+        return [self._layer_blocks(layer, head_dim) for layer in decoder_layers(model)]
+
+    @staticmethod
+    def _layer_blocks(layer: nn.Module, head_dim: int):
         attn = getattr(layer.self_attn, "o_proj", None)
         down = getattr(layer.mlp, "down_proj", None)
         if isinstance(down, RoutedProjection) and down.leader is not None:

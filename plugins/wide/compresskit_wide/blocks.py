@@ -12,10 +12,11 @@ SwiGLU fused -> down over them. The ops are PyTorch operators (``kernels.ops``),
 counts the real tokens it routed and the groups it ran (``stat_tokens`` / ``stat_skipped``, as
 ``compresskit.routing.measured_sparsity`` reads them).
 
-A block whose last product runs the reduction kernel (o, down at decode sizes) hands the next WIDE
-block (the runtime's handoff, ``compresskit.runtime.blocks``) the shares
-of its router's first product, written by that kernel's programs; the next block's router then
-runs only its decision's launch (``router_decide_from_shares``).
+A block whose last product runs the reduction kernel (o, down at decode sizes) carries to the next
+WIDE block (the runtime's ``carry``, ``compresskit.runtime.blocks``) the shares of its router's first
+product, written by that kernel's programs; the next block's router then runs only its decision's
+launch, which also adds the residual and applies the norm (``router_norm_from_shares``). The executor
+links each block to the next (:func:`link`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compresskit.routing import RoutedProjection, mask_input_groups
-from compresskit.runtime.blocks import Attention, Counting, Step, attend, base_module, write_cache
+from compresskit.routing import Counting, RoutedProjection, mask_input_groups
+from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
 
@@ -49,34 +50,28 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
 
 class _Routing(Counting):
     """A WIDE router's decision through ``router_decide`` (or from the shares the block before
-    handed on), counted (``Counting``) unless ``count`` is off; and what this block hands on."""
-
-    hands_off = True
+    carried over), counted (``Counting``) unless ``count`` is off; and what this block carries on."""
 
     def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
         # (called after self.norm is set)
-        # where the block before handed on the shares, the decision's launch also adds the residual and
+        # where the block before carried the shares, the decision's launch also adds the residual and
         # applies the block's RMSNorm (router_norm_from_shares): one launch instead of two
-        self.adds_residual = type(self.norm).__name__ in LLAMA_RMS_NORMS
+        self.norm_in_router = type(self.norm).__name__ in LLAMA_RMS_NORMS
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.count_decisions = count
         self.setup_counts(proj, proj.groups)
-        self.next_router_down = None  # the next WIDE block's router bottleneck (prepare_handoff)
-
-    def prepare_handoff(self, after: nn.Module | None) -> None:
-        """Hand the next block the shares of its router's first product where it is a WIDE block."""
-        self.next_router_down = after.router_down if isinstance(after, _Routing) else None
+        self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
     def enter(
-        self, x: torch.Tensor, delta: torch.Tensor | None, valid: torch.Tensor | None, shares: torch.Tensor | None
+        self, x: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's start: ``(execute [B * T, G], x, h [B * T, D])``, ``x`` the residual with
-        ``delta`` added (where the runtime hands it over: ``adds_residual``) and ``h`` its norm; the
-        decision, the add and the norm in one launch where the shares came, else as three steps."""
+        ``delta`` added and ``h`` its norm; the decision, the add and the norm in one launch where the
+        shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
-        if delta is not None and shares is not None and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
+        if shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
             count = self.count_decisions and valid is None
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
@@ -86,8 +81,7 @@ class _Routing(Counting):
             if self.count_decisions and not count:
                 self.count(execute, valid)
             return execute, x2.view(b, t, dim), h
-        if delta is not None:
-            x = x + delta
+        x = x + delta
         execute = self.decide(x, valid, shares)
         return execute, x, self.norm(x).reshape(b * t, dim)
 
@@ -108,9 +102,9 @@ class _Routing(Counting):
     def last_product(
         self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], handoff)``: with
-        the next router's shares where this block hands off and the reduction kernel runs (``x``:
-        the block's input, to which the caller adds the output), else None."""
+        """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], carry)``: with the
+        next router's shares where this block is linked to a next WIDE block and the reduction kernel
+        runs (``x``: the block's input, to which the caller adds the output), else None."""
         m = a.shape[0]
         nxt = self.next_router_down
         if nxt is not None and (
@@ -150,10 +144,10 @@ class WideAttention(Attention, _Routing):
         return m <= DECODE_MAX_M or (self.backend == "auto" and not use_kernel("out", m))
 
     def forward(
-        self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor, *, handoff=None, delta=None
+        self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys: torch.Tensor, values: torch.Tensor
     ):
         b, t, _ = x.shape
-        execute, x, h2 = self.enter(x, delta, step.valid, handoff)  # [B * T, G], [B, T, D], [B * T, D]
+        execute, x, h2 = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
         h = h2.view(b, t, -1)
         if self.wqkv is not None and self._one_qkv_product(b * t):  # kept groups' queries, k and v for every token
             qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows)
@@ -180,12 +174,10 @@ class WideAttention(Attention, _Routing):
             y, shares = self.last_product(out, self.wo, execute, routed, x)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
-        return (y.view(b, t, -1), shares) if delta is None else (x, y.view(b, t, -1), shares)
+        return x, y.view(b, t, -1), shares
 
 
-class WideMLP(nn.Module, _Routing):
-    graphable = True
-
+class WideMLP(Block, _Routing):
     def __init__(self, layer: nn.Module, backend: str, count: bool = True) -> None:
         super().__init__()
         mlp = layer.mlp
@@ -194,13 +186,13 @@ class WideMLP(nn.Module, _Routing):
         self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
         self.wd = mlp.down_proj.base_layer.weight
 
-    def forward(self, x: torch.Tensor, step: Step, *, handoff=None, delta=None):
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step):
         b, t, _ = x.shape
-        execute, x, h = self.enter(x, delta, step.valid, handoff)  # [B * T, G], [B, T, D], [B * T, D]
+        execute, x, h = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
         y, shares = self.last_product(g, self.wd, execute, True, x)
-        return (y.view(b, t, -1), shares) if delta is None else (x, y.view(b, t, -1), shares)
+        return x, y.view(b, t, -1), shares
 
 
 def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):
@@ -220,3 +212,12 @@ def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: boo
     ):
         mlp_block = WideMLP(layer, backend, count)
     return attn_block, mlp_block
+
+
+def link(blocks: list[nn.Module | None]) -> None:
+    """Link each WIDE block of ``blocks`` (in the order the model runs them; None where the runtime's
+    dense block runs) to the block after it: where that is a WIDE block too, this one carries it the
+    shares of its router's first product."""
+    for block, after in zip(blocks, [*blocks[1:], None], strict=True):
+        if isinstance(block, _Routing):
+            block.next_router_down = after.router_down if isinstance(after, _Routing) else None

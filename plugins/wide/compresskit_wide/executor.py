@@ -76,13 +76,17 @@ class TritonExecutor(Executor):
                 "executor wide-triton: the model has no WIDE-routed FFN or attention (pruner: wide)"
             )
 
-    def runtime_blocks(self, layer: nn.Module, index: int, head_dim: int):
-        """WIDE's routed blocks (``blocks.py``) for the inference runtime."""
-        from compresskit_wide.blocks import wide_blocks
+    def runtime_blocks(self, model: nn.Module, head_dim: int):
+        """WIDE's routed blocks (``blocks.py``) for the inference runtime, each linked to the next."""
+        from compresskit_wide.blocks import link, wide_blocks
 
-        return wide_blocks(
-            layer, head_dim, self.config.backend, attention=self.config.attention, count=self.config.track_stats
-        )
+        cfg = self.config
+        pairs = [
+            wide_blocks(layer, head_dim, cfg.backend, attention=cfg.attention, count=cfg.track_stats)
+            for layer in decoder_layers(model)
+        ]
+        link([block for pair in pairs for block in pair])
+        return pairs
 
     def convert(self, model: nn.Module) -> nn.Module:
         """The model as it is: what runs fast is the runtime's blocks (``runtime_blocks``)."""
