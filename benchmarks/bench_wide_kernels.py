@@ -52,7 +52,6 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     triton_masked_reduce_gemm,
 )
-from compresskit_wide.kernels.layout import triton_routing_layout  # noqa: E402
 from compresskit_wide.kernels.policy import DECODE_MAX_M  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -152,8 +151,7 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     decode = m <= DECODE_MAX_M
 
     def ours():  # decode reads the mask itself; prefill includes the routing-layout prep
-        layout = None if decode else triton_routing_layout(mask)
-        return triton_masked_out_gemm(x, wg, mask, wu, layout=layout)
+        return triton_masked_out_gemm(x, wg, mask, wu)
 
     def dense_gemm():
         return x @ w_cat.T
@@ -343,7 +341,7 @@ def case_q(m, d, heads, head_dim, attn_group, mask_kind, dtype, device, gen, res
     decode = m <= DECODE_MAX_M
 
     def ours():  # decode reads the mask itself; prefill includes the routing-layout prep
-        return triton_masked_out_gemm(x, wq, mask, layout=None if decode else triton_routing_layout(mask))
+        return triton_masked_out_gemm(x, wq, mask)
 
     def dense():
         return x @ wq.T
@@ -368,12 +366,10 @@ def case_qkv(m, d, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, devi
     decode = m <= DECODE_MAX_M
 
     def ours():
-        layout = None if decode else triton_routing_layout(mask)
-        return triton_masked_out_gemm(x, w, mask, dense_rows=kv_rows, layout=layout)
+        return triton_masked_out_gemm(x, w, mask, dense_rows=kv_rows)
 
     def q_then_kv():
-        layout = None if decode else triton_routing_layout(mask)
-        return triton_masked_out_gemm(x, wq, mask, layout=layout), x @ wkv.T
+        return triton_masked_out_gemm(x, wq, mask), x @ wkv.T
 
     # the bound counts the dense rows as groups that always run
     whole = torch.cat([mask, torch.ones(m, kv_rows * mask.shape[1] // q_rows, dtype=mask.dtype, device=device)], 1)
@@ -506,7 +502,7 @@ def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, 
     ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
     def ours():  # including the layout
-        return triton_routed_attention_prefill(q, k, v, mask, layout=triton_routing_layout(mask))
+        return triton_routed_attention_prefill(q, k, v, mask)
 
     from compresskit_wide.kernels import attention_prefill
 

@@ -18,7 +18,6 @@ import argparse
 import torch
 
 from compresskit_wide.kernels import gemm_out
-from compresskit_wide.kernels.layout import triton_routing_layout
 
 OPS = {"gate-up": (14336, 128, True), "q": (4096, 512, False)}  # output rows, rows a group, fused SwiGLU
 
@@ -44,14 +43,13 @@ def main() -> int:
         mask = scores >= scores.median(dim=1, keepdim=True).values  # exactly half of the groups a token
     else:
         mask = scores >= (0.5 if args.mask == "iid" else 0.0)
-    layout = triton_routing_layout(mask)
-    gemm_out.triton_masked_out_gemm(x, w, mask, w_up, layout=layout)  # autotunes
+    gemm_out.triton_masked_out_gemm(x, w, mask, w_up)  # autotunes
     best = gemm_out._tuned_prefill.best_config
     print(f"{args.op}, {m} tokens, {args.mask} mask ({mask.float().mean():.3f} of the groups on)", flush=True)
     print(f"tiles: {best.kwargs} warps={best.num_warps} stages={best.num_stages}", flush=True)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
-    gemm_out.triton_masked_out_gemm(x, w, mask, w_up, layout=layout)
+    gemm_out.triton_masked_out_gemm(x, w, mask, w_up)  # the routing layout's kernel, then the product's
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0

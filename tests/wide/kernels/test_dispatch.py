@@ -126,7 +126,7 @@ def test_autotune_hooks_keep_tiles_that_fit():
         return c.num_stages * stage <= policy.PACKED_SMEM_BUDGET or c.num_stages == 1
 
     bf16 = {"GW": 128, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
-    for pack in (2, 4, 8):
+    for pack in sorted({p for _, p in policy.OUT_K_PACK}):  # the packings ``auto`` takes
         rows = autotune.configs(policy.per_packing(policy.PACKED_DECODE_ROWS, pack))
         assert len(
             autotune.packed_pruner("BLOCK_N")(rows, bf16, FUSE_SWIGLU=False, K_PACK=pack, BLOCK_M=16 // pack)
@@ -134,12 +134,13 @@ def test_autotune_hooks_keep_tiles_that_fit():
         fp32 = {"GW": 32, "x_ptr": torch.empty(1)}
         kept = autotune.packed_pruner("BLOCK_N")(rows, fp32, FUSE_SWIGLU=True, K_PACK=pack, BLOCK_M=8)
         assert kept and all(c.kwargs["BLOCK_N"] <= 32 and fits(c, 4, 2, pack, 8) for c in kept)
-        rows = autotune.configs(policy.per_packing(policy.REDUCE_DECODE_ROWS, pack))
-        wide = {**bf16, "GW": 512}
-        listed = autotune.packed_pruner("BLOCK_K", unrolled_group=True)(rows, wide, K_PACK=pack, BLOCK_M=16)
-        assert listed and all(fits(c, 2, 1, pack, 16, steps=512 // c.kwargs["BLOCK_K"]) for c in listed)
-        flat = autotune.packed_pruner("BLOCK_K")(rows, wide, K_PACK=pack, BLOCK_M=16)
-        assert len(flat) >= len(listed)
+    pack = policy.REDUCE_K_PACK
+    rows = autotune.configs(policy.per_packing(policy.REDUCE_DECODE_ROWS, pack))
+    wide = {**bf16, "GW": 512}
+    listed = autotune.packed_pruner("BLOCK_K", unrolled_group=True)(rows, wide, K_PACK=pack, BLOCK_M=16)
+    assert listed and all(fits(c, 2, 1, pack, 16, steps=512 // c.kwargs["BLOCK_K"]) for c in listed)
+    flat = autotune.packed_pruner("BLOCK_K")(rows, wide, K_PACK=pack, BLOCK_M=16)
+    assert len(flat) >= len(listed)
 
 
 def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():

@@ -163,13 +163,12 @@ def triton_routed_attention_prefill(
     v: torch.Tensor,
     mask: torch.Tensor,
     *,
-    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     heads_per_program: int | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_routed_attention_prefill`. ``layout``: the routing
-    layout of ``mask`` (computed here when not given). Tiles are autotuned on a GPU over
+    """Triton version of :func:`torch_routed_attention_prefill`, over the routing layout of
+    ``mask``. Tiles are autotuned on a GPU over
     ``policy.ATTN_PREFILL``; ``block_m`` rows (``heads_per_program`` query heads of one group and
     KV head x ``block_m / heads_per_program`` tokens) x ``block_n`` keys fix them (64, or 16 in the
     CPU interpreter; one head a program unless given)."""
@@ -180,7 +179,7 @@ def triton_routed_attention_prefill(
     groups = mask.shape[-1]
     if hq % hkv or hq % groups or s < t or k.shape != v.shape or k.stride(-1) != 1 or v.stride() != k.stride():
         raise ValueError(f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, mask {tuple(mask.shape)}")
-    order, counts = layout if layout is not None else triton_routing_layout(mask)
+    order, counts = triton_routing_layout(mask)
     if q.stride(-1) != 1:  # the kernel reads any other strides as they are
         q = q.contiguous()
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, Hq, T, D]

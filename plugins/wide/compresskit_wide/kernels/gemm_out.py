@@ -215,9 +215,9 @@ if triton is not None:
             decode=True,
             prune=packed_pruner("BLOCK_N"),
         )
-        for pack in (2, 4, 8)
+        for pack in sorted({pack for _, pack in policy.OUT_K_PACK})  # the packings ``auto`` takes (out_k_pack)
     }
-    _tuned_decode[1] = autotuned(
+    _tuned_decode[policy.SWIGLU_K_PACK] = autotuned(
         triton_masked_out_gemv_kernel,
         policy.SWIGLU_DECODE,
         _decode_key,
@@ -233,7 +233,6 @@ def triton_masked_out_gemm(
     w_up: torch.Tensor | None = None,
     *,
     dense_rows: int = 0,
-    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -242,10 +241,9 @@ def triton_masked_out_gemm(
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens the
     decode kernel (``k_pack``: K chunks a product, a power of two; default ``policy.out_k_pack``);
-    more, the sorted-tile kernel on the routing layout of ``mask`` (``layout``: computed here when
-    not given; share it between the projections of a block). ``dense_rows``: the last rows of ``w``
-    run for every token. Tiles are autotuned on a GPU; ``block_*`` fix them (and do in the CPU
-    interpreter)."""
+    more, the sorted-tile kernel on the routing layout of ``mask``. ``dense_rows``: the last rows of
+    ``w`` run for every token. Tiles are autotuned on a GPU (for the packings ``policy.out_k_pack``
+    gives); ``block_*`` fix them, for any packing (and do in the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -277,15 +275,15 @@ def triton_masked_out_gemm(
             triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
         else:
             if k_pack not in _tuned_decode:
-                raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)}")
+                raise ValueError(
+                    f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)} (or fix block_n)"
+                )
             grid = lambda meta: (launched, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
             _tuned_decode[k_pack][grid](*args, **common, K_PACK=k_pack)
         return out
     if k_pack not in (None, 1):
         raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}); got M={m}")
-    order, counts = layout if layout is not None else triton_routing_layout(mask)
-    if order.shape != (groups, m) or not order.is_contiguous():
-        raise ValueError(f"layout order must be a contiguous [G, M] = [{groups}, {m}] tensor, got {tuple(order.shape)}")
+    order, counts = triton_routing_layout(mask)
     args = (x, w, w_up, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
     args += (x.stride(0), w.stride(0), out.stride(0))
     if fixed:

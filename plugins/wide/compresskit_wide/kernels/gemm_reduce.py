@@ -217,7 +217,7 @@ if triton is not None:
             decode=True,
             prune=packed_pruner("BLOCK_K", unrolled_group=not direct),  # the list's loop unrolls a group's K steps
         )
-        for pack in (2, 4, 8)
+        for pack in (policy.REDUCE_K_PACK,)  # the packing ``auto`` takes
         for direct in (False, True)
     }
 
@@ -248,7 +248,8 @@ def triton_masked_reduce_gemm(
     shares: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_masked_reduce_gemm`, for any M (in tiles of 16 tokens; made for
-    decode). ``k_pack``: active groups a product (a power of two). ``direct``: step through every
+    decode). ``k_pack``: active groups a product (a power of two; autotuned on a GPU at
+    ``policy.REDUCE_K_PACK``, any with fixed tiles). ``direct``: step through every
     group instead of a list of the needed ones; default for ``policy.FEW_GROUPS`` groups or fewer.
     Tiles are autotuned on a GPU; ``block_n`` (output channels a program) and ``block_k`` fix them
     (and do in the CPU interpreter). With ``residual`` (``[M, N]``, what the output is added to) and
@@ -282,7 +283,7 @@ def triton_masked_reduce_gemm(
         if k_pack * bn < 16 or bk < 16:
             raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
     elif (k_pack, direct) not in _tuned:
-        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: 2, 4, 8")
+        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {policy.REDUCE_K_PACK} (or fix block_n)")
     else:  # the narrowest tile of the table: the most programs, each with its own group list
         bn = min(meta["BLOCK_N"] for meta, _, _ in policy.per_packing(policy.REDUCE_DECODE_ROWS, k_pack))
     if handing and bn % policy.SHARE_N:
