@@ -502,3 +502,40 @@ def test_decode_attention_bench_checks_every_form_on_the_cpu():
     res = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "every variant matches SDPA" in res.stdout
+
+
+def test_before_after_script_pairs_the_rows_of_two_bench_runs(tmp_path):
+    """``before_after.py``: each row of the later run beside the same (model, batch, prompt) row of the
+    earlier one, with after / before times; rows one side lacks are left out; no common row is an error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def bench_dir(name, tpot):
+        rows = [
+            {"model": m, "batch": 1, "prompt": 1024, "ttft_ms": 20.0, "tpot_ms": t, "ttft_speedup": 1.0,
+             "tpot_speedup": round(4.0 / t, 3)}
+            for m, t in (("compressed", tpot), ("dense", 4.0))
+        ]  # fmt: skip
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "bench.json").write_text(json.dumps({"meta": {"commit": name}, "results": rows}))
+        return str(folder)
+
+    script = Path(__file__).parents[2] / "benchmarks" / "before_after.py"
+    out = tmp_path / "out"
+    args = ["--before", bench_dir("b", 3.0), "--after", bench_dir("a", 3.3), "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((out / "before_after.json").read_text())["rows"]
+    assert [(r["model"], r["tpot_after_over_before"]) for r in rows] == [("compressed", 1.1), ("dense", 1.0)]
+    assert (
+        "| compressed | 1 | 1024 | 20.00 / 20.00 | 1.000 | 3.000 / 3.300 | 1.100 |"
+        in (out / "before_after.md").read_text()
+    )
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "bench.json").write_text(json.dumps({"meta": {}, "results": []}))
+    proc = subprocess.run([sys.executable, str(script), "--before", str(other), "--after", args[3], "--out", str(out)])
+    assert proc.returncode == 1

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The runtime's bench rows of two trees side by side on one machine (the device, H200): an earlier commit
+# unpacked in BEFORE (`git archive COMMIT compresskit plugins pyproject.toml | tar -x -C DIR`, DIR carried)
+# and this tree, each case run before then after, each `compresskit bench` in its own process, then
+# benchmarks/before_after.py's table. Through the device tool, from the repo root, carrying [".whl", DIR]:
+#   BEFORE=.baseline bash benchmarks/device_before_after.sh
+# CASES: bench arguments, one case a line (default: Llama-3.1-8B shapes at a 1k prompt, batch 1 and 8, and a 4k
+# prompt at batch 1); CASE_TIMEOUT bounds each run (300 s). Results: $OUT/{before,after}-N/bench.{json,md},
+# $OUT/before_after.{md,json}.
+set -uo pipefail
+: "${BEFORE:?BEFORE=DIR, the earlier tree}"
+source "$(dirname "$0")/device_env.sh"   # the wheels into /tmp/site, this tree into /tmp/ck
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ckb \
+  "$BEFORE" "$BEFORE/plugins/wide" "$BEFORE/plugins/baselines" || exit 3
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+default_cases="--shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 64 --repeats 5 --transformers off
+--shape llama-3.1-8b --prompt 4096 --batch 1 --new-tokens 16 --repeats 3 --transformers off"
+n=0
+befores=() afters=()
+while IFS= read -r case; do
+  [ -z "$case" ] && continue
+  n=$((n + 1))
+  for side in before after; do
+    site=/tmp/ck; [ "$side" = before ] && site=/tmp/ckb
+    echo "== $side $n: compresskit bench $case"
+    PYTHONPATH=$site:/tmp/site timeout "${CASE_TIMEOUT:-300}" python3 -m compresskit bench $case \
+      --output "$out/$side-$n" 2>&1 | tail -8
+  done
+  befores+=("$out/before-$n") afters+=("$out/after-$n")
+done <<< "${CASES:-$default_cases}"
+python3 benchmarks/before_after.py --before "${befores[@]}" --after "${afters[@]}" --out "$out"
