@@ -23,7 +23,7 @@ from compresskit.bench import measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, load_documents
 from compresskit.distill import keeps_teacher_copy
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
-from compresskit.evaluate import EvalResult, evaluate, recovery
+from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
 from compresskit.generation import write_generated
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
@@ -177,12 +177,15 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
     key_src = {
         "model": rec.model.model_dump(mode="json"),
         "data": rec.data.model_dump(mode="json"),
-        "evaluation": rec.evaluation.model_dump(mode="json", exclude={"speed"}),  # (speed decides no metric)
+        # (speed decides no metric; the engine counts as what it resolved to, below)
+        "evaluation": rec.evaluation.model_dump(mode="json", exclude={"speed", "engine"}),
         "data_files": data.files,  # the files' contents (sha256), not only their names
         "data_fingerprint": data.fingerprint(),  # every source's contents (a dataset's fingerprint too)
         "device": str(next(model.parameters()).device),
         "dtype": str(next(model.parameters()).dtype),
     }
+    if resolve_engine(model, rec.evaluation) == "runtime":  # (references scored by transformers keep their keys)
+        key_src["engine"] = "runtime"
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "dense" / f"{key}.json"
     if path.is_file():
@@ -304,6 +307,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
 
     if resolved.pruner is not None:  # what only the model can tell, before any expensive step
         resolved.pruner.cls(resolved.pruner.config).check(model.config)
+    resolve_engine(model, rec.evaluation)  # (evaluation.engine: runtime for a model the runtime does not run)
     dense = None
     if resolved.pruner is not None and rec.evaluation.compare_dense and main:
         dense = dense_reference(resolved, model, tokenizer, data, progress)
@@ -423,6 +427,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         data,
         rec.evaluation,
         pruner=pruner,
+        executor=executor,
         progress=progress,
         allow_download=rec.model.allow_download,
     )
@@ -591,6 +596,7 @@ def eval_model(
         resolve_model_source(model_ref, field=field)
         model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
         pruner, pruner_name, base = None, None, model_ref
+    resolve_engine(model, evaluation)
     documents = load_documents(data_section)
     write_generated(documents, model, tokenizer, model_id=model_ref, progress=progress)
     seed_everything(evaluation.seed)

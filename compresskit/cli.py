@@ -459,6 +459,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
         "next_sentence_items",
         "num_fewshot",
         "task_paths",
+        "engine",
     ):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
@@ -705,6 +706,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-fewshot", type=int, dest="num_fewshot", help="few-shot examples for the lm-eval tasks")
     p.add_argument("--task-path", action="append", dest="task_paths", help="a folder of lm-eval task YAML files")
+    p.add_argument(
+        "--engine",
+        choices=["auto", "transformers", "runtime"],
+        help="what computes the logits: the runtime with the method's blocks, transformers' modules, or auto (the "
+        "runtime on a GPU where it runs the architecture)",
+    )
     p.add_argument("--limit", type=int, help="items per zero-shot task")
     p.add_argument("--perplexity-docs", type=int, dest="perplexity_docs")
     p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")

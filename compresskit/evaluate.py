@@ -21,11 +21,92 @@ import torch
 
 from compresskit import tasks as task_registry
 from compresskit.data import DataModule
+from compresskit.errors import RecipeError
 from compresskit.interfaces import Pruner
 from compresskit.progress import Progress
 from compresskit.recipe import EvaluationSection
+from compresskit.routing import measured_sparsity
+from compresskit.runtime import runtime_for
+from compresskit.runtime.llama import SUPPORTED
 from compresskit.sparsity import SparsityReport
-from compresskit.tokens import token_mask
+from compresskit.tokens import token_mask, valid_tokens
+
+# ---------------------------------------------------------------------------------------------
+# the engine: what computes the logits
+
+
+def resolve_engine(model: torch.nn.Module, section: EvaluationSection) -> str:
+    """ "runtime" or "transformers" for ``evaluation.engine`` on this model (auto: the runtime on a GPU
+    where it runs the architecture); a ``RecipeError`` where the runtime is asked for a model it cannot
+    run."""
+    model_type = getattr(model.config, "model_type", None)
+    if section.engine == "runtime" and model_type not in SUPPORTED:
+        raise RecipeError(
+            f"evaluation.engine: runtime does not run model type {model_type!r} (it runs {', '.join(SUPPORTED)}); "
+            "give transformers or auto"
+        )
+    if section.engine == "auto":
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        return "runtime" if on_gpu and model_type in SUPPORTED else "transformers"
+    return section.engine
+
+
+class RuntimeModel(torch.nn.Module):
+    """The inference runtime standing in for the transformers model lm-eval calls: ``forward(input_ids)``
+    gives the logits ``[B, T, V]`` of one prefill into a fresh cache, the right padding lm-eval adds
+    marked as such (the real-token mask the evaluator declares), so that routing blocks count real tokens
+    only. ``counters``: the blocks that count what they skip, or none (then the pruner counts)."""
+
+    def __init__(self, model: torch.nn.Module, runtime) -> None:
+        super().__init__()
+        self.inner = model
+        self.runtime = runtime
+        self.config = model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.inner.parameters()).device
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def tie_weights(self) -> None:
+        """(lm-eval calls it; the runtime shares the model's weights as they are.)"""
+
+    @property
+    def counters(self) -> list:
+        return self.runtime.stat_blocks()
+
+    def forward(self, input_ids: torch.Tensor, *args, **kwargs):
+        b, t = input_ids.shape
+        valid = valid_tokens()
+        if valid is not None and valid.shape != (b, t):
+            valid = None
+        cache = self.runtime.new_cache(b, t)
+        logits = self.runtime.forward(input_ids, cache, new_valid=None if valid is None else valid.to(input_ids.device))
+        return _Output(logits)
+
+
+@dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+def _reset_counts(model, scored, pruner) -> None:
+    if isinstance(scored, RuntimeModel) and scored.counters:
+        for block in scored.counters:
+            block.reset_stats()
+    elif pruner is not None:
+        pruner.reset_sparsity(model)
+
+
+def _counted(model, scored, pruner) -> SparsityReport | None:
+    """The realised sparsity since the last reset: from the runtime's counting blocks where the runtime
+    scored with some, else the pruner's own count."""
+    if isinstance(scored, RuntimeModel) and scored.counters:
+        return measured_sparsity(scored.counters, model.config)
+    return pruner.sparsity(model) if pruner is not None else None
+
 
 # ---------------------------------------------------------------------------------------------
 # the in-memory lm-eval model with progress
@@ -174,19 +255,24 @@ def evaluate(
     section: EvaluationSection,
     *,
     pruner: Pruner | None = None,
+    executor=None,
     progress: Progress | None = None,
     allow_download: bool = False,
 ) -> EvalResult:
     """Evaluate ``model`` on the recipe's tasks; measure realised sparsity while doing so. An lm-eval
-    task named by the recipe reports each of its (sub)tasks' metrics under its own name."""
+    task named by the recipe reports each of its (sub)tasks' metrics under its own name. The logits come
+    from ``evaluation.engine``'s path: on the runtime, with ``executor``'s blocks where it supplies some
+    (the recipe's executor), else the pruner's."""
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     progress = progress or Progress()
     model.eval()
+    engine = resolve_engine(model, section)
+    scored = RuntimeModel(model, runtime_for(model, pruner, executor)) if engine == "runtime" else model
     with task_registry.quiet_lm_eval():
-        lm = _progress_lm(model, tokenizer, section=section, progress=progress)
+        lm = _progress_lm(scored, tokenizer, section=section, progress=progress)
         manager = TaskManager(include_defaults=False)
         external = task_registry.lm_eval_manager(section) if task_registry.lm_eval_names(section) else None
     result = EvalResult(
@@ -199,6 +285,7 @@ def evaluate(
             "seed": section.seed,
             "num_fewshot": section.num_fewshot,
             "device": str(next(model.parameters()).device),
+            "engine": engine if engine == "transformers" else f"runtime ({scored.runtime.mode})",
         }
     )
     configs = {
@@ -211,8 +298,7 @@ def evaluate(
         builtin = task_registry.builtin(name)
         lm.label = f"eval {name}"
         lm.batch_sizes_used = set()
-        if pruner is not None:
-            pruner.reset_sparsity(model)
+        _reset_counts(model, scored, pruner)
         t0 = time.perf_counter()
         offline = task_registry.hub_offline(not allow_download)
         with torch.inference_mode(), task_registry.quiet_lm_eval(), _recording_pad_lengths(lm), offline:
@@ -230,7 +316,7 @@ def evaluate(
                 bootstrap_iters=0,
                 log_samples=False,
             )
-        rep = pruner.sparsity(model) if pruner is not None else None
+        rep = _counted(model, scored, pruner)
         seconds = time.perf_counter() - t0
         # a built-in task reports under its recipe name; an lm-eval group under each of its tasks too
         names = {configs[name]["task"]: name} if builtin else {key: key for key in out["results"]}

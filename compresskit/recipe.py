@@ -237,6 +237,13 @@ class EvaluationSection(_Section):
     max_length: int = Field(1024, ge=16, description="Context window of the rolling perplexity and of lm-eval.")
     next_sentence_items: int = Field(500, ge=1)
     compare_dense: bool = Field(True, description="Also evaluate the unpruned model (cached) and report recovery.")
+    engine: Literal["auto", "transformers", "runtime"] = Field(
+        "auto",
+        description="What computes the logits the evaluator scores. runtime: compresskit's inference runtime with "
+        "the method's own blocks (what generate and bench run); transformers: the model's own modules (the "
+        "reference path); auto: the runtime on a GPU where it runs the model's architecture (the Llama family), "
+        "transformers elsewhere. results.json says which ran (evaluation.engine).",
+    )
     speed: SpeedSection = Field(
         default_factory=SpeedSection, description="TTFT / TPOT on the runtime against the dense base (a GPU's)."
     )
@@ -532,9 +539,9 @@ class ResolvedPlugin:
     path: str  # YAML path of the section, e.g. "training.0"
 
 
-# top-level fields added after runs were saved: left out of the resolved recipe (and its hash) at their
+# fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
-OMITTED_AT_DEFAULT = {"deterministic": False}
+OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
 
 
 @dataclass
@@ -556,9 +563,13 @@ class ResolvedRecipe:
         for i, stage in enumerate(self.training):
             data["training"][i]["config"] = stage.config.model_dump(mode="json")
         data["executor"]["config"] = self.executor.config.model_dump(mode="json")
-        for key, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
-            if data.get(key) == default:
-                del data[key]
+        for path, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
+            *parents, key = path.split(".")
+            section = data
+            for name in parents:
+                section = section.get(name) or {}
+            if key in section and section[key] == default:
+                del section[key]
         return data
 
     def hash(self) -> str:

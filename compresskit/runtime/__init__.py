@@ -16,10 +16,15 @@ from compresskit.runtime.llama import Runtime, StaticCache
 __all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime", "runtime_for"]
 
 
-def runtime_for(model, pruner=None, **options) -> Runtime:
-    """The runtime for ``model`` as ``pruner`` left it: with the blocks of the pruner's
-    ``runtime_executor`` (its default configuration), the runtime's own blocks otherwise.
-    ``options`` go to :class:`Runtime` (``compile``, ``graphs``, ``dense``)."""
+def runtime_for(model, pruner=None, executor=None, **options) -> Runtime:
+    """The runtime for ``model`` as ``pruner`` left it: with the blocks of ``executor`` where it supplies
+    some (a recipe's configured executor), else of the pruner's ``runtime_executor`` (its default
+    configuration), else the runtime's own blocks. ``options`` go to :class:`Runtime` (``compile``,
+    ``graphs``, ``dense``)."""
+    from compresskit.interfaces import Executor
+
+    if executor is not None and type(executor).runtime_blocks is not Executor.runtime_blocks:
+        return Runtime(model, executor=executor, **options)
     executor = None
     name = getattr(pruner, "runtime_executor", None)
     if name is not None:

@@ -70,6 +70,36 @@ def test_evaluate_tiny_model_with_lm_eval(tiny_model_dir):
     )
 
 
+def _close(a: dict, b: dict, rel: float) -> bool:
+    return a.keys() == b.keys() and all(
+        x.keys() == y.keys() and all(math.isclose(x[k], y[k], rel_tol=rel, abs_tol=1e-9) for k in x)
+        for x, y in zip(a.values(), b.values(), strict=True)
+    )
+
+
+def test_the_runtime_engine_scores_what_transformers_scores(tiny_model_dir, tmp_path):
+    """``evaluation.engine: runtime``: lm-eval's logits come from the inference runtime (one prefill a batch,
+    lm-eval's right padding marked), the same metrics as the model's own modules up to rounding;
+    results say which engine ran, and ``auto`` takes transformers on a CPU. A model type the runtime
+    does not run is one error naming the field."""
+    from compresskit.errors import RecipeError
+    from compresskit.evaluate import resolve_engine
+    from compresskit.modeling import load_model
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
+    common = dict(limit=6, perplexity_docs=2, next_sentence_items=6, batch_size=4, max_length=512)
+    ref = evaluate(model, tok, dm, EvaluationSection(**common, engine="transformers"))
+    run = evaluate(model, tok, dm, EvaluationSection(**common, engine="runtime"))
+    assert ref.meta["engine"] == "transformers" and run.meta["engine"] == "runtime (eager)"
+    assert _close(run.metrics(), ref.metrics(), 1e-4) and run.metrics() != {}
+    assert resolve_engine(model, EvaluationSection()) == "transformers"  # auto, on a CPU
+    model.config.model_type = "gpt2"
+    with pytest.raises(RecipeError, match="evaluation.engine: runtime does not run model type 'gpt2'"):
+        resolve_engine(model, EvaluationSection(engine="runtime"))
+    assert resolve_engine(model, EvaluationSection(engine="auto")) == "transformers"
+
+
 def test_logits_budget_lowers_the_batch_and_leaves_the_numbers(tiny_model_dir):
     """A batch's full-vocabulary log-probabilities must fit the budget: the tiny model's 512-token
     windows take 512 * vocab * 8 bytes a row, so a budget of two rows runs batches of two; the

@@ -351,6 +351,38 @@ def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir
     assert ev["metrics"] == res.results["metrics"] == ref.results["metrics"]
 
 
+def test_a_wide_run_scored_on_the_runtime_matches_the_reference(tiny_model_dir, tmp_path):
+    """``evaluation.engine: runtime`` scores a WIDE model through its runtime blocks (the recipe's
+    executor, here on the torch references): the metrics and the realised sparsity of the reference path
+    (``engine: transformers``) up to rounding, the sparsity counted by the blocks over real tokens only,
+    and ``results.json`` saying which engine ran. ``auto`` is the reference's on a CPU: the same hash as a
+    recipe written before the field."""
+    import math
+
+    from compresskit.recipe import load_recipe
+
+    stages = [stage("router", steps=4)]
+    runs = {}
+    for engine in ("transformers", "runtime"):
+        r = recipe(tiny_model_dir, tmp_path / engine, stages)
+        r["executor"] = {"name": "wide-triton", "config": {"backend": "torch"}}
+        r["evaluation"] = {**r["evaluation"], "tasks": ["perplexity", "piqa"], "perplexity_docs": 2, "engine": engine}
+        runs[engine] = apply(r).results
+    ref, got = runs["transformers"], runs["runtime"]
+    assert ref["evaluation"]["engine"] == "transformers" and got["evaluation"]["engine"] == "runtime (eager)"
+    for task, metrics in ref["metrics"].items():
+        for name, value in metrics.items():
+            assert math.isclose(got["metrics"][task][name], value, rel_tol=1e-4), (task, name)
+    assert got["sparsity"]["tokens"] == ref["sparsity"]["tokens"] > 0
+    assert math.isclose(got["sparsity"]["macs"], ref["sparsity"]["macs"], rel_tol=1e-6)
+    plain = recipe(tiny_model_dir, tmp_path / "auto", stages)
+    assert (
+        load_recipe(plain).hash()
+        == load_recipe({**plain, "evaluation": {**plain["evaluation"], "engine": "auto"}}).hash()
+    )
+    assert "engine" not in load_recipe(plain).to_dict()["evaluation"]
+
+
 def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path, monkeypatch):
     """A pruner whose ``sparsity`` says "not measured" (None) is reported so, never as 0."""
     from compresskit.report import compare_markdown, results_markdown
