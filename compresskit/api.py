@@ -21,7 +21,7 @@ from typing import Any
 from compresskit import artifacts, distributed
 from compresskit.bench import measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, load_documents
-from compresskit.distill import keeps_teacher_copy
+from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
 from compresskit.generation import write_generated
@@ -29,6 +29,7 @@ from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
 from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
+from compresskit.report import results_markdown
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks
@@ -126,7 +127,6 @@ def _retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progre
     """``results`` of the finished run in ``out`` with its speed measured here and now: the saved model
     on the runtime beside its dense base, as ``apply`` measures it. What the run trained and evaluated
     stays as it was; ``results.json`` and ``results.md`` are rewritten atomically."""
-    from compresskit.report import results_markdown
 
     rec = resolved.recipe
     device_type = _timing_device(resolved)
@@ -271,7 +271,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     (:func:`compresskit.seeding.phase_seed`), so that nothing a phase draws depends on what ran
     before it (a dense reference computed here or found in the cache, for example).
     """
-    from compresskit.report import results_markdown
 
     rec = resolved.recipe
     recipe_hash = resolved.hash()
@@ -468,7 +467,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
 def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path:
     """Compute (or find) a distilling stage's cached top-k teacher logits with the dense ``model``: each
     rank its share of the micro-batches, then all wait for the rest."""
-    from compresskit.distill import teacher_cache_dir, write_teacher_cache
 
     param = next(model.parameters())
     seed = stage_ctx.seed if config.seed is None else config.seed
@@ -578,7 +576,6 @@ def eval_model(
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
     about ``model_ref`` name it as ``field`` (the CLI passes its argument's name)."""
-    from compresskit.report import results_markdown
 
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from compresskit import plugins
 from compresskit.errors import ArtifactError, CompressKitError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
+from compresskit.modeling import load_model
 
 MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
@@ -251,7 +252,6 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
     ``format: pruner`` reloads the base model, re-attaches the pruner and loads its tensors;
     ``format: hf`` loads the saved checkpoint; ``format: dense`` loads the base model.
     """
-    from compresskit.modeling import load_model
 
     directory = Path(path)
     manifest = read_manifest(directory)

@@ -12,6 +12,14 @@ from typing import Any
 
 import torch
 
+from compresskit import plugins
+from compresskit.errors import CompressKitError
+from compresskit.interfaces import RunContext
+from compresskit.memory import meta_model, size
+from compresskit.routing import RoutedPruner, RouterTap, dense_view, measured_sparsity
+from compresskit.runtime import Runtime, runtime_for
+from compresskit.runtime.blocks import is_routed
+
 
 @dataclass
 class Row:
@@ -81,7 +89,6 @@ def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | Non
     """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
     the models that make it up)``: the model (a routing pruner's routers add well under 1%), the ideal half-width
     model where the shape has one, and with ``transformers="static"`` a dense copy of the model."""
-    from compresskit.memory import meta_model
 
     def params(config) -> int:
         return sum(p.numel() for p in meta_model(config).parameters())
@@ -114,7 +121,6 @@ def available_bytes(device: torch.device) -> int:
 def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device, *, transformers: str | None = None):
     """Why the configuration ``name``'s members in ``dtype`` would not fit ``device``'s free memory (their
     weights above ``SHAPE_MEMORY_SHARE`` of it), naming what would fit; None where they fit."""
-    from compresskit.memory import size
 
     free = available_bytes(device)
     need, models = shape_weight_bytes(name, dtype, transformers=transformers)
@@ -135,9 +141,6 @@ def routed_pruner(method: str):
     """The pruner class registered as ``method`` (through the plugin registry), where it routes per token
     (``compresskit.routing.RoutedPruner``: what ``--shape`` builds with untrained routers); a
     ``CompressKitError`` naming the routed pruners otherwise."""
-    from compresskit import plugins
-    from compresskit.errors import CompressKitError
-    from compresskit.routing import RoutedPruner
 
     def routes(name: str) -> bool:
         try:
@@ -165,8 +168,6 @@ def shape_members(
     ``generate`` (with the dynamic cache the routed model seen dense, no copy; with the static cache,
     which ``generate`` compiles on a GPU, a dense copy of the same weights, so that nothing routed is
     traced). ``options`` go to the runtimes (``compile``, ``graphs``)."""
-    from compresskit.interfaces import RunContext
-    from compresskit.runtime import Runtime, runtime_for
 
     cls = routed_pruner(method)
     model = shape_model(shape, device=device, dtype=dtype)
@@ -194,7 +195,6 @@ def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 
     """Give every router of a routed ``model`` the skip-logit biases with which each group is skipped on
     a ``sparsity`` fraction of the tokens of a random prompt (for speed runs of untrained routers:
     each router reads its real input, the residual stream, and its decisions vary by token)."""
-    from compresskit.routing import RouterTap, dense_view
 
     taps = [m for m in model.modules() if isinstance(m, RouterTap)]
     seen: dict[int, torch.Tensor] = {}
@@ -217,12 +217,11 @@ def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 
 
 def realised_sparsity(runtime, model, pruner) -> float | None:
     """The realised fraction of projection MACs skipped since the last reset: from the runtime's
-    counting blocks, else the pruner's own count (a routed model's modules)."""
-    from compresskit.routing import measured_sparsity
-
+    counting blocks (None where they do not count), else the pruner's own count (a routed model's
+    modules)."""
     blocks = runtime.stat_blocks()
     if blocks:
-        return measured_sparsity(blocks, model.config).macs
+        return measured_sparsity(blocks, model.config).macs if all(b.counting for b in blocks) else None
     if pruner is not None:
         return pruner.sparsity(model).macs
     return None
@@ -257,8 +256,6 @@ def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: 
     or "static" (a static cache, with which ``generate`` compiles the forward on a GPU: what users of
     transformers call its fast path)."""
     from transformers.generation.streamers import BaseStreamer
-
-    from compresskit.routing import dense_view
 
     kwargs = {"cache_implementation": "static"} if cache == "static" else {}
     ids = torch.tensor(_prompts(batch, prompt, model.config.vocab_size, seed), device=next(model.parameters()).device)
@@ -408,9 +405,6 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     timed it with the same settings on the same device (a comparison's earlier member, or its dense
     run), that timing is reused rather than measured again."""
     import contextlib
-
-    from compresskit.runtime import Runtime, runtime_for
-    from compresskit.runtime.blocks import is_routed
 
     device = next(model.parameters()).device
     reason = unmeasured_reason(cfg, device.type)

@@ -3,6 +3,9 @@
 Exit codes: 0 ok, 2 bad input (one line naming the field, what was given and what is allowed),
 1 internal error (add ``--debug`` for the traceback), 130 interrupted (SIGINT), 143 stopped by
 SIGTERM; an interrupted ``apply`` resumes when run again.
+
+Each command imports what it needs inside its function: ``--help``, ``--version`` and ``validate`` answer
+without loading torch, transformers or lm-eval (``tests/core/test_cli.py`` checks that torch stays out).
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compresskit.errors import CompressKitError, RecipeError
+from compresskit.hub import hub_offline
 from compresskit.interfaces import Batch
+from compresskit.modeling import cache_dir
 
 if TYPE_CHECKING:
     from compresskit.recipe import DataSection, FilesSource, HubSource
@@ -101,7 +103,6 @@ def clean_wiki_text(text: str) -> str:
 
 def load_wiki_articles() -> list[Article]:
     """All usable articles of the embedded dump, in dump order (cached after the first call)."""
-    from compresskit.modeling import cache_dir
 
     dump = wiki_dump_path()
     key = hashlib.sha256(f"{dump.name}:{dump.stat().st_size}:{EXTRACT_VERSION}".encode()).hexdigest()[:16]
@@ -290,8 +291,6 @@ def load_hub_documents(source: HubSource, *, allow_download: bool = False) -> tu
     ``save_to_disk`` folder, or a dataset name read from the local cache (offline unless
     ``allow_download``). A document's title is ``<name>:<split>#<row>``."""
     import datasets
-
-    from compresskit.hub import hub_offline
 
     field = "data.source.hf"
     folder = Path(source.hf).expanduser()

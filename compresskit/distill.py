@@ -35,7 +35,9 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from compresskit.errors import ArtifactError
 from compresskit.interfaces import PluginConfig, Pruner
+from compresskit.modeling import cache_dir
 
 
 class DistillConfig(PluginConfig):
@@ -158,8 +160,6 @@ def teacher_cache_dir(model_key: dict, data, config, seed: int) -> Path:
     import hashlib
     import json
 
-    from compresskit.modeling import cache_dir
-
     key_src = {
         "model": model_key,
         "data": data.fingerprint(),
@@ -208,8 +208,6 @@ def write_teacher_cache(
 def read_teacher_cache(directory: Path, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, indices)`` of micro-batch ``k`` from :func:`write_teacher_cache`'s ``directory``."""
     from safetensors.torch import load_file
-
-    from compresskit.errors import ArtifactError
 
     path = directory / f"mb{k}.safetensors"
     try:

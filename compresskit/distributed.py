@@ -11,6 +11,9 @@ stage the trained model's full state goes to rank 0, which rebuilds the model un
 rest (saving, speed, evaluation) alone: the same artefact as a one-GPU run. Progress and logs come from
 rank 0; an error on any rank is reported with its rank, and a collective that waits longer than
 ``distributed.timeout_s`` fails instead of hanging.
+
+The CLI imports this module at its start, so torch (and the core modules that import it) are imported
+inside the functions that use them: ``--help`` stays fast.
 """
 
 from __future__ import annotations

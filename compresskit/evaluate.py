@@ -102,9 +102,10 @@ def _reset_counts(model, scored, pruner) -> None:
 
 def _counted(model, scored, pruner) -> SparsityReport | None:
     """The realised sparsity since the last reset: from the runtime's counting blocks where the runtime
-    scored with some, else the pruner's own count."""
+    scored with some (None, not measured, where they do not count), else the pruner's own count."""
     if isinstance(scored, RuntimeModel) and scored.counters:
-        return measured_sparsity(scored.counters, model.config)
+        counters = scored.counters
+        return measured_sparsity(counters, model.config) if all(b.counting for b in counters) else None
     return pruner.sparsity(model) if pruner is not None else None
 
 

@@ -29,6 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
+from compresskit.distill import keeps_teacher_copy
+from compresskit.interfaces import RunContext
+from compresskit.modeling import count_parameters, decoder_layers
+from compresskit.trainers import inject_lora, projection_names
+
 CONTEXT_BYTES = 512 * 2**20
 
 
@@ -69,10 +74,6 @@ def meta_model(config):
 def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
     computing in ``dtype``."""
-    from compresskit.distill import keeps_teacher_copy
-    from compresskit.interfaces import RunContext
-    from compresskit.modeling import count_parameters, decoder_layers
-    from compresskit.trainers import inject_lora, projection_names
 
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)

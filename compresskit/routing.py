@@ -25,8 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compresskit.errors import ArtifactError
 from compresskit.interfaces import Pruner
-from compresskit.sparsity import SparsityReport
+from compresskit.modeling import replace_module
+from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, BlockCount, SparsityReport, layer_linear_macs
 from compresskit.tokens import declared_mask, mask_for
 
 
@@ -217,7 +219,10 @@ class Counting:
     ``stat_skipped`` ((token, group) pairs skipped), ``layer_idx``, ``kind``, ``groups``,
     ``macs_per_group``, taken from the routed projection ``proj`` the block stands for."""
 
-    def setup_counts(self, proj: nn.Module, groups: int) -> None:
+    def setup_counts(self, proj: nn.Module, groups: int, counting: bool = True) -> None:
+        """``counting``: whether the block adds its decisions (False: serving; its counts then say
+        nothing, and readers report the sparsity as not measured)."""
+        self.counting = counting
         self.groups, self.kind = groups, proj.kind
         self.layer_idx, self.macs_per_group = proj.layer_idx, proj.macs_per_group
         dev = proj.base_layer.weight.device
@@ -295,7 +300,6 @@ def route_sublayer(
     """Route one sublayer of a Llama-style decoder layer in place: wrap its ``o_proj`` (attention)
     or ``down_proj`` (FFN) in a :class:`RoutedProjection` and, given a router, put a
     :class:`RouterTap` on the norm whose input that router reads. Returns the projection."""
-    from compresskit.modeling import replace_module
 
     sublayer_name, proj_name, norm_name = SITES[kind]
     sublayer = getattr(layer, sublayer_name)
@@ -325,7 +329,6 @@ def routers(model: nn.Module) -> list[nn.Parameter]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Put every original module back (the dense model, exactly)."""
-    from compresskit.modeling import replace_module
 
     for name, module in list(model.named_modules()):
         if isinstance(module, (RoutedProjection, RouterTap)):
@@ -365,7 +368,6 @@ def release_batch(projections: list[RoutedProjection]) -> None:
 def measured_sparsity(projections: list[RoutedProjection], model_config) -> SparsityReport:
     """The realised sparsity counted by the projections since their last ``reset_stats``: skipped
     projection MACs per layer, and skipped (token, group) slots per kind."""
-    from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, BlockCount, layer_linear_macs
 
     rep = SparsityReport.empty(model_config.num_hidden_layers, dynamic=True)
     macs = layer_linear_macs(model_config)
@@ -404,7 +406,6 @@ def load_router_state_dict(
 ) -> None:
     """Load what :func:`router_state_dict` saved. A missing, unexpected or misshapen key is an
     :class:`~compresskit.errors.ArtifactError`, never a silently random router."""
-    from compresskit.errors import ArtifactError
 
     named = routed_projections(model) if named is None else named
     expected = router_state_dict(model, prefix, named)
@@ -438,7 +439,6 @@ class RoutedPruner(Pruner):
 
     def _bind(self, model: nn.Module) -> None:
         """Record the routed projections (after surgery) and the model's projection MACs."""
-        from compresskit.sparsity import layer_linear_macs
 
         model.train(model.training)  # new wrappers take the model's current mode
         # the names the pruner gave its projections: what it saves under, whatever an executor

@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from compresskit import artifacts, plugins
+from compresskit.interfaces import Batch, RunContext
+from compresskit.modeling import load_model
+
 TINY_CORPUS = (
     "The quick brown fox jumps over the lazy dog. A model of language predicts the next word. "
     "Pruning removes work that a network does not need. History, science and art are topics of "
@@ -78,7 +82,6 @@ def save_tiny_model(directory: str | Path, seed: int = 0, family: str = "llama",
 
 
 def random_batches(vocab_size: int, n: int = 2, batch: int = 2, seq_len: int = 16, seed: int = 0):
-    from compresskit.interfaces import Batch
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -101,8 +104,6 @@ def check_plugin_contract(name: str) -> list[Check]:
 
     Stops at the first failing check (later checks depend on earlier ones).
     """
-    from compresskit import artifacts, plugins
-    from compresskit.interfaces import RunContext
 
     checks: list[Check] = []
 
@@ -137,7 +138,6 @@ def check_plugin_contract(name: str) -> list[Check]:
         tmp = Path(tempfile.mkdtemp(prefix="ck-contract-"))
         state["tmp"] = tmp
         base = save_tiny_model(tmp / "base")
-        from compresskit.modeling import load_model
 
         model, tok = load_model(str(base), dtype="float32", device="cpu")
         state["model"], state["tok"], state["base"] = model, tok, base

@@ -40,6 +40,7 @@ from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
+from compresskit.modeling import replace_module
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
@@ -577,8 +578,6 @@ def _enable_adapters(model: nn.Module, enabled: bool) -> None:
 def merge_lora(model: nn.Module) -> None:
     """Fold every LoRA adapter into its base weight and put the plain layer back."""
     from peft.tuners.lora import LoraLayer
-
-    from compresskit.modeling import replace_module
 
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):

@@ -6,8 +6,10 @@ The tests leave the user's environment and caches as they found them:
 * every cache they write (compresskit's dense references and conversions, stevedore's entry-point
   cache, the HF and Triton caches) lives in a temporary folder removed when the session ends; the
   user's converted embedded model and extracted text are only read from there (linked, never written);
-* the test-fixture plugin (``tests/fixtures/toy_plugin``, a third-party pruner and a broken one) is
-  registered in this process only, through its ``.dist-info`` on ``sys.path``, never installed.
+* the test-fixture plugins (``tests/fixtures/toy_plugin``: two third-party pruners, ``toy-magnitude``
+  and the routing ``toy-router`` that the core's tests use, and a broken one) are registered in this
+  process only, through their ``.dist-info`` on ``sys.path`` (and ``PYTHONPATH`` for the processes the
+  tests start), never installed.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def _sandbox_caches() -> Path:
 
 SANDBOX = _sandbox_caches()
 sys.path.append(str(TESTS / "fixtures" / "toy_plugin"))  # the package and its .dist-info (entry points)
+# (and the processes the tests start: torchrun's ranks, scripts)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [os.environ.get("PYTHONPATH"), str(TESTS / "fixtures" / "toy_plugin")])
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

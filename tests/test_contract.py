@@ -9,7 +9,7 @@ import pytest
 from compresskit import plugins
 from compresskit.testing import check_plugin_contract
 
-CASES = ["toy-magnitude", "wide", "static-width", "static-depth", "dynamic-depth"]
+CASES = ["toy-magnitude", "toy-router", "wide", "static-width", "static-depth", "dynamic-depth"]
 OPTIONAL: set[str] = set()
 EXPECTED_BROKEN = {"toy-broken"}
 

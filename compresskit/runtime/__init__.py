@@ -11,6 +11,9 @@ compiled with ``torch.compile`` and replayed as CUDA graphs; on a CPU everything
 shell; ``runtime_for(model, pruner).generate(token_ids, ...)`` underneath.
 """
 
+from compresskit import artifacts, plugins
+from compresskit.interfaces import Executor
+from compresskit.modeling import load_model, resolve_model_source
 from compresskit.runtime.llama import Runtime, StaticCache
 
 __all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime", "runtime_for"]
@@ -21,15 +24,12 @@ def runtime_for(model, pruner=None, executor=None, **options) -> Runtime:
     some (a recipe's configured executor), else of the pruner's ``runtime_executor`` (its default
     configuration), else the runtime's own blocks. ``options`` go to :class:`Runtime` (``compile``,
     ``graphs``, ``dense``)."""
-    from compresskit.interfaces import Executor
 
     if executor is not None and type(executor).runtime_blocks is not Executor.runtime_blocks:
         return Runtime(model, executor=executor, **options)
     executor = None
     name = getattr(pruner, "runtime_executor", None)
     if name is not None:
-        from compresskit import plugins
-
         cls = plugins.load("executor", name)
         executor = cls(cls.Config())
     return Runtime(model, executor=executor, **options)
@@ -67,9 +67,6 @@ def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", fi
     """``(model, tokenizer, pruner or None, base model)`` of a saved run's ``model/`` directory, an HF
     directory or an alias; errors about ``path`` name it as ``field``."""
     from pathlib import Path
-
-    from compresskit import artifacts
-    from compresskit.modeling import load_model, resolve_model_source
 
     folder = Path(path).expanduser()
     if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():

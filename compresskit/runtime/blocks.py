@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from compresskit.routing import RoutedProjection, RouterTap
+
 
 class Step(NamedTuple):
     """What every block of one forward reads.
@@ -48,7 +50,6 @@ class Step(NamedTuple):
 def base_module(module: nn.Module) -> nn.Module:
     """The module under any routing wrapper (``RouterTap``, ``RoutedProjection``): what the model
     computed before it was routed. Other wrappers (a LoRA layer) are kept."""
-    from compresskit.routing import RoutedProjection, RouterTap
 
     while isinstance(module, (RoutedProjection, RouterTap)):
         module = module.base_layer
@@ -56,7 +57,6 @@ def base_module(module: nn.Module) -> nn.Module:
 
 
 def is_routed(module: nn.Module) -> bool:
-    from compresskit.routing import RoutedProjection, RouterTap
 
     return isinstance(module, (RoutedProjection, RouterTap))
 

@@ -153,7 +153,7 @@ def test_schema(capsys):
     code, out, _ = run(capsys, "schema", "recipe")
     assert code == 0 and "model" in json.loads(out)["properties"]
     code, _, err = run(capsys, "schema", "tooy-magnitude")
-    assert code == 2 and "Did you mean: toy-magnitude?" in one_line_error(err)
+    assert code == 2 and "Did you mean: toy-magnitude" in one_line_error(err)
 
 
 def test_plugins_list_and_check(capsys):
@@ -379,11 +379,11 @@ def test_error_found_after_loading_leaves_no_partial_output(capsys, tiny_model_d
     the FFN width): still one line, exit 2, nothing left behind, and before the dense evaluation."""
     out_dir = tmp_path / "run"
     code, _, err = apply_toy(
-        capsys, tiny_model_dir, out_dir, "--set", "pruner.name=wide", "--set", "pruner.config={ffn_group_size: 100}"
+        capsys, tiny_model_dir, out_dir, "--set", "pruner.name=toy-router", "--set", "pruner.config={groups: 100}"
     )
     assert code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]  # after the progress lines of the steps that ran
-    assert last.startswith("error: pruner.config.ffn_group_size: 100 does not divide intermediate_size 96; valid: ")
+    assert last.startswith("error: pruner.config.groups: 100 does not divide intermediate_size 96; valid: ")
     assert not out_dir.exists() and not (tmp_path / "run.partial").exists()
     assert "dense reference" not in err  # checked before any expensive step
 
@@ -399,14 +399,14 @@ def test_a_bad_line_in_your_files_stops_apply_before_the_model_loads(capsys, rec
 
 
 def test_compare_over_seeds_shows_mean_and_spread_and_reuses_runs(capsys, tiny_model_dir, tmp_path):
-    """``compare --seeds 0,1`` runs a recipe once per seed (WIDE's routers start from each seed's draw),
+    """``compare --seeds 0,1`` runs a recipe once per seed (the routers start from each seed's draw),
     then shows one row with mean ± standard deviation; a second call reuses the runs."""
     import yaml
 
     recipe = {
         "name": "wide-tiny",
         "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 4}},
+        "pruner": {"name": "toy-router", "config": {"groups": 6, "rank": 4}},
         "training": [{"name": "router", "config": {"steps": 2, "batch_size": 2, "seq_len": 32}}],
         "evaluation": {"tasks": ["perplexity", "piqa"], "limit": 4, "perplexity_docs": 1, "max_length": 512},
         "output": {"dir": str(tmp_path / "wide")},

@@ -82,7 +82,7 @@ def test_kl_on_given_top_k_is_the_top_k_kl():
     assert kl_loss_on(s, values, idx.int(), mask, temperature=2.0).item() == pytest.approx(want.item())
 
 
-@pytest.mark.parametrize("pruner", ["wide", "static-width"])
+@pytest.mark.parametrize("pruner", ["toy-router", "static-width"])
 def test_cached_top_k_teacher_trains_what_the_live_teacher_trains(pruner, tiny_model_dir, tmp_path, monkeypatch):
     """``cache: true``: the dense model's top-k logits of every micro-batch are written once before the
     pruner attaches; the stages then read them (no teacher pass, no copy of the dense model for a
@@ -93,13 +93,13 @@ def test_cached_top_k_teacher_trains_what_the_live_teacher_trains(pruner, tiny_m
 
     monkeypatch.setenv("COMPRESSKIT_CACHE", str(tmp_path / "cache"))
     configs = {
-        "wide": {"ffn_group_size": 16, "router_rank": 8},
+        "toy-router": {"groups": 6, "rank": 8},
         "static-width": {"target_sparsity": 0.3, "ffn_group_size": 16},
     }
     distill = {"weight": 0.5, "temperature": 2.0, "top_k": 8}
     lora = {"steps": 3, "batch_size": 2, "seq_len": 32, "r": 2, "grad_accum": 2}
     training = [{"name": "lora", "config": {**lora, "distill": distill}}]
-    if pruner == "wide":
+    if pruner == "toy-router":
         training.insert(
             0, {"name": "router", "config": {"steps": 2, "batch_size": 2, "seq_len": 32, "distill": distill}}
         )

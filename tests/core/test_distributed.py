@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 def _recipe(tiny_model_dir, out, **train):
     return {
         "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}},
+        "pruner": {"name": "toy-router", "config": {"groups": 6, "rank": 8}},
         "training": [
             {"name": "router", "config": {"steps": 3, "batch_size": 2, "seq_len": 32, **train}},
             {"name": "lora", "config": {"steps": 2, "batch_size": 2, "seq_len": 32, "r": 2, "merge": True, **train}},
@@ -91,8 +91,8 @@ def _routed_tiny(model_dir: str):
     from compresskit.modeling import load_model
 
     model, tok = load_model(model_dir, dtype="float32", device="cpu")
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    cls = plugins.load("pruner", "toy-router")
+    pruner = cls(cls.Config(groups=6, rank=8))
     torch.manual_seed(0)  # the same routers on every rank (as apply seeds them)
     pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
     return model, tok, pruner

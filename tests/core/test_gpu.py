@@ -25,6 +25,8 @@ def test_apply_on_gpu_matches_cpu(tiny_recipe, tmp_path):
         }
     ).results
     assert gpu_fp32["model"]["device"].startswith("cuda") and gpu_auto["model"]["dtype"] == "bfloat16"
+    # evaluation.engine auto: the runtime on a GPU (the reference path, transformers, on the CPU)
+    assert gpu_fp32["evaluation"]["engine"].startswith("runtime") and cpu["evaluation"]["engine"] == "transformers"
     assert gpu_fp32["metrics"]["perplexity"]["token_perplexity"] == pytest.approx(
         cpu["metrics"]["perplexity"]["token_perplexity"], rel=1e-3
     )

@@ -13,7 +13,7 @@ from compresskit.recipe import load_recipe
 def recipe(tiny_model_dir, tmp_path):
     return {
         "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
-        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}},
+        "pruner": {"name": "toy-router", "config": {"groups": 6, "rank": 8}},
         "training": [
             {"name": "router", "config": {"steps": 10, "batch_size": 2, "seq_len": 64}},
             {"name": "lora", "config": {"steps": 5, "batch_size": 2, "seq_len": 64, "r": 4, "grad_accum": 3}},
@@ -30,8 +30,8 @@ def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
 
     resolved = load_recipe(recipe)
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    cls = plugins.load("pruner", "wide")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    cls = plugins.load("pruner", "toy-router")
+    pruner = cls(cls.Config(groups=6, rank=8))
     pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok))
     routers = sum(p.numel() for p in pruner.trainable_parameters(model))
     inject_lora(model, LoraStageConfig(r=4))

@@ -262,24 +262,19 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
 
     out = tmp_path / "bench"
     argv = ["bench", "--shape", "tiny", "--prompt", "24", "--new-tokens", "3", "--repeats", "1", "--sparsity", "0.25"]
-    code = main([*argv, "--transformers", "off", "--output", str(out)])
+    code = main([*argv, "--method", "toy-router", "--transformers", "off", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
-    rows = json.loads((out / "bench.json").read_text())["results"]
-    assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"]
-    assert 0.1 < rows[0]["sparsity_macs"] < 0.4  # a quarter of the groups, on tokens it was not calibrated on
-    assert json.loads((out / "bench.json").read_text())["meta"]["method"] == "wide"
+    data = json.loads((out / "bench.json").read_text())
+    assert [r["model"] for r in data["results"]] == ["compressed", "dense", "ideal half-width"]
+    assert 0.1 < data["results"][0]["sparsity_macs"] < 0.4  # a quarter of the groups, on tokens not calibrated on
+    assert data["meta"]["method"] == "toy-router"
     code = main(["bench", "--shape", "llama-8b"])
     assert code == 2 and "Did you mean: llama-3.1-8b" in capsys.readouterr().err
-    depth = tmp_path / "depth"
-    code = main([*argv, "--method", "dynamic-depth", "--transformers", "off", "--output", str(depth)])
-    assert code == 0, capsys.readouterr().err
-    rows = json.loads((depth / "bench.json").read_text())["results"]
-    assert [r["model"] for r in rows] == ["compressed", "dense", "ideal half-width"] and rows[0]["sparsity_macs"] > 0
-    assert main(["bench", "--shape", "tiny", "--method", "static-width"]) == 2
+    assert main(["bench", "--shape", "tiny", "--method", "toy-magnitude"]) == 2
     err = capsys.readouterr().err
-    assert "--method static-width: --shape builds models whose routers are calibrated" in err and "wide" in err
-    assert main(["bench", "--shape", "tiny", "--method", "wdie"]) == 2
-    assert "Did you mean: wide?" in capsys.readouterr().err
+    assert "--method toy-magnitude: --shape builds models whose routers are calibrated" in err and "toy-router" in err
+    assert main(["bench", "--shape", "tiny", "--method", "toy-ruoter"]) == 2
+    assert "Did you mean: toy-router?" in capsys.readouterr().err
 
 
 def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(capsys, monkeypatch):
@@ -332,7 +327,7 @@ def test_apply_reports_speed_beside_quality(tiny_recipe, tmp_path):
 
     recipe = copy.deepcopy(tiny_recipe)
     recipe["evaluation"].update(tasks=["perplexity"], compare_dense=False)
-    recipe["pruner"] = {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}}
+    recipe["pruner"] = {"name": "toy-router", "config": {"groups": 6, "rank": 8}}
     res = apply(recipe).results
     assert res["speed"] == {"measured": False, "reason": res["speed"]["reason"]} and "no GPU" in res["speed"]["reason"]
     assert "Speed: not measured (no GPU" in results_markdown(res)
@@ -376,9 +371,9 @@ def test_the_dense_base_is_timed_once_a_process(tiny_model_dir, monkeypatch):
     from compresskit.interfaces import RunContext
     from compresskit.recipe import SpeedSection
 
-    cls = plugins.load("pruner", "wide")
+    cls = plugins.load("pruner", "toy-router")
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
-    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner = cls(cls.Config(groups=6, rank=8))
     pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
     model = pruner.finalize(model).eval()
     timed = []
@@ -409,7 +404,7 @@ def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
 
     recipe = copy.deepcopy(tiny_recipe)
     recipe["evaluation"].update(tasks=["perplexity"], compare_dense=False)
-    recipe["pruner"] = {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}}
+    recipe["pruner"] = {"name": "toy-router", "config": {"groups": 6, "rank": 8}}
     first = apply(recipe).results
     assert not first["speed"]["measured"]
     model_files = {p: p.stat().st_mtime_ns for p in (tmp_path / "run" / "model").iterdir()}

@@ -71,6 +71,32 @@ def _routing_counts(rt, model):
     return measured_sparsity(rt.stat_blocks(), model.config)
 
 
+@pytest.mark.parametrize(("method", "blocks"), [(None, "WideMLP"), ("dynamic-depth", "SkipMLP")])
+def test_bench_of_a_known_shape_with_a_routing_plugin(capsys, tmp_path, method, blocks, monkeypatch):
+    """``compresskit bench --shape``: WIDE by default, or any routing pruner by ``--method`` (dynamic
+    depth here), each on its own runtime blocks, with the realised sparsity those blocks counted."""
+    import json
+
+    from compresskit.cli import main
+    from compresskit.runtime import llama
+
+    built = []
+    real_init = llama.Runtime.__init__
+
+    def recording(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append({type(b).__name__ for pair in self.blocks for b in pair})
+
+    monkeypatch.setattr(llama.Runtime, "__init__", recording)
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--prompt", "24", "--new-tokens", "3", "--repeats", "1", "--sparsity", "0.25"]
+    argv += ["--method", method] if method else []
+    assert main([*argv, "--transformers", "off", "--output", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["method"] == (method or "wide") and blocks in built[0]  # the compressed member's runtime
+    assert 0.0 < data["results"][0]["sparsity_macs"] < 0.5
+
+
 def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_dir, monkeypatch):
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without: q, k and v

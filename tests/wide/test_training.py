@@ -383,13 +383,14 @@ def test_a_wide_run_scored_on_the_runtime_matches_the_reference(tiny_model_dir, 
     assert "engine" not in load_recipe(plain).to_dict()["evaluation"]
 
 
-def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path, monkeypatch):
-    """A pruner whose ``sparsity`` says "not measured" (None) is reported so, never as 0."""
+def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_path):
+    """Scored on the runtime by blocks that do not count (``track_stats: false``, for serving): the
+    sparsity is reported as not measured (None), never as 0."""
     from compresskit.report import compare_markdown, results_markdown
-    from compresskit_wide.pruner import WidePruner
 
-    monkeypatch.setattr(WidePruner, "sparsity", lambda self, model: None)
     r = recipe(tiny_model_dir, tmp_path, [stage("router", steps=2)])
+    r["executor"] = {"name": "wide-triton", "config": {"backend": "torch", "track_stats": False}}
+    r["evaluation"] = {**r["evaluation"], "engine": "runtime"}
     res = apply(r)
     saved = json.loads((tmp_path / "run" / "results.json").read_text())
     assert res.results["sparsity"] is None and saved["sparsity"] is None

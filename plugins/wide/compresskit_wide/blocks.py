@@ -60,8 +60,7 @@ class _Routing(Counting):
         router = proj.router
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
-        self.count_decisions = count
-        self.setup_counts(proj, proj.groups)
+        self.setup_counts(proj, proj.groups, counting=count)
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
     def enter(
@@ -72,13 +71,13 @@ class _Routing(Counting):
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
         if shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
-            count = self.count_decisions and valid is None
+            count = self.counting and valid is None
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
                 delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, self.stat_counts, count,
                 self.backend,
             )  # fmt: skip
-            if self.count_decisions and not count:
+            if self.counting and not count:
                 self.count(execute, valid)
             return execute, x2.view(b, t, dim), h
         x = x + delta
@@ -89,13 +88,13 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
-        count = self.count_decisions and valid is None  # every token real: the router's launch counts
+        count = self.counting and valid is None  # every token real: the router's launch counts
         if shares is not None:
             execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
         else:
             x2 = x.reshape(-1, x.shape[-1])
             execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
-        if self.count_decisions and not count:
+        if self.counting and not count:
             self.count(execute, valid)
         return execute
 

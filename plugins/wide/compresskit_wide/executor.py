@@ -38,8 +38,9 @@ class TritonExecutorConfig(PluginConfig):
     )
     track_stats: bool = Field(
         True,
-        description="the runtime's blocks count the realised sparsity of every pass (what bench and the speed "
-        "measurement report); false for serving: the router's launch then counts nothing",
+        description="the runtime's blocks count the realised sparsity of every pass (what bench, the speed "
+        "measurement and evaluation.engine runtime report); false for serving: nothing is counted, and the "
+        "sparsity is reported as not measured",
     )
 
 
