@@ -148,7 +148,10 @@ def routed_pruner(method: str):
         except CompressKitError:  # a plugin that does not load is no candidate
             return False
 
-    cls = plugins.load("pruner", method)
+    try:
+        cls = plugins.load("pruner", method)
+    except CompressKitError as exc:
+        raise CompressKitError(f"--method: {exc}") from None
     if not issubclass(cls, RoutedPruner):
         routed = [n for n in plugins.names("pruner") if routes(n)]
         raise CompressKitError(

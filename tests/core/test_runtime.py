@@ -274,7 +274,7 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "--method toy-magnitude: --shape builds models whose routers are calibrated" in err and "toy-router" in err
     assert main(["bench", "--shape", "tiny", "--method", "toy-ruoter"]) == 2
-    assert "Did you mean: toy-router?" in capsys.readouterr().err
+    assert "error: --method: unknown pruner 'toy-ruoter'. Did you mean: toy-router" in capsys.readouterr().err
 
 
 def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(capsys, monkeypatch):
