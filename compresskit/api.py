@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compresskit import artifacts, distributed
 from compresskit.bench import measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, load_documents
@@ -115,8 +117,6 @@ def _same_speed_settings(results: dict[str, Any], resolved: ResolvedRecipe) -> b
 
 def _timing_device(resolved: ResolvedRecipe) -> str | None:
     """The device type a run's saved model would be timed on here, or None where speed is not measured."""
-    import torch
-
     rec = resolved.recipe
     cuda = torch.cuda.is_available() and rec.model.device != "cpu"
     device_type = "cuda" if cuda else "cpu"
@@ -127,7 +127,6 @@ def _retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progre
     """``results`` of the finished run in ``out`` with its speed measured here and now: the saved model
     on the runtime beside its dense base, as ``apply`` measures it. What the run trained and evaluated
     stays as it was; ``results.json`` and ``results.md`` are rewritten atomically."""
-
     rec = resolved.recipe
     device_type = _timing_device(resolved)
     if device_type is None:  # the settings changed to ones that measure nothing here
@@ -467,7 +466,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
 def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path:
     """Compute (or find) a distilling stage's cached top-k teacher logits with the dense ``model``: each
     rank its share of the micro-batches, then all wait for the rest."""
-
     param = next(model.parameters())
     seed = stage_ctx.seed if config.seed is None else config.seed
     model_key = {"name_or_path": rec.model.name_or_path, "dtype": str(param.dtype), "device": param.device.type}
@@ -576,7 +574,6 @@ def eval_model(
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
     about ``model_ref`` name it as ``field`` (the CLI passes its argument's name)."""
-
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()

@@ -252,7 +252,6 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
     ``format: pruner`` reloads the base model, re-attaches the pruner and loads its tensors;
     ``format: hf`` loads the saved checkpoint; ``format: dense`` loads the base model.
     """
-
     directory = Path(path)
     manifest = read_manifest(directory)
     fmt = manifest["format"]

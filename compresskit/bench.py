@@ -5,6 +5,7 @@ realised sparsity of each measured run."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ from compresskit.memory import meta_model, size
 from compresskit.routing import RoutedPruner, RouterTap, dense_view, measured_sparsity
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
+
+# Imported inside the functions that use them: psutil and transformers; so importing this module, and running the
+# commands that do not need them (`--help` and `validate` first), stays fast.
 
 
 @dataclass
@@ -121,7 +125,6 @@ def available_bytes(device: torch.device) -> int:
 def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device, *, transformers: str | None = None):
     """Why the configuration ``name``'s members in ``dtype`` would not fit ``device``'s free memory (their
     weights above ``SHAPE_MEMORY_SHARE`` of it), naming what would fit; None where they fit."""
-
     free = available_bytes(device)
     need, models = shape_weight_bytes(name, dtype, transformers=transformers)
     if need <= SHAPE_MEMORY_SHARE * free:
@@ -171,7 +174,6 @@ def shape_members(
     ``generate`` (with the dynamic cache the routed model seen dense, no copy; with the static cache,
     which ``generate`` compiles on a GPU, a dense copy of the same weights, so that nothing routed is
     traced). ``options`` go to the runtimes (``compile``, ``graphs``)."""
-
     cls = routed_pruner(method)
     model = shape_model(shape, device=device, dtype=dtype)
     pruner = cls(cls.Config(**({"target_sparsity": sparsity} if "target_sparsity" in cls.Config.model_fields else {})))
@@ -198,7 +200,6 @@ def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 
     """Give every router of a routed ``model`` the skip-logit biases with which each group is skipped on
     a ``sparsity`` fraction of the tokens of a random prompt (for speed runs of untrained routers:
     each router reads its real input, the residual stream, and its decisions vary by token)."""
-
     taps = [m for m in model.modules() if isinstance(m, RouterTap)]
     seen: dict[int, torch.Tensor] = {}
     hooks = [t.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0])) for i, t in enumerate(taps)]
@@ -310,8 +311,6 @@ def bench(
     members: list[Member], *, batches: list[int], prompts: list[int], new_tokens: int, repeats: int, progress=None
 ) -> list[Row]:
     """A row per member for each batch and prompt, the members timed one after another per case."""
-    import contextlib
-
     rows = []
     cases = [(b, p) for b in batches for p in prompts]
     task_cm = progress.task("benchmarking", total=len(cases) * len(members)) if progress else contextlib.nullcontext()
@@ -407,8 +406,6 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     pruner only routes, else ``load_dense()``. ``base``: the dense base's name; once this process has
     timed it with the same settings on the same device (a comparison's earlier member, or its dense
     run), that timing is reused rather than measured again."""
-    import contextlib
-
     device = next(model.parameters()).device
     reason = unmeasured_reason(cfg, device.type)
     if reason is not None:

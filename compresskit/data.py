@@ -40,6 +40,10 @@ from compresskit.hub import hub_offline
 from compresskit.interfaces import Batch
 from compresskit.modeling import cache_dir
 
+# Imported inside the functions that use them: datasets, gensim and pyarrow (each needed by one kind of source only);
+# so importing this module, and running the commands that do not need them (`--help` and `validate` first), stays
+# fast.
+
 if TYPE_CHECKING:
     from compresskit.recipe import DataSection, FilesSource, HubSource
 
@@ -103,7 +107,6 @@ def clean_wiki_text(text: str) -> str:
 
 def load_wiki_articles() -> list[Article]:
     """All usable articles of the embedded dump, in dump order (cached after the first call)."""
-
     dump = wiki_dump_path()
     key = hashlib.sha256(f"{dump.name}:{dump.stat().st_size}:{EXTRACT_VERSION}".encode()).hexdigest()[:16]
     cached = cache_dir() / "data" / f"wiki-{key}.json"

@@ -26,6 +26,8 @@ and a rerun (another seed of the pruner, another method on the same data) reuses
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,9 @@ from torch import nn
 from compresskit.errors import ArtifactError
 from compresskit.interfaces import PluginConfig, Pruner
 from compresskit.modeling import cache_dir
+
+# Imported inside the functions that use them: peft and safetensors; so importing this module, and running the
+# commands that do not need them (`--help` and `validate` first), stays fast.
 
 
 class DistillConfig(PluginConfig):
@@ -157,9 +162,6 @@ def teacher_cache_dir(model_key: dict, data, config, seed: int) -> Path:
     """Where the top-k logits of a stage's micro-batches live: keyed by the model (name, dtype, device
     type), the text (contents, split), the stage's batches (sequence length, batch size, seed), top-k
     and the autocast the stage computes under."""
-    import hashlib
-    import json
-
     key_src = {
         "model": model_key,
         "data": data.fingerprint(),
@@ -179,8 +181,6 @@ def write_teacher_cache(
     ``config`` draws (``data.training_batches`` with ``seed``), one file each in ``directory``
     (``mb<k>.safetensors``: ``values`` in the logits' dtype, ``indices`` int32); those already there are
     kept. With several ranks, rank ``r`` computes micro-batches ``r, r + world, ...``."""
-    import contextlib
-
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)

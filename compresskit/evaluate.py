@@ -31,6 +31,9 @@ from compresskit.runtime.llama import SUPPORTED
 from compresskit.sparsity import SparsityReport
 from compresskit.tokens import token_mask, valid_tokens
 
+# Imported inside the functions that use them: lm-eval; so importing this module, and running the commands that do not
+# need them (`--help` and `validate` first), stays fast.
+
 # ---------------------------------------------------------------------------------------------
 # the engine: what computes the logits
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 
+# Imported inside the functions that use them: datasets and huggingface_hub (the CLI reads the task registry, which
+# imports this, at its start); so importing this module, and running the commands that do not need them (`--help` and
+# `validate` first), stays fast.
+
 
 @contextlib.contextmanager
 def hub_offline(offline: bool = True):

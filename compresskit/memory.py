@@ -34,6 +34,9 @@ from compresskit.interfaces import RunContext
 from compresskit.modeling import count_parameters, decoder_layers
 from compresskit.trainers import inject_lora, projection_names
 
+# Imported inside the functions that use them: peft and transformers; so importing this module, and running the
+# commands that do not need them (`--help` and `validate` first), stays fast.
+
 CONTEXT_BYTES = 512 * 2**20
 
 
@@ -74,7 +77,6 @@ def meta_model(config):
 def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
     computing in ``dtype``."""
-
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
     model = meta_model(config).to(dtype)

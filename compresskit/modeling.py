@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -26,6 +27,9 @@ from torch import nn
 
 from compresskit.errors import ArtifactError, ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
 from compresskit.progress import Progress
+
+# Imported inside the functions that use them: transformers, huggingface_hub and safetensors; so importing this
+# module, and running the commands that do not need them (`--help` and `validate` first), stays fast.
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -331,7 +335,5 @@ def cache_kwargs(model: nn.Module, cache) -> dict:
     """The keyword that passes a KV cache to ``model``'s forward: ``cache`` where transformers
     names it so (5.24 on), else ``past_key_values`` (5.17, the GPU machine's; 5.24 still takes it,
     with a deprecation warning)."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# Imported inside the functions that use them: matplotlib; so importing this module, and running the commands that do
+# not need them (`--help` and `validate` first), stays fast.
+
 
 def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     """Write a PNG with two panels: zero-shot average accuracy and held-out perplexity against

@@ -300,7 +300,6 @@ def route_sublayer(
     """Route one sublayer of a Llama-style decoder layer in place: wrap its ``o_proj`` (attention)
     or ``down_proj`` (FFN) in a :class:`RoutedProjection` and, given a router, put a
     :class:`RouterTap` on the norm whose input that router reads. Returns the projection."""
-
     sublayer_name, proj_name, norm_name = SITES[kind]
     sublayer = getattr(layer, sublayer_name)
     proj = RoutedProjection(
@@ -329,7 +328,6 @@ def routers(model: nn.Module) -> list[nn.Parameter]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Put every original module back (the dense model, exactly)."""
-
     for name, module in list(model.named_modules()):
         if isinstance(module, (RoutedProjection, RouterTap)):
             replace_module(model, name, module.base_layer)
@@ -368,7 +366,6 @@ def release_batch(projections: list[RoutedProjection]) -> None:
 def measured_sparsity(projections: list[RoutedProjection], model_config) -> SparsityReport:
     """The realised sparsity counted by the projections since their last ``reset_stats``: skipped
     projection MACs per layer, and skipped (token, group) slots per kind."""
-
     rep = SparsityReport.empty(model_config.num_hidden_layers, dynamic=True)
     macs = layer_linear_macs(model_config)
     tokens = max((float(p.stat_tokens) for p in projections), default=0.0)
@@ -406,7 +403,6 @@ def load_router_state_dict(
 ) -> None:
     """Load what :func:`router_state_dict` saved. A missing, unexpected or misshapen key is an
     :class:`~compresskit.errors.ArtifactError`, never a silently random router."""
-
     named = routed_projections(model) if named is None else named
     expected = router_state_dict(model, prefix, named)
     missing = sorted(set(expected) - set(state))
@@ -439,7 +435,6 @@ class RoutedPruner(Pruner):
 
     def _bind(self, model: nn.Module) -> None:
         """Record the routed projections (after surgery) and the model's projection MACs."""
-
         model.train(model.training)  # new wrappers take the model's current mode
         # the names the pruner gave its projections: what it saves under, whatever an executor
         # wraps around them later

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import logging
 import random
 import re
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from typing import Any
 
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 from compresskit.hub import hub_offline
+
+# Imported inside the functions that use them: datasets and lm-eval (the CLI reads this registry at its start); so
+# importing this module, and running the commands that do not need them (`--help` and `validate` first), stays fast.
 
 # The tasks sit below the recipe, the data and the evaluator, which all read this registry; so they
 # import none of them. ``data`` below is a run's ``compresskit.data.DataModule``, ``section`` its
@@ -374,8 +378,6 @@ def lm_eval_names(section) -> list[str]:
 @contextlib.contextmanager
 def quiet_lm_eval():
     """lm-eval and datasets log at INFO/WARNING and draw tqdm bars; keep the terminal ours."""
-    import logging
-
     names = ("lm_eval", "lm-eval", "datasets", "transformers", "lm_eval.models.huggingface")
     saved = {n: logging.getLogger(n).level for n in names}
     try:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,9 @@ import torch
 from compresskit import artifacts, plugins
 from compresskit.interfaces import Batch, RunContext
 from compresskit.modeling import load_model
+
+# Imported inside the functions that use them: transformers and tokenizers; so importing this module, and running the
+# commands that do not need them (`--help` and `validate` first), stays fast.
 
 TINY_CORPUS = (
     "The quick brown fox jumps over the lazy dog. A model of language predicts the next word. "
@@ -104,7 +108,6 @@ def check_plugin_contract(name: str) -> list[Check]:
 
     Stops at the first failing check (later checks depend on earlier ones).
     """
-
     checks: list[Check] = []
 
     def record(check_name: str, fn):
@@ -199,8 +202,6 @@ def check_plugin_contract(name: str) -> list[Check]:
             if not record(check_name, fn):
                 break
     finally:
-        import shutil
-
         if "tmp" in state:
             shutil.rmtree(state["tmp"], ignore_errors=True)
     return checks

@@ -44,6 +44,9 @@ from compresskit.modeling import replace_module
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
+# Imported inside the functions that use them: peft and transformers; so importing this module, and running the
+# commands that do not need them (`--help` and `validate` first), stays fast.
+
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint"  # a sharded checkpoint (torch.distributed.checkpoint), with several ranks
 HISTORY_POINTS = 1000  # entries of a stage's loss history kept in results.json (evenly spaced)

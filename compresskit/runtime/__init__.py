@@ -11,6 +11,8 @@ compiled with ``torch.compile`` and replayed as CUDA graphs; on a CPU everything
 shell; ``runtime_for(model, pruner).generate(token_ids, ...)`` underneath.
 """
 
+from pathlib import Path
+
 from compresskit import artifacts, plugins
 from compresskit.interfaces import Executor
 from compresskit.modeling import load_model, resolve_model_source
@@ -24,7 +26,6 @@ def runtime_for(model, pruner=None, executor=None, **options) -> Runtime:
     some (a recipe's configured executor), else of the pruner's ``runtime_executor`` (its default
     configuration), else the runtime's own blocks. ``options`` go to :class:`Runtime` (``compile``,
     ``graphs``, ``dense``)."""
-
     if executor is not None and type(executor).runtime_blocks is not Executor.runtime_blocks:
         return Runtime(model, executor=executor, **options)
     executor = None
@@ -66,8 +67,6 @@ class TextGenerator:
 def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", field: str = "model", progress=None):
     """``(model, tokenizer, pruner or None, base model)`` of a saved run's ``model/`` directory, an HF
     directory or an alias; errors about ``path`` name it as ``field``."""
-    from pathlib import Path
-
     folder = Path(path).expanduser()
     if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():
         model, tokenizer, pruner = artifacts.load(folder, device=device, dtype=dtype, progress=progress)

@@ -50,7 +50,6 @@ class Step(NamedTuple):
 def base_module(module: nn.Module) -> nn.Module:
     """The module under any routing wrapper (``RouterTap``, ``RoutedProjection``): what the model
     computed before it was routed. Other wrappers (a LoRA layer) are kept."""
-
     while isinstance(module, (RoutedProjection, RouterTap)):
         module = module.base_layer
     return module
