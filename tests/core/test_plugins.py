@@ -65,13 +65,12 @@ def test_the_tests_keep_out_of_the_users_environment_and_caches():
     dist = metadata.distribution("ck-toy-pruner")
     assert Path(str(dist.locate_file(""))).resolve() == (TESTS / "fixtures" / "toy_plugin").resolve()
     assert cache_dir().resolve().is_relative_to(SANDBOX.resolve())
-    # stevedore caches its entry-point scans under $XDG_CACHE_HOME/python-entrypoints (its documented place on
-    # Linux): after a lookup the sandbox's folder holds them
-    from compresskit import plugins
-
+    # stevedore caches its entry-point scans under $XDG_CACHE_HOME/python-entrypoints on Linux: after a lookup the
+    # sandbox's folder holds them (stevedore writes no cache at all for an interpreter under /tmp)
     plugins.load("pruner", "toy-magnitude")
     assert os.environ["XDG_CACHE_HOME"] == str(SANDBOX / "xdg")
-    assert any((SANDBOX / "xdg" / "python-entrypoints").iterdir())
+    if not sys.executable.startswith("/tmp"):
+        assert any((SANDBOX / "xdg" / "python-entrypoints").iterdir())
 
 
 def test_the_fixture_dist_info_declares_the_entry_points_of_its_pyproject():
