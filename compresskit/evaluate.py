@@ -39,9 +39,9 @@ from compresskit.tokens import token_mask, valid_tokens
 
 
 def resolve_engine(model: torch.nn.Module, section: EvaluationSection) -> str:
-    """ "runtime" or "transformers" for ``evaluation.engine`` on this model (auto: the runtime on a GPU
-    where it runs the architecture); a ``RecipeError`` where the runtime is asked for a model it cannot
-    run."""
+    """The engine ``evaluation.engine`` resolves to on this model, ``runtime`` or ``transformers`` (auto:
+    the runtime on a GPU where it runs the architecture); a ``RecipeError`` where the runtime is asked for
+    a model it cannot run."""
     model_type = getattr(model.config, "model_type", None)
     if section.engine == "runtime" and model_type not in SUPPORTED:
         raise RecipeError(
