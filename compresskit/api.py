@@ -295,6 +295,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     model, tokenizer = load()
     param = next(model.parameters())
     params_before = count_parameters(model)
+    if resolved.pruner is not None:  # what only the model can tell, before any expensive step
+        resolved.pruner.cls(resolved.pruner.config).check(model.config)
+    resolve_engine(model, rec.evaluation)  # (evaluation.engine: runtime for a model the runtime does not run)
     for turn in (True, False):  # rank 0 writes the generated text's cache, then the others read it
         if turn == main:
             write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)
@@ -303,9 +306,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         data = DataModule.from_section(tokenizer, rec.data, documents)
         split = data.split_info()
 
-    if resolved.pruner is not None:  # what only the model can tell, before any expensive step
-        resolved.pruner.cls(resolved.pruner.config).check(model.config)
-    resolve_engine(model, rec.evaluation)  # (evaluation.engine: runtime for a model the runtime does not run)
     dense = None
     if resolved.pruner is not None and rec.evaluation.compare_dense and main:
         dense = dense_reference(resolved, model, tokenizer, data, progress)
