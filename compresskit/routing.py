@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -67,6 +69,69 @@ def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
     if sample:
         return F.gumbel_softmax(logits, tau=tau, hard=True, dim=-1)[..., 0]
     return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
+
+
+@dataclass(frozen=True)
+class Consensus:
+    """Batch-consensus routing: at each position, the real tokens of a batch's sequences share one set of
+    groups per router, so that a product reads the weights of that set, not the union of every token's.
+
+    The shared set: the groups that at least ``quorum`` of the position's real tokens execute (at least
+    one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
+    index), at most ``ceil(budget * G)`` of them. ``share="set"``: every token runs the whole set;
+    ``"own"``: each token runs its own choices within it. A position with one real token (a batch of
+    one) keeps that token's own decision exactly: per-token routing.
+
+    With consensus on, a sequence's output depends on the sequences batched with it."""
+
+    budget: float = 1.0
+    quorum: float = 0.5
+    share: Literal["set", "own"] = "set"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"consensus budget must be in (0, 1], got {self.budget}")
+        if not 0.0 <= self.quorum <= 1.0:
+            raise ValueError(f"consensus quorum must be in [0, 1], got {self.quorum}")
+        if self.share not in ("set", "own"):
+            raise ValueError(f"consensus share must be 'set' or 'own', got {self.share!r}")
+
+    def cap(self, groups: int) -> int:
+        """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
+        return max(1, math.ceil(self.budget * groups - 1e-9))
+
+
+def consensus_keep(
+    margin: torch.Tensor, own: torch.Tensor, valid: torch.Tensor | None, consensus: Consensus
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared sets ``keep: [T, G]`` (bool) and which positions have one (``multi: [T]``, two or more
+    real tokens) from the margins ``margin: [B, T, G]`` (fp32, execute minus skip logit), the tokens'
+    own decisions ``own: [B, T, G]`` (bool) and the real tokens ``valid: [B, T]`` (None: all)."""
+    b, t, g = own.shape
+    real = torch.ones(b, t, dtype=torch.bool, device=own.device) if valid is None else valid.bool()
+    votes = (own & real[..., None]).sum(0)  # [T, G]
+    conf = (margin.float() * real[..., None]).sum(0)  # [T, G]
+    n = real.sum(0)  # [T]
+    need = torch.ceil(consensus.quorum * n.float()).clamp_min(1.0)  # [T]
+    # rank[t, g]: the groups ahead of g (more votes; as many and a larger margin sum; a tie of both and a lower index)
+    va, vb = votes[:, :, None], votes[:, None, :]
+    ca, cb = conf[:, :, None], conf[:, None, :]
+    idx = torch.arange(g, device=own.device)
+    lower = (idx[None, :] < idx[:, None])[None]
+    ahead = (vb > va) | ((vb == va) & ((cb > ca) | ((cb == ca) & lower)))
+    rank = ahead.sum(-1)
+    keep = (rank < consensus.cap(g)) & (votes.float() >= need[:, None])
+    return keep, n >= 2
+
+
+def consensus_execute(
+    margin: torch.Tensor, own: torch.Tensor, valid: torch.Tensor | None, consensus: Consensus
+) -> torch.Tensor:
+    """Reference: the execute mask ``[B, T, G]`` (bool) that runs under ``consensus`` (see
+    :class:`Consensus` and :func:`consensus_keep`)."""
+    keep, multi = consensus_keep(margin, own, valid, consensus)
+    shared = keep[None].expand_as(own) if consensus.share == "set" else own & keep[None]
+    return torch.where(multi[None, :, None], shared, own)
 
 
 def linear_tau(step: int, total_steps: int, tau_start: float, tau_end: float) -> float:
@@ -139,6 +204,7 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
+        self.consensus: Consensus | None = None  # batch-consensus routing (set_consensus), None: per token
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
@@ -180,7 +246,24 @@ class RoutedProjection(nn.Module):
         logits = self.router(x_raw)  # [B, T, G, 2]
         execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
-        self._take(execute, mask_for(x_raw) if self.training else declared_mask(x_raw))
+        valid = mask_for(x_raw) if self.training else declared_mask(x_raw)
+        if self.consensus is not None and x_raw.shape[0] > 1:
+            execute = self._agree(logits, execute, valid)
+        self._take(execute, valid)
+
+    def _agree(self, logits: torch.Tensor, execute: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """``execute`` (the tokens' own decisions, with their straight-through gradient in training) under
+        the batch's consensus: the forward value :func:`consensus_execute`'s, the gradient the own
+        decision's (``share="set"``) or the own decision's where the set keeps the group (``"own"``)."""
+        with torch.no_grad():
+            margin = logits[..., 0] - logits[..., 1]
+            own = execute > 0.5
+            real = None if valid is None else valid > 0.5
+            keep, multi = consensus_keep(margin, own, real, self.consensus)
+        if self.consensus.share == "own":
+            return execute * torch.where(multi[None, :, None], keep[None], True).to(execute.dtype)
+        shared = torch.where(multi[None, :, None], keep[None], own).to(execute.dtype)
+        return shared + (execute - execute.detach()) if execute.requires_grad else shared
 
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         _plain_set(self, "_mask", execute)
@@ -324,6 +407,17 @@ def routed_projections(model: nn.Module) -> list[tuple[str, RoutedProjection]]:
 def routers(model: nn.Module) -> list[nn.Parameter]:
     """The trainable parameters of every router in ``model``."""
     return [p for _, proj in routed_projections(model) if proj.router is not None for p in proj.router.parameters()]
+
+
+def set_consensus(model: nn.Module, consensus: Consensus | None) -> int:
+    """Route every router of ``model`` under ``consensus`` (None: per token again); returns how many
+    routers it set (0: the model has none)."""
+    n = 0
+    for _, proj in routed_projections(model):
+        if proj.router is not None:
+            proj.consensus = consensus
+            n += 1
+    return n
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -244,7 +244,7 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
         real = getattr(blocks, name)
 
         def recording(*a, real=real):
-            counted_by_router.append(a[-2])  # (..., counts, count, backend)
+            counted_by_router.append(a[-3])  # (..., counts, count, backend, margin)
             return real(*a)
 
         monkeypatch.setattr(blocks, name, recording)
@@ -308,6 +308,12 @@ def test_registered_ops_pass_opcheck():
         torch.library.opcheck(ops.router_decide_from_shares, args)
     args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
     torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
+    # the margins the consensus decides from, and its decision
+    torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, False, "torch", True))
+    torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, False, "torch", True))
+    margin = torch.randn(m - 1, g, generator=gen)
+    for valid in (None, torch.tensor([True, False, True, True])):
+        torch.library.opcheck(ops.consensus_decide, (margin, valid, 2, 3, 0.5, True, counts, True, "torch"))
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     heads = torch.rand(2, 2, generator=gen) > 0.5
     lens = torch.tensor([6, 4], dtype=torch.int32)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compresskit.routing import Counting, RoutedProjection, mask_input_groups
+from compresskit.routing import Consensus, Counting, RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
@@ -36,6 +36,7 @@ router_norm_from_shares = _ops.router_norm_from_shares.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
+consensus_decide = _ops.consensus_decide.default
 routed_attention_decode = _ops.routed_attention_decode.default
 routed_attention_prefill = _ops.routed_attention_prefill.default
 
@@ -50,9 +51,13 @@ def plain_weight(module: nn.Module) -> torch.Tensor | None:
 
 class _Routing(Counting):
     """A WIDE router's decision through ``router_decide`` (or from the shares the block before
-    carried over), counted (``Counting``) unless ``count`` is off; and what this block carries on."""
+    carried over), counted (``Counting``) unless ``count`` is off; and what this block carries on.
+    Under ``consensus`` (a batch of two or more sequences) the router gives its margins, and
+    ``consensus_decide`` turns them into the batch's shared decision."""
 
-    def _setup_routing(self, proj: RoutedProjection, backend: str, count: bool) -> None:
+    def _setup_routing(
+        self, proj: RoutedProjection, backend: str, count: bool, consensus: Consensus | None = None
+    ) -> None:
         # (called after self.norm is set)
         # where the block before carried the shares, the decision's launch also adds the residual and
         # applies the block's RMSNorm (router_norm_from_shares): one launch instead of two
@@ -61,6 +66,7 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.setup_counts(proj, proj.groups, counting=count)
+        self.consensus = consensus
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
     def enter(
@@ -71,15 +77,14 @@ class _Routing(Counting):
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
         if shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
-            count = self.counting and valid is None
+            agree = self.consensus is not None and b > 1
+            count = self.counting and valid is None and not agree
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
                 delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, self.stat_counts, count,
-                self.backend,
+                self.backend, agree,
             )  # fmt: skip
-            if self.counting and not count:
-                self.count(execute, valid)
-            return execute, x2.view(b, t, dim), h
+            return self._counted(execute, b, valid, agree, count), x2.view(b, t, dim), h
         x = x + delta
         execute = self.decide(x, valid, shares)
         return execute, x, self.norm(x).reshape(b * t, dim)
@@ -88,15 +93,34 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
-        count = self.counting and valid is None  # every token real: the router's launch counts
+        agree = self.consensus is not None and x.shape[0] > 1  # margins, then the batch's decision
+        count = self.counting and valid is None and not agree  # every token real: the router's launch counts
         if shares is not None:
-            execute = router_decide_from_shares(shares, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
+            execute = router_decide_from_shares(
+                shares, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend, agree
+            )
         else:
             x2 = x.reshape(-1, x.shape[-1])
-            execute = router_decide(x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend)
-        if self.counting and not count:
-            self.count(execute, valid)
-        return execute
+            execute = router_decide(
+                x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend, agree
+            )
+        return self._counted(execute, x.shape[0], valid, agree, count)
+
+    def _counted(
+        self, decided: torch.Tensor, batch: int, valid: torch.Tensor | None, agree: bool, counted: bool
+    ) -> torch.Tensor:
+        """The execute mask from what the router gave (``decided``: its decision, or its margins where the
+        batch agrees), counted where the router's launch did not count it."""
+        if agree:
+            c = self.consensus
+            real = None if valid is None else valid.reshape(-1).bool()
+            return consensus_decide(
+                decided, real, batch, c.cap(self.groups), c.quorum, c.share == "set", self.stat_counts, self.counting,
+                self.backend,
+            )  # fmt: skip
+        if self.counting and not counted:
+            self.count(decided, valid)
+        return decided
 
     def last_product(
         self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
@@ -116,9 +140,11 @@ class _Routing(Counting):
 
 
 class WideAttention(Attention, _Routing):
-    def __init__(self, layer: nn.Module, head_dim: int, backend: str, count: bool = True) -> None:
+    def __init__(
+        self, layer: nn.Module, head_dim: int, backend: str, count: bool = True, consensus: Consensus | None = None
+    ) -> None:
         super().__init__(layer, head_dim, dense=True)
-        self._setup_routing(layer.self_attn.o_proj, backend, count)
+        self._setup_routing(layer.self_attn.o_proj, backend, count, consensus)
         self.wq, self.wo = plain_weight(self.q_proj), plain_weight(self.o_proj)
         # q / k / v stacked without biases (stacked_linear): one routed product, k and v its dense rows,
         # wherever q's prefill kernel does not run (at decode one launch where q's kernel and k / v were two)
@@ -177,11 +203,11 @@ class WideAttention(Attention, _Routing):
 
 
 class WideMLP(Block, _Routing):
-    def __init__(self, layer: nn.Module, backend: str, count: bool = True) -> None:
+    def __init__(self, layer: nn.Module, backend: str, count: bool = True, consensus: Consensus | None = None) -> None:
         super().__init__()
         mlp = layer.mlp
         self.norm = base_module(layer.post_attention_layernorm)  # under the router tap
-        self._setup_routing(mlp.down_proj, backend, count)
+        self._setup_routing(mlp.down_proj, backend, count, consensus)
         self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
         self.wd = mlp.down_proj.base_layer.weight
 
@@ -194,14 +220,16 @@ class WideMLP(Block, _Routing):
         return x, y.view(b, t, -1), shares
 
 
-def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool):
+def wide_blocks(
+    layer: nn.Module, head_dim: int, backend: str, *, attention: bool, count: bool, consensus: Consensus | None = None
+):
     """``(attention, mlp)`` WIDE blocks for a decoder layer's routed sublayers (None where it is not
     routed, or, for the MLP, where its projections are not plain Linears: the runtime then runs the
-    layer's modules as they are)."""
+    layer's modules as they are); ``consensus``: the batch's routing rule (None: per token)."""
     attn_block = mlp_block = None
     o_proj = getattr(layer.self_attn, "o_proj", None)
     if attention and isinstance(o_proj, RoutedProjection) and o_proj.router is not None:
-        attn_block = WideAttention(layer, head_dim, backend, count)
+        attn_block = WideAttention(layer, head_dim, backend, count, consensus)
     mlp = layer.mlp
     down = getattr(mlp, "down_proj", None)
     if (
@@ -209,7 +237,7 @@ def wide_blocks(layer: nn.Module, head_dim: int, backend: str, *, attention: boo
         and down.router is not None
         and all(plain_weight(m) is not None for m in (mlp.gate_proj, mlp.up_proj, down.base_layer))
     ):
-        mlp_block = WideMLP(layer, backend, count)
+        mlp_block = WideMLP(layer, backend, count, consensus)
     return attn_block, mlp_block
 
 

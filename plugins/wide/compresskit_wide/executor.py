@@ -3,6 +3,7 @@
 Sample YAML::
 
     executor: {name: wide-triton, config: {backend: auto, attention: true}}
+    executor: {name: wide-triton, config: {consensus: {quorum: 0.5, budget: 0.6}}}  # batch consensus
 
 The executor supplies the runtime's blocks and nothing else (``runtime_blocks``): each block routes,
 then runs only the kept groups through the kernel dispatch (``kernels.ops``); under ``backend: auto``
@@ -10,6 +11,14 @@ each operator takes the Triton kernel only where the H200 benchmark measured it 
 (``kernels.policy.use_kernel``). ``convert`` leaves the transformers model as it is, so the
 evaluator scores it through the reference path (``compresskit.routing``), which the blocks equal up
 to floating-point rounding (the runtime's parity tests).
+
+``consensus`` (off by default) routes a batch by consensus: at each position the real tokens of the batch's
+sequences share one set of groups per router (``compresskit.routing.Consensus``), so that a routed product
+reads that set's weights, not the union of every token's choices. It applies wherever two or more sequences
+run together, in the runtime's blocks and, through ``convert``, in the reference path that evaluation scores:
+evaluated with a batch of B sequences, the model is scored as it would decode B sequences at once (a
+teacher-forced simulation). **With consensus on, a sequence's output depends on its batch mates.** A batch of
+one is per-token routing exactly.
 """
 
 from __future__ import annotations
@@ -22,8 +31,27 @@ from torch import nn
 from compresskit import Executor, PluginConfig
 from compresskit.errors import KernelUnavailableError
 from compresskit.modeling import decoder_layers
-from compresskit.routing import RoutedProjection
+from compresskit.routing import Consensus, RoutedProjection, set_consensus
 from compresskit_wide.kernels import ops
+
+
+class ConsensusConfig(PluginConfig):
+    quorum: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="a group joins the batch's shared set when at least this share of the position's real "
+        "tokens would run it (at least one token)",
+    )
+    budget: float = Field(
+        1.0, gt=0.0, le=1.0, description="the shared set holds at most this share of a router's groups (rounded up)"
+    )
+    share: Literal["set", "own"] = Field(
+        "set", description="set: every token runs the whole shared set; own: its own choices within it"
+    )
+
+    def rule(self) -> Consensus:
+        return Consensus(budget=self.budget, quorum=self.quorum, share=self.share)
 
 
 class TritonExecutorConfig(PluginConfig):
@@ -41,6 +69,11 @@ class TritonExecutorConfig(PluginConfig):
         description="the runtime's blocks count the realised sparsity of every pass (what bench, the speed "
         "measurement and evaluation.engine runtime report); false for serving: nothing is counted, and the "
         "sparsity is reported as not measured",
+    )
+    consensus: ConsensusConfig | None = Field(
+        None,
+        description="batch-consensus routing (module docstring): a batch's sequences share each router's groups "
+        "at every position; a sequence's output then depends on its batch mates. None: per-token routing",
     )
 
 
@@ -82,13 +115,18 @@ class TritonExecutor(Executor):
         from compresskit_wide.blocks import link, wide_blocks
 
         cfg = self.config
+        consensus = cfg.consensus.rule() if cfg.consensus is not None else None
         pairs = [
-            wide_blocks(layer, head_dim, cfg.backend, attention=cfg.attention, count=cfg.track_stats)
+            wide_blocks(
+                layer, head_dim, cfg.backend, attention=cfg.attention, count=cfg.track_stats, consensus=consensus
+            )
             for layer in decoder_layers(model)
         ]
         link([block for pair in pairs for block in pair])
         return pairs
 
     def convert(self, model: nn.Module) -> nn.Module:
-        """The model as it is: what runs fast is the runtime's blocks (``runtime_blocks``)."""
+        """The model as it is, its routers set to ``consensus`` (the reference path then decides as the
+        runtime's blocks do): what runs fast is the runtime's blocks (``runtime_blocks``)."""
+        set_consensus(model, self.config.consensus.rule() if self.config.consensus is not None else None)
         return model

@@ -207,3 +207,37 @@ def test_the_decision_with_the_norm_validates_its_tensors():
         triton_router_norm_from_shares(shares, bd, wu, bu, x, x, torch.zeros(7), 1e-5)
     with pytest.raises(ValueError, match="router tensors do not fit"):
         triton_router_norm_from_shares(shares, bd[:3], wu, bu, x, x, torch.zeros(8), 1e-5)
+
+
+@pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (5, 100, 7, 8), (40, 64, 130, 5)])
+def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
+    """With ``margin`` the three deciding launches store each group's execute-minus-skip logit (fp32, the
+    sign the decision's), uncounted: the router, the decision from shares, and that with the norm."""
+    from compresskit_wide.kernels.router import torch_router_norm_from_shares, triton_router_norm_from_shares
+
+    torch.manual_seed(m + d)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
+    x = torch.randn(m, d, device=DEVICE)
+    logits = router(x)
+    want = (logits[..., 0] - logits[..., 1]).detach()
+    args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    shares = torch_router_shares(x, router.down.weight)
+    sargs = (shares, router.down.bias, router.up.weight, router.up.bias)
+    delta = torch.zeros_like(x)
+    nargs = (*sargs, x - delta, delta, torch.ones(d, device=DEVICE), 1e-5)
+    got = [
+        torch_router_decide(*args, margin=True),
+        triton_router_decide(*args, margin=True, as_bool=True),
+        torch_router_decide_from_shares(*sargs, margin=True),
+        triton_router_decide_from_shares(*sargs, margin=True),
+        torch_router_norm_from_shares(*nargs, margin=True)[0],
+        triton_router_norm_from_shares(*nargs, margin=True)[0],
+    ]
+    for margin in got:
+        assert margin.dtype == torch.float32
+        torch.testing.assert_close(margin, want, rtol=1e-4, atol=1e-4)
+        decided = triton_router_decide(*args, as_bool=True)
+        sure = margin.abs() > 1e-4  # (a tie within rounding may fall either way)
+        assert torch.equal((margin >= 0)[sure], decided[sure])
+    with pytest.raises(ValueError, match="counts must be None"):
+        triton_router_decide(*args, margin=True, counts=torch.zeros(2, dtype=torch.float64, device=DEVICE))

@@ -35,6 +35,7 @@ from compresskit_wide.kernels.attention_prefill import (
     triton_routed_attention_prefill,
 )
 from compresskit_wide.kernels.common import KernelUnavailableError, interpreted
+from compresskit_wide.kernels.consensus import check_consensus, torch_consensus, triton_consensus
 from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
@@ -115,8 +116,13 @@ def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto
     return torch_group_masked_input(x, mask)
 
 
-def _fake_decide(x, w_down, b_down, w_up, b_up, counts, count, backend="auto"):
-    return x.new_empty(x.shape[0], w_up.shape[0] // 2, dtype=torch.bool)
+def _decision(rows: torch.Tensor, w_up: torch.Tensor, margin: bool) -> torch.Tensor:
+    """A fake decision for ``rows.shape[0]`` tokens: bool, or fp32 margins."""
+    return rows.new_empty(rows.shape[0], w_up.shape[0] // 2, dtype=torch.float32 if margin else torch.bool)
+
+
+def _fake_decide(x, w_down, b_down, w_up, b_up, counts, count, backend="auto", margin=False):
+    return _decision(x, w_up, margin)
 
 
 @_operator(_fake_decide, mutates=("counts",))
@@ -129,23 +135,25 @@ def router_decide(
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
+    margin: bool = False,
 ) -> torch.Tensor:
     """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): a ``GroupRouter``'s deterministic decision
     (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases); with ``count`` the M tokens (every
     one real) and the groups they execute are added to ``counts`` (fp64 ``[2]``, in place). (A flag
     and a tensor always passed: an optional tensor written in place, passed as None, is what
-    ``torch.compile``'s functionalization does not lower.)"""
-    counts = counts if count else None
+    ``torch.compile``'s functionalization does not lower.) ``margin``: the fp32 margins (execute minus
+    skip logit) instead, uncounted, for ``consensus_decide``."""
+    counts = counts if count and not margin else None
     if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, counts=counts)
+        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, margin=margin, counts=counts)
     # the reference is the dense path too
-    execute = torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True)
+    execute = torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, margin=margin)
     torch_count(execute, counts)
     return execute
 
 
-def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto"):
-    return shares.new_empty(shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool)
+def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto", margin=False):
+    return _decision(shares[0], w_up, margin)
 
 
 @_operator(_fake_decide_from_shares, mutates=("counts",))
@@ -157,21 +165,21 @@ def router_decide_from_shares(
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
+    margin: bool = False,
 ) -> torch.Tensor:
     """``shares: [S, M, R]`` (the bottleneck's shares, as ``masked_reduce_gemm_shares`` hands them
     on) -> execute mask ``[M, G]`` (bool): ``router_decide``'s decision from its second step on,
-    counted as it counts."""
-    counts = counts if count else None
+    counted as it counts (or its margins, as with ``margin`` there)."""
+    counts = counts if count and not margin else None
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
-        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, counts=counts)
-    execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True)
+        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, margin=margin, counts=counts)
+    execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, margin=margin)
     torch_count(execute, counts)
     return execute
 
 
-def _fake_router_norm(shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts, count, backend="auto"):
-    execute = shares.new_empty(shares.shape[1], w_up.shape[0] // 2, dtype=torch.bool)
-    return execute, torch.empty_like(x), torch.empty_like(x)
+def _fake_router_norm(shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts, count, backend="auto", margin=False):
+    return _decision(shares[0], w_up, margin), torch.empty_like(x), torch.empty_like(x)
 
 
 @_operator(_fake_router_norm, mutates=("counts",))
@@ -187,18 +195,53 @@ def router_norm_from_shares(
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
+    margin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``router_decide_from_shares`` with the block's residual add and RMSNorm in the same launch:
     ``(execute [M, G], x + delta, rms_norm(x + delta))`` for ``x, delta: [M, D]`` and the norm's
     weight ``norm_w: [D]`` and ``eps``; with ``count`` the decision is counted into ``counts``
-    (fp64 ``[2]``; every token real)."""
+    (fp64 ``[2]``; every token real); ``margin``: the margins instead of the decision, uncounted."""
+    counts = counts if count and not margin else None
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
         return triton_router_norm_from_shares(
-            shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts=counts if count else None
+            shares, b_down, w_up, b_up, x, delta, norm_w, eps, margin=margin, counts=counts
         )
-    execute, x_new, h = torch_router_norm_from_shares(shares, b_down, w_up, b_up, x, delta, norm_w, eps)
-    torch_count(execute, counts if count else None)
+    execute, x_new, h = torch_router_norm_from_shares(shares, b_down, w_up, b_up, x, delta, norm_w, eps, margin=margin)
+    torch_count(execute, counts)
     return execute, x_new, h
+
+
+def _fake_consensus(margin, valid, batch, cap, quorum, share_set, counts, count, backend="auto"):
+    return margin.new_empty(margin.shape, dtype=torch.bool)
+
+
+@_operator(_fake_consensus, mutates=("counts",))
+def consensus_decide(
+    margin: torch.Tensor,
+    valid: torch.Tensor | None,
+    batch: int,
+    cap: int,
+    quorum: float,
+    share_set: bool,
+    counts: torch.Tensor,
+    count: bool,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``margin: [B * T, G]`` (fp32, as the router ops give them with ``margin``; row ``b * T + t``) ->
+    the execute mask ``[B * T, G]`` (bool) under batch consensus (``kernels/consensus.py``: at most
+    ``cap`` groups a position, with at least ``quorum`` of its real tokens' votes, the whole set run
+    by every token with ``share_set``); ``valid: [B * T]`` the real tokens (None: all); with ``count``
+    the real tokens and the groups they run are added to ``counts``."""
+    counts = counts if count else None
+    if _choose(backend, "router", margin.shape[0], margin) == "triton":
+        return triton_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid, counts=counts)
+    check_consensus(margin, batch, cap, quorum, valid)
+    execute = torch_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid)
+    if counts is not None:
+        real = execute if valid is None else execute & valid[:, None]
+        counts[0].add_(margin.shape[0] if valid is None else valid.sum(dtype=torch.float64))
+        counts[1].add_(real.sum(dtype=torch.float64))
+    return execute
 
 
 @_operator(

@@ -62,16 +62,21 @@ def torch_router_decide(
     b_up: torch.Tensor,
     *,
     as_bool: bool = False,
+    margin: bool = False,
 ) -> torch.Tensor:
     """Reference: exactly ``decide(GroupRouter(x), sample=False)`` for a 2-D ``x`` (as a bool mask
-    with ``as_bool``)."""
-    return _decide(torch.nn.functional.linear(x.float(), w_down, b_down), w_up, b_up, as_bool)
+    with ``as_bool``; the margins with ``margin``)."""
+    return _decide(torch.nn.functional.linear(x.float(), w_down, b_down), w_up, b_up, as_bool, margin)
 
 
-def _decide(z: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, as_bool: bool) -> torch.Tensor:
+def _decide(
+    z: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, as_bool: bool, margin: bool = False
+) -> torch.Tensor:
     """The references' second step: the bottleneck ``z: [M, R]`` -> both logits of each group,
-    compared (1.0 / True where the group executes)."""
+    compared (1.0 / True where the group executes), or (``margin``) their difference (fp32)."""
     logits = torch.nn.functional.linear(z, w_up, b_up).unflatten(-1, (w_up.shape[0] // 2, 2))
+    if margin:
+        return logits[..., 0] - logits[..., 1]
     execute = logits[..., 1] <= logits[..., 0]
     return execute if as_bool else execute.to(logits.dtype)
 
@@ -99,22 +104,30 @@ def torch_router_norm_from_shares(
     delta: torch.Tensor,
     norm_w: torch.Tensor,
     eps: float,
+    *,
+    margin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference: ``(execute [M, G] bool, x_new, h)`` (module docstring)."""
+    """Reference: ``(execute [M, G] bool, x_new, h)`` (module docstring; the margins with ``margin``)."""
     x_new = x + delta
     return (
-        torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True),
+        torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=not margin, margin=margin),
         x_new,
         torch_rms_norm(x_new, norm_w, eps),
     )
 
 
 def torch_router_decide_from_shares(
-    shares: torch.Tensor, b_down: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor, *, as_bool: bool = False
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor,
+    *,
+    as_bool: bool = False,
+    margin: bool = False,
 ) -> torch.Tensor:
     """Reference: the decision from the bottleneck's shares ``[S, M, R]`` (summed, then as
     :func:`torch_router_decide` from its bottleneck on)."""
-    return _decide(shares.sum(0) + b_down, w_up, b_up, as_bool)
+    return _decide(shares.sum(0) + b_down, w_up, b_up, as_bool, margin)
 
 
 if triton is not None:
@@ -152,9 +165,10 @@ if triton is not None:
     @triton.jit
     def _router_decide_store(
         z, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
-        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr, MARGIN: tl.constexpr,
     ):  # fmt: skip
         # both logits of the groups of ``group_block`` from the bottleneck z (its bias added here), compared
+        # (MARGIN: their difference stored instead, execute minus skip)
         z += tl.load(bd_ptr + rs, mask=r_ok, other=0.0)[None, :]
         gs = group_block * BLOCK_G + tl.arange(0, BLOCK_G)
         g_ok = gs < G
@@ -167,7 +181,9 @@ if triton is not None:
         l_skip += tl.load(bu_ptr + 2 * gs + 1, mask=g_ok, other=0.0)[None, :]
         execute = tl.where(l_skip <= l_exec, 1.0, 0.0)
         in_tile = row_ok[:, None] & g_ok[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + gs[None, :], execute, mask=in_tile)
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + gs[None, :], l_exec - l_skip if MARGIN else execute, mask=in_tile
+        )
         if COUNT:
             executed = tl.sum(tl.sum(tl.where(in_tile, execute, 0.0), axis=1), axis=0)
             _count(cnt_ptr, tl.sum(row_ok.to(tl.float32), axis=0), executed, group_block == 0)
@@ -190,7 +206,7 @@ if triton is not None:
     def triton_router_finish_kernel(
         ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-        COUNT: tl.constexpr,
+        COUNT: tl.constexpr, MARGIN: tl.constexpr,
     ):  # fmt: skip
         # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
         # the loads are independent and issued together), then the decision
@@ -201,13 +217,14 @@ if triton is not None:
             z += tl.load(share, mask=row_ok[:, None] & r_ok[None, :], other=0.0)
         _router_decide_store(
             z, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, tl.program_id(1),
-            DOT_PRECISION, BLOCK_G, COUNT,
+            DOT_PRECISION, BLOCK_G, COUNT, MARGIN,
         )  # fmt: skip
 
     @triton.jit
     def triton_router_shares_kernel(
         sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, S, M, R, G, stride_om,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr,
+        MARGIN: tl.constexpr,
     ):  # fmt: skip
         # program (token m, group block): the token's shares summed in one load (a tree over S), the
         # bottleneck's bias added, both logits of the block's groups on the CUDA cores in fp32, compared
@@ -227,7 +244,7 @@ if triton is not None:
         l_exec = tl.sum(w_exec * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs, mask=g_ok, other=0.0)
         l_skip = tl.sum(w_skip * z[None, :], axis=1) + tl.load(bu_ptr + 2 * gs + 1, mask=g_ok, other=0.0)
         execute = tl.where(l_skip <= l_exec, 1.0, 0.0)
-        tl.store(out_ptr + m * stride_om + gs, execute, mask=g_ok)
+        tl.store(out_ptr + m * stride_om + gs, l_exec - l_skip if MARGIN else execute, mask=g_ok)
         if COUNT:
             one = tl.full([], 1.0, tl.float32)
             _count(cnt_ptr, one, tl.sum(tl.where(g_ok, execute, 0.0), axis=0), tl.program_id(1) == 0)
@@ -237,7 +254,7 @@ if triton is not None:
         sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr,
         S, M, R, G, D, stride_om, eps,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        COUNT: tl.constexpr,
+        COUNT: tl.constexpr, MARGIN: tl.constexpr,
     ):  # fmt: skip
         # program (token m, j): j below the group blocks decides as triton_router_shares_kernel does;
         # the last j adds the token's row to the residual and normalises it
@@ -245,7 +262,7 @@ if triton is not None:
         if tl.program_id(1) < tl.cdiv(G, BLOCK_G):
             triton_router_shares_kernel(
                 sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, S, M, R, G, stride_om, BLOCK_S, BLOCK_R, BLOCK_G,
-                COUNT,
+                COUNT, MARGIN,
             )  # fmt: skip
         else:
             ds = tl.arange(0, BLOCK_D)
@@ -279,6 +296,12 @@ def _check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
         )
 
 
+def _check_margin(margin: bool, counts: torch.Tensor | None) -> None:
+    """Margins are fp32 and not a decision: neither a bool mask nor counted."""
+    if margin and counts is not None:
+        raise ValueError("margins are not a decision: counts must be None with margin=True")
+
+
 def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     """Shares of D for the bottleneck product: at decode sizes one token block is one program,
     which alone would stream all of the fp32 ``w_down``, so D is spread over
@@ -307,6 +330,7 @@ def triton_router_decide(
     block_m: int | None = None,
     block_k: int | None = None,
     as_bool: bool = False,
+    margin: bool = False,
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide` for any M: the bottleneck over ``split`` shares of
@@ -335,6 +359,8 @@ def triton_router_decide(
         raise ValueError(f"split must be >= 1, got {split}")
     _check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
     _check_counts(counts, x.device)
+    _check_margin(margin, counts)
+    as_bool = as_bool and not margin  # (the margins are fp32)
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
@@ -359,6 +385,7 @@ def triton_router_decide(
     triton_router_finish_kernel[grid](
         ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
+        MARGIN=margin,
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -391,18 +418,22 @@ def triton_router_decide_from_shares(
     *,
     block_g: int = 32,
     as_bool: bool = False,
+    margin: bool = False,
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
     ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
-    its token). ``counts``: as :func:`triton_router_decide`'s."""
+    its token). ``margin`` and ``counts``: as :func:`triton_router_decide`'s."""
     s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
+    _check_margin(margin, counts)
+    as_bool = as_bool and not margin  # (the margins are fp32)
     shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=shares.device)
     if m:
         triton_router_shares_kernel[(m, cdiv(groups, block_g))](
             shares, b_down, w_up, b_up, out, out if counts is None else counts, s, m, r, groups, out.stride(0),
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, COUNT=counts is not None,
+            MARGIN=margin,
         )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -418,12 +449,15 @@ def triton_router_norm_from_shares(
     eps: float,
     *,
     block_g: int = 32,
+    margin: bool = False,
     counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`torch_router_norm_from_shares`, in one launch: program (token, ``block_g``
-    groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``), one
-    program a token adds and normalises its row. Made for decode sizes."""
+    groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``; or
+    stores the margins, fp32, with ``margin``), one program a token adds and normalises its row. Made
+    for decode sizes."""
     s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
+    _check_margin(margin, counts)
     if (
         x.dim() != 2
         or x.shape[0] != m
@@ -436,13 +470,13 @@ def triton_router_norm_from_shares(
     shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
     x, delta, norm_w = x.contiguous(), delta.contiguous(), norm_w.contiguous()
     d = x.shape[1]
-    out = torch.empty((m, groups), dtype=torch.uint8, device=shares.device)
+    out = torch.empty((m, groups), dtype=torch.float32 if margin else torch.uint8, device=shares.device)
     x_new, h = torch.empty_like(x), torch.empty_like(x)
     if m:
         triton_router_norm_shares_kernel[(m, cdiv(groups, block_g) + 1)](
             shares, b_down, w_up, b_up, out, out if counts is None else counts, x, delta, norm_w, x_new, h,
             s, m, r, groups, d, out.stride(0), eps,
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
-            COUNT=counts is not None,
+            COUNT=counts is not None, MARGIN=margin,
         )  # fmt: skip
-    return out.view(torch.bool), x_new, h
+    return (out if margin else out.view(torch.bool)), x_new, h

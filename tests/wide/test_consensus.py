@@ -1,0 +1,169 @@
+"""Batch-consensus routing: the decision's kernel against its two references (odd shapes, all-off,
+all-on, ragged real tokens), a batch of one as per-token routing, WIDE's runtime blocks under consensus
+against the routed modules under the same rule (the teacher-forced simulation evaluation scores),
+training with the consensus in the loop, and the option's bad values."""
+
+import itertools
+
+import pytest
+import torch
+
+from compresskit import plugins
+from compresskit.interfaces import RunContext
+from compresskit.modeling import load_model
+from compresskit.routing import Consensus, consensus_execute, routed_projections, set_consensus
+from compresskit.runtime import Runtime
+from compresskit_wide.kernels.consensus import torch_consensus, triton_consensus
+
+
+def _margins(b, t, g, kind, gen):
+    if kind == "off":
+        return -torch.rand(b, t, g, generator=gen) - 0.25
+    if kind == "on":
+        return torch.rand(b, t, g, generator=gen)
+    return torch.randint(-8, 9, (b, t, g), generator=gen).float() / 4  # exact sums: ties broken the same way
+
+
+@pytest.mark.parametrize(("b", "t", "g"), [(1, 3, 5), (2, 1, 3), (5, 3, 12), (3, 2, 7), (9, 1, 33)])
+@pytest.mark.parametrize("kind", ["ragged", "off", "on"])
+def test_consensus_kernel_matches_both_references(b, t, g, kind):
+    gen = torch.Generator().manual_seed(b * 100 + t * 10 + g)
+    margin = _margins(b, t, g, kind, gen)
+    valid = torch.rand(b, t, generator=gen) > 0.3
+    for (budget, quorum, share), real in itertools.product(
+        itertools.product([1.0, 0.5, 0.2], [0.0, 0.5, 1.0], ["set", "own"]), [None, valid]
+    ):
+        rule = Consensus(budget, quorum, share)
+        want = consensus_execute(margin, margin >= 0, real, rule).reshape(b * t, g)
+        flat = None if real is None else real.reshape(-1)
+        kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set", "valid": flat}
+        ref = torch_consensus(margin.reshape(-1, g), b, **kw)
+        counts = torch.zeros(2, dtype=torch.float64)
+        got = triton_consensus(margin.reshape(-1, g), b, counts=counts, **kw)
+        rows = torch.ones(b * t, dtype=torch.bool) if flat is None else flat
+        assert torch.equal(ref[rows], want[rows]) and torch.equal(got[rows], want[rows]), (budget, quorum, share)
+        assert counts.tolist() == [rows.sum().item(), got[rows].sum().item()]
+
+
+def test_consensus_rule_on_a_worked_case():
+    """Four tokens, four groups: votes 4, 2, 2, 1; margin sums break the tie of groups 1 and 2."""
+    margin = torch.tensor(
+        [[1.0, 1.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0], [1.0, -1.0, 3.0, -1.0], [1.0, -1.0, 3.0, 1.0]]
+    ).view(4, 1, 4)
+    own = margin >= 0
+    assert consensus_execute(margin, own, None, Consensus(quorum=0.5))[0, 0].tolist() == [True, True, True, False]
+    # the tie of groups 1 and 2 (2 votes each) goes to group 2 (margin sum 4 against 0)
+    assert consensus_execute(margin, own, None, Consensus(budget=0.5, quorum=0.0))[0, 0].tolist() == [
+        True, False, True, False,
+    ]  # fmt: skip
+    own_rule = consensus_execute(margin, own, None, Consensus(budget=0.5, quorum=0.0, share="own"))
+    assert own_rule[:, 0].tolist() == [[True, False, False, False]] * 2 + [[True, False, True, False]] * 2
+    # a single real token keeps its own decision, whatever the budget
+    one = consensus_execute(margin, own, torch.tensor([[False], [False], [True], [False]]), Consensus(budget=0.25))
+    assert one[2, 0].tolist() == own[2, 0].tolist()
+
+
+@pytest.mark.parametrize("value", [{"budget": 0.0}, {"budget": 1.5}, {"quorum": -0.1}, {"share": "all"}])
+def test_bad_consensus_values_are_refused(value):
+    with pytest.raises(ValueError, match=next(iter(value))):
+        Consensus(**value)
+    cls = plugins.load("executor", "wide-triton")
+    with pytest.raises(ValueError, match=next(iter(value))):
+        cls.Config(consensus=value)
+
+
+def _wide_model(tiny_model_dir):
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+    return pruner.finalize(model).eval(), pruner
+
+
+def _executor(backend="torch", **consensus):
+    cls = plugins.load("executor", "wide-triton")
+    return cls(cls.Config(backend=backend, consensus=consensus or None))
+
+
+@pytest.mark.parametrize("share", ["set", "own"])
+def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir, share):
+    """The runtime's WIDE blocks under consensus give the logits of the routed modules under the same rule
+    (the reference path that evaluation scores), at a prompt and at decode; and the rule changes them."""
+    model, pruner = _wide_model(tiny_model_dir)
+    executor = _executor(quorum=0.5, budget=0.5, share=share)
+    fast = Runtime(model, executor=executor, compile=False, graphs=False)
+    plain = Runtime(model, executor=_executor(), compile=False, graphs=False)
+    ids = torch.randint(2, 300, (3, 6), generator=torch.Generator().manual_seed(0))
+    caches = [rt.new_cache(3, 8) for rt in (fast, plain)]
+    got, per_token = (rt.forward(ids, c) for rt, c in zip((fast, plain), caches, strict=True))
+    executor.convert(model)  # the routed modules under the same rule
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, per_token, atol=1e-3)
+    token = torch.tensor([7, 8, 9])
+    with torch.no_grad():
+        want = model(torch.cat([ids, token[:, None]], 1)).logits[:, -1]
+    torch.testing.assert_close(fast.decode(token, caches[0]), want, rtol=1e-5, atol=1e-5)
+    set_consensus(model, None)
+
+
+def test_a_batch_of_one_under_consensus_is_per_token_routing(tiny_model_dir):
+    model, pruner = _wide_model(tiny_model_dir)
+    ids = torch.randint(2, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for executor in (_executor(budget=0.1, quorum=1.0), _executor()):
+        rt = Runtime(model, executor=executor, compile=False, graphs=False)
+        cache = rt.new_cache(1, 10)
+        outs.append((rt.forward(ids, cache), rt.decode(torch.tensor([5]), cache)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_consensus_counts_what_ran(tiny_model_dir):
+    """Under ``share: set`` every token of a position runs the same groups: the counted sparsity is the set's."""
+    model, pruner = _wide_model(tiny_model_dir)
+    rt = Runtime(model, executor=_executor(quorum=1.0), compile=False, graphs=False)
+    cache = rt.new_cache(4, 3)
+    rt.forward(torch.randint(2, 300, (4, 2), generator=torch.Generator().manual_seed(3)), cache)
+    plain = Runtime(model, executor=_executor(), compile=False, graphs=False)
+    plain.forward(torch.randint(2, 300, (4, 2), generator=torch.Generator().manual_seed(3)), plain.new_cache(4, 3))
+    agreed = [blk.stat_skipped / (blk.stat_tokens * blk.groups) for blk in rt.stat_blocks()]
+    own = [blk.stat_skipped / (blk.stat_tokens * blk.groups) for blk in plain.stat_blocks()]
+    # a unanimous quorum keeps only what every token wants: more skipped than per token
+    assert all(a >= o for a, o in zip(agreed, own, strict=True)) and sum(agreed) > sum(own)
+
+
+def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
+    """The same on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
+    give margins, the consensus kernel decides, the products run the shared sets."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, pruner = _wide_model(tiny_model_dir)
+    model = model.to(device)
+    executor = _executor("triton", quorum=0.5, budget=0.75)
+    fast = Runtime(model, executor=executor, compile=False, graphs=False)
+    ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
+    cache = fast.new_cache(3, 7)
+    got = [fast.forward(ids, cache), fast.decode(torch.tensor([7, 8, 9], device=device), cache)]
+    executor.convert(model)
+    with torch.no_grad():
+        full = model(torch.cat([ids, torch.tensor([[7], [8], [9]], device=device)], 1)).logits
+    torch.testing.assert_close(got[0], full[:, :5], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], full[:, 5], rtol=1e-4, atol=1e-4)
+    set_consensus(model, None)
+
+
+def test_training_with_consensus_in_the_loop(tiny_model_dir):
+    """In training, the forward runs the batch's consensus of the sampled decisions; the routers still get a
+    gradient (straight through the tokens' own samples)."""
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
+    model.train()
+    assert set_consensus(model, Consensus(quorum=0.5)) > 0
+    ids = torch.randint(2, 300, (4, 6), generator=torch.Generator().manual_seed(0))
+    model(ids).logits.sum().backward()
+    proj = next(p for _, p in routed_projections(model) if p.router is not None)
+    execute = 1.0 - proj.last_skip  # [B, T, G]: one set a position
+    assert torch.equal(execute, execute[:1].expand_as(execute))
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
