@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from compresskit import artifacts, distributed
-from compresskit.bench import measure_speed, unmeasured_reason
+from compresskit import artifacts, distributed, plugins
+from compresskit.bench import consensus_executor, measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
@@ -570,10 +570,14 @@ def eval_model(
     output_dir: str | Path | None = None,
     progress: Progress | None = None,
     field: str = "model_ref",
+    consensus=None,
 ) -> dict[str, Any]:
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
-    about ``model_ref`` name it as ``field`` (the CLI passes its argument's name)."""
+    about ``model_ref`` name it as ``field`` (the CLI passes its argument's name). ``consensus`` (a
+    ``routing.ConsensusConfig``): score a routed model under batch-consensus routing, each evaluation
+    batch of ``evaluation.batch_size`` sequences deciding together (the teacher-forced simulation of
+    decoding that many sequences at once)."""
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
@@ -581,7 +585,16 @@ def eval_model(
         artifacts.check_creatable(Path(output_dir), "output directory (--output)")
     check_lm_eval_tasks(evaluation)
     path = Path(model_ref).expanduser()
-    if path.is_dir() and (path / artifacts.MANIFEST).is_file():
+    saved = path.is_dir() and (path / artifacts.MANIFEST).is_file()
+    if consensus is not None:  # (checked before the model loads)
+        name = (artifacts.read_manifest(path).get("pruner") or {}).get("name") if saved else None
+        if name is None:
+            raise CompressKitError(
+                f"--consensus: {model_ref} is no saved run of a routing pruner, so it has no routers to agree; "
+                "batch consensus routes a run of wide"
+            )
+        executor_cls = consensus_executor(plugins.load("pruner", name))
+    if saved:
         model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)
         manifest = artifacts.read_manifest(path)
         base = manifest["base_model"]
@@ -591,19 +604,25 @@ def eval_model(
         model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
         pruner, pruner_name, base = None, None, model_ref
     resolve_engine(model, evaluation)
+    executor = None
+    if consensus is not None:
+        executor = executor_cls(executor_cls.Config(consensus=consensus))
+        executor.convert(model)  # the routed modules decide under the rule too
     documents = load_documents(data_section)
     write_generated(documents, model, tokenizer, model_id=model_ref, progress=progress)
     seed_everything(evaluation.seed)
     with progress.task("preparing the text"):
         dm = DataModule.from_section(tokenizer, data_section, documents)
         split = dm.split_info()
-    ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, progress=progress)
+    ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, executor=executor, progress=progress)
     param = next(model.parameters())
     recipe = {
         "eval": model_ref,
         "evaluation": evaluation.model_dump(mode="json"),
         "data": data_section.model_dump(mode="json"),
     }
+    if consensus is not None:
+        recipe["consensus"] = consensus.model_dump(mode="json")
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     n_params = count_parameters(model)
     results = build_results(

@@ -62,22 +62,28 @@ SHAPES = {
 }  # fmt: skip
 
 
-def shape_config(name: str, *, half: bool = False):
+HALVES = {True: "ideal half-width", "kv": "ideal half-width, half K/V"}  # shape_model's half -> the row's name
+
+
+def shape_config(name: str, *, half: bool | str = False):
     """The ``LlamaConfig`` of the known configuration ``name``; ``half``: the ideal half-width model's
-    (half the query heads and FFN channels, K/V heads kept; a ValueError where the heads do not halve)."""
+    (half the query heads and FFN channels, K/V heads kept; a ValueError where the heads do not halve);
+    ``half="kv"``: that with half the K/V heads too (the bound where attention skips K/V reads)."""
     from transformers import LlamaConfig
 
     shape = dict(SHAPES[name])
     if half:
         heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-        if heads % 2 or (heads // 2) % kv:
-            raise ValueError(f"--shape {name}: {heads} query heads over {kv} KV heads have no half-width model")
+        kv_half = kv // 2 if half == "kv" else kv
+        if heads % 2 or (half == "kv" and kv % 2) or (heads // 2) % kv_half:
+            raise ValueError(f"--shape {name}: {heads} query heads over {kv} KV heads have no {HALVES[half]} model")
         shape["num_attention_heads"] = heads // 2
+        shape["num_key_value_heads"] = kv_half
         shape["intermediate_size"] = shape["intermediate_size"] // 2
     return LlamaConfig(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, **shape)
 
 
-def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
+def shape_model(name: str, *, device, dtype, half: bool | str = False, seed: int = 0):
     """A Llama model of the known configuration ``name`` with random weights; ``half``: the ideal
     half-width model, the bound of width pruning at 50% on the same runtime."""
     from transformers import AutoModelForCausalLM
@@ -92,18 +98,19 @@ def shape_model(name: str, *, device, dtype, half: bool = False, seed: int = 0):
 def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | None = None) -> tuple[int, list[str]]:
     """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
     the models that make it up)``: the model (a routing pruner's routers add well under 1%), the ideal half-width
-    model where the shape has one, and with ``transformers="static"`` a dense copy of the model."""
+    models where the shape has them, and with ``transformers="static"`` a dense copy of the model."""
 
     def params(config) -> int:
         return sum(p.numel() for p in meta_model(config).parameters())
 
     full = params(shape_config(name))
     total, models = full, ["the model"]
-    try:
-        total += params(shape_config(name, half=True))
-        models.append("the ideal half-width model")
-    except ValueError:
-        pass
+    for half, row in HALVES.items():
+        try:
+            total += params(shape_config(name, half=half))
+            models.append(f"the {row} model")
+        except ValueError:
+            pass
     if transformers == "static":
         total += full
         models.append("a dense copy for transformers")
@@ -165,11 +172,20 @@ def routed_pruner(method: str):
 
 
 def shape_members(
-    shape: str, *, method: str, sparsity: float, device, dtype, transformers: str | None = None, **options
+    shape: str,
+    *,
+    method: str,
+    sparsity: float,
+    device,
+    dtype,
+    transformers: str | None = None,
+    consensus: list[dict] = (),
+    **options,
 ) -> list:
     """The bench's members for a known ``shape`` (random weights): the routing pruner ``method`` (a
     plugin name) applied with untrained routers calibrated to skip ``sparsity`` of each router's groups
-    ("compressed"), the same weights dense, the ideal half-width model where the shape has one, and
+    ("compressed"), the same model under each ``consensus`` rule (:func:`consensus_members`), the same
+    weights dense, the ideal half-width models where the shape has them (:data:`HALVES`), and
     with ``transformers`` ("dynamic" or "static", its cache) the dense model through transformers'
     ``generate`` (with the dynamic cache the routed model seen dense, no copy; with the static cache,
     which ``generate`` compiles on a GPU, a dense copy of the same weights, so that nothing routed is
@@ -181,18 +197,73 @@ def shape_members(
     model = pruner.finalize(model)
     calibrate_routers(model, sparsity)
     members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+    members += consensus_members(model, pruner, consensus, **options)
     members.append(Member("dense", model, Runtime(model, dense=True, **options)))
-    try:
-        half = shape_model(shape, device=device, dtype=dtype, half=True)
-        members.append(Member("ideal half-width", half, Runtime(half, **options)))
-    except ValueError:
-        pass  # no half-width model of this shape (odd heads per KV head)
+    for half, row in HALVES.items():
+        try:
+            small = shape_model(shape, device=device, dtype=dtype, half=half)
+            members.append(Member(row, small, Runtime(small, **options)))
+        except ValueError:
+            pass  # no such half-width model of this shape (odd heads per KV head)
     if transformers == "dynamic":
         members.append(Member("dense (transformers)", model, transformers="dynamic"))
     elif transformers == "static":
         dense = shape_model(shape, device=device, dtype=dtype)  # the same seed: the same weights
         members.append(Member("dense (transformers, static cache)", dense, transformers="static"))
     return members
+
+
+def consensus_label(spec: dict) -> str:
+    """The bench row of a consensus rule: ``consensus (quorum 0.5, budget 0.6)``."""
+    return "consensus (" + ", ".join(f"{k} {v}" for k, v in spec.items()) + ")"
+
+
+def consensus_executor(pruner_cls):
+    """The executor class whose runtime blocks route ``pruner_cls``'s models by batch consensus (its
+    ``runtime_executor``, where that takes a ``consensus`` rule); a ``CompressKitError`` otherwise."""
+    name = getattr(pruner_cls, "runtime_executor", None)
+    cls = plugins.load("executor", name) if name else None
+    if cls is None or "consensus" not in cls.Config.model_fields:
+        raise CompressKitError(
+            f"--consensus: {pruner_cls.__name__} has no batch-consensus routing on the runtime (its executor "
+            f"{name or '(none)'} takes no consensus rule; the wide pruner's does)"
+        )
+    return cls
+
+
+def consensus_members(model, pruner, specs: list[dict], **options) -> list:
+    """A member per batch-consensus rule in ``specs`` (the executor's ``consensus`` settings): the routed
+    ``model`` on the runtime blocks of its pruner's executor configured with that rule. A
+    ``CompressKitError`` where the pruner's executor has no such option."""
+    if not specs:
+        return []
+    cls = consensus_executor(type(pruner))
+    members = []
+    for spec in specs:
+        executor = cls(cls.Config(consensus=spec))
+        members.append(
+            Member(consensus_label(spec), model, runtime_for(model, pruner, executor=executor, **options), pruner)
+        )
+    return members
+
+
+CELL_SLACK = 1 << 30  # bytes a cell needs beyond its cache and activations: workspaces, compilation, graph bookkeeping
+
+
+def cell_bytes(config, batch: int, prompt: int, new_tokens: int, dtype: torch.dtype) -> dict[str, int]:
+    """An estimate of what one bench cell needs on top of the weights: the KV cache (slots rounded up to
+    256, as the runtime allocates them) and the prefill's largest activations (the residual, q/k/v, the
+    FFN's gate, up and product for every prompt token: what a captured prefill graph's pool holds), plus
+    the last position's fp32 logits and ``CELL_SLACK``."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    slots = -(-(prompt + new_tokens) // 256) * 256
+    item = dtype.itemsize
+    kv = 2 * config.num_hidden_layers * batch * kv_heads * slots * head_dim * item
+    per_token = 3 * config.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size
+    act = batch * prompt * per_token * item + batch * config.vocab_size * 4
+    return {"kv": kv, "activations": act, "total": kv + act + CELL_SLACK}
 
 
 @torch.inference_mode()
@@ -308,14 +379,36 @@ class Member:
 
 
 def bench(
-    members: list[Member], *, batches: list[int], prompts: list[int], new_tokens: int, repeats: int, progress=None
+    members: list[Member],
+    *,
+    batches: list[int],
+    prompts: list[int],
+    new_tokens: int,
+    repeats: int,
+    progress=None,
+    skipped=None,
 ) -> list[Row]:
-    """A row per member for each batch and prompt, the members timed one after another per case."""
+    """A row per member for each batch and prompt, the members timed one after another per case, each
+    runtime's caches and graphs released before the next member runs (one model's working memory on the
+    device at a time). A case whose estimate (:func:`cell_bytes`) exceeds the free memory is skipped with
+    one line to ``skipped`` (a callable taking it), the others run."""
     rows = []
     cases = [(b, p) for b in batches for p in prompts]
+    param = next(members[0].model.parameters())
     task_cm = progress.task("benchmarking", total=len(cases) * len(members)) if progress else contextlib.nullcontext()
     with task_cm as task:
         for b, p in cases:
+            need = cell_bytes(members[0].model.config, b, p, new_tokens, param.dtype)
+            free = available_bytes(param.device)
+            if need["total"] > free:
+                if skipped is not None:
+                    skipped(
+                        f"batch {b} x prompt {p}: skipped, it needs about {size(need['total'])} (KV cache "
+                        f"{size(need['kv'])}, activations {size(need['activations'])}) and {size(free)} is free"
+                    )
+                if task is not None:
+                    task.advance(len(members))
+                continue
             for m in members:
                 if m.transformers:
                     ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats, cache=m.transformers)
@@ -324,6 +417,7 @@ def bench(
                     reset_counts(m.runtime, m.model, m.pruner)
                     ttft, tpot = time_runtime(m.runtime, b, p, new_tokens, repeats)
                     sparsity = realised_sparsity(m.runtime, m.model, m.pruner)
+                    m.runtime.release()
                 rows.append(
                     Row(
                         m.name,

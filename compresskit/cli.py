@@ -325,6 +325,8 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         SHAPES,
         Member,
         bench,
+        consensus_executor,
+        consensus_members,
         markdown,
         routed_pruner,
         shape_members,
@@ -346,7 +348,10 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     if not 0.0 <= args.sparsity < 1.0:
         raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
     if args.shape is not None:
-        routed_pruner(args.method)  # a name that is no routing pruner: one line, before anything is built
+        method = routed_pruner(args.method)  # a name that is no routing pruner: one line, before anything is built
+        if args.consensus:
+            consensus_executor(method)
+    consensus = [_consensus_rule(text) for text in args.consensus]
     if args.output is not None:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
@@ -377,6 +382,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             device=device,
             dtype=dtype,
             transformers=None if args.transformers == "off" else args.transformers,
+            consensus=consensus,
             **options,
         )
         model, base = members[0].model, args.shape
@@ -385,6 +391,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
         dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
         members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+        members += consensus_members(model, pruner, consensus, **options)
         members.append(Member("dense", dense, Runtime(dense, **options)))
         if args.transformers != "off":
             name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
@@ -397,7 +404,10 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         new_tokens=args.new_tokens,
         repeats=args.repeats,
         progress=_progress(err),
+        skipped=lambda line: _plain(err, line),
     )
+    if not rows:
+        raise CompressKitError("compresskit bench: no case fits this device's free memory (the lines above say why)")
     records = speedups(rows)
     device = next(model.parameters()).device
     meta = {
@@ -436,6 +446,26 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def _consensus_rule(text: str) -> dict:
+    """``--consensus quorum=0.5,budget=0.6`` -> the executor's consensus settings, checked by its config."""
+    from pydantic import ValidationError
+
+    from compresskit.recipe import format_validation_error
+    from compresskit.routing import ConsensusConfig
+
+    spec: dict[str, Any] = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise CompressKitError(f"--consensus {text}: {part!r} is no KEY=VALUE pair (e.g. quorum=0.5,budget=0.6)")
+        spec[key.strip()] = value.strip()
+    try:
+        rule = ConsensusConfig(**spec)
+    except ValidationError as exc:
+        raise CompressKitError(f"--consensus {text}: {format_validation_error(exc, ConsensusConfig)}") from None
+    return {k: getattr(rule, k) for k in spec}
+
+
 def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -463,6 +493,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
         "num_fewshot",
         "task_paths",
         "engine",
+        "logits_budget_mb",
     ):
         if getattr(args, key) is not None:
             fields[key] = getattr(args, key)
@@ -471,8 +502,14 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     except ValidationError as exc:
         flags = {key: "--" + key.replace("_", "-").removesuffix("s" if key == "task_paths" else "") for key in fields}
         raise RecipeError(format_validation_error(exc, EvaluationSection, names=flags)) from None
+    consensus = None
+    if args.consensus is not None:
+        from compresskit.routing import ConsensusConfig
+
+        consensus = ConsensusConfig(**_consensus_rule(args.consensus))
     results = eval_model(
         args.model,
+        consensus=consensus,
         evaluation=evaluation,
         data=DataSection(),
         dtype=args.dtype,
@@ -693,6 +730,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time the dense model through transformers' generate: with its dynamic cache (eager), with a "
         "static cache (generate compiles it on a GPU), or not",
     )
+    p.add_argument(
+        "--consensus",
+        action="append",
+        default=[],
+        metavar="RULE",
+        help="also time the routed model under batch-consensus routing, e.g. quorum=0.5,budget=0.6 (the wide-triton "
+        "executor's consensus settings: quorum, budget, share); repeat for several rules",
+    )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=32, dest="new_tokens")
@@ -720,6 +765,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")
     p.add_argument("--batch-size", type=int, dest="batch_size")
     p.add_argument("--max-length", type=int, dest="max_length")
+    p.add_argument(
+        "--logits-budget-mb",
+        type=int,
+        dest="logits_budget_mb",
+        help="memory for one batch's log-probabilities; a batch that would need more is made smaller",
+    )
+    p.add_argument(
+        "--consensus",
+        metavar="RULE",
+        help="score a saved routing run under batch-consensus routing, e.g. quorum=0.5,budget=0.6: each batch of "
+        "--batch-size sequences decides together, as a served batch decoding that many would",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--output", help="directory for results.json and results.md")

@@ -604,6 +604,16 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
         )
     pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
     training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
+    for stage in training:
+        if getattr(stage.config, "consensus", None) is not None:
+            from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
+
+            if pruner is None or not issubclass(pruner.cls, RoutedPruner):
+                has = f"pruner {pruner.name!r} has" if pruner else "the recipe has no pruner, so it has"
+                raise RecipeError(
+                    f"{stage.path}.config.consensus: batch consensus trains routers, and {has} none; "
+                    "drop it, or use a routing pruner (wide, dynamic-depth)"
+                )
     executor = validate_plugin("executor", recipe.executor, "executor")
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 

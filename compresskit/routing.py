@@ -25,10 +25,11 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from compresskit.errors import ArtifactError
-from compresskit.interfaces import Pruner
+from compresskit.interfaces import PluginConfig, Pruner
 from compresskit.modeling import replace_module
 from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, BlockCount, SparsityReport, layer_linear_macs
 from compresskit.tokens import declared_mask, mask_for
@@ -99,6 +100,27 @@ class Consensus:
     def cap(self, groups: int) -> int:
         """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
         return max(1, math.ceil(self.budget * groups - 1e-9))
+
+
+class ConsensusConfig(PluginConfig):
+    """A :class:`Consensus` rule as a recipe, a stage or a command gives it."""
+
+    quorum: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="a group joins the batch's shared set when at least this share of the position's real "
+        "tokens would run it (at least one token)",
+    )
+    budget: float = Field(
+        1.0, gt=0.0, le=1.0, description="the shared set holds at most this share of a router's groups (rounded up)"
+    )
+    share: Literal["set", "own"] = Field(
+        "set", description="set: every token runs the whole shared set; own: its own choices within it"
+    )
+
+    def rule(self) -> Consensus:
+        return Consensus(budget=self.budget, quorum=self.quorum, share=self.share)
 
 
 def consensus_keep(

@@ -40,6 +40,7 @@ from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
+from compresskit.routing import ConsensusConfig, set_consensus
 from compresskit.modeling import replace_module
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
@@ -74,6 +75,12 @@ class TrainStageConfig(PluginConfig):
     )
     distill: DistillConfig | None = Field(
         None, description="Also learn the dense model's next-token distributions (KL; see compresskit.distill)."
+    )
+    consensus: ConsensusConfig | None = Field(
+        None,
+        description="Train with batch-consensus routing in the loop (compresskit.routing.Consensus): at each position "
+        "the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's groups, "
+        "so that the routers learn to agree. Needs a routing pruner.",
     )
 
     @model_validator(mode="after")
@@ -132,6 +139,11 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
+        if c.consensus is not None and not set_consensus(model, c.consensus.rule()):
+            raise RecipeError(
+                f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
+                "(a routing pruner: wide, dynamic-depth)"
+            )
         trainable = {id(p) for p in params}
         for p in model.parameters():
             p.requires_grad_(id(p) in trainable)
@@ -277,6 +289,8 @@ class RouterTrainer(Trainer):
             raise
         finally:
             model.eval()
+            if c.consensus is not None:
+                set_consensus(model, None)  # the stage's rule; evaluation and the runtime take their own
         spent = totals()
         if spent.peak_memory_bytes is not None and progress is not None:
             peak_gib = spent.peak_memory_bytes / 2**30

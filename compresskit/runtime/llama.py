@@ -13,6 +13,7 @@ padding.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -235,6 +236,15 @@ class Runtime:
             cos, sin = self.rotary(probe, slot_ids[None])  # [1, S, D]
         pad = torch.zeros(batch, dtype=torch.long, device=self.device)
         return StaticCache(keys, values, valid, pad, cos[0], sin[0], slot_ids)
+
+    def release(self) -> None:
+        """Drop every kept cache with its captured graphs (their memory pools go with them) and hand the
+        freed memory back to the device: what a caller does before another model uses the same GPU."""
+        self._caches.clear()
+        if self.device.type == "cuda":
+            gc.collect()  # (a captured graph may sit in a reference cycle)
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _cache_for(self, batch: int, slots: int) -> StaticCache:
         """A cache of at least ``slots`` slots, reused (with its decode graph) between calls of one

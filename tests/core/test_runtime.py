@@ -256,7 +256,7 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
 def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     """``--shape``: random weights of a known configuration; a routing pruner (``--method``, found through
     the plugin registry) with its untrained routers calibrated to the asked sparsity, the same weights
-    dense, and the ideal half-width model, on one runtime. A method that is no routing pruner, or no
+    dense, and the ideal half-width models (K/V heads kept, and halved too), on one runtime. A method that is no routing pruner, or no
     pruner, is one line and exit 2."""
     import json
 
@@ -265,7 +265,9 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     code = main([*argv, "--method", "toy-router", "--transformers", "off", "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     data = json.loads((out / "bench.json").read_text())
-    assert [r["model"] for r in data["results"]] == ["compressed", "dense", "ideal half-width"]
+    assert [r["model"] for r in data["results"]] == [
+        "compressed", "dense", "ideal half-width", "ideal half-width, half K/V",
+    ]  # fmt: skip
     assert 0.1 < data["results"][0]["sparsity_macs"] < 0.4  # a quarter of the groups, on tokens not calibrated on
     assert data["meta"]["method"] == "toy-router"
     code = main(["bench", "--shape", "llama-8b"])
@@ -288,22 +290,64 @@ def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(ca
     argv = ["bench", "--shape", "llama-3.1-8b", "--device", "cpu", "--transformers", "off"]
     assert main([*argv, "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
-    assert "--shape llama-3.1-8b: its weights take 47.33 GiB in float32 (the model, the ideal half-width model)" in err
+    assert (
+        "--shape llama-3.1-8b: its weights take 64.25 GiB in float32 (the model, the ideal half-width model, the "
+        "ideal half-width, half K/V model)" in err
+    )
     assert "8.00 GiB free; give a smaller --shape (smollm2-135m, tiny)" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 40 * 2**30)
+    monkeypatch.setattr(bench_mod, "available_bytes", lambda device: 60 * 2**30)
     assert main([*argv, "--dtype", "float32"]) == 2  # in bf16 it would fit: said first
-    assert "40.00 GiB free; give --dtype bfloat16 or a smaller --shape" in capsys.readouterr().err
+    assert "60.00 GiB free; give --dtype bfloat16 or a smaller --shape" in capsys.readouterr().err
     assert main(["bench", "--shape", "smollm2-135m", "--prompt", "8190", "--new-tokens", "4"]) == 2
     assert "--prompt 8190 + --new-tokens 4 exceed the model's 8192 positions" in capsys.readouterr().err
     n, models = bench_mod.shape_weight_bytes("llama-3.2-1b", torch.bfloat16, transformers="static")
-    assert models == ["the model", "the ideal half-width model", "a dense copy for transformers"]
-    half = bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16, half=True)
-    full = bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16)
-    assert n == 2 * (2 * sum(p.numel() for p in full.parameters()) + sum(p.numel() for p in half.parameters()))
+    assert models == [
+        "the model", "the ideal half-width model", "the ideal half-width, half K/V model", "a dense copy for transformers",
+    ]  # fmt: skip
+    sizes = [
+        sum(
+            p.numel()
+            for p in bench_mod.shape_model("llama-3.2-1b", device="meta", dtype=torch.bfloat16, half=h).parameters()
+        )
+        for h in (False, True, "kv")
+    ]
+    assert n == 2 * (2 * sizes[0] + sizes[1] + sizes[2]) and sizes[2] < sizes[1]
     n, models = bench_mod.shape_weight_bytes("smollm2-135m", torch.float32)  # 9 query heads: no half-width model
     smol = bench_mod.shape_model("smollm2-135m", device="meta", dtype=torch.float32)
     assert models == ["the model"] and n == 4 * sum(p.numel() for p in smol.parameters())
+
+
+def test_bench_skips_a_cell_that_cannot_fit_and_releases_each_runtime(capsys, tmp_path, monkeypatch):
+    """A bench case whose estimate (KV cache and prefill activations) exceeds the free memory is one line
+    naming it, and the other cases run; each member's caches and graphs are released after its case."""
+    import json
+
+    import compresskit.bench as bench_mod
+    from compresskit.runtime import llama
+
+    released = []
+    monkeypatch.setattr(llama.Runtime, "release", lambda self: released.append(self))
+    real = bench_mod.available_bytes
+    monkeypatch.setattr(
+        bench_mod, "available_bytes", lambda device: real(device) if device.type == "meta" else 2 * 2**30
+    )
+    config = bench_mod.shape_config("tiny")
+    fits = bench_mod.cell_bytes(config, 2, 24, 3, torch.float32)
+    assert fits["kv"] == 2 * 2 * 2 * 2 * 256 * 8 * 4 and fits["total"] < 2 * 2**30
+    big = bench_mod.cell_bytes(config, 4096, 3000, 3, torch.float32)
+    assert big["total"] > 2 * 2**30
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--prompt", "24,3000", "--batch", "2,20000", "--new-tokens", "3"]
+    code = main([*argv, "--repeats", "1", "--method", "toy-router", "--transformers", "off", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    cases = {(r["batch"], r["prompt"]) for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert cases == {(2, 24), (2, 3000)}
+    skipped = [line for line in err.splitlines() if "skipped, it needs about" in line]
+    assert len(skipped) == 2 and skipped[0].startswith("batch 20000 x prompt 24: skipped")
+    assert "KV cache" in skipped[0] and "2.00 GiB is free" in skipped[0]
+    assert len(released) == 2 * 4  # two cases of four runtime members
 
 
 def test_generator_from_the_python_api(tiny_model_dir):

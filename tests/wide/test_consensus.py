@@ -167,3 +167,100 @@ def test_training_with_consensus_in_the_loop(tiny_model_dir):
     execute = 1.0 - proj.last_skip  # [B, T, G]: one set a position
     assert torch.equal(execute, execute[:1].expand_as(execute))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
+
+
+def _saved_wide_run(tiny_model_dir, tmp_path, training=()):
+    from compresskit.api import apply
+
+    run = tmp_path / "run"
+    recipe = {
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
+        "pruner": {"name": "wide", "config": {"ffn_group_size": 16, "router_rank": 8}},
+        "training": list(training),
+        "evaluation": {"tasks": ["piqa"], "limit": 2, "batch_size": 2, "max_length": 512, "compare_dense": False},
+        "output": {"dir": str(run)},
+    }
+    apply(recipe)
+    return run
+
+
+def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsys):
+    """``compresskit eval RUN --consensus RULE``: each evaluation batch decides together (the teacher-forced
+    simulation), the rule is recorded, and a unanimous quorum skips more than per-token routing."""
+    import json
+
+    from compresskit.cli import main
+
+    run = _saved_wide_run(tiny_model_dir, tmp_path)
+    common = ["eval", str(run / "model"), "--tasks", "perplexity", "--batch-size", "4", "--engine", "transformers"]
+    out = {}
+    for name, extra in (("own", []), ("agreed", ["--consensus", "quorum=1.0"])):
+        assert main([*common, *extra, "--output", str(tmp_path / name)]) == 0, capsys.readouterr().err
+        out[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert out["agreed"]["recipe"]["consensus"] == {"schema_version": 1, "quorum": 1.0, "budget": 1.0, "share": "set"}
+    assert "consensus" not in out["own"]["recipe"]
+    assert out["agreed"]["sparsity"]["macs"] > out["own"]["sparsity"]["macs"]
+    assert out["agreed"]["metrics"]["perplexity"] != out["own"]["metrics"]["perplexity"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--consensus", "quorum=0.5"], "is no saved run of a routing pruner"),
+        (["--consensus", "budget=0"], "budget: Input should be greater than 0"),
+    ],
+)
+def test_eval_refuses_consensus_it_cannot_run(tiny_model_dir, capsys, argv, message):
+    from compresskit.cli import main
+
+    assert main(["eval", str(tiny_model_dir), "--tasks", "perplexity", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_training_stage_with_consensus_needs_routers(tiny_model_dir, tmp_path):
+    from compresskit.errors import RecipeError
+    from compresskit.recipe import load_recipe
+
+    recipe = {
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "pruner": {"name": "static-width"},
+        "training": [{"name": "lora", "config": {"steps": 1, "consensus": {"quorum": 0.5}}}],
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    with pytest.raises(RecipeError, match=r"training.0.config.consensus: batch consensus trains routers"):
+        load_recipe(recipe)
+    recipe["pruner"] = {"name": "wide"}
+    recipe["training"][0]["config"]["consensus"]["budget"] = 1.5
+    with pytest.raises(RecipeError, match=r"training.0.config.consensus.budget"):
+        load_recipe(recipe)
+
+
+def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_model_dir, tmp_path):
+    """The stage's rule runs in its loop only: the saved run routes per token until a runtime or an
+    evaluation asks for consensus."""
+    from compresskit import load
+
+    stage = {"name": "router", "config": {"steps": 2, "batch_size": 4, "seq_len": 16, "consensus": {"quorum": 0.5}}}
+    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[stage])
+    model, _, _ = load(run / "model")
+    assert all(p.consensus is None for _, p in routed_projections(model))
+
+
+def test_bench_times_each_consensus_rule_beside_per_token_routing(capsys, tmp_path):
+    """``compresskit bench --shape NAME --consensus RULE``: a row per rule, on the same routed model, each
+    with the sparsity of what ran; a pruner whose runtime takes no rule is one line and exit 2."""
+    import json
+
+    from compresskit.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--prompt", "16", "--new-tokens", "3", "--repeats", "1", "--batch", "4"]
+    argv += ["--transformers", "off", "--consensus", "quorum=1.0", "--consensus", "quorum=0,budget=0.25,share=own"]
+    assert main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
+    rows = {r["model"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
+    agreed, capped = rows["consensus (quorum 1.0)"], rows["consensus (quorum 0.0, budget 0.25, share own)"]
+    assert agreed["sparsity_macs"] > rows["compressed"]["sparsity_macs"]  # only what every token wants
+    assert capped["sparsity_macs"] > 0.6  # at most a quarter of the groups, and only the token's own
+    assert main(["bench", "--shape", "tiny", "--method", "dynamic-depth", "--consensus", "quorum=0.5"]) == 2
+    assert "DynamicDepthPruner has no batch-consensus routing" in capsys.readouterr().err

@@ -31,27 +31,8 @@ from torch import nn
 from compresskit import Executor, PluginConfig
 from compresskit.errors import KernelUnavailableError
 from compresskit.modeling import decoder_layers
-from compresskit.routing import Consensus, RoutedProjection, set_consensus
+from compresskit.routing import ConsensusConfig, RoutedProjection, set_consensus
 from compresskit_wide.kernels import ops
-
-
-class ConsensusConfig(PluginConfig):
-    quorum: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="a group joins the batch's shared set when at least this share of the position's real "
-        "tokens would run it (at least one token)",
-    )
-    budget: float = Field(
-        1.0, gt=0.0, le=1.0, description="the shared set holds at most this share of a router's groups (rounded up)"
-    )
-    share: Literal["set", "own"] = Field(
-        "set", description="set: every token runs the whole shared set; own: its own choices within it"
-    )
-
-    def rule(self) -> Consensus:
-        return Consensus(budget=self.budget, quorum=self.quorum, share=self.share)
 
 
 class TritonExecutorConfig(PluginConfig):
