@@ -40,8 +40,8 @@ from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
-from compresskit.routing import ConsensusConfig, set_consensus
 from compresskit.modeling import replace_module
+from compresskit.routing import ConsensusConfig, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 

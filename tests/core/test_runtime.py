@@ -256,8 +256,8 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
 def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     """``--shape``: random weights of a known configuration; a routing pruner (``--method``, found through
     the plugin registry) with its untrained routers calibrated to the asked sparsity, the same weights
-    dense, and the ideal half-width models (K/V heads kept, and halved too), on one runtime. A method that is no routing pruner, or no
-    pruner, is one line and exit 2."""
+    dense, and the ideal half-width models (K/V heads kept, and halved too), on one runtime. A method that
+    is no routing pruner, or no pruner, is one line and exit 2."""
     import json
 
     out = tmp_path / "bench"
@@ -302,9 +302,8 @@ def test_bench_of_a_shape_too_large_for_the_memory_says_so_before_building_it(ca
     assert main(["bench", "--shape", "smollm2-135m", "--prompt", "8190", "--new-tokens", "4"]) == 2
     assert "--prompt 8190 + --new-tokens 4 exceed the model's 8192 positions" in capsys.readouterr().err
     n, models = bench_mod.shape_weight_bytes("llama-3.2-1b", torch.bfloat16, transformers="static")
-    assert models == [
-        "the model", "the ideal half-width model", "the ideal half-width, half K/V model", "a dense copy for transformers",
-    ]  # fmt: skip
+    halves = ["the ideal half-width model", "the ideal half-width, half K/V model"]
+    assert models == ["the model", *halves, "a dense copy for transformers"]
     sizes = [
         sum(
             p.numel()
