@@ -15,6 +15,8 @@ from compresskit.routing import Consensus, consensus_execute, routed_projections
 from compresskit.runtime import Runtime
 from compresskit_wide.kernels.consensus import torch_consensus, triton_consensus
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _margins(b, t, g, kind, gen):
     if kind == "off":
@@ -36,10 +38,11 @@ def test_consensus_kernel_matches_both_references(b, t, g, kind):
         rule = Consensus(budget, quorum, share)
         want = consensus_execute(margin, margin >= 0, real, rule).reshape(b * t, g)
         flat = None if real is None else real.reshape(-1)
-        kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set", "valid": flat}
-        ref = torch_consensus(margin.reshape(-1, g), b, **kw)
-        counts = torch.zeros(2, dtype=torch.float64)
-        got = triton_consensus(margin.reshape(-1, g), b, counts=counts, **kw)
+        kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set"}
+        ref = torch_consensus(margin.reshape(-1, g), b, valid=flat, **kw)
+        counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
+        on = None if flat is None else flat.to(DEVICE)
+        got = triton_consensus(margin.reshape(-1, g).to(DEVICE), b, valid=on, counts=counts, **kw).cpu()
         rows = torch.ones(b * t, dtype=torch.bool) if flat is None else flat
         assert torch.equal(ref[rows], want[rows]) and torch.equal(got[rows], want[rows]), (budget, quorum, share)
         assert counts.tolist() == [rows.sum().item(), got[rows].sum().item()]
@@ -139,6 +142,7 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
+    pruner.reset_sparsity(model)  # (the counters on the model's device)
     executor = _executor("triton", quorum=0.5, budget=0.75)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
     ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
