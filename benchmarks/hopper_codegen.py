@@ -138,10 +138,11 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     f32, groups = "*fp32", FFN // GROUP
     shares = dict(sh_ptr=f32, bd_ptr=f32, wu_ptr=f32, bu_ptr=f32, out_ptr=u8, cnt_ptr="*fp64", S=D // 16, M=1, R=32)
     shares.update(G=groups, stride_om=groups)
-    shares_meta = {"BLOCK_S": D // 16, "BLOCK_R": 32, "BLOCK_G": 32, "COUNT": True}
+    shares_meta = {"BLOCK_S": D // 16, "BLOCK_R": 32, "BLOCK_G": 32, "COUNT": True, "MARGIN": False}
     norm = {**shares, "x_ptr": bf16, "dx_ptr": bf16, "nw_ptr": bf16, "xn_ptr": bf16, "h_ptr": bf16, "D": D, "eps": 1e-5}
     finish = {k: shares[k] for k in ("bd_ptr", "wu_ptr", "bu_ptr", "out_ptr", "cnt_ptr", "M", "R", "G", "stride_om")}
-    finish_meta = {"SPLIT": 32, "DOT_PRECISION": "ieee", "BLOCK_M": 16, "BLOCK_R": 32, "BLOCK_G": 32, "COUNT": True}
+    finish_meta = {"SPLIT": 32, "DOT_PRECISION": "ieee", "BLOCK_M": 16, "BLOCK_R": 32, "BLOCK_G": 32}
+    finish_meta.update(COUNT=True, MARGIN=False)
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),

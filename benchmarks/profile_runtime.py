@@ -1,4 +1,4 @@
-"""Where a decode step's and a prefill's GPU time goes on the runtime, for dense, WIDE and the ideal half-width model.
+"""Where a decode step's and a prefill's GPU time goes on the runtime, for dense, WIDE and the ideal half-width models.
 
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time

@@ -513,7 +513,9 @@ def test_profile_script_runs_its_smoke_path(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     members = json.loads((tmp_path / "profile.json").read_text())["members"]
     assert list(members) == [
-        f"{m} {p}" for m in ("compressed", "dense", "ideal half-width") for p in ("decode", "prefill")
+        f"{m} {p}"
+        for m in ("compressed", "dense", "ideal half-width", "ideal half-width, half K/V")
+        for p in ("decode", "prefill")
     ]
     assert all(m["total_us_per_step"] > 0 and m["top_kernels"] and m["wall_us_per_step"] > 0 for m in members.values())
     assert all(bool(m["python_top_by_own_time"]) == k.endswith("prefill") for k, m in members.items())
