@@ -8,7 +8,8 @@ batch of B sequences decides together, as B sequences decoding at once would).
 
 Each run is scored once per token (at batch 16: per-token routing does not depend on the batch), then
 under each rule at each batch size (``--only RUN=RULE,...`` limits a run to those rules). The evaluations
-spread over ``--workers`` processes (a small model leaves a GPU mostly idle). Writes ``DIR/quality.json``
+spread over ``--workers`` processes (a small model leaves a GPU mostly idle); ``--replot quality.json``
+draws the plot again from the table. Writes ``DIR/quality.json``
 (one row per evaluation: held-out, code and licence perplexity, the zero-shot tasks and their average,
 the realised sparsity and the batch sizes lm-eval ran), ``DIR/quality.md`` and ``DIR/quality.png`` (held-out
 perplexity against the realised MACs skipped, a line per run and rule through its batch sizes).
@@ -115,7 +116,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.annotate(f"B={r['batch']}", (r["macs_skipped"], r["held_out_ppl"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
     ax.set_xlabel("realised projection MACs skipped")
-    ax.set_ylabel("held-out perplexity (lower is better)")
+    ax.set_yscale("log")
+    ax.set_ylabel("held-out perplexity (log scale, lower is better)")
     ax.set_title("SmolLM2-135M WIDE: consensus routing by consensus batch B")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -125,14 +127,20 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", action="append", required=True, help="NAME=PATH of a saved run's model directory")
+    ap.add_argument("--run", action="append", help="NAME=PATH of a saved run's model directory")
+    ap.add_argument("--replot", help="a quality.json: draw its plot again (beside it) and stop")
     ap.add_argument("--rule", action="append", default=[], help="NAME=KEY=VALUE,... a consensus rule")
     ap.add_argument("--batches", default="4,8,16,32")
     ap.add_argument("--only", action="append", default=[], help="RUN=RULE,... the rules scored for that run")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--limit", type=int, help="items per zero-shot task and held-out documents (a smoke test)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_name("quality.png"))
+        return
+    if not args.run or not args.out:
+        ap.error("give --run NAME=PATH (one or more) and --out DIR, or --replot")
     runs = dict(r.split("=", 1) for r in args.run)
     rules = dict(parse_rule(r) for r in args.rule)
     only = {k: v.split(",") for k, v in (o.split("=", 1) for o in args.only)}
