@@ -21,7 +21,6 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
-import platform
 import time
 from pathlib import Path
 
@@ -165,8 +164,10 @@ def main() -> None:
     import torch
     import transformers
 
+    from compresskit.modeling import device_name
+
     meta = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
+        "device": device_name("cuda" if torch.cuda.is_available() else "cpu"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "date": time.strftime("%Y-%m-%d"),

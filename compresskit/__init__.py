@@ -4,7 +4,8 @@ Public API::
 
     import compresskit
     result = compresskit.apply("recipes/quickstart.yaml", overrides=["evaluation.limit=50"])
-    model, tokenizer, pruner = compresskit.load("runs/quickstart/model")   # transformers: evaluate, train
+    loaded = compresskit.load("runs/quickstart/model")   # .model, .tokenizer, .pruner: transformers, evaluate, train
+    model, tokenizer, pruner = loaded                     # (it unpacks as a tuple too)
     text = compresskit.generator("runs/quickstart/model").generate("Once")   # the runtime: generate
 
 Every name is imported when first used, so that ``import compresskit`` (and the CLI's start) does

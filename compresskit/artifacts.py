@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import ValidationError
@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from compresskit import plugins
 from compresskit.errors import ArtifactError, CompressKitError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
-from compresskit.modeling import load_model
+from compresskit.modeling import device_name, load_model
 
 MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
@@ -51,6 +51,7 @@ def versions() -> dict[str, str]:
     out["cuda"] = torch.version.cuda or "none"
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
+    out["cpu"] = device_name("cpu")
     return out
 
 
@@ -246,8 +247,17 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progress=None):
-    """Rebuild a saved model: ``(model, tokenizer, pruner or None)``.
+class Loaded(NamedTuple):
+    """What :func:`load` gives: the transformers ``model`` (routed as the run left it), its ``tokenizer`` and
+    the ``pruner`` that routes it (None for a dense or static model); unpacks as ``model, tokenizer, pruner``."""
+
+    model: Any
+    tokenizer: Any
+    pruner: Pruner | None
+
+
+def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progress=None) -> Loaded:
+    """Rebuild a saved model: a :class:`Loaded` ``(model, tokenizer, pruner or None)``.
 
     ``format: pruner`` reloads the base model, re-attaches the pruner and loads its tensors;
     ``format: hf`` loads the saved checkpoint; ``format: dense`` loads the base model.
@@ -260,7 +270,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
     else:
         model, tokenizer = load_model(manifest["base_model"], dtype=dtype, device=device, progress=progress)
     if fmt == "dense":
-        return model, tokenizer, None
+        return Loaded(model, tokenizer, None)
     info = manifest.get("pruner")
     pruner = None
     if info is not None:
@@ -270,7 +280,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
             raise ArtifactError(f"{directory / MANIFEST}: {exc}") from None
         pruner = cls(_pruner_config(cls, info.get("config", {}), str(directory / MANIFEST)))
     if fmt == "hf":
-        return model, tokenizer, pruner
+        return Loaded(model, tokenizer, pruner)
     param = next(model.parameters())
     device = str(param.device)
     ctx = RunContext(model_config=model.config, tokenizer=tokenizer, device=param.device, dtype=param.dtype)
@@ -292,7 +302,7 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
         pruner.load_state_dict(model, _read_tensors(directory / PRUNER_FILE, device))
         model = pruner.finalize(model)
     model.eval()
-    return model, tokenizer, pruner
+    return Loaded(model, tokenizer, pruner)
 
 
 def _read_tensors(file: Path, device: str) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from compresskit import plugins
 from compresskit.errors import CompressKitError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
+from compresskit.modeling import device_name
 from compresskit.routing import RoutedPruner, RouterTap, dense_view, measured_sparsity
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
@@ -535,7 +536,7 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
             task.advance(1)
     return {
         "measured": True,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": device_name(device),
         "mode": rt.mode,
         **({"eager_reason": rt.eager_reason} if rt.eager_reason and device.type == "cuda" else {}),
         "batch": cfg.batch,

@@ -315,7 +315,6 @@ def _load_for_runtime(ref: str, args, err: Console, field: str):
 
 def cmd_bench(args, out: Console, err: Console) -> int:
     import datetime
-    import platform
 
     import torch
     from rich.table import Table
@@ -333,7 +332,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         shape_memory_error,
         speedups,
     )
-    from compresskit.modeling import load_model, resolve_device, resolve_dtype
+    from compresskit.modeling import device_name, load_model, resolve_device, resolve_dtype
     from compresskit.plot import speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
 
@@ -413,7 +412,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     meta = {
         "model": args.model or f"--shape {args.shape} (random weights)",
         "base": base,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor()})",
+        "device": device_name(device),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": _version("transformers"),

@@ -355,11 +355,11 @@ def recovery(
     for task, metrics in compressed.items():
         for metric, value in metrics.items():
             base = dense.get(task, {}).get(metric)
-            if base is None or value == 0 or base == 0:
-                continue
             higher = (higher_is_better or {}).get(task, {}).get(metric)
             if higher is None:
                 higher = task_registry.HIGHER_IS_BETTER.get(task_registry.metric_kind(metric), True)
-            ratio = value / base if higher else base / value
+            if base is None or (base if higher else value) == 0:  # no ratio: a division by zero
+                continue
+            ratio = value / base if higher else base / value  # (0.0 where the compressed model scores 0)
             out.setdefault(task, {})[metric] = ratio
     return out

@@ -179,6 +179,24 @@ def materialize_alias(source: ModelSource, progress: Progress | None = None) -> 
     return target
 
 
+def device_name(device: torch.device | str) -> str:
+    """What a report names ``device`` as: the GPU's name, or the CPU's model and core count (from
+    ``/proc/cpuinfo`` where there is one, else the platform's processor or machine name), never empty."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    model = model or platform.processor() or platform.machine() or "unknown processor"
+    return f"CPU ({model}, {os.cpu_count() or 1} cores)"
+
+
 def resolve_device(device: str, field: str = "model.device") -> torch.device:
     """``auto``: a GPU where there is one, else the CPU; a GPU asked for where there is none is an error
     naming ``field``."""

@@ -39,7 +39,10 @@ def test_save_load_round_trip_identical_logits(tiny_model_dir, tmp_path):
 
     keys = set(load_file(str(out / "pruner.safetensors")))
     assert keys and all(k.startswith("toy.") for k in keys)  # only the plugin's own tensors
-    model2, _, pruner2 = artifacts.load(out, dtype="float32", device="cpu")
+    loaded = artifacts.load(out, dtype="float32", device="cpu")
+    model2, _, pruner2 = loaded  # a named tuple: unpacks as before
+    assert loaded.model is model2 and loaded.pruner is pruner2 and loaded.tokenizer is loaded[1]
+    assert "versions" in manifest and manifest["versions"]["cpu"].startswith("CPU (")  # never an empty name
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model2(ids).logits)
     assert pruner2.state == "finalized"

@@ -49,6 +49,19 @@ def test_recovery_is_one_when_equal_and_below_when_worse():
     assert recovery(comp, dense) == {"piqa": {"acc": 0.5}, "perplexity": {"token_perplexity": 0.5}}
 
 
+def test_a_recovery_of_zero_is_reported_as_zero():
+    """An accuracy of 0 recovers 0.000 of dense's, shown as such (not "-"); only a division by zero has none."""
+    from compresskit.report import summary_rows
+
+    dense = {"piqa": {"acc": 0.6}, "next_sentence": {"acc": 0.0}}
+    got = recovery({"piqa": {"acc": 0.0}, "next_sentence": {"acc": 0.2}}, dense)
+    assert got == {"piqa": {"acc": 0.0}}
+    results = {"metrics": {"piqa": {"acc": 0.0}}, "dense": {"metrics": dense}, "recovery": got}
+    results.update(model={"params_after": 1, "params_before": 1}, sparsity=None)
+    row = next(r for r in summary_rows(results) if r[0].startswith("PIQA acc"))
+    assert row[1:] == ("0.0000", "0.6000", "0.000")
+
+
 def test_evaluate_tiny_model_with_lm_eval(tiny_model_dir):
     from compresskit.modeling import load_model
 

@@ -209,7 +209,7 @@ def test_unsupported_models_and_empty_prompts_are_refused(tiny):
 def test_generate_command_streams_text(capsys, tiny_model_dir):
     code = main(["generate", str(tiny_model_dir), "--prompt", "The cat", "--max-new-tokens", "4", "--dtype", "float32"])
     out, err = capsys.readouterr()
-    assert code == 0 and out.startswith("The cat")
+    assert code == 0 and out.startswith("The cat") and out.endswith("\n")  # the text ends its line
     assert "4 tokens in" in err and "tokens/s (compresskit runtime, eager, cpu)" in err
     code = main(["generate", str(tiny_model_dir), "--prompt", "x", "--max-new-tokens", "0"])
     assert code == 2 and "--max-new-tokens: 0; give 1 or more" in capsys.readouterr().err
@@ -341,8 +341,9 @@ def test_bench_skips_a_cell_that_cannot_fit_and_releases_each_runtime(capsys, tm
     code = main([*argv, "--repeats", "1", "--method", "toy-router", "--transformers", "off", "--output", str(out)])
     err = capsys.readouterr().err
     assert code == 0, err
-    cases = {(r["batch"], r["prompt"]) for r in json.loads((out / "bench.json").read_text())["results"]}
-    assert cases == {(2, 24), (2, 3000)}
+    data = json.loads((out / "bench.json").read_text())
+    assert {(r["batch"], r["prompt"]) for r in data["results"]} == {(2, 24), (2, 3000)}
+    assert data["meta"]["device"].startswith("CPU (") and "()" not in data["meta"]["device"]  # always named
     skipped = [line for line in err.splitlines() if "skipped, it needs about" in line]
     assert len(skipped) == 2 and skipped[0].startswith("batch 20000 x prompt 24: skipped")
     assert "KV cache" in skipped[0] and "2.00 GiB is free" in skipped[0]
