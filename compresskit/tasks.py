@@ -378,9 +378,15 @@ def lm_eval_names(section) -> list[str]:
 @contextlib.contextmanager
 def quiet_lm_eval():
     """lm-eval and datasets log at INFO/WARNING and draw tqdm bars; keep the terminal ours."""
+    import lm_eval.evaluator
+
     names = ("lm_eval", "lm-eval", "datasets", "transformers", "lm_eval.models.huggingface")
     saved = {n: logging.getLogger(n).level for n in names}
+    # lm-eval asks git for the working directory's commit once per evaluation, and git says "fatal: not a git
+    # repository" on the terminal outside a checkout; the results record compresskit's own versions instead
+    git_hash = lm_eval.evaluator.get_git_commit_hash
     try:
+        lm_eval.evaluator.get_git_commit_hash = lambda: None
         for n in names:
             logging.getLogger(n).setLevel(logging.ERROR)
         import datasets
@@ -388,6 +394,7 @@ def quiet_lm_eval():
         datasets.disable_progress_bars()
         yield
     finally:
+        lm_eval.evaluator.get_git_commit_hash = git_hash
         for n, lvl in saved.items():
             logging.getLogger(n).setLevel(lvl)
 

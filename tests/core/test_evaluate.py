@@ -252,3 +252,14 @@ def test_held_out_text_of_several_sources_gets_a_perplexity_each(tiny_model_dir,
     one = evaluate(model, tok, single, EvaluationSection(tasks=["perplexity"], max_length=128, batch_size=4))
     assert not any(":" in m for m in one.tasks["perplexity"].metrics)  # one source: nothing more
     assert tasks.metric_kind("token_perplexity:files1") == "token_perplexity"
+
+
+def test_lm_eval_says_nothing_of_git_outside_a_checkout(tiny_model_dir, tmp_path, monkeypatch, capfd):
+    """Outside a git checkout lm-eval's own commit lookup printed "fatal: not a git repository" once per task."""
+    from compresskit.modeling import load_model
+
+    monkeypatch.chdir(tmp_path)
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
+    evaluate(model, tok, dm, EvaluationSection(tasks=["piqa"], limit=2, batch_size=2, max_length=512))
+    assert "not a git repository" not in capfd.readouterr().err
