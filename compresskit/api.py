@@ -22,7 +22,7 @@ import torch
 
 from compresskit import artifacts, distributed, plugins
 from compresskit.bench import consensus_executor, measure_speed, unmeasured_reason
-from compresskit.data import DataModule, check_source, load_documents
+from compresskit.data import DataModule, check_source, held_out_documents, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
@@ -34,7 +34,7 @@ from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, l
 from compresskit.report import results_markdown
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
-from compresskit.tasks import check_lm_eval_tasks
+from compresskit.tasks import check_lm_eval_tasks, check_task_data
 
 RESULTS_VERSION = 1
 
@@ -274,8 +274,10 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     rec = resolved.recipe
     recipe_hash = resolved.hash()
     marker = staging / "recipe.json"
-    # a bad file, or a dataset that is not here, is found before the model is loaded
+    # a bad file, a dataset that is not here, or text a task cannot build its items from, is found before the
+    # model is loaded
     documents = load_documents(rec.data, allow_download=rec.model.allow_download)
+    check_task_data(rec.evaluation, held_out_documents(rec.data, documents), seed=rec.data.split_seed)
     main = ranks is None or ranks.main
     device = rec.model.device if ranks is None else str(ranks.device)
 
@@ -571,19 +573,25 @@ def eval_model(
     progress: Progress | None = None,
     field: str = "model_ref",
     consensus=None,
+    allow_download: bool = False,
 ) -> dict[str, Any]:
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
     about ``model_ref`` name it as ``field`` (the CLI passes its argument's name). ``consensus`` (a
     ``routing.ConsensusConfig``): score a routed model under batch-consensus routing, each evaluation
     batch of ``evaluation.batch_size`` sequences deciding together (the teacher-forced simulation of
-    decoding that many sequences at once)."""
+    decoding that many sequences at once). ``allow_download``: a hub model or an lm-eval task's data not in
+    the local caches may be downloaded (``--allow-download``)."""
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
     if output_dir is not None:
         artifacts.check_creatable(Path(output_dir), "output directory (--output)")
-    check_lm_eval_tasks(evaluation)
+    check_source(data_section)  # your files exist, and the tasks find their items in them: said before the model loads
+    check_lm_eval_tasks(evaluation, allow_download=allow_download, download_flag="give --allow-download")
+    documents = load_documents(data_section)
+    held_out = held_out_documents(data_section, documents)
+    check_task_data(evaluation, held_out, seed=data_section.split_seed, test_fraction="--test-fraction")
     path = Path(model_ref).expanduser()
     saved = path.is_dir() and (path / artifacts.MANIFEST).is_file()
     if consensus is not None:  # (checked before the model loads)
@@ -600,21 +608,31 @@ def eval_model(
         base = manifest["base_model"]
         pruner_name = (manifest.get("pruner") or {}).get("name")
     else:
-        resolve_model_source(model_ref, field=field)
-        model, tokenizer = load_model(model_ref, dtype=dtype, device=device, progress=progress, field=field)
+        resolve_model_source(model_ref, allow_download=allow_download, field=field)
+        model, tokenizer = load_model(
+            model_ref, dtype=dtype, device=device, allow_download=allow_download, progress=progress, field=field
+        )
         pruner, pruner_name, base = None, None, model_ref
     resolve_engine(model, evaluation)
     executor = None
     if consensus is not None:
         executor = executor_cls(executor_cls.Config(consensus=consensus))
         executor.convert(model)  # the routed modules decide under the rule too
-    documents = load_documents(data_section)
     write_generated(documents, model, tokenizer, model_id=model_ref, progress=progress)
     seed_everything(evaluation.seed)
     with progress.task("preparing the text"):
         dm = DataModule.from_section(tokenizer, data_section, documents)
         split = dm.split_info()
-    ev = evaluate(model, tokenizer, dm, evaluation, pruner=pruner, executor=executor, progress=progress)
+    ev = evaluate(
+        model,
+        tokenizer,
+        dm,
+        evaluation,
+        pruner=pruner,
+        executor=executor,
+        progress=progress,
+        allow_download=allow_download,
+    )
     param = next(model.parameters())
     recipe = {
         "eval": model_ref,

@@ -71,6 +71,26 @@ def _plain(out: Console, text: str) -> None:
     out.file.flush()
 
 
+def _print_table(out: Console, table) -> None:
+    """A rich ``Table`` in a terminal; elsewhere (a pipe, a file, a log) the same table as Markdown, whole
+    (a rich table in a pipe is cut to 80 columns)."""
+    if out.is_terminal:
+        out.print(table)
+        return
+    from rich.text import Text
+
+    def plain(cell) -> str:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+        return text.replace("|", "\\|")
+
+    columns = [[plain(c) for c in col._cells] for col in table.columns]
+    lines = [f"{table.title}", ""] if table.title else []
+    lines.append("| " + " | ".join(plain(c.header) for c in table.columns) + " |")
+    lines.append("|" + "---|" * len(table.columns))
+    lines += ["| " + " | ".join(row) + " |" for row in zip(*columns, strict=True)]
+    _plain(out, "\n".join(lines))
+
+
 def _print_results(out: Console, results: dict[str, Any]) -> None:
     from compresskit.report import results_markdown, results_table
 
@@ -171,16 +191,16 @@ def _dry_run(resolved, args, out: Console) -> int:
     if not p.stages:
         _plain(out, "no training stage: nothing is trained")
     else:
-        out.print(table)
+        _print_table(out, table)
     return EXIT_OK
 
 
 def cmd_validate(args, out: Console, err: Console) -> int:
     from compresskit.artifacts import check_creatable
-    from compresskit.data import check_source
+    from compresskit.data import check_source, held_out_documents, load_documents
     from compresskit.modeling import resolve_model_source
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
-    from compresskit.tasks import check_lm_eval_tasks
+    from compresskit.tasks import check_lm_eval_tasks, check_task_data
 
     # a comparison spec: every member, each as a recipe of its own
     paths = load_comparison(args.recipe)[0] if is_comparison(args.recipe) else [args.recipe]
@@ -190,6 +210,8 @@ def cmd_validate(args, out: Console, err: Console) -> int:
         resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
         check_source(rec.data)
         check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
+        documents = load_documents(rec.data, allow_download=rec.model.allow_download)
+        check_task_data(rec.evaluation, held_out_documents(rec.data, documents), seed=rec.data.split_seed)
         check_creatable(Path(rec.output.dir), "output.dir")
         if args.print:
             out.print_json(json.dumps(resolved.to_dict()))
@@ -435,7 +457,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             r["model"], r["mode"], str(r["batch"]), str(r["prompt"]), f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}",
             f"{r['ttft_speedup']:.2f}x", f"{r['tpot_speedup']:.2f}x", sp,
         )  # fmt: skip
-    out.print(table)
+    _print_table(out, table)
     if args.output is not None:
         with artifacts.staged_dir(Path(args.output)) as tmp:
             artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
@@ -501,6 +523,16 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     except ValidationError as exc:
         flags = {key: "--" + key.replace("_", "-").removesuffix("s" if key == "task_paths" else "") for key in fields}
         raise RecipeError(format_validation_error(exc, EvaluationSection, names=flags)) from None
+    data = DataSection()
+    if args.data:  # your own text, as a recipe's data.source.files takes it
+        try:
+            split = {} if args.test_fraction is None else {"test_fraction": args.test_fraction}
+            data = DataSection(source={"files": args.data}, **split)
+        except ValidationError as exc:
+            names = {"source": "--data", "test_fraction": "--test-fraction"}
+            raise RecipeError(format_validation_error(exc, DataSection, names=names)) from None
+    elif args.test_fraction is not None:
+        raise CompressKitError("--test-fraction: it splits your own text; give --data FILE... too")
     consensus = None
     if args.consensus is not None:
         from compresskit.routing import ConsensusConfig
@@ -509,8 +541,9 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     results = eval_model(
         args.model,
         consensus=consensus,
+        allow_download=args.allow_download,
         evaluation=evaluation,
-        data=DataSection(),
+        data=data,
         dtype=args.dtype,
         device=args.device,
         output_dir=args.output,
@@ -769,6 +802,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         dest="logits_budget_mb",
         help="memory for one batch's log-probabilities; a batch that would need more is made smaller",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="FILE",
+        help="your own text instead of the shipped Wikipedia excerpt: paths or globs of .txt, .jsonl, .json or "
+        ".parquet files, as a recipe's data.source.files; the held-out share (--test-fraction) is what "
+        "perplexity and next_sentence read",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        dest="test_fraction",
+        help="with --data: the share of your documents held out for evaluation (default 0.25, as in a recipe)",
+    )
+    p.add_argument(
+        "--allow-download",
+        action="store_true",
+        dest="allow_download",
+        help="a hub model or an lm-eval task's data not in the local caches may be downloaded",
     )
     p.add_argument(
         "--consensus",

@@ -359,6 +359,20 @@ def weighted_documents(train: list[Article], weight: float, seed: int) -> list[A
     return train * whole + extra
 
 
+def held_out_documents(section: DataSection, documents: list[SourceDocuments]) -> list[Article] | None:
+    """The documents ``DataModule`` holds out for evaluation from what :func:`load_documents` read, known
+    before the model loads; None where a source's documents are chat messages (their text is the tokenizer's
+    to make)."""
+    held: list[Article] = []
+    for src in documents:
+        if src.kind == "generated":
+            continue
+        if src.pending is not None or any(a.chat for a in src.articles):
+            return None
+        held += split_articles(src.articles, section.test_fraction, section.split_seed)[1]
+    return held
+
+
 def _format_chat(article: Article, tokenizer) -> Article:
     """A chat document as the text its tokenizer's chat template makes of it."""
     if not article.chat:

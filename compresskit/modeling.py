@@ -77,6 +77,16 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.sep in name.rstrip(os.sep) and not _HUB_ID.match(name)
 
 
+def download_hint(field: str) -> str:
+    """How the user who gave ``field`` turns downloads on: the recipe key, or ``compresskit eval``'s flag
+    (commands without one are told to fill the cache through eval)."""
+    if field.startswith("model."):
+        return "set model.allow_download: true on a machine with network"
+    if "compresskit eval" in field:
+        return "give --allow-download on a machine with network"
+    return "fill the HF cache first on a machine with network (compresskit eval MODEL --allow-download)"
+
+
 def resolve_model_source(
     name_or_path: str, *, allow_download: bool = False, field: str = "model.name_or_path"
 ) -> ModelSource:
@@ -122,8 +132,7 @@ def resolve_model_source(
         raise ModelNotFoundError(
             f"{field}: {name_or_path!r} looks like a hub id, but it is not in the local HF cache "
             "and downloads are off; "
-            f"use a local directory or a built-in alias ({', '.join(ALIASES)}), or set model.allow_download: true "
-            "on a machine with network"
+            f"use a local directory or a built-in alias ({', '.join(ALIASES)}), or {download_hint(field)}"
         )
     raise ModelNotFoundError(
         f"{field}: {did_you_mean(name_or_path, ALIASES, what='model alias')} (or a local directory)"

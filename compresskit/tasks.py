@@ -278,12 +278,60 @@ def _piqa_task(data, tokenizer, section) -> dict[str, Any]:
     return _multiple_choice("ck_piqa", piqa_docs(), "Question: {{goal}}\nAnswer:", "{{[sol1, sol2]}}")
 
 
+NEXT_SENTENCE_NEEDS = (
+    "an item needs a paragraph with 3 consecutive sentences of 6-60 words (the context and the answer), a "
+    "sentence of 6-60 words later in the same document (in a later paragraph, or 5 or more sentences after the "
+    "answer) as a distractor, and 2 other held-out documents with such a paragraph"
+)
+
+
+def next_sentence_shortfall(held_out: list, seed: int = 0) -> str | None:
+    """Why ``next_sentence`` can build no item from the held-out documents ``held_out`` (articles with
+    ``.text``): its requirement and what these documents lack; None where it builds one."""
+    if next_sentence_docs(held_out, 1, seed=seed):
+        return None
+    with_run = 0  # documents with a paragraph of three usable consecutive sentences
+    for art in held_out:
+        paras = [sentences(p) for p in art.text.split("\n\n")]
+        if any(all(_usable(x) for x in p[i : i + 3]) for p in paras for i in range(len(p) - 2)):
+            with_run += 1
+    if with_run == 0:
+        lacks = "none has such a paragraph (sentences end in . ! or ? followed by a capital letter)"
+    elif with_run < 3:
+        lacks = f"{with_run} {'has' if with_run == 1 else 'have'} such a paragraph, and 3 are needed"
+    else:
+        lacks = "no such paragraph has a usable sentence after it in its document to serve as the distractor"
+    return f"{NEXT_SENTENCE_NEEDS}; of the {len(held_out)} held-out documents, {lacks}"
+
+
+def check_task_data(section, held_out: list | None, *, seed: int = 0, test_fraction: str = "data.test_fraction"):
+    """Before any model is loaded: each built-in task that reads the held-out text can build its items from
+    ``held_out`` (the held-out documents; None: not known without the tokenizer, nothing checked). A
+    ``RecipeError`` that states the task's requirement and the way out (``test_fraction``: the field or flag
+    that holds more documents out) otherwise."""
+    if held_out is None:
+        return
+    readers = [t for t in ("perplexity", "next_sentence") if t in section.tasks]
+    if readers and not held_out:
+        raise RecipeError(
+            f"evaluation.tasks: {', '.join(readers)} read the held-out documents, and none is held out; raise "
+            f"{test_fraction} or add documents"
+        )
+    if "next_sentence" in section.tasks:
+        why = next_sentence_shortfall(held_out, seed)
+        if why is not None:
+            raise RecipeError(
+                f"evaluation.tasks: next_sentence can build no item: {why}. Raise {test_fraction} (more documents "
+                "held out), give longer documents, or drop next_sentence from the tasks"
+            )
+
+
 def _next_sentence_task(data, tokenizer, section) -> dict[str, Any]:
     docs = next_sentence_docs(data.test, section.next_sentence_items, seed=data.split_seed)
     if not docs:
         raise CompressKitError(
-            f"evaluation.tasks: next_sentence found no items in the {len(data.test)} held-out articles "
-            "(it needs at least 3 articles with 3-sentence paragraphs); raise data.test_fraction or drop the task"
+            f"evaluation.tasks: next_sentence found no items: {next_sentence_shortfall(data.test, data.split_seed)}; "
+            "raise data.test_fraction or drop the task"
         )
     return _multiple_choice("ck_next_sentence", docs, "{{context}}", "{{choices}}")
 
@@ -414,10 +462,13 @@ def lm_eval_manager(section, names: list[str] | None = None):
     return TaskManager(include_path=paths)
 
 
-def check_lm_eval_tasks(section, *, allow_download: bool = False) -> None:
+def check_lm_eval_tasks(
+    section, *, allow_download: bool = False, download_flag: str = "set model.allow_download: true"
+) -> None:
     """Before any model is loaded: every task that is not built in is an lm-eval task or group whose
     data loads here (offline unless ``allow_download``), and ``task_paths`` are folders. One
-    :class:`RecipeError` naming the field and the task otherwise."""
+    :class:`RecipeError` naming the field and the task otherwise (``download_flag``: how the user turns
+    downloads on: setting the recipe key, or giving a command's flag)."""
     names = lm_eval_names(section)
     for path in section.task_paths:
         if not Path(path).expanduser().is_dir():
@@ -445,8 +496,8 @@ def check_lm_eval_tasks(section, *, allow_download: bool = False) -> None:
                 how = (
                     "download failed"
                     if allow_download
-                    else "not available offline (download it once into the datasets cache, HF_HOME, or set "
-                    "model.allow_download: true)"
+                    else "not available offline (download it once into the datasets cache, HF_HOME, or "
+                    f"{download_flag})"
                 )
                 raise RecipeError(f"evaluation.tasks: {name!r} cannot load its data: {how}: {first}") from exc
 

@@ -438,3 +438,56 @@ def test_compare_over_seeds_shows_mean_and_spread_and_reuses_runs(capsys, tiny_m
     assert again[2] == wide
     code, _, err = run(capsys, "compare", str(tmp_path / "w.yaml"), "--seeds", "0,x")
     assert code == 2 and "--seeds: '0,x' is not a comma-separated list of integers" in one_line_error(err)
+
+
+def _short_corpus(folder: Path, n: int = 8) -> Path:
+    """``n`` documents of five 4-sentence paragraphs each, whose sentences are 12 words: next_sentence finds
+    its items only where 3 or more documents are held out."""
+    folder.mkdir()
+    words = "the cat sat on a mat while dogs ran far away from home and birds sang songs".split()
+    for i in range(n):
+        paras = [
+            " ".join(
+                " ".join(words[(i + p + s + k) % len(words)] for k in range(12)).capitalize() + "." for s in range(4)
+            )
+            for p in range(5)
+        ]
+        (folder / f"doc{i}.txt").write_text("\n\n".join(paras))
+    return folder
+
+
+def test_validate_checks_that_the_tasks_find_their_items_in_your_text(capsys, recipe_file, tmp_path):
+    """Before any model loads: a held-out share too small for next_sentence is one line that states the
+    task's requirement and the way out; a larger share passes."""
+    corpus = _short_corpus(tmp_path / "corpus")
+    source = f"data.source={{files: ['{corpus}/*.txt']}}"
+    code, _, err = run(
+        capsys, "validate", str(recipe_file), "--set", source, "--set", "evaluation.tasks=[next_sentence]"
+    )
+    line = one_line_error(err)
+    assert code == 2 and "next_sentence can build no item: an item needs a paragraph with 3 consecutive" in line
+    assert "of the 2 held-out documents, 2 have such a paragraph, and 3 are needed" in line
+    assert "Raise data.test_fraction" in line
+    code, out, err = run(
+        capsys, "validate", str(recipe_file), "--set", source, "--set", "data.test_fraction=0.5",
+        "--set", "evaluation.tasks=[next_sentence]",
+    )  # fmt: skip
+    assert code == 0, err
+
+
+def test_eval_takes_your_own_text(capsys, tiny_model_dir, tmp_path):
+    """``compresskit eval MODEL --data FILE...``: the files and globs a recipe's data.source.files takes, split
+    as a recipe splits them; what cannot be read or split is said before the model loads, naming the flags."""
+    corpus = _short_corpus(tmp_path / "corpus")
+    common = ["eval", str(tiny_model_dir), "--dtype", "float32", "--data", f"{corpus}/*.txt"]
+    code, _, err = run(capsys, *common, "--tasks", "perplexity,next_sentence", "--test-fraction", "0.5")
+    assert code == 0, err
+    code, _, err = run(capsys, *common, "--tasks", "next_sentence", "--output", str(tmp_path / "r"))
+    assert code == 2 and "Raise --test-fraction" in one_line_error(err)
+    code, _, err = run(capsys, *common, "--tasks", "perplexity", "--output", str(tmp_path / "r"))
+    results = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert code == 0 and results["data"]["source"] == "files" and results["data"]["test_articles"] == 2
+    code, _, err = run(capsys, "eval", str(tiny_model_dir), "--test-fraction", "0.5")
+    assert code == 2 and "--test-fraction: it splits your own text; give --data FILE... too" in one_line_error(err)
+    code, _, err = run(capsys, "eval", "someone/some-model", "--tasks", "perplexity")
+    assert code == 2 and "give --allow-download on a machine with network" in one_line_error(err)
