@@ -85,6 +85,8 @@ def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, mon
     code = main(["apply", str(path), "--dry-run", "--nproc", "2"])
     out = capsys.readouterr().out
     assert code == 0 and "2 rank(s), weights sharded (FSDP2)" in out and "router" in out and "lora" in out
+    # off a terminal the table is Markdown, whole: no cell cut to fit 80 columns
+    assert "| stage | steps | tokens/step | trained params |" in out and "…" not in out
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
     code = main(["apply", str(path), "--dry-run", "--nproc", "0"])
     assert code == 2 and "--nproc: 0; give 1 or more" in capsys.readouterr().err

@@ -263,7 +263,10 @@ def test_bench_of_a_known_shape_has_the_ideal_half_width_row(capsys, tmp_path):
     out = tmp_path / "bench"
     argv = ["bench", "--shape", "tiny", "--prompt", "24", "--new-tokens", "3", "--repeats", "1", "--sparsity", "0.25"]
     code = main([*argv, "--method", "toy-router", "--transformers", "off", "--output", str(out)])
-    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "| model | decode | batch | prompt | TTFT ms | TPOT ms |" in printed.out and "…" not in printed.out
+    assert "| ideal half-width, half K/V | eager | 1 | 24 |" in printed.out  # (Markdown off a terminal)
     data = json.loads((out / "bench.json").read_text())
     assert [r["model"] for r in data["results"]] == [
         "compressed", "dense", "ideal half-width", "ideal half-width, half K/V",
