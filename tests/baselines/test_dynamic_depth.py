@@ -73,6 +73,7 @@ def test_cached_decoding_is_exact_with_skipped_attention():
     assert torch.equal(cached, plain)
 
 
+@pytest.mark.slow
 def test_router_stage_meets_the_mac_budget(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     pruner = attach(model, target_sparsity=0.4)
@@ -94,6 +95,7 @@ def test_ignore_layers_and_errors():
         attach(tiny_llama(), ignore_layers=[7])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["sublayer", "layer"])
 def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     """On the runtime, dynamic depth's blocks (executor depth-skip) decide per token; at batch 1 decode
@@ -153,6 +155,7 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
             torch.testing.assert_close(cache[0].keys[i][:, :, :9], cache[1].keys[i][:, :, :9])
 
 
+@pytest.mark.slow
 def test_distilled_lora_recovery_merges_and_reloads(tiny_model_dir, tmp_path):
     """The distillation recipes' recovery for dynamic depth, small: the router stage, then LoRA with
     distillation merged at the end, through ``apply``. The saved model reloads without adapters, with

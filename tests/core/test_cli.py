@@ -168,6 +168,7 @@ def test_plugins_list_and_check(capsys):
     assert code == 1 and "FAIL  load plugin" in out
 
 
+@pytest.mark.slow
 def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_path):
     out_dir = tmp_path / "run"
     code, out, err = apply_toy(capsys, tiny_model_dir, out_dir)
@@ -351,6 +352,7 @@ def test_validate_takes_a_comparison_spec(capsys):
     assert "pruner wide" in out and "pruner static-depth" in out
 
 
+@pytest.mark.slow
 def test_compare_spec_runs_members_once_then_reuses(capsys, tiny_model_dir, tmp_path):
     import yaml
 
@@ -398,6 +400,7 @@ def test_a_bad_line_in_your_files_stops_apply_before_the_model_loads(capsys, rec
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
 
 
+@pytest.mark.slow
 def test_compare_over_seeds_shows_mean_and_spread_and_reuses_runs(capsys, tiny_model_dir, tmp_path):
     """``compare --seeds 0,1`` runs a recipe once per seed (the routers start from each seed's draw),
     then shows one row with mean ± standard deviation; a second call reuses the runs."""

@@ -82,6 +82,7 @@ def test_kl_on_given_top_k_is_the_top_k_kl():
     assert kl_loss_on(s, values, idx.int(), mask, temperature=2.0).item() == pytest.approx(want.item())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pruner", ["toy-router", "static-width"])
 def test_cached_top_k_teacher_trains_what_the_live_teacher_trains(pruner, tiny_model_dir, tmp_path, monkeypatch):
     """``cache: true``: the dense model's top-k logits of every micro-batch are written once before the

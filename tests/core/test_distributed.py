@@ -38,6 +38,7 @@ def _write(path, recipe):
     return str(path)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_what_one_process_with_twice_the_accumulation_trains(tiny_model_dir, tmp_path, capsys):
     """``apply --nproc 2`` (torchrun, gloo, FSDP2) with ``grad_accum: 1`` against one process with
     ``grad_accum: 2``: the same micro-batches with the same noise, so the same losses and the same
@@ -116,6 +117,7 @@ def _sharding_plan(rank, world, port, model_dir, out):
     distributed.close()
 
 
+@pytest.mark.slow
 def test_sharding_plan_is_one_unit_per_decoder_layer(tiny_model_dir, tmp_path):
     out = tmp_path / "plan.pt"
     _spawn(_sharding_plan, str(tiny_model_dir), str(out))
@@ -168,6 +170,7 @@ def _train_and_resume(rank, world, port, model_dir, data_dir, out, interrupt_at)
     distributed.close()
 
 
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_where_the_run_stopped(tiny_model_dir, tmp_path):
     """Stopped after step 3 of 4 (its last checkpoint: step 2), a rerun resumes from the sharded
     checkpoint and ends where an uninterrupted run ends."""
@@ -202,6 +205,7 @@ def _other_world(rank, world, port, model_dir, data_dir, out):
     distributed.close()
 
 
+@pytest.mark.slow
 def test_resuming_on_another_rank_count_is_a_clear_error(tiny_model_dir, tmp_path):
     ckpt = tmp_path / "w" / "checkpoint"
     ckpt.mkdir(parents=True)

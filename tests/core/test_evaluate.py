@@ -184,6 +184,7 @@ def test_one_registry_decides_the_tasks_of_recipes_the_evaluator_and_the_tables(
         tasks.check_lm_eval_tasks(EvaluationSection(tasks=["piqa_again"]))
 
 
+@pytest.mark.slow
 def test_the_domain_perplexity_tasks_read_the_shipped_text(tiny_model_dir):
     """``code_perplexity`` and ``legal_perplexity``: rolling perplexity over the shipped documents of
     a domain (every document, whatever the held-out split), reported under their own names; the

@@ -91,6 +91,7 @@ def test_unknown_tasks_and_bad_settings_are_one_clear_error(tmp_path):
         EvaluationSection(tasks=["arc_easy"], num_fewshot=-1)
 
 
+@pytest.mark.slow
 def test_a_task_whose_data_is_not_here_fails_before_the_model_loads(capsys, tmp_path, tiny_recipe, monkeypatch):
     """``arc_easy`` is an lm-eval task whose dataset lives on the hub: offline, validate and apply
     answer with one line and exit 2 at once, and apply loads no model and writes nothing."""

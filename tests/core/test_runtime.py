@@ -340,12 +340,12 @@ def test_bench_skips_a_cell_that_cannot_fit_and_releases_each_runtime(capsys, tm
     big = bench_mod.cell_bytes(config, 4096, 3000, 3, torch.float32)
     assert big["total"] > 2 * 2**30
     out = tmp_path / "bench"
-    argv = ["bench", "--shape", "tiny", "--prompt", "24,3000", "--batch", "2,20000", "--new-tokens", "3"]
+    argv = ["bench", "--shape", "tiny", "--prompt", "24,300", "--batch", "2,20000", "--new-tokens", "3"]
     code = main([*argv, "--repeats", "1", "--method", "toy-router", "--transformers", "off", "--output", str(out)])
     err = capsys.readouterr().err
     assert code == 0, err
     data = json.loads((out / "bench.json").read_text())
-    assert {(r["batch"], r["prompt"]) for r in data["results"]} == {(2, 24), (2, 3000)}
+    assert {(r["batch"], r["prompt"]) for r in data["results"]} == {(2, 24), (2, 300)}
     assert data["meta"]["device"].startswith("CPU (") and "()" not in data["meta"]["device"]  # always named
     skipped = [line for line in err.splitlines() if "skipped, it needs about" in line]
     assert len(skipped) == 2 and skipped[0].startswith("batch 20000 x prompt 24: skipped")
@@ -364,6 +364,7 @@ def test_generator_from_the_python_api(tiny_model_dir):
     assert gen.pruner is None
 
 
+@pytest.mark.slow
 def test_apply_reports_speed_beside_quality(tiny_recipe, tmp_path):
     """``evaluation.speed``: on a CPU "auto" says not measured (and why); ``measure: true`` times the
     pruned model on the runtime against its dense base, and the report and comparison show both."""
@@ -438,6 +439,7 @@ def test_the_dense_base_is_timed_once_a_process(tiny_model_dir, monkeypatch):
     assert len(timed) == 7
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_retimed_not_rerun(tiny_recipe, tmp_path, capsys):
     """A run whose recipe changes in ``evaluation.speed`` alone (or whose speed could not be measured
     where it ran) keeps its training and quality numbers: ``apply`` and ``compare`` time its saved model

@@ -197,6 +197,7 @@ def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsy
 
     run = _saved_wide_run(tiny_model_dir, tmp_path)
     common = ["eval", str(run / "model"), "--tasks", "perplexity", "--batch-size", "4", "--engine", "transformers"]
+    common += ["--perplexity-docs", "3", "--max-length", "64"]
     out = {}
     for name, extra in (("own", []), ("agreed", ["--consensus", "quorum=1.0"])):
         assert main([*common, *extra, "--output", str(tmp_path / name)]) == 0, capsys.readouterr().err

@@ -347,6 +347,7 @@ def test_the_ops_are_cheap_dispatches_that_compile_whole():
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)
 
 
+@pytest.mark.slow
 def test_compiled_decode_steps_match_eager_for_dense_and_wide(tiny_model_dir):
     """``torch.compile`` traces whole decode blocks (``fullgraph``: the WIDE ops are registered operators, every
     index a tensor); the compiled prefill (symbolic shapes, padded and not; every

@@ -68,6 +68,7 @@ def test_history_is_subsampled_evenly_keeping_both_ends():
     assert picked == [0, 500, 1000, 1500, 2000]
 
 
+@pytest.mark.slow
 def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     cls = plugins.load("pruner", "wide")
@@ -120,6 +121,7 @@ def test_two_stages_save_and_reload_with_identical_logits(tiny_model_dir, tmp_pa
     assert ev["sparsity"]["macs"] == res.results["sparsity"]["macs"]
 
 
+@pytest.mark.slow
 def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
     cls = plugins.load("pruner", "wide")
@@ -149,6 +151,7 @@ def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
     assert res.results["metrics"]["piqa"]["acc"] >= 0
 
 
+@pytest.mark.slow
 def test_finetune_stage_trains_the_projections_and_reloads(tiny_model_dir, tmp_path):
     """``finetune`` trains the projections' weights in full: they move, the saved run holds them
     (``finetuned.<name>.weight``) and reloads to the logits the run evaluated."""
@@ -204,6 +207,7 @@ def test_finetune_holds_fp32_weights_under_autocast_and_gives_the_dtype_back(tin
         FinetuneTrainer(FinetuneStageConfig(target_modules=["nope"])).setup(model, None, cpu)
 
 
+@pytest.mark.slow
 def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, tmp_path, monkeypatch):
     """Once a stage has moved the model's own weights (``finetune``, during it; a merged LoRA, after it),
     the model with its pruner off is no longer the dense model: a stage that distils then distils from a
@@ -237,6 +241,7 @@ def test_distilling_with_finetune_keeps_a_dense_copy_as_teacher(tiny_model_dir, 
         assert seen and all(s == copied for s in seen), name
 
 
+@pytest.mark.slow
 def test_interrupted_training_resumes_bit_exactly(tiny_model_dir, tmp_path, monkeypatch):
     stages = [stage("router", steps=6), stage("lora", steps=4, r=4, alpha=8)]
     full = apply(recipe(tiny_model_dir, tmp_path / "a", stages))
@@ -314,6 +319,7 @@ def _assert_same_tensors(a, b):
             assert torch.equal(a[name][key], b[name][key]), (name, key)
 
 
+@pytest.mark.slow
 def test_cold_and_warm_dense_cache_give_identical_saved_tensors(tiny_model_dir, tmp_path, monkeypatch):
     """Every random draw depends on the recipe only, not on whether the dense reference was computed
     (lm-eval reseeds the global generators) or found in the cache."""
@@ -329,6 +335,7 @@ def test_cold_and_warm_dense_cache_give_identical_saved_tensors(tiny_model_dir, 
     assert runs[0].results["metrics"] == runs[1].results["metrics"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir, tmp_path, backend):
     """A run with the wide-triton executor saves what a torch-executor run saves: the pruner's own
@@ -351,6 +358,7 @@ def test_a_wide_triton_run_saves_what_the_pruner_owns_and_reloads(tiny_model_dir
     assert ev["metrics"] == res.results["metrics"] == ref.results["metrics"]
 
 
+@pytest.mark.slow
 def test_a_wide_run_scored_on_the_runtime_matches_the_reference(tiny_model_dir, tmp_path):
     """``evaluation.engine: runtime`` scores a WIDE model through its runtime blocks (the recipe's
     executor, here on the torch references): the metrics and the realised sparsity of the reference path
@@ -399,6 +407,7 @@ def test_sparsity_not_counted_is_reported_as_not_measured(tiny_model_dir, tmp_pa
     assert "not measured" in compare_markdown([saved])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_signal_checkpoints_the_last_finished_step_and_the_rerun_resumes(
     tiny_model_dir, tmp_path, monkeypatch, signame, code

@@ -76,7 +76,9 @@ def test_validates_its_tensors():
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 40), (64, 5, 130)])
 @pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
-@pytest.mark.parametrize("block_g", [1, 32])
+@pytest.mark.parametrize(
+    "block_g", [pytest.param(1, marks=pytest.mark.slow), 32]
+)  # (1: a program a group, slow in the interpreter)
 def test_decides_from_shares_as_the_router(m, d, rank, groups, bias, block_g):
     """The decision's launch alone, from the bottleneck's shares (as the reduction kernel before it
     writes them): ``decide(GroupRouter(x))`` wherever a group's two logits are not within fp32
@@ -114,7 +116,7 @@ def test_the_decision_from_shares_validates_its_tensors():
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])
-@pytest.mark.parametrize("groups", [3, 40, 130])
+@pytest.mark.parametrize("groups", [3, 40, pytest.param(130, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
 def test_both_launches_count_their_decision(m, groups, bias):
     """With ``counts`` each deciding launch adds its tokens and their executed groups to what the

@@ -51,6 +51,7 @@ def test_benchmark_script_smoke(tmp_path):
     assert rows and all(full[key(r)] == [r[f] for f in fields] for r in rows)
 
 
+@pytest.mark.slow
 def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(tmp_path):
     """The listed packed reduction unrolls a group's K steps, each with its own buffers: every tile
     its autotuner hook keeps (bf16, 4 groups a step) compiles for sm_90 within the H200's shared
@@ -72,6 +73,7 @@ def test_packed_reduction_pruner_keeps_tiles_that_compile_within_shared_memory(t
     assert all(r["kept"] for r in rows if r["variant"] == "direct")
 
 
+@pytest.mark.slow
 def test_decode_kernels_compile_for_hopper(tmp_path):
     """benchmarks/hopper_codegen.py, on any machine: the decode defaults (q and down packed, gate+up,
     down fused, o with its group list and without) compiled for sm_90 at Llama-3.1-8B's shapes and
