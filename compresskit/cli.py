@@ -287,7 +287,7 @@ def cmd_generate(args, out: Console, err: Console) -> int:
     if args.max_new_tokens < 1:
         raise CompressKitError(f"--max-new-tokens: {args.max_new_tokens}; give 1 or more")
     model, tokenizer, pruner, _ = _load_for_runtime(args.model, args, err, "MODEL (compresskit generate's argument)")
-    runtime = runtime_for(model, pruner)
+    runtime = runtime_for(model, pruner, counting=False)  # (generation reports no sparsity: nothing to count)
     prompt = tokenizer(args.prompt, add_special_tokens=True)["input_ids"]
     written: list[int] = []
     shown = ""

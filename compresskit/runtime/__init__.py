@@ -21,10 +21,11 @@ from compresskit.runtime.llama import Runtime, StaticCache
 __all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime", "runtime_for"]
 
 
-def runtime_for(model, pruner=None, executor=None, **options) -> Runtime:
+def runtime_for(model, pruner=None, executor=None, *, counting: bool = True, **options) -> Runtime:
     """The runtime for ``model`` as ``pruner`` left it: with the blocks of ``executor`` where it supplies
     some (a recipe's configured executor), else of the pruner's ``runtime_executor`` (its default
-    configuration), else the runtime's own blocks. ``options`` go to :class:`Runtime` (``compile``,
+    configuration; with ``counting`` off, its ``track_stats`` off where it has one: for generation, which
+    reports no sparsity), else the runtime's own blocks. ``options`` go to :class:`Runtime` (``compile``,
     ``graphs``, ``dense``)."""
     if executor is not None and type(executor).runtime_blocks is not Executor.runtime_blocks:
         return Runtime(model, executor=executor, **options)
@@ -32,7 +33,8 @@ def runtime_for(model, pruner=None, executor=None, **options) -> Runtime:
     name = getattr(pruner, "runtime_executor", None)
     if name is not None:
         cls = plugins.load("executor", name)
-        executor = cls(cls.Config())
+        quiet = not counting and "track_stats" in cls.Config.model_fields
+        executor = cls(cls.Config(**({"track_stats": False} if quiet else {})))
     return Runtime(model, executor=executor, **options)
 
 
@@ -43,7 +45,7 @@ class TextGenerator:
     a list. ``runtime``, ``tokenizer`` and ``pruner`` (or None) are there for finer use."""
 
     def __init__(self, model, tokenizer, pruner=None) -> None:
-        self.runtime = runtime_for(model, pruner)
+        self.runtime = runtime_for(model, pruner, counting=False)
         self.tokenizer = tokenizer
         self.pruner = pruner
 

@@ -103,7 +103,6 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     are one routed product, each block adds the residual itself, every router but the first decides
     from the shares the block before it handed on, and that decision's launch adds the residual and
     applies the norm too."""
-    from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
 
@@ -112,7 +111,9 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
     monkeypatch.setattr(blocks, "router_norm_from_shares", lambda *a: with_norm.append(1) or real_with_norm(*a))
     model, pruner = _wide_model(tiny_model_dir)
-    fast = runtime_for(model, pruner)
+    cls = plugins.load("executor", "wide-triton")
+    # the references of every operator (under auto the CPU hands nothing on: see the test after this one)
+    fast = Runtime(model, executor=cls(cls.Config(backend="torch")))
     assert all(isinstance(a, WideAttention) and isinstance(m, WideMLP) for a, m in fast.blocks)
     assert all(a.wqkv is not None for a, _ in fast.blocks)
     order = [blk for pair in fast.blocks for blk in pair]
@@ -144,6 +145,26 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     # each forward (two prompts, six steps) decides every router but the first from shares, with the
     # norm in that launch (the runtime hands the blocks the residual's delta)
     assert len(with_norm) == 8 * (len(order) - 1) and not from_shares
+
+
+def test_on_the_cpu_auto_runs_the_cheapest_path(tiny_model_dir, monkeypatch):
+    """Under ``auto`` on the CPU the blocks hand no shares on (the references would compute them on top of the
+    products) and attend with the runtime's attention (the routed attention's reference is slower): what makes
+    ``compresskit generate`` on the CPU as fast as transformers' generate for a WIDE model."""
+    from compresskit.runtime import runtime_for
+    from compresskit_wide import blocks
+
+    called = []
+    for name in ("router_norm_from_shares", "router_decide_from_shares", "routed_attention_decode"):
+        real = getattr(blocks, name)
+        monkeypatch.setattr(blocks, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
+    model, pruner = _wide_model(tiny_model_dir)
+    fast = runtime_for(model, pruner)
+    assert (
+        fast.generate([[5, 6, 7, 8]], max_new_tokens=3).tokens
+        == Runtime(model).generate([[5, 6, 7, 8]], max_new_tokens=3).tokens
+    )
+    assert not called
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])

@@ -130,10 +130,11 @@ class _Routing(Counting):
         runs (``x``: the block's input, to which the caller adds the output), else None."""
         m = a.shape[0]
         nxt = self.next_router_down
+        # under auto the handoff runs where its kernel does (on a GPU, where it measured faster); on the CPU
+        # the reference's shares would be extra work: the next router computes its bottleneck itself
         if nxt is not None and (
             self.backend != "auto"
-            or a.device.type != "cuda"
-            or use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed)
+            or (a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed))
         ):
             return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
         return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
@@ -158,8 +159,10 @@ class WideAttention(Attention, _Routing):
         ``auto`` on a GPU only where it was measured faster (the runtime's attention otherwise)."""
         if step.padded or abs(self.scale * self.head_dim**0.5 - 1.0) > 1e-6 or (t > 1 and step.mask is not None):
             return False
-        if self.backend != "auto" or device.type != "cuda":
+        if self.backend != "auto":
             return True
+        if device.type != "cuda":  # the reference of the routed attention is slower than the runtime's attention
+            return False
         return use_kernel("attn_decode", rows, context=context) if t == 1 else use_kernel("attn_prefill", t)
 
     def _one_qkv_product(self, m: int) -> bool:
