@@ -574,6 +574,7 @@ def eval_model(
     field: str = "model_ref",
     consensus=None,
     allow_download: bool = False,
+    data_field: str = "data.source.files",
 ) -> dict[str, Any]:
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
@@ -581,13 +582,16 @@ def eval_model(
     ``routing.ConsensusConfig``): score a routed model under batch-consensus routing, each evaluation
     batch of ``evaluation.batch_size`` sequences deciding together (the teacher-forced simulation of
     decoding that many sequences at once). ``allow_download``: a hub model or an lm-eval task's data not in
-    the local caches may be downloaded (``--allow-download``)."""
+    the local caches may be downloaded (``--allow-download``). ``data_field``: how errors about ``data``'s
+    files name them (the CLI: ``--data``)."""
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
     if output_dir is not None:
         artifacts.check_creatable(Path(output_dir), "output directory (--output)")
-    check_source(data_section)  # your files exist, and the tasks find their items in them: said before the model loads
+    check_source(
+        data_section, data_field
+    )  # your files exist, and the tasks find their items in them: said before the model loads
     check_lm_eval_tasks(evaluation, allow_download=allow_download, download_flag="give --allow-download")
     documents = load_documents(data_section)
     held_out = held_out_documents(data_section, documents)

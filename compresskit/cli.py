@@ -542,6 +542,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
         args.model,
         consensus=consensus,
         allow_download=args.allow_download,
+        data_field="--data",
         evaluation=evaluation,
         data=data,
         dtype=args.dtype,

@@ -136,19 +136,19 @@ FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _FIELD = "data.source.files"
 
 
-def resolve_files(source: FilesSource) -> list[Path]:
-    """The files of a ``files`` source, in a stable order: every pattern must match a supported file."""
+def resolve_files(source: FilesSource, field: str = _FIELD) -> list[Path]:
+    """The files of a ``files`` source, in a stable order: every pattern must match a supported file
+    (errors name ``field``: the recipe key, or the flag that gave the files)."""
     found: list[Path] = []
     for pattern in source.files:
         matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
         matches = [m for m in matches if m.is_file()]
         if not matches:
-            raise RecipeError(f"{_FIELD}: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
+            raise RecipeError(f"{field}: {pattern!r} matches no file (relative paths start at {os.getcwd()})")
         for m in matches:
             if m.suffix.lower() not in FILE_SUFFIXES:
                 raise RecipeError(
-                    f"{_FIELD}: {str(m)!r} is a {m.suffix or 'file without suffix'}; allowed: "
-                    f"{', '.join(FILE_SUFFIXES)}"
+                    f"{field}: {str(m)!r} is a {m.suffix or 'file without suffix'}; allowed: {', '.join(FILE_SUFFIXES)}"
                 )
             if m not in found:
                 found.append(m)
@@ -162,12 +162,12 @@ def sources(section: DataSection) -> list[tuple[Any, float]]:
     return [(section.source, 1.0)]
 
 
-def check_source(section: DataSection) -> None:
+def check_source(section: DataSection, files_field: str = _FIELD) -> None:
     """What can be checked of a ``data`` section without reading the text: the files and the
-    dataset folders exist."""
+    dataset folders exist (errors about the files name ``files_field``)."""
     for source, _ in sources(section):
         if getattr(source, "files", None) is not None:
-            resolve_files(source)
+            resolve_files(source, files_field)
         elif getattr(source, "hf", None) is not None and _looks_like_path(source.hf):
             if not Path(source.hf).expanduser().is_dir():
                 raise RecipeError(f"data.source.hf: {source.hf!r} is not a folder (a Dataset.save_to_disk output)")

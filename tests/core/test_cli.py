@@ -490,6 +490,8 @@ def test_eval_takes_your_own_text(capsys, tiny_model_dir, tmp_path):
     code, _, err = run(capsys, *common, "--tasks", "perplexity", "--output", str(tmp_path / "r"))
     results = json.loads((tmp_path / "r" / "results.json").read_text())
     assert code == 0 and results["data"]["source"] == "files" and results["data"]["test_articles"] == 2
+    code, _, err = run(capsys, "eval", str(tiny_model_dir), "--data", str(tmp_path / "none*.txt"))
+    assert code == 2 and one_line_error(err).startswith(f"error: --data: '{tmp_path}/none*.txt' matches no file")
     code, _, err = run(capsys, "eval", str(tiny_model_dir), "--test-fraction", "0.5")
     assert code == 2 and "--test-fraction: it splits your own text; give --data FILE... too" in one_line_error(err)
     code, _, err = run(capsys, "eval", "someone/some-model", "--tasks", "perplexity")
