@@ -148,27 +148,36 @@ def _launch(args, err: Console) -> int:
 
 
 def _dry_run(resolved, args, out: Console) -> int:
-    """Print what the recipe's training needs per GPU, for ``--nproc`` ranks, without loading weights."""
+    """Print what the recipe's training needs per GPU (or, where the run would use the CPU, for its process),
+    for ``--nproc`` ranks, without loading weights."""
     import torch
     from rich.table import Table
 
-    from compresskit.memory import CONTEXT_BYTES, plan, size
+    from compresskit.memory import CONTEXT_BYTES, PROCESS_BYTES_CPU, plan, size
     from compresskit.modeling import load_config, resolve_dtype
 
     rec = resolved.recipe
     config = load_config(rec.model.name_or_path, allow_download=rec.model.allow_download)[0]
     world = args.nproc or int(os.environ.get("WORLD_SIZE", "1"))
-    device = "cuda" if rec.model.device == "auto" else rec.model.device  # the plan is for the GPUs
+    device = rec.model.device
+    if device == "auto":  # the device the run would take here
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if device.startswith("cuda") else "cpu"
     dtype = resolve_dtype(rec.model.dtype, torch.device(device))
     autocast = any(getattr(s.config, "autocast_bf16", False) for s in resolved.training) and device == "cuda"
     compute = torch.bfloat16 if autocast else dtype
-    p = plan(resolved, world=world, config=config, dtype=compute)
-    how = "sharded (FSDP2)" if p.sharded else "whole on each GPU"
-    _plain(
-        out,
-        f"{p.model}: {p.params:,} parameters, computing in {p.dtype}, {world} rank(s), weights {how}; "
-        f"estimates per GPU (compresskit/memory.py says how they are made; {size(CONTEXT_BYTES)} of it CUDA context)",
-    )
+    p = plan(resolved, world=world, config=config, dtype=compute, device=device)
+    if device == "cuda":
+        how = "sharded (FSDP2)" if p.sharded else "whole on each GPU"
+        made = "compresskit/memory.py says how they are made"
+        where = f"estimates per GPU ({made}; {size(CONTEXT_BYTES)} of it CUDA context)"
+    else:
+        how = "sharded (FSDP2)" if p.sharded else "whole in each process"
+        where = (
+            "on the CPU: estimates per process (compresskit/memory.py says how they are made; "
+            f"{size(PROCESS_BYTES_CPU)} of it the process with its libraries; evaluation, not a row, can peak higher)"
+        )
+    _plain(out, f"{p.model}: {p.params:,} parameters, computing in {p.dtype}, {world} rank(s), weights {how}; {where}")
     table = Table(title="compresskit apply --dry-run")
     cols = (
         "stage",
@@ -179,7 +188,7 @@ def _dry_run(resolved, args, out: Console) -> int:
         "trained state",
         "activations",
         "logits",
-        "peak/GPU",
+        "peak/GPU" if device == "cuda" else "peak/process",
     )
     for col in cols:
         table.add_column(col, justify="left" if col == "stage" else "right")

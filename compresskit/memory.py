@@ -20,7 +20,12 @@ The peak memory per GPU is an estimate, the sum of:
   teacher's and the student's logits at temperature, their two log-distributions, the teacher's
   probabilities and the elementwise term; measured on the H200 at 12.2-12.9 bytes a logit above the
   three this term counted before, docs/train-memory-h200.md);
-- a fixed 0.5 GiB for the CUDA context and workspaces.
+- a fixed 0.5 GiB for the CUDA context and workspaces; on the CPU instead, the process with the libraries a
+  run imports (torch, transformers, lm-eval, datasets: 0.55 GiB resident, measured on this project's 2-core CPU
+  machine, 2026-12-03).
+
+Evaluation is not a row: on the CPU it measured higher than training (``recipes/wide-smollm2-quick.yaml``: 4.2 GiB
+against LoRA's 3.6 GiB, the fp32 logits of ``evaluation.logits_budget_mb`` several times over).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from compresskit.trainers import inject_lora, projection_names
 # commands that do not need them (`--help` and `validate` first), stays fast.
 
 CONTEXT_BYTES = 512 * 2**20
+PROCESS_BYTES_CPU = 560 * 2**20  # on the CPU, in place of the CUDA context (module docstring)
 
 
 @dataclass
@@ -50,10 +56,11 @@ class StagePlan:
     trainable_state: int
     activations: int
     logits: int
+    context: int = CONTEXT_BYTES  # the CUDA context, or on the CPU the process with its libraries
 
     @property
     def peak(self) -> int:
-        return self.weights + self.trainable_state + self.activations + self.logits + CONTEXT_BYTES
+        return self.weights + self.trainable_state + self.activations + self.logits + self.context
 
 
 @dataclass
@@ -74,9 +81,9 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
+def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cuda") -> Plan:
     """The plan of ``resolved`` (a resolved recipe) on ``world`` ranks, for a model of ``config``
-    computing in ``dtype``."""
+    computing in ``dtype`` on ``device`` ("cuda" or "cpu")."""
     rec = resolved.recipe
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
     model = meta_model(config).to(dtype)
@@ -125,6 +132,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype) -> Plan:
                 trainable_state=(16 * trainable) // (world if sharded else 1),
                 activations=tokens * (per_token_layer * len(layers) + per_token_router + per_token_lora),
                 logits=logit_bytes,
+                context=CONTEXT_BYTES if device == "cuda" else PROCESS_BYTES_CPU,
             )
         )
     return Plan(rec.model.name_or_path, params, str(dtype).removeprefix("torch."), world, sharded, stages)

@@ -87,9 +87,23 @@ def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, mon
     assert code == 0 and "2 rank(s), weights sharded (FSDP2)" in out and "router" in out and "lora" in out
     # off a terminal the table is Markdown, whole: no cell cut to fit 80 columns
     assert "| stage | steps | tokens/step | trained params |" in out and "…" not in out
+    if not torch.cuda.is_available():  # the plan is for the device the run would use: here the CPU, in its dtype
+        assert "on the CPU: estimates per process" in out and "| peak/process |" in out and "CUDA context" not in out
+        assert "computing in float32" in out
     assert not (tmp_path / "run").exists() and not (tmp_path / "run.partial").exists()
     code = main(["apply", str(path), "--dry-run", "--nproc", "0"])
     assert code == 2 and "--nproc: 0; give 1 or more" in capsys.readouterr().err
+
+
+def test_the_cpu_plan_counts_the_process_in_place_of_the_cuda_context(recipe, tiny_model_dir):
+    from compresskit.memory import CONTEXT_BYTES, PROCESS_BYTES_CPU
+    from compresskit.modeling import load_config
+
+    config = load_config(str(tiny_model_dir))[0]
+    gpu = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
+    cpu = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32, device="cpu")
+    for g, c in zip(gpu.stages, cpu.stages, strict=True):
+        assert g.peak - c.peak == CONTEXT_BYTES - PROCESS_BYTES_CPU and c.context == PROCESS_BYTES_CPU
 
 
 def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
