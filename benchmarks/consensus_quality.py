@@ -40,7 +40,7 @@ def evaluate_cell(cell: dict) -> dict:
     """One evaluation (in a worker process): the run's model scored with ``cell``'s rule and batch size."""
     from compresskit.api import eval_model
     from compresskit.recipe import EvaluationSection
-    from compresskit.routing import ConsensusConfig
+    from compresskit.routing import Consensus
 
     evaluation = EvaluationSection(
         tasks=TASKS,
@@ -52,7 +52,7 @@ def evaluate_cell(cell: dict) -> dict:
         limit=cell["limit"],
         perplexity_docs=cell["limit"],
     )
-    consensus = ConsensusConfig(**cell["rule"]) if cell["rule"] is not None else None
+    consensus = Consensus(**cell["rule"]) if cell["rule"] is not None else None
     t0 = time.perf_counter()
     res = eval_model(cell["path"], evaluation=evaluation, consensus=consensus)
     m, sp = res["metrics"], res["sparsity"]

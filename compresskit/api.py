@@ -579,7 +579,7 @@ def eval_model(
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
     about ``model_ref`` name it as ``field`` (the CLI passes its argument's name). ``consensus`` (a
-    ``routing.ConsensusConfig``): score a routed model under batch-consensus routing, each evaluation
+    ``routing.Consensus``): score a routed model under batch-consensus routing, each evaluation
     batch of ``evaluation.batch_size`` sequences deciding together (the teacher-forced simulation of
     decoding that many sequences at once). ``allow_download``: a hub model or an lm-eval task's data not in
     the local caches may be downloaded (``--allow-download``). ``data_field``: how errors about ``data``'s

@@ -180,7 +180,7 @@ def shape_members(
     device,
     dtype,
     transformers: str | None = None,
-    consensus: list[dict] = (),
+    consensus: list = (),
     **options,
 ) -> list:
     """The bench's members for a known ``shape`` (random weights): the routing pruner ``method`` (a
@@ -214,9 +214,10 @@ def shape_members(
     return members
 
 
-def consensus_label(spec: dict) -> str:
-    """The bench row of a consensus rule: ``consensus (quorum 0.5, budget 0.6)``."""
-    return "consensus (" + ", ".join(f"{k} {v}" for k, v in spec.items()) + ")"
+def consensus_label(rule) -> str:
+    """The bench row of a consensus rule (the settings it was given): ``consensus (quorum 0.5, budget 0.6)``."""
+    given = rule.model_dump(exclude_unset=True, exclude={"schema_version"})
+    return "consensus (" + ", ".join(f"{k} {v}" for k, v in given.items()) + ")"
 
 
 def consensus_executor(pruner_cls):
@@ -232,8 +233,8 @@ def consensus_executor(pruner_cls):
     return cls
 
 
-def consensus_members(model, pruner, specs: list[dict], **options) -> list:
-    """A member per batch-consensus rule in ``specs`` (the executor's ``consensus`` settings): the routed
+def consensus_members(model, pruner, specs: list, **options) -> list:
+    """A member per batch-consensus rule in ``specs`` (``compresskit.routing.Consensus``): the routed
     ``model`` on the runtime blocks of its pruner's executor configured with that rule. A
     ``CompressKitError`` where the pruner's executor has no such option."""
     if not specs:

@@ -476,12 +476,12 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _consensus_rule(text: str) -> dict:
-    """``--consensus quorum=0.5,budget=0.6`` -> the executor's consensus settings, checked by its config."""
+def _consensus_rule(text: str):
+    """``--consensus quorum=0.5,budget=0.6`` -> the rule (``compresskit.routing.Consensus``), checked."""
     from pydantic import ValidationError
 
     from compresskit.recipe import format_validation_error
-    from compresskit.routing import ConsensusConfig
+    from compresskit.routing import Consensus
 
     spec: dict[str, Any] = {}
     for part in filter(None, text.split(",")):
@@ -490,10 +490,9 @@ def _consensus_rule(text: str) -> dict:
             raise CompressKitError(f"--consensus {text}: {part!r} is no KEY=VALUE pair (e.g. quorum=0.5,budget=0.6)")
         spec[key.strip()] = value.strip()
     try:
-        rule = ConsensusConfig(**spec)
+        return Consensus(**spec)
     except ValidationError as exc:
-        raise CompressKitError(f"--consensus {text}: {format_validation_error(exc, ConsensusConfig)}") from None
-    return {k: getattr(rule, k) for k in spec}
+        raise CompressKitError(f"--consensus {text}: {format_validation_error(exc, Consensus)}") from None
 
 
 def _version(name: str) -> str | None:
@@ -542,11 +541,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
             raise RecipeError(format_validation_error(exc, DataSection, names=names)) from None
     elif args.test_fraction is not None:
         raise CompressKitError("--test-fraction: it splits your own text; give --data FILE... too")
-    consensus = None
-    if args.consensus is not None:
-        from compresskit.routing import ConsensusConfig
-
-        consensus = ConsensusConfig(**_consensus_rule(args.consensus))
+    consensus = None if args.consensus is None else _consensus_rule(args.consensus)
     results = eval_model(
         args.model,
         consensus=consensus,

@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
@@ -74,8 +73,7 @@ def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
     return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
 
 
-@dataclass(frozen=True)
-class Consensus:
+class Consensus(PluginConfig):
     """Batch-consensus routing: at each position, the real tokens of a batch's sequences share one set of
     groups per router, so that a product reads the weights of that set, not the union of every token's.
 
@@ -83,29 +81,10 @@ class Consensus:
     one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
     index), at most ``ceil(budget * G)`` of them. ``share="set"``: every token runs the whole set;
     ``"own"``: each token runs its own choices within it. A position with one real token (a batch of
-    one) keeps that token's own decision exactly: per-token routing.
+    one) keeps that token's own decision exactly: per-token routing. The same object is what a recipe, a
+    training stage or a command gives (``consensus: {quorum: 0.5}``).
 
     With consensus on, a sequence's output depends on the sequences batched with it."""
-
-    budget: float = 1.0
-    quorum: float = 0.5
-    share: Literal["set", "own"] = "set"
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.budget <= 1.0:
-            raise ValueError(f"consensus budget must be in (0, 1], got {self.budget}")
-        if not 0.0 <= self.quorum <= 1.0:
-            raise ValueError(f"consensus quorum must be in [0, 1], got {self.quorum}")
-        if self.share not in ("set", "own"):
-            raise ValueError(f"consensus share must be 'set' or 'own', got {self.share!r}")
-
-    def cap(self, groups: int) -> int:
-        """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
-        return max(1, math.ceil(self.budget * groups - 1e-9))
-
-
-class ConsensusConfig(PluginConfig):
-    """A :class:`Consensus` rule as a recipe, a stage or a command gives it."""
 
     quorum: float = Field(
         0.5,
@@ -121,8 +100,9 @@ class ConsensusConfig(PluginConfig):
         "set", description="set: every token runs the whole shared set; own: its own choices within it"
     )
 
-    def rule(self) -> Consensus:
-        return Consensus(budget=self.budget, quorum=self.quorum, share=self.share)
+    def cap(self, groups: int) -> int:
+        """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
+        return max(1, math.ceil(self.budget * groups - 1e-9))
 
 
 def consensus_keep(

@@ -41,7 +41,7 @@ from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
 from compresskit.modeling import replace_module
-from compresskit.routing import ConsensusConfig, set_consensus
+from compresskit.routing import Consensus, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
@@ -76,7 +76,7 @@ class TrainStageConfig(PluginConfig):
     distill: DistillConfig | None = Field(
         None, description="Also learn the dense model's next-token distributions (KL; see compresskit.distill)."
     )
-    consensus: ConsensusConfig | None = Field(
+    consensus: Consensus | None = Field(
         None,
         description="Train with batch-consensus routing in the loop (compresskit.routing.Consensus): at each position "
         "the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's groups, "
@@ -139,7 +139,7 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
-        if c.consensus is not None and not set_consensus(model, c.consensus.rule()):
+        if c.consensus is not None and not set_consensus(model, c.consensus):
             raise RecipeError(
                 f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
                 "(a routing pruner: wide, dynamic-depth)"

@@ -35,7 +35,7 @@ def test_consensus_kernel_matches_both_references(b, t, g, kind):
     for (budget, quorum, share), real in itertools.product(
         itertools.product([1.0, 0.5, 0.2], [0.0, 0.5, 1.0], ["set", "own"]), [None, valid]
     ):
-        rule = Consensus(budget, quorum, share)
+        rule = Consensus(budget=budget, quorum=quorum, share=share)
         want = consensus_execute(margin, margin >= 0, real, rule).reshape(b * t, g)
         flat = None if real is None else real.reshape(-1)
         kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set"}

@@ -66,7 +66,10 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.setup_counts(proj, proj.groups, counting=count)
-        self.consensus = consensus
+        # the batch's rule as plain values, fixed with the block: (groups at most, quorum, every token the set)
+        self.consensus = (
+            None if consensus is None else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set")
+        )
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
     def enter(
@@ -112,12 +115,11 @@ class _Routing(Counting):
         """The execute mask from what the router gave (``decided``: its decision, or its margins where the
         batch agrees), counted where the router's launch did not count it."""
         if agree:
-            c = self.consensus
+            cap, quorum, share_set = self.consensus
             real = None if valid is None else valid.reshape(-1).bool()
             return consensus_decide(
-                decided, real, batch, c.cap(self.groups), c.quorum, c.share == "set", self.stat_counts, self.counting,
-                self.backend,
-            )  # fmt: skip
+                decided, real, batch, cap, quorum, share_set, self.stat_counts, self.counting, self.backend
+            )
         if self.counting and not counted:
             self.count(decided, valid)
         return decided

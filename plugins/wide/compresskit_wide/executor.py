@@ -31,7 +31,7 @@ from torch import nn
 from compresskit import Executor, PluginConfig
 from compresskit.errors import KernelUnavailableError
 from compresskit.modeling import decoder_layers
-from compresskit.routing import ConsensusConfig, RoutedProjection, set_consensus
+from compresskit.routing import Consensus, RoutedProjection, set_consensus
 from compresskit_wide.kernels import ops
 
 
@@ -51,7 +51,7 @@ class TritonExecutorConfig(PluginConfig):
         "measurement and evaluation.engine runtime report); false for serving: nothing is counted, and the "
         "sparsity is reported as not measured",
     )
-    consensus: ConsensusConfig | None = Field(
+    consensus: Consensus | None = Field(
         None,
         description="batch-consensus routing (module docstring): a batch's sequences share each router's groups "
         "at every position; a sequence's output then depends on its batch mates. None: per-token routing",
@@ -96,7 +96,7 @@ class TritonExecutor(Executor):
         from compresskit_wide.blocks import link, wide_blocks
 
         cfg = self.config
-        consensus = cfg.consensus.rule() if cfg.consensus is not None else None
+        consensus = cfg.consensus
         pairs = [
             wide_blocks(
                 layer, head_dim, cfg.backend, attention=cfg.attention, count=cfg.track_stats, consensus=consensus
@@ -109,5 +109,5 @@ class TritonExecutor(Executor):
     def convert(self, model: nn.Module) -> nn.Module:
         """The model as it is, its routers set to ``consensus`` (the reference path then decides as the
         runtime's blocks do): what runs fast is the runtime's blocks (``runtime_blocks``)."""
-        set_consensus(model, self.config.consensus.rule() if self.config.consensus is not None else None)
+        set_consensus(model, self.config.consensus)
         return model
