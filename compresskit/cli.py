@@ -83,7 +83,7 @@ def _print_table(out: Console, table) -> None:
         text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
         return text.replace("|", "\\|")
 
-    columns = [[plain(c) for c in col._cells] for col in table.columns]
+    columns = [[plain(c) for c in col.cells] for col in table.columns]
     lines = [f"{table.title}", ""] if table.title else []
     lines.append("| " + " | ".join(plain(c.header) for c in table.columns) + " |")
     lines.append("|" + "---|" * len(table.columns))

@@ -237,10 +237,7 @@ def consensus_decide(
         return triton_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid, counts=counts)
     check_consensus(margin, batch, cap, quorum, valid)
     execute = torch_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid)
-    if counts is not None:
-        real = execute if valid is None else execute & valid[:, None]
-        counts[0].add_(margin.shape[0] if valid is None else valid.sum(dtype=torch.float64))
-        counts[1].add_(real.sum(dtype=torch.float64))
+    torch_count(execute, counts, valid)
     return execute
 
 

@@ -81,12 +81,17 @@ def _decide(
     return execute if as_bool else execute.to(logits.dtype)
 
 
-def torch_count(execute: torch.Tensor, counts: torch.Tensor | None) -> None:
+def torch_count(execute: torch.Tensor, counts: torch.Tensor | None, valid: torch.Tensor | None = None) -> None:
     """Reference counting: add ``execute: [M, G]``'s tokens and executed groups to ``counts``
-    (fp64 ``[2]``; nothing where None)."""
-    if counts is not None:
+    (fp64 ``[2]``; nothing where None), only the real tokens ``valid: [M]`` (bool) where given."""
+    if counts is None:
+        return
+    if valid is None:
         counts[0].add_(execute.shape[0])
         counts[1].add_(execute.sum(dtype=torch.float64))
+    else:
+        counts[0].add_(valid.sum(dtype=torch.float64))
+        counts[1].add_((execute & valid[:, None]).sum(dtype=torch.float64))
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
