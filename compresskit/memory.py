@@ -21,11 +21,12 @@ The peak memory per GPU is an estimate, the sum of:
   probabilities and the elementwise term; measured on the H200 at 12.2-12.9 bytes a logit above the
   three this term counted before, docs/train-memory-h200.md);
 - a fixed 0.5 GiB for the CUDA context and workspaces; on the CPU instead, the process with the libraries a
-  run imports (torch, transformers, lm-eval, datasets: 0.55 GiB resident, measured on this project's 2-core CPU
-  machine, 2026-12-03).
+  run imports (torch, transformers, lm-eval, datasets: 0.54-0.55 GiB resident on this project's 2-core CPU
+  machine, 2026-12-03, ``python benchmarks/sample_memory.py --imports``).
 
-Evaluation is not a row: on the CPU it measured higher than training (``recipes/wide-smollm2-quick.yaml``: 4.2 GiB
-against LoRA's 3.6 GiB, the fp32 logits of ``evaluation.logits_budget_mb`` several times over).
+Evaluation is not a row: on the CPU it measured higher than training (``recipes/wide-smollm2-quick.yaml``, by
+``python benchmarks/sample_memory.py -- compresskit apply recipes/wide-smollm2-quick.yaml --overwrite``; the README
+has the numbers).
 """
 
 from __future__ import annotations
