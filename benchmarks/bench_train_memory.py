@@ -93,7 +93,7 @@ def main() -> int:
             }  # (validated only: the model is built from the shape)
             resolved = load_recipe(recipe)
             model = shape_model(name, device=device, dtype=dtype)
-            estimate = plan(resolved, world=1, config=model.config, dtype=torch.bfloat16 if cuda else dtype)
+            estimate = plan(resolved, world=1, config=model.config, dtype=dtype, device="cuda" if cuda else "cpu")
             st = estimate.stages[0]
             cls = plugins.load("pruner", "wide")
             pruner = cls(cls.Config(**wide))

@@ -28,7 +28,14 @@ from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
 from compresskit.generation import write_generated
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
-from compresskit.modeling import cache_dir, count_parameters, load_model, local_model_dir, resolve_model_source
+from compresskit.modeling import (
+    cache_dir,
+    count_parameters,
+    load_model,
+    local_model_dir,
+    release_freed_memory,
+    resolve_model_source,
+)
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.report import results_markdown
@@ -164,7 +171,12 @@ def _eval_summary(ev: EvalResult) -> dict[str, Any]:
     return {
         **ev.meta,
         "tasks": {
-            name: {"n_items": t.n_items, "seconds": round(t.seconds, 2), "batch_size": t.batch_size}
+            name: {
+                "n_items": t.n_items,
+                "seconds": round(t.seconds, 2),
+                "batch_size": t.batch_size,
+                "peak_memory_bytes": t.peak_memory_bytes,
+            }
             for name, t in ev.tasks.items()
         },
     }
@@ -374,6 +386,7 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     stages = []
     for stage, (trainer, stage_ctx) in zip(resolved.training, trainers, strict=True):
         summary = trainer.fit(model, pruner, data, stage_ctx)
+        release_freed_memory()  # (what the stage's steps freed: the next phase starts from the live memory)
         summary.stage = stage.name
         train_summaries.append(summary)
         stages.append((stage.name, trainer, stage_ctx))

@@ -148,12 +148,12 @@ def _launch(args, err: Console) -> int:
 
 
 def _dry_run(resolved, args, out: Console) -> int:
-    """Print what the recipe's training needs per GPU (or, where the run would use the CPU, for its process),
-    for ``--nproc`` ranks, without loading weights."""
+    """Print what the recipe's training and evaluation need per GPU (or, where the run would use the CPU, for
+    its process), for ``--nproc`` ranks, without loading weights."""
     import torch
     from rich.table import Table
 
-    from compresskit.memory import CONTEXT_BYTES, PROCESS_BYTES_CPU, plan, size
+    from compresskit.memory import CONTEXT_BYTES, HEAP_GROWTH_CPU, PROCESS_BYTES_CPU, plan, size
     from compresskit.modeling import load_config, resolve_dtype
 
     rec = resolved.recipe
@@ -164,9 +164,7 @@ def _dry_run(resolved, args, out: Console) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = "cuda" if device.startswith("cuda") else "cpu"
     dtype = resolve_dtype(rec.model.dtype, torch.device(device))
-    autocast = any(getattr(s.config, "autocast_bf16", False) for s in resolved.training) and device == "cuda"
-    compute = torch.bfloat16 if autocast else dtype
-    p = plan(resolved, world=world, config=config, dtype=compute, device=device)
+    p = plan(resolved, world=world, config=config, dtype=dtype, device=device)
     if device == "cuda":
         how = "sharded (FSDP2)" if p.sharded else "whole on each GPU"
         made = "compresskit/memory.py says how they are made"
@@ -175,7 +173,8 @@ def _dry_run(resolved, args, out: Console) -> int:
         how = "sharded (FSDP2)" if p.sharded else "whole in each process"
         where = (
             "on the CPU: estimates per process (compresskit/memory.py says how they are made; "
-            f"{size(PROCESS_BYTES_CPU)} of it the process with its libraries; evaluation, not a row, can peak higher)"
+            f"{size(PROCESS_BYTES_CPU)} of it the process with its libraries, and the step's tensors count "
+            f"{HEAP_GROWTH_CPU}x for the heap's growth)"
         )
     _plain(out, f"{p.model}: {p.params:,} parameters, computing in {p.dtype}, {world} rank(s), weights {how}; {where}")
     table = Table(title="compresskit apply --dry-run")
@@ -194,13 +193,13 @@ def _dry_run(resolved, args, out: Console) -> int:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for st in p.stages:
         table.add_row(
-            st.stage, str(st.steps), f"{st.tokens_per_step:,}", f"{st.trainable_params:,}", size(st.weights),
-            size(st.trainable_state), size(st.activations), size(st.logits), size(st.peak),
+            st.stage, "-" if st.steps is None else str(st.steps), f"{st.tokens_per_step:,}",
+            f"{st.trainable_params:,}", size(st.weights), size(st.trainable_state), size(st.activations),
+            size(st.logits), size(st.peak),
         )  # fmt: skip
-    if not p.stages:
+    if len(p.stages) == 1:
         _plain(out, "no training stage: nothing is trained")
-    else:
-        _print_table(out, table)
+    _print_table(out, table)
     return EXIT_OK
 
 
@@ -703,7 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         dest="dry_run",
-        help="print each training stage's steps, tokens per step and expected peak memory per GPU; load nothing",
+        help="print each training stage's and the evaluation's steps, tokens and expected peak memory per GPU "
+        "(per process on the CPU); load nothing",
     )
     p.add_argument(
         "--nproc", type=int, help="ranks (GPUs of this host) to train on: launches the run under torchrun (FSDP2)"

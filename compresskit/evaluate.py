@@ -23,6 +23,7 @@ from compresskit import tasks as task_registry
 from compresskit.data import DataModule
 from compresskit.errors import RecipeError
 from compresskit.interfaces import Pruner
+from compresskit.modeling import peak_memory, release_freed_memory, reset_peak_memory
 from compresskit.progress import Progress
 from compresskit.recipe import EvaluationSection
 from compresskit.routing import measured_sparsity
@@ -235,6 +236,7 @@ class TaskResult:
     seconds: float
     sparsity: SparsityReport | None = None
     batch_size: int | None = None  # the largest batch lm-eval ran (logits_budget_mb may lower it)
+    peak_memory_bytes: int | None = None  # while the task ran (compresskit.modeling.peak_memory)
 
 
 @dataclass
@@ -273,6 +275,7 @@ def evaluate(
 
     progress = progress or Progress()
     model.eval()
+    device = next(model.parameters()).device
     engine = resolve_engine(model, section)
     scored = RuntimeModel(model, runtime_for(model, pruner, executor)) if engine == "runtime" else model
     with task_registry.quiet_lm_eval():
@@ -288,7 +291,7 @@ def evaluate(
             "limit": section.limit,
             "seed": section.seed,
             "num_fewshot": section.num_fewshot,
-            "device": str(next(model.parameters()).device),
+            "device": str(device),
             "engine": engine if engine == "transformers" else f"runtime ({scored.runtime.mode})",
         }
     )
@@ -299,6 +302,8 @@ def evaluate(
     }
     overall: SparsityReport | None = None
     for name in section.tasks:
+        release_freed_memory()  # (what training or the task before freed)
+        reset_peak_memory(device)
         builtin = task_registry.builtin(name)
         lm.label = f"eval {name}"
         lm.batch_sizes_used = set()
@@ -334,7 +339,7 @@ def evaluate(
                 continue
             n_items = int(out.get("n-samples", {}).get(key, {}).get("effective", 0))
             batch = max(lm.batch_sizes_used, default=None)
-            result.tasks[shown] = TaskResult(shown, metrics, n_items, seconds, rep, batch_size=batch)
+            result.tasks[shown] = TaskResult(shown, metrics, n_items, seconds, rep, batch, peak_memory(device))
             if not builtin:
                 result.higher_is_better[shown] = dict(out.get("higher_is_better", {}).get(key, {}))
         if rep is not None:

@@ -91,8 +91,9 @@ class TrainSummary:
     final_loss: float | None = None
     seconds: float = 0.0
     history: list[dict[str, float]] = field(default_factory=list)
-    # the most GPU memory the stage allocated, on its busiest rank (torch.cuda.max_memory_allocated);
-    # None off a GPU. What ``compresskit apply --dry-run`` estimates as the stage's peak, less the CUDA context.
+    # the stage's peak memory (compresskit.modeling.peak_memory): on a GPU the most it allocated, on its busiest
+    # rank, which ``compresskit apply --dry-run`` estimates less the CUDA context; on the CPU the process's peak
+    # resident memory, which it estimates whole; None where the system does not report it.
     peak_memory_bytes: int | None = None
 
 

@@ -206,6 +206,55 @@ def device_name(device: torch.device | str) -> str:
     return f"CPU ({model}, {os.cpu_count() or 1} cores)"
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start :func:`peak_memory`'s count afresh for ``device``."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")  # (Linux: resets the process's peak resident set)
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """The most memory used on ``device`` since :func:`reset_peak_memory`, in bytes: on a GPU the
+    tensors allocated (``torch.cuda.max_memory_allocated``, no CUDA context); on the CPU the process's
+    peak resident set (``VmHWM``: libraries, weights and the heap's growth included), or None where the
+    system does not report it (no ``/proc``)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else None
+
+
+def memory_kind(device: torch.device | str) -> str:
+    """What :func:`peak_memory` counts on ``device``, as a report names it."""
+    return "peak GPU memory" if torch.device(device).type == "cuda" else "peak resident memory"
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed since the last call back to the operating system, where the C library can.
+
+    On the CPU, tensors of a few MiB (a training step's activations) come from glibc's heap, which keeps
+    what they free: after a training stage the process holds its peak, and the evaluation that follows
+    adds its own on top. ``malloc_trim`` returns the freed pages; elsewhere (no glibc) this only collects
+    Python's garbage. Called between the phases of a run: after each training stage and each evaluation
+    task (a few milliseconds)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(name).malloc_trim(0)
+
+
 def resolve_device(device: str, field: str = "model.device") -> torch.device:
     """``auto``: a GPU where there is one, else the CPU; a GPU asked for where there is none is an error
     naming ``field``."""

@@ -17,6 +17,7 @@ from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
 from compresskit.comparison import Group, group_runs
+from compresskit.modeling import memory_kind
 from compresskit.progress import Progress, Task
 from compresskit.tasks import DEFAULT_TASKS, result_columns, table_columns
 
@@ -149,8 +150,8 @@ def _sparsity_note(sp: dict[str, Any] | None) -> str:
     return what + (" (measured while the evaluator ran)." if sp.get("dynamic") else ".")
 
 
-def _training_note(training: list[dict[str, Any]] | None) -> str | None:
-    """One line on the training stages that trained something, or None."""
+def _training_note(training: list[dict[str, Any]] | None, device: str) -> str | None:
+    """One line on the training stages that trained something, or None (``device``: the model's)."""
     stages = []
     for st in training or []:
         if not st.get("steps"):
@@ -159,7 +160,7 @@ def _training_note(training: list[dict[str, Any]] | None) -> str | None:
         if st.get("final_loss") is not None:
             what.append(f"final loss {st['final_loss']:.3f}")
         if st.get("peak_memory_bytes") is not None:
-            what.append(f"peak GPU memory {st['peak_memory_bytes'] / 2**30:.2f} GiB")
+            what.append(f"{memory_kind(device)} {st['peak_memory_bytes'] / 2**30:.2f} GiB")
         stages.append(f"{st['stage']} {st['steps']} steps ({', '.join(what)})")
     return "Training: " + "; ".join(stages) + "." if stages else None
 
@@ -178,6 +179,11 @@ def results_markdown(results: dict[str, Any]) -> str:
     batch = f"batch size {ev['batch_size']}" + (
         f" ({', '.join(lowered)} under the {ev.get('logits_budget_mb')} MB logits budget)" if lowered else ""
     )
+    peaks = {k: v["peak_memory_bytes"] for k, v in ev["tasks"].items() if v.get("peak_memory_bytes") is not None}
+    peak = ""
+    if peaks:
+        top = max(peaks, key=peaks.get)
+        peak = f" {memory_kind(ev.get('device', 'cpu')).capitalize()} {peaks[top] / 2**30:.2f} GiB ({top})."
     data = results["data"]
     parts = [
         f"# {results['name']}",
@@ -192,11 +198,11 @@ def results_markdown(results: dict[str, Any]) -> str:
         ),
         "",
         f"Evaluator: lm-eval {ev['lm_eval_version']} in memory, zero-shot, {batch}, "
-        f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.",
+        f"context {ev['max_length']}, limit {ev['limit']}, seed {ev['seed']}; items per task: {items}.{peak}",
         f"Data: {_data_source(data)}, split by document "
         f"(seed {data['split_seed']}): {data['train_articles']} for calibration/training "
         f"({data['train_tokens']:,} tokens), {data['test_articles']} held out.",
-        *filter(None, [_training_note(results.get("training"))]),
+        *filter(None, [_training_note(results.get("training"), results["model"]["device"])]),
         *([DETERMINISTIC_NOTE] if (results.get("recipe") or {}).get("deterministic") else []),
         _sparsity_note(results["sparsity"]),
         _speed_note(results.get("speed")),

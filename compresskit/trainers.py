@@ -40,7 +40,7 @@ from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
-from compresskit.modeling import replace_module
+from compresskit.modeling import memory_kind, peak_memory, replace_module, reset_peak_memory
 from compresskit.routing import Consensus, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
@@ -164,8 +164,7 @@ class RouterTrainer(Trainer):
                 ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
         device = ctx.device
         use_autocast = c.autocast_bf16 and device.type == "cuda"
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
         batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * per_step)
         progress = ctx.progress
         t0, tokens = time.perf_counter(), 0
@@ -175,7 +174,7 @@ class RouterTrainer(Trainer):
         def totals() -> Totals:
             """The stage's cost so far, the steps before a resume included (with several ranks, summed /
             maximised over them: every rank must call it)."""
-            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            peak = peak_memory(device)
             spent = tokens
             if ranks is not None:
                 spent = round(distributed.mean(tokens) * world)
@@ -294,7 +293,8 @@ class RouterTrainer(Trainer):
         spent = totals()
         if spent.peak_memory_bytes is not None and progress is not None:
             peak_gib = spent.peak_memory_bytes / 2**30
-            progress.log(f"{self.stage_name}: peak GPU memory {peak_gib:.2f} GiB (the dry run estimates it)")
+            what = memory_kind(device)
+            progress.log(f"{self.stage_name}: {what} {peak_gib:.2f} GiB (the dry run estimates it)")
         for p in params:
             p.requires_grad_(False)
         if ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model

@@ -39,20 +39,25 @@ def test_plan_counts_what_the_real_run_trains(recipe, tiny_model_dir):
 
     one = plan(resolved, world=1, config=model.config, dtype=torch.float32)
     two = plan(resolved, world=2, config=model.config, dtype=torch.float32)
-    assert [s.trainable_params for s in one.stages] == [routers, routers + lora]
-    assert [s.tokens_per_step for s in one.stages] == [2 * 64, 2 * 64 * 3]
-    assert [s.tokens_per_step for s in two.stages] == [2 * 2 * 64, 2 * 2 * 64 * 3]  # each rank its share
+    assert [s.stage for s in one.stages] == ["router", "lora", "evaluation"]
+    assert [s.trainable_params for s in one.stages] == [routers, routers + lora, 0]
+    assert [s.tokens_per_step for s in one.stages[:2]] == [2 * 64, 2 * 64 * 3]
+    assert [s.tokens_per_step for s in two.stages[:2]] == [2 * 2 * 64, 2 * 2 * 64 * 3]  # each rank its share
     assert not one.sharded and two.sharded
     layer = max(sum(p.numel() * 4 for n, p in lay.named_parameters() if "lora_" not in n) for lay in model.model.layers)
     assert two.stages[0].weights == one.stages[0].weights // 2 + 2 * layer  # halved, plus two whole layers
     assert two.stages[1].trainable_state * 2 == one.stages[1].trainable_state
     assert two.stages[0].activations == one.stages[0].activations  # a micro-batch per rank either way
     assert all(s.peak > CONTEXT_BYTES for s in one.stages)
-    # LoRA keeps each adapted projection's input again (fp32 here) and the dropout's one-byte mask
+    # LoRA keeps each adapted projection's input again and the dropout's mask: under bf16 autocast on a GPU a
+    # bf16 copy and a one-byte mask, on the CPU in fp32 the dropout's output and its float mask
     from peft.tuners.lora import LoraLayer
 
     inputs = sum(m.get_base_layer().in_features for m in model.modules() if isinstance(m, LoraLayer))
-    assert one.stages[1].activations - one.stages[0].activations == 2 * 64 * inputs * (4 + 1)
+    assert one.stages[1].activations - one.stages[0].activations == 2 * 64 * inputs * (2 + 1)
+    cpu = plan(resolved, world=1, config=model.config, dtype=torch.float32, device="cpu")
+    assert cpu.stages[1].activations - cpu.stages[0].activations == 2 * 64 * inputs * (4 + 4)
+    assert one.dtype == "bfloat16" and cpu.dtype == "float32"
 
 
 def test_distillation_adds_the_kl_tensors_to_the_logits_only(recipe, tiny_model_dir):
@@ -95,15 +100,46 @@ def test_dry_run_prints_the_plan_and_loads_nothing(recipe, tmp_path, capsys, mon
     assert code == 2 and "--nproc: 0; give 1 or more" in capsys.readouterr().err
 
 
-def test_the_cpu_plan_counts_the_process_in_place_of_the_cuda_context(recipe, tiny_model_dir):
-    from compresskit.memory import CONTEXT_BYTES, PROCESS_BYTES_CPU
+def test_the_cpu_plan_counts_the_process_and_the_heap_growth(recipe, tiny_model_dir):
+    """On the CPU: the process in place of the CUDA context, nothing cast (no autocast), the step's tensors
+    times the heap's growth; the evaluation's attention probabilities on top of its per-layer work."""
+    from compresskit.memory import CONTEXT_BYTES, HEAP_GROWTH_CPU, PROCESS_BYTES_CPU
     from compresskit.modeling import load_config
 
     config = load_config(str(tiny_model_dir))[0]
+    recipe["training"] = [{**st, "config": {**st["config"], "autocast_bf16": False}} for st in recipe["training"]]
     gpu = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
     cpu = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32, device="cpu")
+    assert gpu.stages[0] == cpu.stages[0].__class__(**{**vars(cpu.stages[0]), "context": CONTEXT_BYTES, "growth": 1.0})
     for g, c in zip(gpu.stages, cpu.stages, strict=True):
-        assert g.peak - c.peak == CONTEXT_BYTES - PROCESS_BYTES_CPU and c.context == PROCESS_BYTES_CPU
+        assert c.context == PROCESS_BYTES_CPU and g.context == CONTEXT_BYTES
+        step = c.trainable_state + c.activations + c.logits
+        assert c.peak == c.weights + round(HEAP_GROWTH_CPU * step) + PROCESS_BYTES_CPU
+    heads, length = config.num_attention_heads, 1024  # (the default evaluation.max_length)
+    rows = gpu.stages[2].tokens_per_step // length
+    assert cpu.stages[2].activations - gpu.stages[2].activations == rows * heads * length * length * 2 * 4
+
+
+def test_the_evaluation_row_follows_the_logits_budget(recipe, tiny_model_dir):
+    """The evaluation's largest batch: ``batch_size`` rows of ``max_length``, fewer where their fp32 logits and
+    log-softmax would pass ``logits_budget_mb``, never less than one row."""
+    from compresskit.modeling import load_config
+
+    config = load_config(str(tiny_model_dir))[0]
+    vocab = config.vocab_size
+
+    def evaluation(**section):
+        recipe["evaluation"] = section
+        return plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32, device="cpu").stages[-1]
+
+    whole = evaluation(batch_size=4, max_length=128)
+    assert whole.tokens_per_step == 4 * 128 and whole.logits == 4 * 128 * vocab * 8 and whole.steps is None
+    budget = 16 * 2**20  # (the smallest budget allowed)
+    capped = evaluation(batch_size=64, max_length=128, logits_budget_mb=16)
+    assert capped.tokens_per_step == budget // (vocab * 8) < 64 * 128
+    one_row = evaluation(batch_size=8, max_length=100_000 // 8 * 8, logits_budget_mb=16)
+    assert one_row.tokens_per_step == 100_000 // 8 * 8  # a row over the budget still runs, alone
+    assert whole.trainable_params == whole.trainable_state == 0
 
 
 def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
@@ -145,4 +181,5 @@ def test_finetune_counts_the_projections_and_a_distilling_run_its_teacher_copy(r
     assert all(s.weights == base.stages[0].weights for s in early.stages)
     recipe["training"][1]["config"]["distill"] = {"weight": 0.5}
     distil = plan(load_recipe(recipe), world=1, config=config, dtype=torch.float32)
-    assert all(s.weights == base.stages[0].weights + tuned.params * 4 for s in distil.stages)
+    assert all(s.weights == base.stages[0].weights + tuned.params * 4 for s in distil.stages[:-1])
+    assert distil.stages[-1].weights == base.stages[0].weights  # the copy is freed before the evaluation

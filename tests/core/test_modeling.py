@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 from torch import nn
 
@@ -97,3 +99,38 @@ def test_cache_kwargs_names_the_keyword_the_forward_takes():
     model = tiny_llama()
     expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     assert cache_kwargs(model, marker) == {expected: marker}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="the process's peak is read from /proc")
+def test_cpu_peak_memory_is_the_process_resident_peak_and_resets():
+    import torch
+
+    from compresskit.modeling import memory_kind, peak_memory, release_freed_memory, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    low = peak_memory(cpu)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    high = peak_memory(cpu)
+    assert high - low >= 60 * 2**20
+    del block
+    release_freed_memory()
+    reset_peak_memory(cpu)
+    assert peak_memory(cpu) < high - 32 * 2**20  # freed, handed back, and the count started afresh
+    assert memory_kind(cpu) == "peak resident memory" and memory_kind("cuda:0") == "peak GPU memory"
+
+
+def test_cpu_peak_memory_without_proc_is_unknown(monkeypatch):
+    import torch
+
+    from compresskit import modeling
+
+    real = Path.read_text
+
+    def no_proc(self, *a, **k):
+        if str(self).startswith("/proc/"):
+            raise FileNotFoundError(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    assert modeling.peak_memory(torch.device("cpu")) is None
