@@ -156,6 +156,33 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
     set_consensus(model, None)
 
 
+def test_a_decode_batch_past_16_runs_its_shared_set_on_the_decode_kernels(tiny_model_dir, monkeypatch):
+    """At decode a batch of 20 under ``share: set`` runs every product on the decode kernels' one tile (a
+    shared set, up to 64 tokens) and gives the routed modules' logits under the same rule."""
+    from compresskit_wide.kernels import gemm_out
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, pruner = _wide_model(tiny_model_dir)
+    model = model.to(device)
+    pruner.reset_sparsity(model)
+    executor = _executor("triton", quorum=0.5, budget=0.5)
+    fast = Runtime(model, executor=executor, compile=False, graphs=False)
+    ids = torch.randint(2, 300, (20, 2), generator=torch.Generator().manual_seed(4)).to(device)
+    cache = fast.new_cache(20, 3)
+    fast.forward(ids, cache)
+    layouts = []
+    real = gemm_out.triton_routing_layout
+    monkeypatch.setattr(gemm_out, "triton_routing_layout", lambda mask: layouts.append(mask) or real(mask))
+    token = torch.arange(20, device=device) + 7
+    got = fast.decode(token, cache)
+    assert layouts == []  # no product of the step took the prefill kernels' sorted layout
+    executor.convert(model)
+    with torch.no_grad():
+        want = model(torch.cat([ids, token[:, None]], 1)).logits[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    set_consensus(model, None)
+
+
 def test_training_with_consensus_in_the_loop(tiny_model_dir):
     """In training, the forward runs the batch's consensus of the sampled decisions; the routers still get a
     gradient (straight through the tokens' own samples)."""

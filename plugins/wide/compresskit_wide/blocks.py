@@ -27,7 +27,7 @@ from torch import nn
 from compresskit.routing import Consensus, Counting, RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
-from compresskit_wide.kernels.policy import DECODE_MAX_M, use_kernel
+from compresskit_wide.kernels.policy import decode_kernel, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
@@ -124,22 +124,32 @@ class _Routing(Counting):
             self.count(decided, valid)
         return decided
 
+    def shared(self, b: int, t: int) -> bool:
+        """Whether every token of a ``[b, t]`` step runs the same groups: a decode step of a batch under a
+        consensus whose tokens run the whole set (at prefill each position has its own set)."""
+        return self.consensus is not None and self.consensus[2] and b > 1 and t == 1
+
     def last_product(
-        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
+        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor, shared: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], carry)``: with the
         next router's shares where this block is linked to a next WIDE block and the reduction kernel
-        runs (``x``: the block's input, to which the caller adds the output), else None."""
+        runs (``x``: the block's input, to which the caller adds the output), else None. ``shared``: every
+        token runs the same groups (``shared()``)."""
         m = a.shape[0]
         nxt = self.next_router_down
         # under auto the handoff runs where its kernel does (on a GPU, where it measured faster); on the CPU
         # the reference's shares would be extra work: the next router computes its bottleneck itself
+        groups = execute.shape[-1]
         if nxt is not None and (
             self.backend != "auto"
-            or (a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed))
+            or (
+                a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
+            )
         ):
-            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
-        return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
+            residual = x.reshape(m, -1)
+            return masked_reduce_gemm_shares(a, w, execute, residual, nxt.weight, zeroed, self.backend, shared)
+        return masked_reduce_gemm(a, w, execute, zeroed, self.backend, shared), None
 
 
 class WideAttention(Attention, _Routing):
@@ -167,11 +177,12 @@ class WideAttention(Attention, _Routing):
             return False
         return use_kernel("attn_decode", rows, context=context) if t == 1 else use_kernel("attn_prefill", t)
 
-    def _one_qkv_product(self, m: int) -> bool:
-        """Whether q, k and v run as one routed product for ``m`` tokens: at decode, and at prefill where q
-        would run dense anyway (``auto`` below q's prefill range); where q's prefill kernel runs, the
-        stacked product would drag k and v through it, slower than q alone and then cuBLAS k / v."""
-        return m <= DECODE_MAX_M or (self.backend == "auto" and not use_kernel("out", m))
+    def _one_qkv_product(self, m: int, shared: bool) -> bool:
+        """Whether q, k and v run as one routed product for ``m`` tokens: at decode (a shared set's decode
+        too), and at prefill where q would run dense anyway (``auto`` below q's prefill range); where q's
+        prefill kernel runs, the stacked product would drag k and v through it, slower than q alone and
+        then cuBLAS k / v."""
+        return decode_kernel(m, shared) or (self.backend == "auto" and not use_kernel("out", m))
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys: torch.Tensor, values: torch.Tensor
@@ -179,12 +190,13 @@ class WideAttention(Attention, _Routing):
         b, t, _ = x.shape
         execute, x, h2 = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
         h = h2.view(b, t, -1)
-        if self.wqkv is not None and self._one_qkv_product(b * t):  # kept groups' queries, k and v for every token
-            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows)
+        shared = self.shared(b, t)
+        if self.wqkv is not None and self._one_qkv_product(b * t, shared):  # kept queries, k and v for every token
+            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows, shared)
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
         else:
             if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-                q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend)
+                q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend, 0, shared)
             else:
                 q = self.q_proj(h2)
             q, k, v = self.keys_values(h, q.view(b, t, -1), step)
@@ -201,7 +213,7 @@ class WideAttention(Attention, _Routing):
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y, shares = self.last_product(out, self.wo, execute, routed, x)
+            y, shares = self.last_product(out, self.wo, execute, routed, x, shared)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
         return x, y.view(b, t, -1), shares
@@ -220,8 +232,9 @@ class WideMLP(Block, _Routing):
         b, t, _ = x.shape
         execute, x, h = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
-        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend)
-        y, shares = self.last_product(g, self.wd, execute, True, x)
+        shared = self.shared(b, t)
+        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend, 0, shared)
+        y, shares = self.last_product(g, self.wd, execute, True, x, shared)
         return x, y.view(b, t, -1), shares
 
 

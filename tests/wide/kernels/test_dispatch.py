@@ -1,6 +1,7 @@
 """The backend dispatch (``kernels.ops``), the "auto" policy, the autotuner's wiring and capture in a
 CUDA graph."""
 
+import itertools
 import warnings
 
 import pytest
@@ -55,18 +56,19 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
         return calls[0] == "triton"
 
     w = torch.zeros(8, 4)
-    for m in (1, 2, 8, 9, 16, 17, 1024, 4096):
+    for m, shared in itertools.product((1, 2, 8, 9, 16, 17, 64, 65, 1024, 4096), (False, True)):
         x, mask = torch.zeros(m, 4), torch.ones(m, 2, dtype=torch.bool)
-        assert ran("masked_out_gemm", x, w, mask) == policy.use_kernel("out", m)
-        assert ran("masked_out_gemm", x, w, mask, w) == policy.use_kernel("swiglu", m)
+        assert ran("masked_out_gemm", x, w, mask, shared=shared) == policy.use_kernel("out", m, shared=shared)
+        assert ran("masked_out_gemm", x, w, mask, w, shared=shared) == policy.use_kernel("swiglu", m, shared=shared)
         for groups in (2, 8, 16):
             x, wd, mask = torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool)
             for zeroed in (False, True):
-                got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed)
-                assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed)
+                got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, shared=shared)
+                assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed, shared=shared)
                 assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
                 handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
-                assert ran("masked_reduce_gemm_shares", *handoff) == policy.use_kernel("reduce_handoff", m)
+                got = ran("masked_reduce_gemm_shares", *handoff, shared=shared)
+                assert got == policy.use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
     for b, ctx in ((1, 8192), (4, 8192), (1, 32768)):
         q, kv, lens = torch.zeros(b, 8, 16), torch.zeros(b, 2, ctx, 16), torch.full((b,), ctx)
         got = ran("routed_attention_decode", q, kv, kv, lens, torch.ones(b, 2, dtype=torch.bool))
@@ -79,6 +81,11 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
     assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
+    # a batch's shared set keeps the kernels up to SHARED_MAX_M tokens, where per-token unions run dense
+    for op in ("out", "reduce", "reduce_handoff"):
+        assert policy.use_kernel(op, 64, groups=112, shared=True) and not policy.use_kernel(op, 64, groups=112)
+        assert not policy.use_kernel(op, 65, groups=112, shared=True)
+    assert policy.decode_kernel(64, shared=True) and not policy.decode_kernel(17, shared=False)
 
 
 def test_policy_is_data_with_a_reason_for_every_range():

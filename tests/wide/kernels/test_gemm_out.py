@@ -77,6 +77,27 @@ def test_decode_packs_k_chunks_into_one_product(m, sparsity, fuse, k_pack, block
     assert torch.isnan(buf[m:]).all()
 
 
+@pytest.mark.parametrize("m", [17, 33, 64])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(("fuse", "dense_rows"), [(False, 0), (True, 0), (False, 48)])
+@pytest.mark.parametrize("same_set", [True, False])
+def test_a_shared_set_takes_the_decode_kernel_up_to_64_tokens(m, sparsity, fuse, dense_rows, same_set):
+    """17-64 tokens that run one set of groups (a batch's consensus set) in the decode kernel's one tile: the
+    reference's values, dense rows for every token, exact zeros in the groups off; a mask that is not one set
+    (``shared`` is a hint of speed) is still computed exactly."""
+    x, w, w_up = inputs(m, 72, 96 + dense_rows, fuse, seed=m + dense_rows)
+    mask = random_mask(1 if same_set else m, 3, sparsity, seed=m * 3).expand(m, 3).contiguous()
+    buf = poisoned(m, 96 + dense_rows)
+    got = triton_masked_out_gemm(
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_n=16, block_k=16, shared=True
+    )
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up, dense_rows), rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[:, :96][~mask.repeat_interleave(32, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+    with pytest.raises(ValueError, match="past 16 tokens the decode kernel does not pack K"):
+        triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows, block_n=16, shared=True, k_pack=2)
+
+
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 45])
 @pytest.mark.parametrize("dense_rows", [32, 48, 80])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
@@ -159,6 +180,22 @@ def test_bf16_with_autotuned_tiles(fuse, m, k_pack):
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
     assert torch.count_nonzero(got[~mask.repeat_interleave(128, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("m", [17, 32, 64])
+def test_bf16_shared_set_with_autotuned_tiles(fuse, m):
+    """A batch's shared set at 17-64 tokens on the autotuned decode tiles (8B-like groups: 512 rows of q,
+    128 FFN channels)."""
+    k, n, groups = 1024, 1024 if not fuse else 2048, 2 if not fuse else 16
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 8
+    w_up = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 8 if fuse else None
+    mask = random_mask(1, groups, 0.5, seed=m).expand(m, groups).contiguous()
+    got = triton_masked_out_gemm(x, w, mask, w_up, shared=True)
+    want = torch_masked_out_gemm(x, w, mask, w_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * 8)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)

@@ -14,7 +14,8 @@ weight; in the one partial tile the inactive rows are not read. A group's tiles 
 that the programs running at once share its weight rows in L2 (gate+up's weights are five times the
 L2).
 
-Decode (M <= 16): program (group, block of output channels) reads the mask column itself (no
+Decode (M <= 16, or up to 64 tokens that all run one set of groups: a batch's consensus set): program
+(group, block of output channels) takes every token in one tile, reads the mask column itself (no
 layout) and skips the weights of a group no token needs. The weight tile is the MMA's row operand
 (64 or more rows: Hopper's warp-group MMA; 16 token rows could not use it), and ``K_PACK`` chunks
 of K share one product: weight row ``c * BLOCK_N + j`` is channel j's chunk c, token column
@@ -238,12 +239,14 @@ def triton_masked_out_gemm(
     block_n: int | None = None,
     block_k: int | None = None,
     k_pack: int | None = None,
+    shared: bool = False,
 ) -> torch.Tensor:
-    """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens the
-    decode kernel (``k_pack``: K chunks a product, a power of two; default ``policy.out_k_pack``);
-    more, the sorted-tile kernel on the routing layout of ``mask``. ``dense_rows``: the last rows of
-    ``w`` run for every token. Tiles are autotuned on a GPU (for the packings ``policy.out_k_pack``
-    gives); ``block_*`` fix them, for any packing (and do in the CPU interpreter)."""
+    """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens (or
+    ``policy.SHARED_MAX_M`` where they all run one set of groups, ``shared``) the decode kernel (``k_pack``:
+    K chunks a product, a power of two; default ``policy.out_k_pack``); more, the sorted-tile kernel on the
+    routing layout of ``mask``. ``dense_rows``: the last rows of ``w`` run for every token. Tiles are
+    autotuned on a GPU (for the packings ``policy.out_k_pack`` gives); ``block_*`` fix them, for any packing
+    (and do in the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -259,14 +262,16 @@ def triton_masked_out_gemm(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": dot_precision(x.dtype)}
     fixed = block_n is not None or interpreted()
-    if m <= policy.DECODE_MAX_M:
+    if policy.decode_kernel(m, shared):
         k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
         if k_pack < 1 or k_pack & (k_pack - 1):
             raise ValueError(f"k_pack must be a power of two, got {k_pack}")
+        if m > policy.DECODE_MAX_M and k_pack != 1:
+            raise ValueError(f"k_pack={k_pack}: past {policy.DECODE_MAX_M} tokens the decode kernel does not pack K")
         mask_u8 = mask_bytes(mask)
         args = (x, w, w_up, out, mask_u8, m, n, k, gw, groups)
         args += (x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
-        common["BLOCK_M"] = min(16, max(next_power_of_2(m), 16 // k_pack))  # >= 16 MMA columns
+        common["BLOCK_M"] = max(next_power_of_2(m), 16 // k_pack)  # >= 16 MMA columns, every token in one tile
         if fixed:
             bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
             if k_pack * bn < 16 or bk < 16:
@@ -282,7 +287,7 @@ def triton_masked_out_gemm(
             _tuned_decode[k_pack][grid](*args, **common, K_PACK=k_pack)
         return out
     if k_pack not in (None, 1):
-        raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}); got M={m}")
+        raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}, or shared); got M={m}")
     order, counts = triton_routing_layout(mask)
     args = (x, w, w_up, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
     args += (x.stride(0), w.stride(0), out.stride(0))

@@ -98,7 +98,14 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
 
 
 def _choose(
-    backend: str, op: str, rows: int, *tensors: torch.Tensor, context: int = 0, groups: int = 0, zeroed: bool = False
+    backend: str,
+    op: str,
+    rows: int,
+    *tensors: torch.Tensor,
+    context: int = 0,
+    groups: int = 0,
+    zeroed: bool = False,
+    shared: bool = False,
 ) -> str:
     """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
     measured faster), "dense" (the fallback under "auto" on CUDA) or "torch" (the reference)."""
@@ -107,7 +114,8 @@ def _choose(
     if backend == "triton":
         return "triton"
     policy.check_gpu(tensors[0].device)
-    return "triton" if policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed) else "dense"
+    chosen = policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed, shared=shared)
+    return "triton" if chosen else "dense"
 
 
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -241,9 +249,11 @@ def consensus_decide(
     return execute
 
 
-@_operator(
-    lambda x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0: x.new_empty(x.shape[0], w.shape[0])
-)
+def _fake_out(x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0, shared=False):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@_operator(_fake_out)
 def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -252,6 +262,7 @@ def masked_out_gemm(
     zero_inactive: bool = True,
     backend: str = "auto",
     dense_rows: int = 0,
+    shared: bool = False,
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, G]`` -> ``[M, N]``: ``x @ w.T`` (or, with
     ``w_up``, ``silu(x @ w.T) * (x @ w_up.T)``) for active groups, exactly 0 elsewhere; the last
@@ -259,32 +270,44 @@ def masked_out_gemm(
     others split into the mask's G groups. ``zero_inactive=False``: the caller never reads the
     inactive groups' outputs (the routed attention reads only the active heads' queries), so the
     dense fallback may leave its dense product there and save the zeroing launch; the kernel and
-    the reference write zeros anyway."""
-    path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w)
+    the reference write zeros anyway. ``shared``: every token runs the same groups (a batch's consensus
+    set at decode), which the kernels take in one tile up to ``policy.SHARED_MAX_M`` tokens."""
+    path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w, shared=shared)
     if path == "triton":
-        return triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows)
+        return triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows, shared=shared)
     if path == "dense":
         return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive, dense_rows=dense_rows)
     return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
 
 
-@_operator(lambda x, w, mask, input_is_masked=False, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
+def _reduce_k_pack(m: int, shared: bool) -> int:
+    """Groups a product of the reduction kernel: packed at decode, one past it (a shared set's tile)."""
+    return 1 if shared and m > policy.DECODE_MAX_M else policy.REDUCE_K_PACK
+
+
+@_operator(lambda x, w, mask, input_is_masked=False, backend="auto", shared=False: x.new_empty(x.shape[0], w.shape[0]))
 def masked_reduce_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool = False, backend: str = "auto"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    input_is_masked: bool = False,
+    backend: str = "auto",
+    shared: bool = False,
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
-    dense product."""
-    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    dense product. ``shared``: every token runs the same groups (``masked_out_gemm``)."""
+    m = x.shape[0]
+    path = _choose(backend, "reduce", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
-        return triton_masked_reduce_gemm(x, w, mask)
+        return triton_masked_reduce_gemm(x, w, mask, k_pack=_reduce_k_pack(m, shared))
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     return torch_masked_reduce_gemm(x, w, mask)
 
 
-def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto"):
+def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto", shared=False):
     n = w.shape[0]
     shares = x.new_empty(share_slots(n), x.shape[0], share_w.shape[0], dtype=torch.float32)
     return x.new_empty(x.shape[0], n), shares
@@ -299,6 +322,7 @@ def masked_reduce_gemm_shares(
     share_w: torch.Tensor,
     input_is_masked: bool = False,
     backend: str = "auto",
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_reduce_gemm`` that also hands the next router its first step: ``(out, shares)``,
     ``shares: [S, M, R]`` the shares of ``(residual + out) @ share_w.T`` (``residual: [M, N]``, what
@@ -306,9 +330,11 @@ def masked_reduce_gemm_shares(
     ``router_decide_from_shares``. In the kernel each program writes its columns' share; elsewhere
     the reference computes them after the product. Under "auto" on CUDA the kernel runs where
     ``policy`` says the handoff (the product, the add and the next router's first step) measured faster."""
-    path = _choose(backend, "reduce_handoff", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    m = x.shape[0]
+    path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
-        return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
+        k_pack = _reduce_k_pack(m, shared)
+        return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w, k_pack=k_pack)
     if path == "dense":
         out = dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     else:

@@ -21,6 +21,7 @@ MEASURED_ON = "NVIDIA H200"  # the GPU the ranges and tile tables were measured 
 SHAPES = "Llama-3.1-8B shapes (hidden 4096, FFN 14336 in groups of 128, 32 heads of 128 in groups of 4), bf16"
 
 DECODE_MAX_M = 16  # up to this many tokens: the decode kernels (all tokens in one 16-row tile, no sort)
+SHARED_MAX_M = 64  # a batch's shared set (consensus, every token the set): the decode kernels up to this many, one tile
 FEW_GROUPS = 8  # a reduction over this many input groups or fewer reads them without a group list
 
 
@@ -34,15 +35,17 @@ class Range:
     min_context: int = 0
     max_groups: int | None = None
     zeroed: bool | None = None  # the reduction's input already zero in its inactive groups
+    shared: bool | None = None  # every token runs the same groups (a batch's consensus set at decode)
     why: str = ""
 
-    def covers(self, m: int, context: int, groups: int, zeroed: bool) -> bool:
+    def covers(self, m: int, context: int, groups: int, zeroed: bool, shared: bool) -> bool:
         return (
             self.min_m <= m
             and (self.max_m is None or m <= self.max_m)
             and context >= self.min_context
             and (self.max_groups is None or 0 < groups <= self.max_groups)
             and (self.zeroed is None or zeroed == self.zeroed)
+            and (self.shared is None or shared == self.shared)
         )
 
 
@@ -53,6 +56,24 @@ KERNEL_RANGES = (
     Range("swiglu", why="the fused gate+up beats cuBLAS gate+up at every token count measured, decode to 4k"),
     Range("out", max_m=DECODE_MAX_M, why="q at decode: K packed into one product, no layout to build"),
     Range("out", min_m=4096, why="q on sorted tiles from 4k tokens; below that, down to 17, cuBLAS was faster"),
+    Range(
+        "out",
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="q on a batch's shared set, up to 64 tokens in one tile: only the set's weight rows are read",
+    ),
+    Range(
+        "reduce",
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="down / o on a batch's shared set, up to 64 tokens in one tile: only the set's weight columns are read",
+    ),
+    Range(
+        "reduce_handoff",
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="the same with the next router's shares, in place of cuBLAS, the add and the two-launch router",
+    ),
     Range("reduce", max_m=1, why="down / o at one token: the active groups packed four to a product"),
     Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's few wide groups read directly, up to 8 tokens"),
     Range(
@@ -82,17 +103,26 @@ OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 
-def use_kernel(op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False) -> bool:
+def use_kernel(
+    op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False, shared: bool = False
+) -> bool:
     """Whether ``backend="auto"`` takes ``op``'s Triton kernel for ``m`` tokens (the batch, for
     ``attn_decode``), ``context`` cached positions, a reduction over ``groups`` input groups whose
-    input is (``zeroed``) or is not yet zero in the inactive ones. False: the dense fallback."""
+    input is (``zeroed``) or is not yet zero in the inactive ones, tokens that all run the same groups
+    (``shared``) or not. False: the dense fallback."""
     ranges = _RANGES.get(op)
     if ranges is None:
         raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
     for r in ranges:
-        if r.covers(m, context, groups, zeroed):
+        if r.covers(m, context, groups, zeroed, shared):
             return True
     return False
+
+
+def decode_kernel(m: int, shared: bool) -> bool:
+    """Whether the products of ``m`` tokens take the decode kernels (one tile of every token, the mask read
+    directly) rather than the prefill ones: up to ``DECODE_MAX_M`` tokens, or ``SHARED_MAX_M`` sharing a set."""
+    return m <= (SHARED_MAX_M if shared else DECODE_MAX_M)
 
 
 _CHECKED: set = set()
@@ -149,9 +179,14 @@ SWIGLU_DECODE = [
     ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
     ({"BLOCK_N": 32, "BLOCK_K": 256}, 4, 4),
     ({"BLOCK_N": 32, "BLOCK_K": 128}, 4, 5),
+    # 16-row tiles: for 17-64 tokens of a shared set, more programs stream the weights (q: 8 groups of 512 rows)
+    ({"BLOCK_N": 16, "BLOCK_K": 256}, 4, 4),
+    ({"BLOCK_N": 16, "BLOCK_K": 128}, 4, 5),
 ]
 # the reduction's K-packed product (BLOCK_K steps through one group)
 REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
+# the reduction for 17-64 tokens of a shared set, not packed (K_PACK 1): (output channels, BLOCK_K, warps, stages)
+REDUCE_SHARED_ROWS = [(16, 128, 4, 4), (32, 128, 4, 4), (32, 64, 4, 6), (64, 128, 4, 3), (64, 64, 4, 4)]
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
 # the output-width product at prefill, over sorted tokens (256-row tiles were never chosen from 512 to 4k tokens)
 OUT_PREFILL = [
