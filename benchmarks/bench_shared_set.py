@@ -1,0 +1,121 @@
+"""The products of a decode batch that shares one set of groups (batch consensus, ``share: set``) against cuBLAS.
+
+    python benchmarks/bench_shared_set.py --out DIR            # on the H200 (Llama-3.1-8B shapes)
+    python benchmarks/bench_shared_set.py --smoke --out DIR    # tiny shapes; CPU under TRITON_INTERPRET=1
+
+For M tokens that all run one random set of half the groups: q with k and v stacked (8 groups of 512 rows, k / v
+dense), gate+up with the SwiGLU fused (112 groups of 128), down and o handing the next router its shares, each
+checked against its reference, then timed in GPU time with the L2 flushed (``bench_wide_kernels.gpu_time``) beside
+the dense product cuBLAS runs for it. What ``policy.SHARED_MAX_M`` rests on: "x cuBLAS" > 1 is the kernel faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path[:0] = [str(Path(__file__).resolve().parent)]
+
+from bench_wide_kernels import CUDA, gpu_time, timed  # noqa: E402
+from benchmark_report import run_facts, write  # noqa: E402
+
+from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
+from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
+    torch_masked_reduce_gemm,
+    torch_router_shares,
+    triton_masked_reduce_gemm,
+)
+
+
+def shared_mask(m: int, groups: int, gen: torch.Generator, device) -> torch.Tensor:
+    keep = torch.randperm(groups, generator=gen)[: groups // 2]
+    row = torch.zeros(groups, dtype=torch.bool)
+    row[keep] = True
+    return row.expand(m, groups).contiguous().to(device)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--m", default="16,24,32,48,64", help="token counts")
+    args = ap.parse_args()
+    if not CUDA and not args.smoke:
+        print("no CUDA device: use --smoke")
+        return 2
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    d, ffn, group, heads, head_dim, kv_heads, rank = (
+        (64, 256, 32, 8, 8, 2, 8) if args.smoke else (4096, 14336, 128, 32, 128, 8, 32)
+    )
+    qg, fg = heads // 4, ffn // group  # q's groups of 4 heads, the FFN's groups
+    gen = torch.Generator().manual_seed(0)
+
+    def w(n, k):
+        return (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+
+    wqkv, wg, wu, wd, wo = w(heads * head_dim + 2 * kv_heads * head_dim, d), w(ffn, d), w(ffn, d), w(d, ffn), w(d, d)
+    share_w = (torch.randn(rank, d, generator=gen) / d**0.5).to(device)
+    rows, data = [], []
+    tol = {"rtol": 3e-2, "atol": 3e-2} if CUDA else {"rtol": 1e-4, "atol": 1e-4}
+    for m in [int(v) for v in args.m.split(",")]:
+        x = torch.randn(m, d, generator=gen).to(device, dtype)
+        xf = torch.randn(m, ffn, generator=gen).to(device, dtype)
+        res = torch.randn(m, d, generator=gen).to(device, dtype)
+        mq, mf = shared_mask(m, qg, gen, device), shared_mask(m, fg, gen, device)
+        kv = 2 * kv_heads * head_dim
+        fixed = {} if CUDA else {"block_n": 16, "block_k": 16}
+        xf_in = xf * mf.repeat_interleave(group, dim=-1)  # (down's input is zero in the skipped groups)
+        cases = {
+            "qkv": (
+                lambda: triton_masked_out_gemm(x, wqkv, mq, dense_rows=kv, shared=True, **fixed),
+                lambda: torch_masked_out_gemm(x, wqkv, mq, None, kv),
+                lambda: x @ wqkv.T,
+            ),
+            "gate+up": (
+                lambda: triton_masked_out_gemm(x, wg, mf, wu, shared=True, **fixed),
+                lambda: torch_masked_out_gemm(x, wg, mf, wu),
+                lambda: F.silu(x @ wg.T) * (x @ wu.T),
+            ),
+            "down + next router": (
+                lambda: triton_masked_reduce_gemm(
+                    xf_in, wd, mf, k_pack=1, residual=res, share_w=share_w, **fixed
+                ),
+                lambda: (torch_masked_reduce_gemm(xf_in, wd, mf), None),
+                lambda: xf_in @ wd.T,
+            ),
+            "o + next router": (
+                lambda: triton_masked_reduce_gemm(x, wo, mq, k_pack=1, residual=res, share_w=share_w, **fixed),
+                lambda: (torch_masked_reduce_gemm(x, wo, mq), None),
+                lambda: x @ wo.T,
+            ),
+        }
+        for name, (ours, ref, dense) in cases.items():
+            got, want = ours(), ref()
+            if isinstance(got, tuple):
+                got, shares = got
+                want = want[0]
+                expect = torch_router_shares(res + want, share_w)
+                torch.testing.assert_close(shares.sum(0), expect.sum(0), rtol=5e-2, atol=5e-1 if CUDA else 1e-3)
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+            if CUDA:
+                t_ours, t_dense = gpu_time(ours)[0], gpu_time(dense)[0]
+            else:
+                t_ours, t_dense = timed(ours), timed(dense)
+            ratio = t_dense / t_ours
+            rows.append(f"| {name} | {m} | {t_ours * 1e3:.1f} | {t_dense * 1e3:.1f} | {ratio:.2f}x |")
+            data.append({"op": name, "m": m, "ours_ms": t_ours, "cublas_ms": t_dense, "x_cublas": ratio})
+            print(rows[-1], flush=True)
+    lines = ["| product | tokens | ours us | cuBLAS us | x cuBLAS |", "|---|---|---|---|---|", *rows]
+    facts = run_facts(CUDA, shapes="smoke" if args.smoke else "Llama-3.1-8B, half the groups in one shared set")
+    print(write(args.out, "shared_set", "Shared-set products against cuBLAS (GPU time, L2 flushed)", facts, lines,
+                {"rows": data}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
