@@ -6,7 +6,8 @@
 For M tokens that all run one random set of half the groups: q with k and v stacked (8 groups of 512 rows, k / v
 dense), gate+up with the SwiGLU fused (112 groups of 128), down and o handing the next router its shares, each
 checked against its reference, then timed in GPU time with the L2 flushed (``bench_wide_kernels.gpu_time``) beside
-the dense product cuBLAS runs for it. What ``policy.SHARED_MAX_M`` rests on: "x cuBLAS" > 1 is the kernel faster.
+the dense product cuBLAS runs for it ("x cuBLAS" > 1: the kernel is faster). What ``policy.SHARED_MAX_M`` (the
+out-width products) rests on, and why the reductions past 16 tokens run cuBLAS.
 """
 
 from __future__ import annotations
@@ -37,6 +38,34 @@ def shared_mask(m: int, groups: int, gen: torch.Generator, device) -> torch.Tens
     row = torch.zeros(groups, dtype=torch.bool)
     row[keep] = True
     return row.expand(m, groups).contiguous().to(device)
+
+
+def products(x, xf_in, res, mq, mf, kv, fixed, *, wqkv, wg, wu, wd, wo, share_w) -> dict:
+    """name -> (ours, reference, cuBLAS) thunks of one token count. The reductions run the kernel as
+    ``backend="triton"`` runs it (16-token tiles: an unpacked one-tile variant measured 0.34-0.77x of cuBLAS,
+    kept at the tag ``shared-reduce-unpacked``)."""
+    return {
+        "qkv": (
+            lambda: triton_masked_out_gemm(x, wqkv, mq, dense_rows=kv, shared=True, **fixed),
+            lambda: torch_masked_out_gemm(x, wqkv, mq, None, kv),
+            lambda: x @ wqkv.T,
+        ),
+        "gate+up": (
+            lambda: triton_masked_out_gemm(x, wg, mf, wu, shared=True, **fixed),
+            lambda: torch_masked_out_gemm(x, wg, mf, wu),
+            lambda: F.silu(x @ wg.T) * (x @ wu.T),
+        ),
+        "down + next router": (
+            lambda: triton_masked_reduce_gemm(xf_in, wd, mf, residual=res, share_w=share_w, **fixed),
+            lambda: (torch_masked_reduce_gemm(xf_in, wd, mf), None),
+            lambda: xf_in @ wd.T,
+        ),
+        "o + next router": (
+            lambda: triton_masked_reduce_gemm(x, wo, mq, residual=res, share_w=share_w, **fixed),
+            lambda: (torch_masked_reduce_gemm(x, wo, mq), None),
+            lambda: x @ wo.T,
+        ),
+    }
 
 
 def main() -> int:
@@ -70,30 +99,7 @@ def main() -> int:
         kv = 2 * kv_heads * head_dim
         fixed = {} if CUDA else {"block_n": 16, "block_k": 16}
         xf_in = xf * mf.repeat_interleave(group, dim=-1)  # (down's input is zero in the skipped groups)
-        cases = {
-            "qkv": (
-                lambda: triton_masked_out_gemm(x, wqkv, mq, dense_rows=kv, shared=True, **fixed),
-                lambda: torch_masked_out_gemm(x, wqkv, mq, None, kv),
-                lambda: x @ wqkv.T,
-            ),
-            "gate+up": (
-                lambda: triton_masked_out_gemm(x, wg, mf, wu, shared=True, **fixed),
-                lambda: torch_masked_out_gemm(x, wg, mf, wu),
-                lambda: F.silu(x @ wg.T) * (x @ wu.T),
-            ),
-            "down + next router": (
-                lambda: triton_masked_reduce_gemm(
-                    xf_in, wd, mf, k_pack=1, residual=res, share_w=share_w, **fixed
-                ),
-                lambda: (torch_masked_reduce_gemm(xf_in, wd, mf), None),
-                lambda: xf_in @ wd.T,
-            ),
-            "o + next router": (
-                lambda: triton_masked_reduce_gemm(x, wo, mq, k_pack=1, residual=res, share_w=share_w, **fixed),
-                lambda: (torch_masked_reduce_gemm(x, wo, mq), None),
-                lambda: x @ wo.T,
-            ),
-        }
+        cases = products(x, xf_in, res, mq, mf, kv, fixed, wqkv=wqkv, wg=wg, wu=wu, wd=wd, wo=wo, share_w=share_w)
         for name, (ours, ref, dense) in cases.items():
             got, want = ours(), ref()
             if isinstance(got, tuple):

@@ -130,26 +130,21 @@ class _Routing(Counting):
         return self.consensus is not None and self.consensus[2] and b > 1 and t == 1
 
     def last_product(
-        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor, shared: bool
+        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], carry)``: with the
         next router's shares where this block is linked to a next WIDE block and the reduction kernel
-        runs (``x``: the block's input, to which the caller adds the output), else None. ``shared``: every
-        token runs the same groups (``shared()``)."""
+        runs (``x``: the block's input, to which the caller adds the output), else None."""
         m = a.shape[0]
         nxt = self.next_router_down
         # under auto the handoff runs where its kernel does (on a GPU, where it measured faster); on the CPU
         # the reference's shares would be extra work: the next router computes its bottleneck itself
-        groups = execute.shape[-1]
         if nxt is not None and (
             self.backend != "auto"
-            or (
-                a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
-            )
+            or (a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed))
         ):
-            residual = x.reshape(m, -1)
-            return masked_reduce_gemm_shares(a, w, execute, residual, nxt.weight, zeroed, self.backend, shared)
-        return masked_reduce_gemm(a, w, execute, zeroed, self.backend, shared), None
+            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
+        return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
 
 
 class WideAttention(Attention, _Routing):
@@ -213,7 +208,7 @@ class WideAttention(Attention, _Routing):
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y, shares = self.last_product(out, self.wo, execute, routed, x, shared)
+            y, shares = self.last_product(out, self.wo, execute, routed, x)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
         return x, y.view(b, t, -1), shares
@@ -234,7 +229,7 @@ class WideMLP(Block, _Routing):
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         shared = self.shared(b, t)
         g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend, 0, shared)
-        y, shares = self.last_product(g, self.wd, execute, True, x, shared)
+        y, shares = self.last_product(g, self.wd, execute, True, x)
         return x, y.view(b, t, -1), shares
 
 

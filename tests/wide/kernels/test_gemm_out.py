@@ -153,7 +153,7 @@ def test_refuses_what_it_cannot_do():
     mask = random_mask(2, 2, 0.5)
     with pytest.raises(ValueError, match="k_pack must be a power of two, got 3"):
         triton_masked_out_gemm(x, w, mask, k_pack=3)
-    with pytest.raises(ValueError, match=r"k_pack is for the decode kernel \(M <= 16\); got M=17"):
+    with pytest.raises(ValueError, match=r"k_pack is for the decode kernel \(M <= 16, or shared\); got M=17"):
         triton_masked_out_gemm(torch.randn(17, 64, device=DEVICE), w, random_mask(17, 2, 0.5), k_pack=4)
     with pytest.raises(ValueError, match="tl.dot needs 16 or more"):
         triton_masked_out_gemm(x, w, mask, block_n=4, k_pack=2)

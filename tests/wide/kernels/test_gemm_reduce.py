@@ -71,31 +71,6 @@ def test_hands_the_next_router_its_shares(m, sparsity, n, rank, block_n, direct)
         torch.testing.assert_close(shares, want_shares, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [17, 33, 64])
-@pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize("direct", [False, True])
-@pytest.mark.parametrize("same_set", [True, False])
-def test_unpacked_one_tile_up_to_64_tokens_with_and_without_shares(m, sparsity, direct, same_set):
-    """A batch's shared set at 17-64 tokens: not packed (``k_pack=1``), every token in one tile, so each
-    weight column is read once; with the next router's shares too. Any mask is computed exactly."""
-    gen = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 32 * 5, generator=gen).to(DEVICE)
-    w = torch.randn(48, 32 * 5, generator=gen).to(DEVICE)
-    residual = torch.randn(m, 48, generator=gen).to(DEVICE)
-    share_w = torch.randn(4, 48, generator=gen).to(DEVICE)
-    mask = random_mask(1 if same_set else m, 5, sparsity, seed=m + 1).expand(m, 5).contiguous()
-    want = torch_masked_reduce_gemm(x, w, mask)
-    buf = poisoned(m, 48)
-    got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], block_n=16, block_k=16, k_pack=1, direct=direct)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert torch.isnan(buf[m:]).all()
-    out, shares = triton_masked_reduce_gemm(
-        x, w, mask, block_n=16, block_k=16, k_pack=1, direct=direct, residual=residual, share_w=share_w
-    )
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(shares, torch_router_shares(residual + want, share_w), rtol=1e-4, atol=1e-3)
-
-
 def test_shares_need_what_they_read():
     x, w, mask = torch.randn(2, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE), random_mask(2, 4, 0.5)
     res, sw = torch.randn(2, 32, device=DEVICE), torch.randn(4, 32, device=DEVICE)
@@ -146,17 +121,6 @@ def test_bf16_with_autotuned_tiles(m, direct, groups):
     got = triton_masked_reduce_gemm(x, w, mask, out=buf[:m], direct=direct)
     torch.testing.assert_close(got.float(), torch_masked_reduce_gemm(x, w, mask).float(), rtol=2e-2, atol=2e-2 * 16)
     assert torch.isnan(buf[m:]).all()
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
-@pytest.mark.parametrize("m", [17, 32, 64])
-@pytest.mark.parametrize(("direct", "groups"), [(False, 8), (True, 8), (False, 32)])
-def test_bf16_shared_set_unpacked_with_autotuned_tiles(m, direct, groups):
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16) / 8
-    mask = random_mask(1, groups, 0.5, seed=m).expand(m, groups).contiguous()
-    got = triton_masked_reduce_gemm(x, w, mask, direct=direct, k_pack=1)
-    torch.testing.assert_close(got.float(), torch_masked_reduce_gemm(x, w, mask).float(), rtol=2e-2, atol=2e-2 * 16)
 
 
 def test_dense_fallback_and_the_zero_filled_input():

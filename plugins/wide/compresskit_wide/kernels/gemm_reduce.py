@@ -5,8 +5,7 @@
     mask: [M, K / G]    True = the token's group of K / G input features is active
     out:  [M, N]        the sum over active groups of x[:, group] @ w[:, group].T
 
-The Triton kernel is the decode path (and, unpacked in one tile of up to 64 tokens, a batch's shared
-set). Program (block of output channels, tile of 16 tokens) reads
+The Triton kernel is the decode path. Program (block of output channels, tile of 16 tokens) reads
 only the weight columns of groups some token of its tile needs, ``K_PACK`` groups a step in one
 product whose rows are the weight rows once per group of the step and whose columns are the
 tokens once per group (zero where the token does not need it); the blocks where the groups differ
@@ -86,13 +85,6 @@ def dense_masked_reduce_gemm(
     """The dense fallback: one select (whatever the inactive inputs held), then cuBLAS in ``x.dtype``;
     with ``input_is_masked`` (the caller guarantees exact zeros there) the plain dense product."""
     return x @ w.T if input_is_masked else zero_inactive_groups(x, mask) @ w.T
-
-
-def _table(k_pack: int) -> list:
-    """The reduction's tile table for a packing: the packed decode one, or unpacked the shared set's."""
-    if k_pack == 1:
-        return policy.per_packing(policy.REDUCE_SHARED_ROWS, 1)
-    return policy.per_packing(policy.REDUCE_DECODE_ROWS, k_pack)
 
 
 if triton is not None:
@@ -220,12 +212,12 @@ if triton is not None:
     _tuned = {
         (pack, direct): autotuned(
             triton_masked_reduce_gemm_kernel,
-            _table(pack),
+            policy.per_packing(policy.REDUCE_DECODE_ROWS, pack),
             ["M", "N", "GW", "G", "BLOCK_M"],
             decode=True,
             prune=packed_pruner("BLOCK_K", unrolled_group=not direct),  # the list's loop unrolls a group's K steps
         )
-        for pack in (policy.REDUCE_K_PACK, 1)  # the packings ``auto`` takes: decode, and a shared set's 17-64 tokens
+        for pack in (policy.REDUCE_K_PACK,)  # the packing ``auto`` takes
         for direct in (False, True)
     }
 
@@ -282,9 +274,7 @@ def triton_masked_reduce_gemm(
     mask_u8 = mask_bytes(mask)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     gw = k // groups
-    # >= 16 MMA columns; not packed, up to policy.SHARED_MAX_M tokens in one tile (each weight read once)
-    block_m = max(next_power_of_2(m), 16 // k_pack)
-    block_m = block_m if k_pack == 1 and block_m <= policy.SHARED_MAX_M else min(16, block_m)
+    block_m = min(16, max(next_power_of_2(m), 16 // k_pack))  # >= 16 MMA columns
     block_g = max(16, next_power_of_2(groups))
     fixed = block_n is not None or interpreted()
     if fixed:
@@ -293,11 +283,9 @@ def triton_masked_reduce_gemm(
         if k_pack * bn < 16 or bk < 16:
             raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
     elif (k_pack, direct) not in _tuned:
-        raise ValueError(
-            f"k_pack={k_pack} has no tile table on a GPU; tuned: {policy.REDUCE_K_PACK} and 1 (or fix block_n)"
-        )
+        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {policy.REDUCE_K_PACK} (or fix block_n)")
     else:  # the narrowest tile of the table: the most programs, each with its own group list
-        bn = min(meta["BLOCK_N"] for meta, _, _ in _table(k_pack))
+        bn = min(meta["BLOCK_N"] for meta, _, _ in policy.per_packing(policy.REDUCE_DECODE_ROWS, k_pack))
     if handing and bn % policy.SHARE_N:
         raise ValueError(f"shares need output blocks of a multiple of {policy.SHARE_N} channels, got {bn}")
     lists = torch.empty(1 if direct else cdiv(n, bn) * cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)

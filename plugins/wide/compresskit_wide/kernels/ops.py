@@ -280,34 +280,23 @@ def masked_out_gemm(
     return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
 
 
-def _reduce_k_pack(m: int, shared: bool) -> int:
-    """Groups a product of the reduction kernel: packed at decode, one past it (a shared set's tile)."""
-    return 1 if shared and m > policy.DECODE_MAX_M else policy.REDUCE_K_PACK
-
-
-@_operator(lambda x, w, mask, input_is_masked=False, backend="auto", shared=False: x.new_empty(x.shape[0], w.shape[0]))
+@_operator(lambda x, w, mask, input_is_masked=False, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
 def masked_reduce_gemm(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    mask: torch.Tensor,
-    input_is_masked: bool = False,
-    backend: str = "auto",
-    shared: bool = False,
+    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool = False, backend: str = "auto"
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
-    dense product. ``shared``: every token runs the same groups (``masked_out_gemm``)."""
-    m = x.shape[0]
-    path = _choose(backend, "reduce", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
+    dense product."""
+    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
-        return triton_masked_reduce_gemm(x, w, mask, k_pack=_reduce_k_pack(m, shared))
+        return triton_masked_reduce_gemm(x, w, mask)
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     return torch_masked_reduce_gemm(x, w, mask)
 
 
-def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto", shared=False):
+def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto"):
     n = w.shape[0]
     shares = x.new_empty(share_slots(n), x.shape[0], share_w.shape[0], dtype=torch.float32)
     return x.new_empty(x.shape[0], n), shares
@@ -322,7 +311,6 @@ def masked_reduce_gemm_shares(
     share_w: torch.Tensor,
     input_is_masked: bool = False,
     backend: str = "auto",
-    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_reduce_gemm`` that also hands the next router its first step: ``(out, shares)``,
     ``shares: [S, M, R]`` the shares of ``(residual + out) @ share_w.T`` (``residual: [M, N]``, what
@@ -330,11 +318,9 @@ def masked_reduce_gemm_shares(
     ``router_decide_from_shares``. In the kernel each program writes its columns' share; elsewhere
     the reference computes them after the product. Under "auto" on CUDA the kernel runs where
     ``policy`` says the handoff (the product, the add and the next router's first step) measured faster."""
-    m = x.shape[0]
-    path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
+    path = _choose(backend, "reduce_handoff", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
-        k_pack = _reduce_k_pack(m, shared)
-        return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w, k_pack=k_pack)
+        return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
     if path == "dense":
         out = dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
     else:
