@@ -34,7 +34,8 @@ these three terms for the router and LoRA stages of ``recipes/wide-smollm2-quick
 
 A last row, **evaluation**: the weights, the largest batch's full-vocabulary log-probabilities (lm-eval
 holds the fp32 logits and their fp32 log-softmax; ``evaluation.logits_budget_mb`` caps them) and the
-forward's per-layer work on it, the context or process again; on the CPU with the same heap growth.
+forward's per-layer work on it, the context or process again; on the CPU with the same heap growth. It was checked
+against runs on the CPU (docs/memory-cpu.md), not yet on a GPU.
 """
 
 from __future__ import annotations
