@@ -196,7 +196,7 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
     from compresskit_wide import blocks
 
     real_use_kernel = blocks.use_kernel
-    monkeypatch.setattr(blocks, "DECODE_MAX_M", 2)
+    monkeypatch.setattr(blocks, "decode_kernel", lambda m, shared: m <= 2)
     monkeypatch.setattr(
         blocks, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
     )
@@ -204,9 +204,9 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
     fast, ref = runtime_for(model, pruner), Runtime(model)
     attn = fast.blocks[0][0]
     assert attn.wqkv is not None
-    assert [attn._one_qkv_product(m) for m in (1, 2, 3, 7, 8, 4096)] == [True, True, True, True, False, False]
+    assert [attn._one_qkv_product(m, False) for m in (1, 2, 3, 7, 8, 4096)] == [True, True, True, True, False, False]
     attn.backend = "triton"  # a forced backend runs q's kernel at every prefill
-    assert [attn._one_qkv_product(m) for m in (2, 3)] == [True, False]
+    assert [attn._one_qkv_product(m, False) for m in (2, 3)] == [True, False]
     attn.backend = "auto"
     widths = []  # the output width of each masked_out_gemm of the first attention block
     real_gemm = blocks.masked_out_gemm
