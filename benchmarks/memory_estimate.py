@@ -44,6 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="output directories of finished runs")
     args = ap.parse_args()
+    for run in args.runs:
+        if not (run / "results.json").is_file():
+            ap.error(f"{run}: no results.json there; give the output directory of a finished run")
     print("| run | row | estimate | measured | measured / estimate |")
     print("|---|---|---|---|---|")
     for run in args.runs:

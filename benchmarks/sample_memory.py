@@ -1,4 +1,5 @@
-"""Resident memory of a command over time, by phase: what the dry run's CPU estimate is checked against.
+"""Resident memory of a command over time, by phase (a run records its stages' and tasks' peaks itself; this
+samples any command, and every phase of it, loading included).
 
     python benchmarks/sample_memory.py -- compresskit apply recipes/wide-smollm2-quick.yaml --overwrite
     python benchmarks/sample_memory.py --imports      # the process with the libraries a run imports

@@ -28,9 +28,9 @@ sum of:
 
 On the CPU the step's tensors (trained state, activations, logits) count ``HEAP_GROWTH_CPU`` times: they come
 from the C library's heap, which grows past the live bytes as a step's tensors of many sizes are freed and
-allocated again (the process's peak resident memory above its libraries and weights was 1.39-1.61 times
-these three terms for the router and LoRA stages of ``recipes/wide-smollm2-quick.yaml`` at 2 x 256 and
-4 x 512 tokens; docs/memory-cpu.md).
+allocated again (the process's peak resident memory above its libraries and weights was 1.54-1.67 times these
+three terms for the router and LoRA stages of ``recipes/wide-smollm2-quick.yaml`` at 2 x 256 and 4 x 512 tokens;
+docs/memory-cpu.md).
 
 A last row, **evaluation**: the weights, the largest batch's full-vocabulary log-probabilities (lm-eval
 holds the fp32 logits and their fp32 log-softmax; ``evaluation.logits_budget_mb`` caps them) and the
@@ -114,7 +114,8 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
     head_dim = getattr(config, "head_dim", None) or d // config.num_attention_heads
     kv = config.num_key_value_heads * head_dim
     routers = sum(1 for n, _ in model.named_modules() if n.endswith(".router"))
-    weight_bytes = params * (torch.finfo(dtype).bits // 8)
+    weight_elem = torch.finfo(dtype).bits // 8
+    weight_bytes = params * weight_elem
     teacher = weight_bytes if keeps_teacher_copy(resolved.training, pruner) else 0  # (not sharded: one per rank)
     context, growth = (CONTEXT_BYTES, 1.0) if cuda else (PROCESS_BYTES_CPU, HEAP_GROWTH_CPU)
     stages = []
@@ -123,7 +124,7 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
         if stage.name == "none":
             continue
         autocast = cuda and getattr(c, "autocast_bf16", False)
-        elem = 2 if autocast else torch.finfo(dtype).bits // 8
+        elem = 2 if autocast else weight_elem
         casts = 5 * d if autocast else 0  # the bf16 copies of the normed inputs that q, k, v, gate and up cast
         per_token_layer = (4 * d + casts + 2 * kv + 4 * f) * elem
         per_token_router = routers * d * 4 if autocast else 0  # (else the router reads what the projections keep)
@@ -155,17 +156,19 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
                 growth=growth,
             )
         )
-    stages.append(_evaluation(rec.evaluation, config, weight_bytes, elem=weight_bytes // params, cuda=cuda))
+    tokens, activations, logits = _evaluation(rec.evaluation, config, elem=weight_elem, cuda=cuda)
+    stages.append(StagePlan("evaluation", None, tokens, 0, weight_bytes, 0, activations, logits, context, growth))
     autocast = cuda and any(getattr(s.config, "autocast_bf16", False) for s in resolved.training)
     computes = torch.bfloat16 if autocast else dtype
     return Plan(rec.model.name_or_path, params, str(computes).removeprefix("torch."), world, sharded, stages)
 
 
-def _evaluation(section, config, weights: int, *, elem: int, cuda: bool) -> StagePlan:
-    """The evaluation's row: its largest batch (``evaluation.batch_size`` rows of ``max_length`` tokens, fewer
-    where their log-probabilities would pass ``logits_budget_mb``, at least one row) with its fp32 logits and
-    log-softmax, and the forward's per-layer work: one layer's FFN and attention tensors, and on the CPU the
-    attention probabilities of each row (SDPA there forms them, scores and softmax, under a padding mask)."""
+def _evaluation(section, config, *, elem: int, cuda: bool) -> tuple[int, int, int]:
+    """``(tokens, activations, logits)`` of the evaluation's row: its largest batch (``evaluation.batch_size``
+    rows of ``max_length`` tokens, fewer where their log-probabilities would pass ``logits_budget_mb``, at least
+    one row) with its fp32 logits and log-softmax, and the forward's per-layer work: one layer's FFN and
+    attention tensors, and on the CPU the attention probabilities of each row (SDPA there forms them, scores
+    and softmax, under a padding mask)."""
     vocab, length = config.vocab_size, section.max_length
     per_token = vocab * 8
     tokens = min(section.batch_size * length, max(section.logits_budget_mb * 2**20 // per_token, length))
@@ -173,8 +176,7 @@ def _evaluation(section, config, weights: int, *, elem: int, cuda: bool) -> Stag
     layer = tokens * (4 * d + 3 * f) * elem
     if not cuda:
         layer += (tokens // length) * config.num_attention_heads * length * length * 2 * elem
-    context, growth = (CONTEXT_BYTES, 1.0) if cuda else (PROCESS_BYTES_CPU, HEAP_GROWTH_CPU)
-    return StagePlan("evaluation", None, tokens, 0, weights, 0, layer, tokens * per_token, context, growth)
+    return tokens, layer, tokens * per_token
 
 
 def _lora_inputs(model) -> int:
