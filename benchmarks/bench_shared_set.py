@@ -43,7 +43,7 @@ def shared_mask(m: int, groups: int, gen: torch.Generator, device) -> torch.Tens
 def products(x, xf_in, res, mq, mf, kv, fixed, *, wqkv, wg, wu, wd, wo, share_w) -> dict:
     """name -> (ours, reference, cuBLAS) thunks of one token count. The reductions run the kernel as
     ``backend="triton"`` runs it (16-token tiles: an unpacked one-tile variant measured 0.34-0.77x of cuBLAS,
-    kept at the tag ``shared-reduce-unpacked``)."""
+    kept at the tag ``shared-reduce-unpacked``, commit ad649cf)."""
     return {
         "qkv": (
             lambda: triton_masked_out_gemm(x, wqkv, mq, dense_rows=kv, shared=True, **fixed),
