@@ -111,7 +111,8 @@ def partial_traffic(row: dict, out_features: int, in_features: int, tflops: floa
 def load(args):
     if args.smoke or args.shape:
         from compresskit import plugins
-        from compresskit.bench import calibrate_routers, shape_model
+        from compresskit.bench import shape_model
+        from compresskit.routing import calibrate_routers
         from compresskit.interfaces import RunContext
 
         model = shape_model("tiny" if args.smoke else args.shape, device="cpu", dtype=torch.float32)

@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from compresskit import plugins
-    from compresskit.bench import calibrate_routers
+    from compresskit.routing import calibrate_routers
     from compresskit.interfaces import RunContext
     from compresskit.modeling import device_name, load_model
     from compresskit.runtime import runtime_for

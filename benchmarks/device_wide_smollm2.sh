@@ -159,7 +159,8 @@ PY
       CUDA_VISIBLE_DEVICES=0 python3 - $(printf '%s\n' "${selected[@]}" | cut -f1 | sort -u) <<'PY'
 import sys
 from compresskit.api import dense_reference
-from compresskit.data import DataModule, load_documents, write_generated
+from compresskit.data import DataModule, load_documents
+from compresskit.generation import write_generated
 from compresskit.modeling import load_model
 from compresskit.progress import Progress
 from compresskit.recipe import load_recipe

@@ -126,7 +126,7 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
 
 
 def main() -> int:
-    from compresskit.bench import shape_members
+    from compresskit.bench import free_device_memory, method_source, shape_members
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -147,22 +147,26 @@ def main() -> int:
     if args.smoke:
         args.shape, args.context, args.steps = "tiny", 16, 2
     options = {"compile": cuda, "graphs": False}
-    members = shape_members(args.shape, method="wide", sparsity=args.sparsity, device=device, dtype=dtype, **options)
+    source = method_source("wide", args.sparsity)
+    members = shape_members(args.shape, [source], device=device, dtype=dtype, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}
     wanted = {n.strip() for n in args.members.split(",") if n.strip()}
     for m in members:
         if wanted and m.name not in wanted:
             continue
+        _, runtime, _ = m.build()  # one member on the device at a time
         for phase in phases:
             key = f"{m.name} {phase}"
-            results[key] = profile_member(m.runtime, args.batch, args.context, args.steps, cuda, phase)
+            results[key] = profile_member(runtime, args.batch, args.context, args.steps, cuda, phase)
             line = ", ".join(f"{k} {v:.0f} us" for k, v in results[key]["us_per_step"].items())
             r = results[key]
             print(
                 f"{key:26s} wall {r['wall_us_per_step']:9.0f} us, GPU {r['total_us_per_step']:9.0f} us: {line}",
                 flush=True,
             )
+        del runtime
+        free_device_memory(device)
     facts = report.run_facts(
         cuda,
         shape=args.shape,

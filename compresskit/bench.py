@@ -6,9 +6,13 @@ realised sparsity of each measured run."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,9 +22,10 @@ from compresskit.errors import CompressKitError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name
-from compresskit.routing import RoutedPruner, RouterTap, dense_view, measured_sparsity
+from compresskit.routing import dense_view, measured_sparsity
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
+from compresskit.sparsity import SparsityProfile
 
 # Imported inside the functions that use them: psutil and transformers; so importing this module, and running the
 # commands that do not need them (`--help` and `validate` first), stays fast.
@@ -96,26 +101,11 @@ def shape_model(name: str, *, device, dtype, half: bool | str = False, seed: int
     return model.eval()
 
 
-def shape_weight_bytes(name: str, dtype: torch.dtype, *, transformers: str | None = None) -> tuple[int, list[str]]:
-    """What ``shape_members`` holds in weights for the configuration ``name`` in ``dtype``: ``(bytes,
-    the models that make it up)``: the model (a routing pruner's routers add well under 1%), the ideal half-width
-    models where the shape has them, and with ``transformers="static"`` a dense copy of the model."""
-
-    def params(config) -> int:
-        return sum(p.numel() for p in meta_model(config).parameters())
-
-    full = params(shape_config(name))
-    total, models = full, ["the model"]
-    for half, row in HALVES.items():
-        try:
-            total += params(shape_config(name, half=half))
-            models.append(f"the {row} model")
-        except ValueError:
-            pass
-    if transformers == "static":
-        total += full
-        models.append("a dense copy for transformers")
-    return total * dtype.itemsize, models
+def shape_weight_bytes(name: str, dtype: torch.dtype) -> int:
+    """What a ``--shape`` bench holds in weights for the configuration ``name`` in ``dtype``: its members
+    are built one at a time, so the largest of them, the dense model (a routing pruner's routers add well
+    under 1%)."""
+    return sum(p.numel() for p in meta_model(shape_config(name)).parameters()) * dtype.itemsize
 
 
 SHAPE_MEMORY_SHARE = 0.8  # of the free memory, what a --shape run's weights may take: caches, activations, compiling
@@ -130,88 +120,102 @@ def available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device, *, transformers: str | None = None):
-    """Why the configuration ``name``'s members in ``dtype`` would not fit ``device``'s free memory (their
-    weights above ``SHAPE_MEMORY_SHARE`` of it), naming what would fit; None where they fit."""
+def shape_memory_error(name: str, dtype: torch.dtype, device: torch.device):
+    """Why the configuration ``name``'s models in ``dtype`` would not fit ``device``'s free memory (one
+    model's weights above ``SHAPE_MEMORY_SHARE`` of it), naming what would fit; None where they fit."""
     free = available_bytes(device)
-    need, models = shape_weight_bytes(name, dtype, transformers=transformers)
+    need = shape_weight_bytes(name, dtype)
     if need <= SHAPE_MEMORY_SHARE * free:
         return None
-    fits = lambda shape, dt: shape_weight_bytes(shape, dt)[0] <= SHAPE_MEMORY_SHARE * free  # noqa: E731
+    fits = lambda shape, dt: shape_weight_bytes(shape, dt) <= SHAPE_MEMORY_SHARE * free  # noqa: E731
     smaller = [s for s in SHAPES if fits(s, dtype)]
     options = [f"a smaller --shape ({', '.join(smaller)})"] if smaller else ["more free memory"]
     if dtype.itemsize > 2 and fits(name, torch.bfloat16):
         options.insert(0, "--dtype bfloat16")
     return (
-        f"--shape {name}: its weights take {size(need)} in {str(dtype).removeprefix('torch.')} ({', '.join(models)}) "
-        f"and this {'GPU' if device.type == 'cuda' else 'machine'} has {size(free)} free; give " + " or ".join(options)
+        f"--shape {name}: one model's weights take {size(need)} in {str(dtype).removeprefix('torch.')} and this "
+        f"{'GPU' if device.type == 'cuda' else 'machine'} has {size(free)} free; give " + " or ".join(options)
     )
 
 
-def routed_pruner(method: str):
-    """The pruner class registered as ``method`` (through the plugin registry), where it routes per token
-    (``compresskit.routing.RoutedPruner``: what ``--shape`` builds with untrained routers); a
-    ``CompressKitError`` naming the routed pruners otherwise."""
+def speed_method(method: str, field: str = "--method"):
+    """The pruner class registered as ``method`` (through the plugin registry), where it has a speed
+    shape (``Pruner.speed_shape``: what ``--shape`` builds on random weights); a ``CompressKitError``
+    naming the methods that have one otherwise."""
 
-    def routes(name: str) -> bool:
+    def shaped(name: str) -> bool:
         try:
-            return issubclass(plugins.load("pruner", name), RoutedPruner)
+            return plugins.load("pruner", name).has_speed_shape()
         except CompressKitError:  # a plugin that does not load is no candidate
             return False
 
     try:
         cls = plugins.load("pruner", method)
     except CompressKitError as exc:
-        raise CompressKitError(f"--method: {exc}") from None
-    if not issubclass(cls, RoutedPruner):
-        routed = [n for n in plugins.names("pruner") if routes(n)]
+        raise CompressKitError(f"{field}: {exc}") from None
+    if not cls.has_speed_shape():
+        shaped_names = [n for n in plugins.names("pruner") if shaped(n)]
         raise CompressKitError(
-            f"--method {method}: --shape builds models whose routers are calibrated, so it takes a routing "
-            f"pruner ({', '.join(routed)}); time a saved run of {method} with compresskit bench MODEL"
+            f"{field} {method}: it has no speed shape (Pruner.speed_shape), so --shape cannot build its structure; "
+            f"methods with one: {', '.join(shaped_names)}; time a saved run of {method} with compresskit bench MODEL"
         )
     return cls
 
 
-def shape_members(
-    shape: str,
-    *,
-    method: str,
-    sparsity: float,
-    device,
-    dtype,
-    transformers: str | None = None,
-    consensus: list = (),
-    **options,
-) -> list:
-    """The bench's members for a known ``shape`` (random weights): the routing pruner ``method`` (a
-    plugin name) applied with untrained routers calibrated to skip ``sparsity`` of each router's groups
-    ("compressed"), the same model under each ``consensus`` rule (:func:`consensus_members`), the same
-    weights dense, the ideal half-width models where the shape has them (:data:`HALVES`), and
-    with ``transformers`` ("dynamic" or "static", its cache) the dense model through transformers'
-    ``generate`` (with the dynamic cache the routed model seen dense, no copy; with the static cache,
-    which ``generate`` compiles on a GPU, a dense copy of the same weights, so that nothing routed is
-    traced). ``options`` go to the runtimes (``compile``, ``graphs``)."""
-    cls = routed_pruner(method)
-    model = shape_model(shape, device=device, dtype=dtype)
-    pruner = cls(cls.Config(**({"target_sparsity": sparsity} if "target_sparsity" in cls.Config.model_fields else {})))
-    pruner.prepare(model, RunContext(model_config=model.config, device=device, dtype=dtype))
-    model = pruner.finalize(model)
-    calibrate_routers(model, sparsity)
-    members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
-    members += consensus_members(model, pruner, consensus, **options)
-    members.append(Member("dense", model, Runtime(model, dense=True, **options)))
-    for half, row in HALVES.items():
-        try:
-            small = shape_model(shape, device=device, dtype=dtype, half=half)
-            members.append(Member(row, small, Runtime(small, **options)))
-        except ValueError:
-            pass  # no such half-width model of this shape (odd heads per KV head)
-    if transformers == "dynamic":
-        members.append(Member("dense (transformers)", model, transformers="dynamic"))
-    elif transformers == "static":
-        dense = shape_model(shape, device=device, dtype=dtype)  # the same seed: the same weights
-        members.append(Member("dense (transformers, static cache)", dense, transformers="static"))
-    return members
+@dataclass
+class Source:
+    """A compressed member of a ``--shape`` bench: a method (its pruner class and config) and what a run
+    of it skipped (``compresskit.sparsity.SparsityProfile``), named ``name``."""
+
+    name: str
+    method: str
+    pruner_cls: Any
+    config: dict[str, Any]
+    profile: SparsityProfile
+
+    def build(self, shape: str, *, device, dtype, executor=None, **options):
+        """``(model, runtime, pruner)``: random weights of ``shape`` given this source's structure."""
+        model = shape_model(shape, device=device, dtype=dtype)
+        pruner = self.pruner_cls(self.pruner_cls.Config(**self.config))
+        model = pruner.speed_shape(
+            model, RunContext(model_config=model.config, device=device, dtype=dtype), self.profile
+        )
+        return model, runtime_for(model, pruner, executor=executor, **options), pruner
+
+    def info(self) -> dict[str, Any]:
+        """What each of its bench rows records beside the times."""
+        return {"method": self.method, "run_sparsity_macs": round(self.profile.macs, 4), "source": self.profile.source}
+
+
+def method_source(method: str, sparsity: float) -> Source:
+    """``--method M --sparsity S``: the method's default config (aimed at ``S``) with ``S`` of each
+    router's groups skipped (a static method: of the MACs removed), named "compressed"."""
+    cls = speed_method(method)
+    config = {"target_sparsity": sparsity} if "target_sparsity" in cls.Config.model_fields else {}
+    return Source("compressed", method, cls, config, SparsityProfile(sparsity, groups=sparsity, source="--sparsity"))
+
+
+def run_source(ref: str) -> Source:
+    """``--run RUN``: a saved run's method, config and realised sparsity (per layer) from its
+    ``results.json`` (``ref``: the file or the run's folder), named after the run; a
+    ``CompressKitError`` naming the file where it is no such run."""
+    from compresskit import artifacts
+
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "results.json"
+    doc = artifacts.read_json(path, what="results file (--run)")
+    if not isinstance(doc, dict) or "metrics" not in doc:
+        raise CompressKitError(f"--run {path}: not a compresskit results.json (no metrics)")
+    pruner = doc.get("recipe", {}).get("pruner") or None
+    if not doc.get("pruner") or pruner is None:
+        raise CompressKitError(f"--run {path}: a dense run has no structure to time (the dense model is always timed)")
+    cls = speed_method(doc["pruner"], field=f"--run {path}: its method")
+    try:
+        profile = SparsityProfile.from_results(doc, source=str(path))
+    except ValueError as exc:
+        raise CompressKitError(f"--run {path}: {exc}") from None
+    return Source(doc.get("name") or path.parent.name, doc["pruner"], cls, dict(pruner.get("config") or {}), profile)
 
 
 def consensus_label(rule) -> str:
@@ -231,6 +235,55 @@ def consensus_executor(pruner_cls):
             f"{name or '(none)'} takes no consensus rule; the wide pruner's does)"
         )
     return cls
+
+
+def shape_members(
+    shape: str,
+    sources: list[Source],
+    *,
+    device,
+    dtype,
+    transformers: str | None = None,
+    consensus: list = (),
+    bounds: bool = True,
+    **options,
+) -> list:
+    """The bench's members for a known ``shape`` (random weights), each built when its turn comes and
+    freed after it (one model on the device at a time): each of ``sources`` (a method's structure, its
+    routers untrained and calibrated), each routed source under each ``consensus`` rule (the runtime
+    blocks of its executor configured with that rule), the dense model (the same weights: the same seed),
+    with ``bounds`` the ideal half-width models where the shape has them (:data:`HALVES`), and with
+    ``transformers`` ("dynamic" or "static", its cache) the dense model through transformers'
+    ``generate``. ``options`` go to the runtimes (``compile``, ``graphs``)."""
+    where = {"device": device, "dtype": dtype}
+    members = []
+    for src in sources:
+        build = functools.partial(src.build, shape, **where, **options)
+        members.append(Member(src.name, build=build, info=src.info()))
+        for spec in consensus:
+            executor = consensus_executor(src.pruner_cls)
+            label = consensus_label(spec) if src.name == "compressed" else f"{src.name}, {consensus_label(spec)}"
+            build = functools.partial(
+                src.build, shape, executor=executor(executor.Config(consensus=spec)), **where, **options
+            )
+            members.append(Member(label, build=build, info=src.info()))
+
+    def plain(half: bool | str = False, runtime: bool = True):
+        model = shape_model(shape, half=half, **where)
+        return model, Runtime(model, **options) if runtime else None, None
+
+    members.append(Member("dense", build=plain))
+    for half, row in HALVES.items():
+        try:
+            shape_config(shape, half=half)
+        except ValueError:
+            continue  # no such half-width model of this shape (odd heads per KV head)
+        if bounds:
+            members.append(Member(row, build=functools.partial(plain, half)))
+    if transformers is not None:
+        name = "dense (transformers)" if transformers == "dynamic" else "dense (transformers, static cache)"
+        members.append(Member(name, build=functools.partial(plain, runtime=False), transformers=transformers))
+    return members
 
 
 def consensus_members(model, pruner, specs: list, **options) -> list:
@@ -266,30 +319,6 @@ def cell_bytes(config, batch: int, prompt: int, new_tokens: int, dtype: torch.dt
     per_token = 3 * config.hidden_size + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size
     act = batch * prompt * per_token * item + batch * config.vocab_size * 4
     return {"kv": kv, "activations": act, "total": kv + act + CELL_SLACK}
-
-
-@torch.inference_mode()
-def calibrate_routers(model, sparsity: float, *, tokens: int = 256, seed: int = 0) -> None:
-    """Give every router of a routed ``model`` the skip-logit biases with which each group is skipped on
-    a ``sparsity`` fraction of the tokens of a random prompt (for speed runs of untrained routers:
-    each router reads its real input, the residual stream, and its decisions vary by token)."""
-    taps = [m for m in model.modules() if isinstance(m, RouterTap)]
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [t.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0])) for i, t in enumerate(taps)]
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=gen).to(next(model.parameters()).device)
-    try:
-        with dense_view():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    for i, tap in enumerate(taps):
-        router = tap.target.router
-        logits = router(seen[i]).reshape(-1, router.groups, 2).float()  # [tokens, G, 2]
-        margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
-        shift = -torch.quantile(margin, 1.0 - sparsity, dim=0)  # [G]: P(margin + shift > 0) = sparsity
-        router.up.bias.data.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
 
 
 def realised_sparsity(runtime, model, pruner) -> float | None:
@@ -371,13 +400,23 @@ def time_transformers(model, batch: int, prompt: int, new_tokens: int, repeats: 
 class Member:
     """One row kind of the bench: ``runtime`` times the model, ``model`` / ``pruner`` count its sparsity;
     ``transformers`` ("dynamic" or "static", the cache): time ``model`` through transformers'
-    ``generate`` instead."""
+    ``generate`` instead. ``build``: where the member is made when its turn comes (and freed after it),
+    a callable returning ``(model, runtime, pruner)``. ``info``: recorded with each of its rows."""
 
     name: str
-    model: Any
+    model: Any = None
     runtime: Any = None
     pruner: Any = None
     transformers: str | None = None
+    build: Callable[[], tuple[Any, Any, Any]] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Return what freed tensors hold to the device: a built member's model before the next is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bench(
@@ -387,53 +426,58 @@ def bench(
     prompts: list[int],
     new_tokens: int,
     repeats: int,
+    config=None,
     progress=None,
     skipped=None,
 ) -> list[Row]:
-    """A row per member for each batch and prompt, the members timed one after another per case, each
-    runtime's caches and graphs released before the next member runs (one model's working memory on the
-    device at a time). A case whose estimate (:func:`cell_bytes`) exceeds the free memory is skipped with
-    one line to ``skipped`` (a callable taking it), the others run."""
-    rows = []
+    """A row per member for each batch and prompt, in order of case and member. The members are timed
+    one after another, each over every case; a member with a ``build`` is made when its turn comes and
+    freed after it, and each runtime's caches and graphs are released after each case (one model's
+    working memory on the device at a time). A case whose estimate (:func:`cell_bytes` of ``config``,
+    by default the first member's model's) exceeds the memory free when the first member runs it is
+    skipped for every member with one line to ``skipped`` (a callable taking it), the others run."""
+    rows: list[tuple[int, int, Row]] = []
     cases = [(b, p) for b in batches for p in prompts]
-    param = next(members[0].model.parameters())
+    fits: dict[tuple[int, int], bool] = {}
     task_cm = progress.task("benchmarking", total=len(cases) * len(members)) if progress else contextlib.nullcontext()
     with task_cm as task:
-        for b, p in cases:
-            need = cell_bytes(members[0].model.config, b, p, new_tokens, param.dtype)
-            free = available_bytes(param.device)
-            if need["total"] > free:
-                if skipped is not None:
-                    skipped(
-                        f"batch {b} x prompt {p}: skipped, it needs about {size(need['total'])} (KV cache "
-                        f"{size(need['kv'])}, activations {size(need['activations'])}) and {size(free)} is free"
-                    )
-                if task is not None:
-                    task.advance(len(members))
-                continue
-            for m in members:
-                if m.transformers:
-                    ttft, tpot = time_transformers(m.model, b, p, new_tokens, repeats, cache=m.transformers)
-                    sparsity = None
-                else:
-                    reset_counts(m.runtime, m.model, m.pruner)
-                    ttft, tpot = time_runtime(m.runtime, b, p, new_tokens, repeats)
-                    sparsity = realised_sparsity(m.runtime, m.model, m.pruner)
-                    m.runtime.release()
-                rows.append(
-                    Row(
-                        m.name,
-                        b,
-                        p,
-                        ttft,
-                        tpot,
-                        sparsity,
-                        {"mode": _transformers_mode(m) if m.transformers else m.runtime.mode},
-                    )
-                )
+        for index, m in enumerate(members):
+            live = m
+            if m.build is not None:
+                model, runtime, pruner = m.build()
+                live = Member(m.name, model, runtime, pruner, m.transformers, info=m.info)
+            param = next(live.model.parameters())
+            for case, (b, p) in enumerate(cases):
+                if (b, p) not in fits:
+                    need = cell_bytes(config or live.model.config, b, p, new_tokens, param.dtype)
+                    free = available_bytes(param.device)
+                    fits[(b, p)] = need["total"] <= free
+                    if not fits[(b, p)] and skipped is not None:
+                        skipped(
+                            f"batch {b} x prompt {p}: skipped, it needs about {size(need['total'])} (KV cache "
+                            f"{size(need['kv'])}, activations {size(need['activations'])}) and {size(free)} is free"
+                        )
+                if fits[(b, p)]:
+                    rows.append((case, index, _time_member(live, b, p, new_tokens, repeats)))
                 if task is not None:
                     task.advance(1)
-    return rows
+            if m.build is not None:
+                device = param.device
+                del live, model, runtime, pruner, param
+                free_device_memory(device)
+    return [row for _, _, row in sorted(rows, key=lambda r: r[:2])]
+
+
+def _time_member(m: Member, batch: int, prompt: int, new_tokens: int, repeats: int) -> Row:
+    if m.transformers:
+        ttft, tpot = time_transformers(m.model, batch, prompt, new_tokens, repeats, cache=m.transformers)
+        sparsity, mode = None, _transformers_mode(m)
+    else:
+        reset_counts(m.runtime, m.model, m.pruner)
+        ttft, tpot = time_runtime(m.runtime, batch, prompt, new_tokens, repeats)
+        sparsity, mode = realised_sparsity(m.runtime, m.model, m.pruner), m.runtime.mode
+        m.runtime.release()
+    return Row(m.name, batch, prompt, ttft, tpot, sparsity, {"mode": mode, **m.info})
 
 
 def _transformers_mode(member) -> str:
@@ -459,7 +503,7 @@ def speedups(rows: list[Row]) -> list[dict[str, Any]]:
                 "ttft_speedup": round(d.ttft_ms / r.ttft_ms, 3),
                 "tpot_speedup": round(d.tpot_ms / r.tpot_ms, 3),
                 "sparsity_macs": None if r.sparsity is None else round(r.sparsity, 4),
-                "mode": r.extra.get("mode"),
+                **r.extra,
             }
         )
     return out

@@ -357,7 +357,9 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         consensus_executor,
         consensus_members,
         markdown,
-        routed_pruner,
+        method_source,
+        run_source,
+        shape_config,
         shape_members,
         shape_memory_error,
         speedups,
@@ -376,10 +378,17 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
     if not 0.0 <= args.sparsity < 1.0:
         raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
-    if args.shape is not None:
-        method = routed_pruner(args.method)  # a name that is no routing pruner: one line, before anything is built
+    if args.shape is None and (args.runs or args.method):
+        flag = "--run" if args.runs else "--method"
+        raise CompressKitError(f"{flag}: builds a structure at a known configuration; give --shape NAME with it")
+    sources = []
+    if args.shape is not None:  # every name and run checked before anything is built: one line each
+        if args.method or not args.runs:
+            sources.append(method_source(args.method or "wide", args.sparsity))
+        sources += [run_source(ref) for ref in args.runs]
         if args.consensus:
-            consensus_executor(method)
+            for src in sources:
+                consensus_executor(src.pruner_cls)
     consensus = [_consensus_rule(text) for text in args.consensus]
     if args.output is not None:
         artifacts.check_creatable(Path(args.output), "output directory (--output)")
@@ -397,24 +406,25 @@ def cmd_bench(args, out: Console, err: Console) -> int:
                 f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
             )
 
+    config = None
     if args.shape is not None:
         check_positions(SHAPES[args.shape]["max_position_embeddings"])  # before anything is built
         device = resolve_device(args.device, field="--device")
         dtype = resolve_dtype(args.dtype, device)
-        too_large = shape_memory_error(args.shape, dtype, device, transformers=args.transformers)
+        too_large = shape_memory_error(args.shape, dtype, device)
         if too_large:
             raise CompressKitError(too_large)
         members = shape_members(
             args.shape,
-            method=args.method,
-            sparsity=args.sparsity,
+            sources,
             device=device,
             dtype=dtype,
             transformers=None if args.transformers == "off" else args.transformers,
             consensus=consensus,
+            bounds=args.bounds == "on",
             **options,
         )
-        model, base = members[0].model, args.shape
+        base, config = args.shape, shape_config(args.shape)
     else:
         field = "MODEL (compresskit bench's argument)"
         model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
@@ -425,25 +435,27 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         if args.transformers != "off":
             name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
             members.append(Member(name, dense, transformers=args.transformers))
-    check_positions(getattr(model.config, "max_position_embeddings", None))
+        check_positions(getattr(model.config, "max_position_embeddings", None))
+        device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
     rows = bench(
         members,
         batches=batches,
         prompts=prompts,
         new_tokens=args.new_tokens,
         repeats=args.repeats,
+        config=config,
         progress=_progress(err),
         skipped=lambda line: _plain(err, line),
     )
     if not rows:
         raise CompressKitError("compresskit bench: no case fits this device's free memory (the lines above say why)")
     records = speedups(rows)
-    device = next(model.parameters()).device
     meta = {
         "model": args.model or f"--shape {args.shape} (random weights)",
         "base": base,
         "device": device_name(device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(dtype).removeprefix("torch."),
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "triton": _version("triton"),
@@ -453,8 +465,18 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         "command": "compresskit " + " ".join(args.argv),
     }
     if args.shape is not None:
-        meta["method"] = args.method
-        meta["routers"] = f"untrained, biases calibrated to skip {args.sparsity} of each router's groups"
+        meta["methods"] = {src.name: src.method for src in sources}
+        meta["structures"] = (
+            "random weights; routers untrained, their biases calibrated so that each group is skipped on a share "
+            "of the tokens: "
+            + (f"{args.sparsity} of each router's groups (--sparsity), " if args.method or not args.runs else "")
+            + (
+                "each run's realised fraction per layer and block, at the same relative depth (--run); "
+                if args.runs
+                else ""
+            )
+            + "a static method's model pruned at that fraction of the MACs on random tokens"
+        )
     table = Table(title=f"{meta['model']}: TTFT and TPOT against {base} (medians of {args.repeats})")
     cols = ("model", "decode", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs")
     for col in cols:
@@ -740,11 +762,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="TTFT and TPOT of a saved run beside its dense base, on the runtime")
     p.add_argument("model", nargs="?", help="a saved run's model/ directory, an HF directory or an alias")
     p.add_argument("--shape", help="instead of MODEL: a known configuration with random weights (speed only)")
-    p.add_argument("--sparsity", type=float, default=0.5, help="with --shape: the fraction of groups the routers skip")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.5,
+        help="with --shape and --method: the fraction of each router's groups the routers skip (a static method: of "
+        "the MACs it removes)",
+    )
     p.add_argument(
         "--method",
-        default="wide",
-        help="with --shape: the routing pruner (a plugin name), its routers untrained and calibrated (default wide)",
+        help="with --shape: the method (a pruner plugin with a speed shape) whose structure to time, its routers "
+        "untrained and calibrated (default wide, where no --run is given)",
+    )
+    p.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        dest="runs",
+        metavar="RUN",
+        help="with --shape: a saved run (its folder or results.json) whose method and realised sparsity, per layer "
+        "at the same relative depth, to time at the shape (a row named after the run); repeatable",
+    )
+    p.add_argument(
+        "--bounds",
+        choices=["on", "off"],
+        default="on",
+        help="with --shape: also time the ideal half-width models (the bound of width pruning at 50%%)",
     )
     p.add_argument(
         "--compile",

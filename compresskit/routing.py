@@ -30,9 +30,16 @@ from pydantic import Field
 from torch import nn
 
 from compresskit.errors import ArtifactError
-from compresskit.interfaces import PluginConfig, Pruner
+from compresskit.interfaces import PluginConfig, Pruner, RunContext
 from compresskit.modeling import replace_module
-from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, BlockCount, SparsityReport, layer_linear_macs
+from compresskit.sparsity import (
+    ATTENTION_PROJ,
+    FFN_PROJ,
+    BlockCount,
+    SparsityProfile,
+    SparsityReport,
+    layer_linear_macs,
+)
 from compresskit.tokens import declared_mask, mask_for
 
 
@@ -521,6 +528,54 @@ def load_router_state_dict(
             proj.router.load_state_dict({k: state[f"{prefix}{name}.router.{k}"] for k in proj.router.state_dict()})
 
 
+@torch.inference_mode()
+def calibrate_routers(
+    model: nn.Module, rate: float | Callable[[RoutedProjection], float], *, tokens: int = 256, seed: int = 0
+) -> None:
+    """Give every router of a routed ``model`` the skip-logit biases with which each of its groups is
+    skipped on a ``rate`` fraction of the tokens of a random prompt (speed runs of untrained routers:
+    each router reads its real input, the residual stream, and its decisions vary by token). ``rate``:
+    one fraction for every router, or a function of the router's projection."""
+    taps = [m for m in model.modules() if isinstance(m, RouterTap)]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [t.register_forward_pre_hook(lambda m, a, i=i: seen.__setitem__(i, a[0])) for i, t in enumerate(taps)]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=gen).to(next(model.parameters()).device)
+    try:
+        with dense_view():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, tap in enumerate(taps):
+        router = tap.target.router
+        fraction = rate(tap.target) if callable(rate) else rate
+        logits = router(seen[i]).reshape(-1, router.groups, 2).float()  # [tokens, G, 2]
+        margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
+        shift = -torch.quantile(margin, 1.0 - fraction, dim=0)  # [G]: P(margin + shift > 0) = fraction
+        router.up.bias.data.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
+
+
+def group_rates(model: nn.Module, profile: SparsityProfile) -> Callable[[RoutedProjection], float]:
+    """The skipped fraction of each router's groups that realises ``profile`` on ``model``: its
+    fraction of each routed block's MACs at the block's relative depth (or ``profile.groups`` in every
+    router), over the MACs the router's groups can skip (its own and its followers')."""
+    if profile.groups is not None:
+        return lambda proj: profile.groups
+    macs = layer_linear_macs(model.config)
+    totals = {"attention": sum(macs[p] for p in ATTENTION_PROJ), "ffn": sum(macs[p] for p in FFN_PROJ)}
+    layers = model.config.num_hidden_layers
+    projections = [p for _, p in routed_projections(model)]
+
+    def rate(proj: RoutedProjection) -> float:
+        led = [proj] + [p for p in projections if p.leader is proj]
+        skipped = sum(profile.at(p.layer_idx, layers, p.kind) * totals[p.kind] for p in led)
+        routable = sum(p.groups * p.macs_per_group for p in led)
+        return min(1.0, max(0.0, skipped / routable))
+
+    return rate
+
+
 class RoutedPruner(Pruner):
     """Base of pruners built on routed projections (WIDE, dynamic depth): the training hooks,
     router tensors and sparsity measurement they share.
@@ -595,3 +650,11 @@ class RoutedPruner(Pruner):
     def sparsity(self, model: nn.Module) -> SparsityReport | None:
         """The realised sparsity counted since the last reset."""
         return measured_sparsity([p for _, p in routed_projections(model)], self._model_config)
+
+    def speed_shape(self, model: nn.Module, ctx: RunContext, profile: SparsityProfile) -> nn.Module:
+        """Routed and finalized, its untrained routers calibrated to skip what ``profile`` skipped, per
+        router and by relative depth (:func:`group_rates`), independently per token."""
+        self.prepare(model, ctx)
+        model = self.finalize(model)
+        calibrate_routers(model, group_rates(model, profile))
+        return model

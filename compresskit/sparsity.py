@@ -145,3 +145,40 @@ class SparsityReport:
                 {b: round(layer[b].fraction or 0.0, 6) for b in ("attention", "ffn")} for layer in self.layers
             ]
         return out
+
+
+@dataclass(frozen=True)
+class SparsityProfile:
+    """What a run skipped, to give another model of another size its structure (a speed-only bench:
+    ``Pruner.speed_shape``): ``macs``, the skipped fraction of the projection MACs; ``per_layer``, the
+    run's ``{"attention": f, "ffn": f}`` a layer of its model, where measured; or ``groups``, the
+    fraction of each router's groups to skip in every layer (``compresskit bench --sparsity``), which a
+    static method reads as its MAC fraction. ``source``: where it came from (a run's results file)."""
+
+    macs: float
+    per_layer: tuple[dict[str, float], ...] | None = None
+    groups: float | None = None
+    source: str = ""
+
+    @classmethod
+    def from_results(cls, doc: dict[str, Any], source: str = "") -> SparsityProfile:
+        """The realised sparsity a run's ``results.json`` records (``sparsity``); a ValueError where it
+        has none."""
+        rep = doc.get("sparsity")
+        if not isinstance(rep, dict) or not isinstance(rep.get("macs"), (int, float)):
+            raise ValueError("it records no realised sparsity (sparsity.macs)")
+        layers = rep.get("per_layer") or None
+        return cls(float(rep["macs"]), None if layers is None else tuple(dict(x) for x in layers), source=source)
+
+    def at(self, layer: int, num_layers: int, block: str) -> float:
+        """The skipped fraction of ``block``'s MACs ("attention" or "ffn") in layer ``layer`` of a model
+        of ``num_layers`` layers: the run's layers at the same relative depth (linear between the two
+        nearest centres), or ``macs`` where the run has no per-layer record."""
+        if not self.per_layer:
+            return self.macs
+        n = len(self.per_layer)
+        pos = min(max((layer + 0.5) * n / num_layers - 0.5, 0.0), n - 1.0)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        w = pos - lo
+        return (1.0 - w) * self.per_layer[lo][block] + w * self.per_layer[hi][block]

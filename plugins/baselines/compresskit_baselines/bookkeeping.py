@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from compresskit.errors import ArtifactError
-from compresskit.interfaces import Pruner
-from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, SparsityReport, layer_linear_macs
+from compresskit.interfaces import Batch, Pruner, RunContext
+from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, SparsityProfile, SparsityReport, layer_linear_macs
+
+CALIBRATION_TOKENS = 64  # random tokens a speed shape is pruned on (speed_shape)
 
 DIMS = (
     "hidden_size",
@@ -80,3 +82,17 @@ class StaticPruner(Pruner):
 
     def sparsity(self, model: nn.Module) -> SparsityReport | None:
         return static_report(model.config)
+
+    def retarget(self, macs: float) -> dict[str, Any]:
+        """The config changes that aim this pruner at removing ``macs`` of the projection MACs."""
+        return {"target_sparsity": macs}
+
+    def speed_shape(self, model: nn.Module, ctx: RunContext, profile: SparsityProfile) -> nn.Module:
+        """The smaller model at the fraction ``profile`` removed (as near as this model's granularity
+        allows), chosen on random calibration tokens: which units go does not change the speed."""
+        self.config = self.config.model_copy(update=self.retarget(profile.macs))
+        self.prepare(model, ctx)
+        gen = torch.Generator().manual_seed(ctx.seed)
+        ids = torch.randint(3, model.config.vocab_size, (1, CALIBRATION_TOKENS), generator=gen).to(ctx.device)
+        self.calibrate(model, [Batch(ids, torch.ones_like(ids))])
+        return self.finalize(model)

@@ -78,6 +78,9 @@ class StaticDepthPruner(StaticPruner):
         prefix = "model.layers" if hasattr(getattr(model, "model", None), "layers") else "layers"
         return [f"{prefix}.{i}" for i in range(n)]
 
+    def retarget(self, macs: float) -> dict:
+        return {"target_sparsity": macs, "n_layers": None}
+
     def calibrate(self, model: nn.Module, batches: Iterable[Batch]) -> None:
         super().calibrate(model, batches)
         layers = decoder_layers(model)

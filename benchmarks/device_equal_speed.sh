@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The speed side of the equal-speed comparison (docs/equal-speed.md) on the device machine (H200): each seed-0 run
+# of recipes/compare-smollm2-budgets.yaml rebuilt at Llama-3.1-8B shapes (`compresskit bench --shape --run`:
+# its method, its realised sparsity per layer), timed beside the dense model at batch 1 and 8, prompt 1024.
+# Needs only the wheels (.whl, carried); no model wheel (random weights).
+#   bash benchmarks/device_equal_speed.sh [GROUP...]
+# GROUP: comma-separated budgets benched together in one process, each its own output folder
+# ($OUT/bench-15-25, ...); default "15,25 35,50". LIMIT: seconds a group may take (default 290).
+set -euo pipefail
+source benchmarks/device_env.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+R=docs/results/compare-smollm2-distill/runs/compare
+groups=("$@")
+[ ${#groups[@]} -gt 0 ] || groups=(15,25 35,50)
+for group in "${groups[@]}"; do
+  runs=()
+  for b in ${group//,/ }; do
+    for m in static-width static-depth dynamic-depth wide; do runs+=(--run "$R/$m-$b-distill-seed0"); done
+  done
+  start=$(date +%s)
+  timeout "${LIMIT:-290}" python3 -m compresskit bench --shape llama-3.1-8b "${runs[@]}" --batch 1,8 --prompt 1024 \
+    --new-tokens 32 --repeats 3 --transformers off --bounds off --prefill-graphs off --output "$OUT/bench-${group//,/-}" \
+    2>&1 | tail -n 22 || echo "group $group: exit $?"
+  echo "group $group: $(($(date +%s) - start)) s"
+done
