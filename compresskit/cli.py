@@ -603,6 +603,17 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    """A comma-separated list of positive numbers, or one line naming ``flag``."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of numbers, e.g. 1.2,1.4") from None
+    if not values or min(values) <= 0:
+        raise CompressKitError(f"{flag}: {text!r}: give positive speedups, e.g. 1.2,1.4")
+    return values
+
+
 def _int_list(text: str, flag: str, minimum: int | None = 1) -> list[int]:
     """A comma-separated list of integers (each at least ``minimum``), or one line naming ``flag``."""
     try:
@@ -635,9 +646,9 @@ def _seed_overrides(ref: str, overrides: list[str], seed: int) -> list[str]:
 
 def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit import artifacts
-    from compresskit.comparison import aggregate_seeds, group_runs
+    from compresskit.comparison import SPEED_TARGETS, aggregate_seeds, group_runs
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
-    from compresskit.report import compare_csv, compare_markdown, compare_tables
+    from compresskit.report import compare_csv, compare_markdown, compare_tables, equal_speed_markdown
 
     # Expand comparison specs, then validate every recipe before running any of them.
     seeds = _parse_seeds(args.seeds)
@@ -669,31 +680,81 @@ def cmd_compare(args, out: Console, err: Console) -> int:
         else:
             runs.append(_load_run(ref, overrides, progress, err))
     groups = group_runs(runs)
+    speed = _read_speed(args.speed, runs) if args.speed else None
+    targets = _float_list(args.at, "--at") if args.at else SPEED_TARGETS
+    if speed is None and args.at:
+        raise CompressKitError("--at: reads quality at equal speed, so it needs --speed BENCH.json")
     if len(groups) > 1:
         _plain(
             err,
             f"warning: these runs were evaluated under {len(groups)} different settings; each group is shown "
             "apart, with its own dense reference: compare numbers only within a group",
         )
+    sections = {g.label: equal_speed_markdown(g.runs, speed, targets) for g in groups} if speed else {}
+    markdown = compare_markdown(groups) + "".join(
+        f"\n{('### ' + label + chr(10) + chr(10)) if label else ''}{text}" for label, text in sections.items()
+    )
     if out.is_terminal:
         for table in compare_tables(groups):
             out.print(table)
+        for text in sections.values():
+            _plain(out, text)
     else:
-        _plain(out, compare_markdown(groups))
+        _plain(out, markdown)
     if args.output:
         target = Path(args.output)
         with artifacts.staged_files(target) as tmp:  # the folder may hold the inputs: keep them
-            artifacts.write_text(tmp / "compare.md", compare_markdown(groups))
+            artifacts.write_text(tmp / "compare.md", markdown)
             artifacts.write_text(tmp / "compare.csv", compare_csv(groups))
             artifacts.write_json(
                 tmp / "compare.json",
-                [{"group": g.label or "1", "settings": g.settings, "runs": g.runs} for g in groups],
+                [
+                    {
+                        "group": g.label or "1",
+                        "settings": g.settings,
+                        "runs": g.runs,
+                        **({"speed": {"bench": speed.meta, "targets": list(targets)}} if speed else {}),
+                    }
+                    for g in groups
+                ],
             )
-            from compresskit.plot import quality_vs_sparsity
+            from compresskit.plot import quality_vs_sparsity, quality_vs_speed
 
             quality_vs_sparsity([r for g in groups for r in g.runs], tmp / "compare.png")
-        _plain(out, f"written: {target / 'compare.md'}, compare.csv, compare.json, compare.png")
+            written = ["compare.csv", "compare.json", "compare.png"]
+            if speed:
+                for i, g in enumerate(groups):
+                    name = "quality_vs_speed.png" if len(groups) == 1 else f"quality_vs_speed-{i + 1}.png"
+                    quality_vs_speed(g.runs, speed, tmp / name)
+                    written.append(name)
+        _plain(out, f"written: {target / 'compare.md'}, " + ", ".join(written))
     return EXIT_OK
+
+
+def _read_speed(paths: list[str], runs: list[dict]):
+    """``--speed``: the bench files' records (``compresskit.comparison.Speed``), which must time some of
+    ``runs`` (``compresskit bench --shape NAME --run RUN``)."""
+    from compresskit import artifacts
+    from compresskit.comparison import read_speed
+
+    docs = []
+    for ref in paths:
+        path = Path(ref)
+        if path.is_dir():
+            path = path / "bench.json"
+        docs.append((path, artifacts.read_json(path, what="bench file (--speed)")))
+    try:
+        speed = read_speed(docs)
+    except ValueError as exc:
+        raise CompressKitError(f"--speed: {exc}") from None
+    names = {r["name"] for r in runs if r.get("pruner")}
+    timed = {name for name, _ in speed.records} - {"dense"}
+    if not names & timed:
+        raise CompressKitError(
+            f"--speed: the bench files time none of these runs (they time {', '.join(sorted(timed)) or 'no run'}; "
+            f"the runs are {', '.join(sorted(names))}): bench them with compresskit bench --shape NAME --run RUN"
+        )
+    return speed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -891,6 +952,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every recipe once per seed (into <output.dir>-seed<S>) and show mean ± standard deviation",
     )
     p.add_argument("--output", help="directory for compare.md, compare.csv and compare.json")
+    p.add_argument(
+        "--speed",
+        action="append",
+        default=[],
+        metavar="BENCH",
+        help="a bench.json of the runs' structures (compresskit bench --shape NAME --run RUN...): adds quality at "
+        "equal speed, a table and a plot (repeatable)",
+    )
+    p.add_argument("--at", help="with --speed: comma-separated speedups to read each method's quality at (1.2,1.4,1.6)")
     p.set_defaults(fn=cmd_compare)
     return parser
 

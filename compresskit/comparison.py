@@ -9,6 +9,7 @@ compressed runs were measured against the same one and no dense run is in the gr
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,3 +128,119 @@ def aggregate_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "seeds": [(r.get("seeds") or {}).get("recipe") for r in runs],
         "runs": [{"recipe_hash": r.get("recipe_hash"), "seed": (r.get("seeds") or {}).get("recipe")} for r in runs],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# quality at equal speed: runs joined with `compresskit bench --shape S --run RUN` records of their structures
+
+SPEED_TARGETS = (1.2, 1.4, 1.6)  # the speedups the "at equal speed" table reads each method's quality at
+QUALITY = {  # name -> (how a run's value is read, better: min or max, interpolated on a log scale)
+    "held-out ppl": (lambda r: (r.get("metrics") or {}).get("perplexity", {}).get("token_perplexity"), min, True),
+    "zero-shot avg": (lambda r: r.get("zero_shot_average"), max, False),
+}
+
+
+@dataclass
+class Speed:
+    """What ``compresskit bench`` measured of the runs' structures, read from its ``bench.json`` files:
+    one record per (row name, batch) (a run's row is named after the run; "dense" is 1.00x), at one
+    prompt length; ``meta``: each file's settings (its base shape, device, versions, command)."""
+
+    records: dict[tuple[str, int], dict[str, Any]]
+    meta: list[dict[str, Any]]
+    prompt: int
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted({b for _, b in self.records})
+
+    @property
+    def shapes(self) -> list[str]:
+        return sorted({str(m.get("base")) for m in self.meta})
+
+    def speedup(self, name: str, batch: int, measure: str = "tpot") -> float | None:
+        """``name``'s ``measure`` ("tpot" or "ttft") speedup over dense at ``batch`` (dense: 1.0)."""
+        if name == "dense":
+            return 1.0
+        record = self.records.get((name, batch))
+        return None if record is None else record[f"{measure}_speedup"]
+
+    def record(self, name: str, batch: int) -> dict[str, Any] | None:
+        return self.records.get((name, batch))
+
+
+def read_speed(docs: list[tuple[str, Any]]) -> Speed:
+    """A :class:`Speed` from ``compresskit bench`` documents, ``(path, document)`` pairs; a ValueError
+    naming the file where one is no bench output, and where they mix prompt lengths. A row measured in
+    several files (dense, benched beside each group of runs) is taken from the first."""
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+    meta, prompts = [], set()
+    for path, doc in docs:
+        results = doc.get("results") if isinstance(doc, dict) else None
+        if not isinstance(results, list) or not all(isinstance(r, dict) and "tpot_speedup" in r for r in results):
+            raise ValueError(f"{path}: not the bench.json of compresskit bench (no results with tpot_speedup)")
+        meta.append({**(doc.get("meta") or {}), "file": str(path)})
+        for r in results:
+            records.setdefault((r["model"], int(r["batch"])), r)
+            prompts.add(int(r["prompt"]))
+    if len(prompts) > 1:
+        raise ValueError(f"the bench files time prompts of {sorted(prompts)} tokens: give files of one prompt length")
+    return Speed(records, meta, prompts.pop() if prompts else 0)
+
+
+def speed_points(runs: list[dict[str, Any]], speed: Speed, batch: int, measure: str = "tpot") -> dict[str, list]:
+    """Each method's measured points at ``batch``: ``{method: [(budget, speedup, run), ...]}`` in order of
+    the run's realised MACs skipped, each method's line starting at the dense model (budget 0, 1.00x)
+    where the runs hold it. A run without a bench row at that batch is left out."""
+    dense = next((r for r in runs if not r.get("pruner")), None)
+    points: dict[str, list] = {}
+    for run in runs:
+        method = run.get("pruner")
+        value = speed.speedup(run["name"], batch, measure)
+        if not method or value is None or not run.get("sparsity"):
+            continue
+        points.setdefault(method, []).append((run["sparsity"]["macs"], value, run))
+    for method in points:
+        points[method].sort(key=lambda p: p[0])
+        if dense is not None:
+            points[method].insert(0, (0.0, 1.0, dense))
+    return points
+
+
+def at_speed(points: list[tuple[float, float]], target: float, *, better=min, log: bool = False):
+    """A method's best quality at exactly the speedup ``target``, from its ``(speedup, quality)`` points in
+    order of budget: a measured point at ``target``, or the quality interpolated (linearly, in log space
+    with ``log``) on each segment between consecutive budgets whose speedups bracket it; ``(quality,
+    interpolated)``, the best by ``better`` (a measured point first on a tie); None where no segment
+    brackets ``target`` (out of range: no guess beyond the measured budgets)."""
+    candidates = [(q, False) for s, q in points if s == target and q is not None]
+    for (s0, q0), (s1, q1) in zip(points, points[1:], strict=False):
+        if q0 is None or q1 is None or not min(s0, s1) < target < max(s0, s1):
+            continue
+        w = (target - s0) / (s1 - s0)
+        if log:
+            q = math.exp((1 - w) * math.log(q0) + w * math.log(q1))
+        else:
+            q = (1 - w) * q0 + w * q1
+        candidates.append((q, True))
+    if not candidates:
+        return None
+    best = better(q for q, _ in candidates)
+    return best, all(interp for q, interp in candidates if q == best)
+
+
+def pareto_front(points: list[tuple[float, float, str]], *, better=min) -> set[str]:
+    """The names of the ``(speedup, quality, name)`` points no other point dominates (at least as fast and
+    at least as good, better in one)."""
+
+    def beats(a, b) -> bool:  # quality a at least as good as b
+        return better(a, b) == a
+
+    front = set()
+    for s, q, name in points:
+        dominated = any(
+            s2 >= s and beats(q2, q) and (s2 > s or q2 != q) for s2, q2, n2 in points if n2 != name and q2 is not None
+        )
+        if q is not None and not dominated:
+            front.add(name)
+    return front

@@ -102,3 +102,58 @@ def speedup_vs_batch(records: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def quality_vs_speed(runs: list[dict[str, Any]], speed, path: Path, measure: str = "tpot") -> Path:
+    """Write a PNG of each method's quality against its measured speedup over dense (``speed``: a
+    ``compresskit.comparison.Speed``): a row of two panels (held-out perplexity, log scale; zero-shot
+    average) per benched batch size, one line per method through its budgets from the dense model at
+    1.00x, each point labelled with its realised MACs skipped; the Pareto front of each panel dashed, its
+    points ringed. The title says where the speed and the quality were measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compresskit.comparison import QUALITY, pareto_front, speed_points
+
+    batches = speed.batches
+    fig, axes = plt.subplots(len(batches), 2, figsize=(11, 4.0 * len(batches)), squeeze=False)
+    methods = sorted({r["pruner"] for r in runs if r.get("pruner")})
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    for row, batch in zip(axes, batches, strict=True):
+        points = speed_points(runs, speed, batch, measure)
+        for ax, (metric, (read, better, log)) in zip(row, QUALITY.items(), strict=True):
+            everything = {}
+            for method, pts in points.items():
+                shown = [(s, read(r), b) for b, s, r in pts if read(r) is not None]
+                ax.plot([p[0] for p in shown], [p[1] for p in shown], "o-", color=colours[method], label=method)
+                for s, q, b in shown[1:]:
+                    ax.annotate(f"{b:.2f}", (s, q), fontsize=6, xytext=(3, 3), textcoords="offset points")
+                everything.update({r["name"]: (s, read(r)) for _, s, r in pts if read(r) is not None})
+            front = pareto_front([(s, q, n) for n, (s, q) in everything.items()], better=better)
+            hull = sorted(everything[n] for n in front)
+            if hull:
+                ax.plot([p[0] for p in hull], [p[1] for p in hull], "k--", lw=1, label="Pareto front", zorder=1)
+                ax.scatter(
+                    [p[0] for p in hull], [p[1] for p in hull], s=110, facecolors="none", edgecolors="k", zorder=4
+                )
+            ax.axvline(1.0, color="grey", lw=1, ls=":")
+            ax.set_xlabel(f"{measure.upper()} speedup over dense, batch {batch}")
+            ax.set_ylabel(metric + (" (log scale)" if log else ""))
+            if log:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    models = sorted({str((r.get("model") or {}).get("name_or_path")) for r in runs if r.get("pruner")})
+    fig.suptitle(
+        f"quality of {', '.join(models)} against speed measured at {', '.join(speed.shapes)} shapes "
+        f"(prompt {speed.prompt}); labels: MACs skipped",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -16,7 +16,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColu
 from rich.progress import Progress as _RichProgress
 from rich.table import Table
 
-from compresskit.comparison import Group, group_runs
+from compresskit.comparison import (
+    QUALITY,
+    SPEED_TARGETS,
+    Group,
+    Speed,
+    at_speed,
+    group_runs,
+    pareto_front,
+    speed_points,
+)
 from compresskit.modeling import memory_kind
 from compresskit.progress import Progress, Task
 from compresskit.tasks import DEFAULT_TASKS, result_columns, table_columns
@@ -364,6 +373,112 @@ def compare_csv(groups: list[Group]) -> str:
             writer.writerow([*header, "evaluation group"])
         writer.writerows([*row, group.label or "1"] for row in rows)
     return buf.getvalue()
+
+
+def _quality_cell(value: float | None, metric: str) -> str:
+    return "-" if value is None else (f"{value:.2f}" if metric == "held-out ppl" else f"{value:.4f}")
+
+
+def equal_speed_markdown(
+    runs: list[dict[str, Any]], speed: Speed, targets: tuple[float, ...] = SPEED_TARGETS, measure: str = "tpot"
+) -> str:
+    """The "quality at equal speed" section of a comparison: for each benched batch size a table of each
+    method's held-out perplexity and zero-shot average at each speedup of ``targets`` (:func:`at_speed`:
+    measured, interpolated between budgets and marked so, or "out of range"), then every measured point
+    with its speedups and the Pareto fronts it is on, and how the speed was measured (stating it where the
+    speed and the quality come from different models' shapes)."""
+    what = measure.upper()
+    models = sorted({str((r.get("model") or {}).get("name_or_path")) for r in runs if r.get("pruner")})
+    shapes = speed.shapes
+    lines = ["## Quality at equal speed", ""]
+    lines.append(
+        f"Speed: {what} of each run's structure over the dense model, measured by `compresskit bench` at "
+        f"{', '.join(shapes)} shapes, prompt {speed.prompt}; quality: each run's own evaluation of "
+        f"{', '.join(models)}."
+        + (
+            f" **The speed is measured at other shapes ({', '.join(shapes)}) than the quality's model.**"
+            if set(shapes) != set(models)
+            else ""
+        )
+    )
+    lines.append("")
+    fronts: dict[tuple[int, str], set[str]] = {}
+    for batch in speed.batches:
+        points = speed_points(runs, speed, batch, measure)
+        if not points:
+            continue
+        header = ["method", *[f"{t:.2f}x" for t in targets]]
+        rows, cells = [], {}
+        for method, pts in points.items():
+            row = [method]
+            for t in targets:
+                found = {
+                    metric: at_speed([(s, read(r)) for _, s, r in pts], t, better=better, log=log)
+                    for metric, (read, better, log) in QUALITY.items()
+                }
+                if found["held-out ppl"] is None and found["zero-shot avg"] is None:
+                    row.append("out of range")
+                    continue
+                cells[(method, t)] = found["held-out ppl"]
+                text = " / ".join(_quality_cell(None if v is None else v[0], m) for m, v in found.items())
+                row.append(text + (" (interpolated)" if any(v is not None and v[1] for v in found.values()) else ""))
+            rows.append(row)
+        for j, t in enumerate(targets, start=1):  # the best perplexity of each column in bold
+            values = [(v[0], i) for i, m in enumerate(points) if (v := cells.get((m, t))) is not None]
+            if values:
+                rows[min(values)[1]][j] = f"**{rows[min(values)[1]][j]}**"
+        lines += [f"### {what} x dense at batch {batch}: held-out ppl / zero-shot avg", ""]
+        lines.append(_md_table(header, rows))
+        lines.append("")
+        for metric, (read, better, _) in QUALITY.items():
+            everything = [(s, read(r), r["name"]) for pts in points.values() for _, s, r in pts]
+            fronts[(batch, metric)] = pareto_front(list({p[2]: p for p in everything}.values()), better=better)
+    lines.append(
+        "Each cell is the method's quality at exactly that speedup: measured, or interpolated between the two "
+        'budgets whose speedups bracket it (perplexity on a log scale) and marked so; "out of range" where no '
+        "two budgets of the method bracket it. Each method's line starts at the dense model (1.00x). The best "
+        "perplexity of a column is in bold."
+    )
+    lines += ["", "### Measured points", ""]
+    batches = speed.batches
+    header = ["run", "method", "MACs skipped (run)", f"MACs skipped at {', '.join(shapes)}"]
+    header += [f"{what} x dense, batch {b}" for b in batches]
+    header += [f"{'TTFT' if measure == 'tpot' else 'TPOT'} x dense, batch {b}" for b in batches]
+    header += ["held-out ppl", "zero-shot avg", "on the Pareto front"]
+    other = "ttft" if measure == "tpot" else "tpot"
+    rows = []
+    for run in runs:
+        if run.get("pruner") and all(speed.record(run["name"], b) is None for b in batches):
+            continue
+        sp = run.get("sparsity") or {}
+        at_shape = [(speed.record(run["name"], b) or {}).get("sparsity_macs") for b in batches]
+        shape_macs = next((v for v in at_shape if v is not None), None)
+        on = [
+            f"{metric}: batch " + ", ".join(hits)
+            for metric in QUALITY
+            if (hits := [str(b) for b in batches if run["name"] in fronts.get((b, metric), set())])
+        ]
+        rows.append(
+            [
+                run["name"],
+                run.get("pruner") or "dense",
+                _fmt(sp.get("macs"), "{:.3f}"),
+                _fmt(0.0 if not run.get("pruner") else shape_macs, "{:.3f}"),
+                *[_fmt(speed.speedup(run["name"], b, measure), "{:.2f}x") for b in batches],
+                *[_fmt(speed.speedup(run["name"], b, other), "{:.2f}x") for b in batches],
+                *[_quality_cell(read(run), metric) for metric, (read, _, _) in QUALITY.items()],
+                "; ".join(on) or "-",
+            ]
+        )
+    lines.append(_md_table(header, rows))
+    lines += ["", "Bench runs:", ""]
+    for m in speed.meta:
+        lines.append(
+            f"- `{m.get('command', '?')}` ({m.get('device', '?')}, {m.get('dtype', '?')}, torch {m.get('torch', '?')}, "
+            f"triton {m.get('triton', '?')}, transformers {m.get('transformers', '?')}, {m.get('date', '?')}; "
+            f"{m['file']})"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _as_groups(items: list) -> list[Group]:
