@@ -112,8 +112,8 @@ def load(args):
     if args.smoke or args.shape:
         from compresskit import plugins
         from compresskit.bench import shape_model
-        from compresskit.routing import calibrate_routers
         from compresskit.interfaces import RunContext
+        from compresskit.routing import calibrate_routers
 
         model = shape_model("tiny" if args.smoke else args.shape, device="cpu", dtype=torch.float32)
         cls = plugins.load("pruner", "wide")

@@ -23,9 +23,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from compresskit import plugins
-    from compresskit.routing import calibrate_routers
     from compresskit.interfaces import RunContext
     from compresskit.modeling import device_name, load_model
+    from compresskit.routing import calibrate_routers
     from compresskit.runtime import runtime_for
 
     print(f"{device_name('cpu')}, torch {torch.__version__}, {torch.get_num_threads()} threads")
