@@ -177,9 +177,11 @@ class Source:
         """``(model, runtime, pruner)``: random weights of ``shape`` given this source's structure."""
         model = shape_model(shape, device=device, dtype=dtype)
         pruner = self.pruner_cls(self.pruner_cls.Config(**self.config))
-        model = pruner.speed_shape(
-            model, RunContext(model_config=model.config, device=device, dtype=dtype), self.profile
-        )
+        ctx = RunContext(model_config=model.config, device=device, dtype=dtype)
+        try:
+            model = pruner.speed_shape(model, ctx, self.profile)
+        except CompressKitError as exc:  # e.g. a structure this shape's granularity cannot take
+            raise type(exc)(f"{self.name} at --shape {shape}: {exc}") from None
         return model, runtime_for(model, pruner, executor=executor, **options), pruner
 
     def info(self) -> dict[str, Any]:

@@ -372,15 +372,15 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     prompts = _int_list(args.prompt, "--prompt")
     if args.new_tokens < 2 or args.repeats < 1:
         raise CompressKitError(f"--new-tokens {args.new_tokens} / --repeats {args.repeats}: give 2 or more / 1 or more")
+    if args.shape is None and (args.runs or args.method):
+        flag = "--run" if args.runs else "--method"
+        raise CompressKitError(f"{flag}: builds a structure at a known configuration; give --shape NAME with it")
     if (args.model is None) == (args.shape is None):
         raise CompressKitError("compresskit bench: give a MODEL (a saved run, an HF directory or an alias) or --shape")
     if args.shape is not None and args.shape not in SHAPES:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
     if not 0.0 <= args.sparsity < 1.0:
         raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
-    if args.shape is None and (args.runs or args.method):
-        flag = "--run" if args.runs else "--method"
-        raise CompressKitError(f"{flag}: builds a structure at a known configuration; give --shape NAME with it")
     sources = []
     if args.shape is not None:  # every name and run checked before anything is built: one line each
         if args.method or not args.runs:
@@ -650,7 +650,11 @@ def cmd_compare(args, out: Console, err: Console) -> int:
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
     from compresskit.report import compare_csv, compare_markdown, compare_tables, equal_speed_markdown
 
-    # Expand comparison specs, then validate every recipe before running any of them.
+    # The flags first, then expand comparison specs and validate every recipe before running any of them.
+    targets = _float_list(args.at, "--at") if args.at else SPEED_TARGETS
+    if args.at and not args.speed:
+        raise CompressKitError("--at: reads quality at equal speed, so it needs --speed BENCH.json")
+    speed = _read_speed(args.speed) if args.speed else None
     seeds = _parse_seeds(args.seeds)
     inputs: list[str] = []
     for ref in args.inputs:
@@ -680,10 +684,8 @@ def cmd_compare(args, out: Console, err: Console) -> int:
         else:
             runs.append(_load_run(ref, overrides, progress, err))
     groups = group_runs(runs)
-    speed = _read_speed(args.speed, runs) if args.speed else None
-    targets = _float_list(args.at, "--at") if args.at else SPEED_TARGETS
-    if speed is None and args.at:
-        raise CompressKitError("--at: reads quality at equal speed, so it needs --speed BENCH.json")
+    if speed is not None:
+        _check_speed_runs(speed, runs)
     if len(groups) > 1:
         _plain(
             err,
@@ -731,9 +733,8 @@ def cmd_compare(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _read_speed(paths: list[str], runs: list[dict]):
-    """``--speed``: the bench files' records (``compresskit.comparison.Speed``), which must time some of
-    ``runs`` (``compresskit bench --shape NAME --run RUN``)."""
+def _read_speed(paths: list[str]):
+    """``--speed``: the bench files' records (``compresskit.comparison.Speed``)."""
     from compresskit import artifacts
     from compresskit.comparison import read_speed
 
@@ -747,6 +748,11 @@ def _read_speed(paths: list[str], runs: list[dict]):
         speed = read_speed(docs)
     except ValueError as exc:
         raise CompressKitError(f"--speed: {exc}") from None
+    return speed
+
+
+def _check_speed_runs(speed, runs: list[dict]) -> None:
+    """The bench files must time some of ``runs`` (``compresskit bench --shape NAME --run RUN``)."""
     names = {r["name"] for r in runs if r.get("pruner")}
     timed = {name for name, _ in speed.records} - {"dense"}
     if not names & timed:
@@ -754,7 +760,6 @@ def _read_speed(paths: list[str], runs: list[dict]):
             f"--speed: the bench files time none of these runs (they time {', '.join(sorted(timed)) or 'no run'}; "
             f"the runs are {', '.join(sorted(names))}): bench them with compresskit bench --shape NAME --run RUN"
         )
-    return speed
 
 
 # ---------------------------------------------------------------------------------------------
