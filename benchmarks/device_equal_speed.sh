@@ -5,14 +5,14 @@
 # Needs only the wheels (.whl, carried); no model wheel (random weights).
 #   bash benchmarks/device_equal_speed.sh [GROUP...]
 # GROUP: comma-separated budgets benched together in one process, each its own output folder
-# ($OUT/bench-15-25, ...); default "15,25 35,50". LIMIT: seconds a group may take (default 290).
+# ($OUT/bench-25-50, ...); default "25,50 15,35". LIMIT: seconds a group may take (default 290).
 set -euo pipefail
 source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
 R=docs/results/compare-smollm2-distill/runs/compare
 groups=("$@")
-[ ${#groups[@]} -gt 0 ] || groups=(15,25 35,50)
+[ ${#groups[@]} -gt 0 ] || groups=(25,50 15,35)
 for group in "${groups[@]}"; do
   runs=()
   for b in ${group//,/ }; do

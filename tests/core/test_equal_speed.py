@@ -77,15 +77,15 @@ def test_bench_builds_every_methods_structure_from_its_runs(tmp_path, capsys):
     and WIDE their routers calibrated to the run's per-layer fractions; a row per run, named after it, beside
     the dense model, each with the MACs it skipped at the shape and the run's."""
     uniform = [{"attention": 0.5, "ffn": 0.5}] * 4
+    uneven = [{"attention": 0.3, "ffn": 0.45}]
+    sw = {"target_sparsity": 0.5, "ffn_group_size": 64}
+    sd = {"target_sparsity": 0.5, "keep_first": 0, "keep_last": 0}
     runs = [
-        write_run(tmp_path / "sw", "sw-50", "static-width", {"target_sparsity": 0.5, "ffn_group_size": 64}, 0.5, uniform),
-        write_run(
-            tmp_path / "sd", "sd-50", "static-depth", {"target_sparsity": 0.5, "keep_first": 0, "keep_last": 0}, 0.5,
-            uniform,
-        ),
-        write_run(tmp_path / "dd", "dd-40", "dynamic-depth", {"router_rank": 4}, 0.4, [{"attention": 0.3, "ffn": 0.45}]),
-        write_run(tmp_path / "w", "w-40", "wide", {"ffn_group_size": 64}, 0.4, [{"attention": 0.3, "ffn": 0.45}] * 3),
-    ]  # fmt: skip
+        write_run(tmp_path / "sw", "sw-50", "static-width", sw, 0.5, uniform),
+        write_run(tmp_path / "sd", "sd-50", "static-depth", sd, 0.5, uniform),
+        write_run(tmp_path / "dd", "dd-40", "dynamic-depth", {"router_rank": 4}, 0.4, uneven),
+        write_run(tmp_path / "w", "w-40", "wide", {"ffn_group_size": 64}, 0.4, uneven * 3),
+    ]
     out = tmp_path / "bench"
     argv = ["bench", "--shape", "tiny", "--prompt", "64", "--new-tokens", "3", "--repeats", "1", "--batch", "1,2"]
     code = main([*argv, *[a for r in runs for a in ("--run", str(r))], "--transformers", "off", "--bounds", "off",
