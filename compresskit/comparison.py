@@ -159,9 +159,7 @@ class Speed:
         return sorted({str(m.get("base")) for m in self.meta})
 
     def speedup(self, name: str, batch: int, measure: str = "tpot") -> float | None:
-        """``name``'s ``measure`` ("tpot" or "ttft") speedup over dense at ``batch`` (dense: 1.0)."""
-        if name == "dense":
-            return 1.0
+        """``name``'s ``measure`` ("tpot" or "ttft") speedup over dense at ``batch``."""
         record = self.records.get((name, batch))
         return None if record is None else record[f"{measure}_speedup"]
 
@@ -188,11 +186,32 @@ def read_speed(docs: list[tuple[str, Any]]) -> Speed:
     return Speed(records, meta, prompts.pop() if prompts else 0)
 
 
+def dense_anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The dense model's row where ``runs`` hold one (a group's shared dense reference), else the dense
+    reference the first compressed run was measured against (its runs measured it apart, e.g. on another
+    evaluation engine), named so; None where no run has one."""
+    dense = next((r for r in runs if not r.get("pruner")), None)
+    if dense is not None:
+        return dense
+    first = next((r for r in runs if r.get("pruner") and r.get("dense")), None)
+    if first is None:
+        return None
+    ref = first["dense"]
+    return {
+        "name": f"dense (the reference of {first['name']})",
+        "pruner": None,
+        "metrics": ref.get("metrics") or {},
+        "zero_shot_average": ref.get("zero_shot_average"),
+        "sparsity": {"attention": 0.0, "ffn": 0.0, "macs": 0.0},
+        "model": first.get("model") or {},
+    }
+
+
 def speed_points(runs: list[dict[str, Any]], speed: Speed, batch: int, measure: str = "tpot") -> dict[str, list]:
     """Each method's measured points at ``batch``: ``{method: [(budget, speedup, run), ...]}`` in order of
     the run's realised MACs skipped, each method's line starting at the dense model (budget 0, 1.00x)
     where the runs hold it. A run without a bench row at that batch is left out."""
-    dense = next((r for r in runs if not r.get("pruner")), None)
+    dense = dense_anchor(runs)
     points: dict[str, list] = {}
     for run in runs:
         method = run.get("pruner")

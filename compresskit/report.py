@@ -22,6 +22,7 @@ from compresskit.comparison import (
     Group,
     Speed,
     at_speed,
+    dense_anchor,
     group_runs,
     pareto_front,
     speed_points,
@@ -447,7 +448,8 @@ def equal_speed_markdown(
     header += ["held-out ppl", "zero-shot avg", "on the Pareto front"]
     other = "ttft" if measure == "tpot" else "tpot"
     rows = []
-    for run in runs:
+    anchor = dense_anchor(runs)
+    for run in ([anchor] if anchor is not None and anchor not in runs else []) + runs:
         if run.get("pruner") and all(speed.record(run["name"], b) is None for b in batches):
             continue
         sp = run.get("sparsity") or {}
@@ -464,8 +466,11 @@ def equal_speed_markdown(
                 run.get("pruner") or "dense",
                 _fmt(sp.get("macs"), "{:.3f}"),
                 _fmt(0.0 if not run.get("pruner") else shape_macs, "{:.3f}"),
-                *[_fmt(speed.speedup(run["name"], b, measure), "{:.2f}x") for b in batches],
-                *[_fmt(speed.speedup(run["name"], b, other), "{:.2f}x") for b in batches],
+                *[
+                    _fmt(1.0 if not run.get("pruner") else speed.speedup(run["name"], b, m), "{:.2f}x")
+                    for m in (measure, other)
+                    for b in batches
+                ],
                 *[_quality_cell(read(run), metric) for metric, (read, _, _) in QUALITY.items()],
                 "; ".join(on) or "-",
             ]

@@ -186,6 +186,12 @@ def test_each_methods_line_starts_at_dense_and_follows_its_budgets():
     (group,) = group_runs(runs)  # led by the shared dense reference
     line = speed_points(group.runs, speed, 1)["wide"]
     assert [(b, s, r["name"]) for b, s, r in line] == [(0.0, 1.0, "dense"), (0.25, 1.2, "w-25"), (0.5, 1.4, "w-50")]
+    # runs measured against dense references apart (e.g. on two evaluation engines): no shared dense row, so
+    # the line starts at the reference of the first run
+    apart = [runs[1], {**runs[0], "dense": {**runs[0]["dense"], "key": "k2"}}]
+    (group,) = group_runs(apart)
+    line = speed_points(group.runs, speed, 1)["wide"]
+    assert line[0][:2] == (0.0, 1.0) and line[0][2]["name"] == "dense (the reference of w-25)"
     with pytest.raises(ValueError, match="not the bench.json of compresskit bench"):
         read_speed([("x.json", {"results": [{"model": "a"}]})])
     mixed = bench_doc({"w-25": (1.2, 1.0)})
