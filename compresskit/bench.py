@@ -263,11 +263,9 @@ def shape_members(
         build = functools.partial(src.build, shape, **where, **options)
         members.append(Member(src.name, build=build, info=src.info()))
         for spec in consensus:
-            executor = consensus_executor(src.pruner_cls)
+            cls = consensus_executor(src.pruner_cls)
             label = consensus_label(spec) if src.name == "compressed" else f"{src.name}, {consensus_label(spec)}"
-            build = functools.partial(
-                src.build, shape, executor=executor(executor.Config(consensus=spec)), **where, **options
-            )
+            build = functools.partial(src.build, shape, executor=cls(cls.Config(consensus=spec)), **where, **options)
             members.append(Member(label, build=build, info=src.info()))
 
     def plain(half: bool | str = False, runtime: bool = True):

@@ -693,8 +693,8 @@ def cmd_compare(args, out: Console, err: Console) -> int:
             "apart, with its own dense reference: compare numbers only within a group",
         )
     sections = {g.label: equal_speed_markdown(g.runs, speed, targets) for g in groups} if speed else {}
-    markdown = compare_markdown(groups) + "".join(
-        f"\n{('### ' + label + chr(10) + chr(10)) if label else ''}{text}" for label, text in sections.items()
+    markdown = "\n".join(
+        [compare_markdown(groups)] + [(f"### {label}\n\n" if label else "") + text for label, text in sections.items()]
     )
     if out.is_terminal:
         for table in compare_tables(groups):

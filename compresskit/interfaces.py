@@ -111,6 +111,7 @@ class Pruner(abc.ABC):
         state_dict(model) / load_state_dict(model, sd)   # plugin-owned tensors only
         summary(model) -> PruneSummary
         reset_sparsity(model) / sparsity(model) -> SparsityReport  # measured while evaluating
+        speed_shape(model, ctx, profile) -> model   # optional: the structure at another shape (bench)
 
     Class attributes:
         Config: the pydantic config class.
