@@ -527,6 +527,35 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot") -> str:
+    """For each model row but dense, its ``measure`` speedup over dense as a batch x prompt table, with its
+    worst and best cells named; "" where the bench has a single case (the main table says it all)."""
+    batches = sorted({r["batch"] for r in records})
+    prompts = sorted({r["prompt"] for r in records})
+    if len(batches) * len(prompts) < 2:
+        return ""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in records if r["model"] != "dense"):
+        cells = {(r["batch"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["model"] == model}
+        worst, best = min(cells, key=cells.get), max(cells, key=cells.get)
+        lines += [
+            f"## {model}: {measure.upper()} x dense, batch x prompt",
+            "",
+            "| batch | " + " | ".join(str(p) for p in prompts) + " |",
+            "|---|" + "---|" * len(prompts),
+        ]
+        for b in batches:
+            row = [f"{cells[(b, p)]:.2f}x" if (b, p) in cells else "skipped" for p in prompts]
+            lines.append(f"| {b} | " + " | ".join(row) + " |")
+        lines += [
+            "",
+            f"Worst cell: batch {worst[0]} x prompt {worst[1]}, {cells[worst]:.2f}x; best: batch {best[0]} x prompt "
+            f"{best[1]}, {cells[best]:.2f}x.",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def unmeasured_reason(cfg, device_type: str) -> str | None:
     """Why speed (``evaluation.speed``) is not measured for a model on ``device_type``, or None."""
     if cfg.measure is False:

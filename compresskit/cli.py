@@ -357,6 +357,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         consensus_executor,
         consensus_members,
         markdown,
+        matrix_markdown,
         method_source,
         run_source,
         shape_config,
@@ -365,7 +366,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         speedups,
     )
     from compresskit.modeling import device_name, load_model, resolve_device, resolve_dtype
-    from compresskit.plot import speedup_vs_batch
+    from compresskit.plot import speedup_heatmap, speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
 
     batches = _int_list(args.batch, "--batch")
@@ -491,8 +492,11 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     if args.output is not None:
         with artifacts.staged_dir(Path(args.output)) as tmp:
             artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
-            artifacts.write_text(tmp / "bench.md", markdown(records, meta))
+            matrix = matrix_markdown(records)
+            artifacts.write_text(tmp / "bench.md", markdown(records, meta) + ("\n" + matrix if matrix else ""))
             speedup_vs_batch(records, tmp / "bench.png")
+            if len({r["batch"] for r in records}) > 1 and len({r["prompt"] for r in records}) > 1:
+                speedup_heatmap(records, tmp / "bench-heatmap.png")
         _plain(out, f"results: {Path(args.output) / 'bench.json'}")
     return EXIT_OK
 

@@ -157,3 +157,44 @@ def quality_vs_speed(runs: list[dict[str, Any]], speed, path: Path, measure: str
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "tpot") -> Path:
+    """Write a PNG with one heat map per model row of ``compresskit bench``'s records (the dense one
+    aside): its ``measure`` ("tpot" or "ttft") speedup over dense for every batch size (rows) and prompt
+    length (columns), each cell annotated, coloured red below 1.00x and green above; a cell that was
+    skipped (it did not fit) is blank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
+    models = list(dict.fromkeys(r["model"] for r in records if r["model"] != "dense"))
+    batches = sorted({r["batch"] for r in records})
+    prompts = sorted({r["prompt"] for r in records})
+    values = [r[f"{measure}_speedup"] for r in records if r["model"] != "dense"] or [1.0]
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.99), vmax=max(max(values), 1.01))
+    fig, axes = plt.subplots(
+        1, max(1, len(models)), figsize=(1.2 + 1.1 * len(prompts) * max(1, len(models)), 1.4 + 0.55 * len(batches)),
+        squeeze=False,
+    )  # fmt: skip
+    for ax, model in zip(axes[0], models, strict=False):
+        cells = {(r["batch"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["model"] == model}
+        grid = [[cells.get((b, p), float("nan")) for p in prompts] for b in batches]
+        ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
+        for i, b in enumerate(batches):
+            for j, p in enumerate(prompts):
+                if (b, p) in cells:
+                    ax.text(j, i, f"{cells[(b, p)]:.2f}x", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(prompts)), [str(p) for p in prompts])
+        ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("prompt (tokens)")
+        ax.set_ylabel("batch")
+        ax.set_title(model, fontsize=8)
+    fig.suptitle(f"{measure.upper()} speedup over dense, batch x prompt", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

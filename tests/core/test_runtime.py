@@ -577,3 +577,27 @@ def test_before_after_script_pairs_the_rows_of_two_bench_runs(tmp_path):
     (other / "bench.json").write_text(json.dumps({"meta": {}, "results": []}))
     proc = subprocess.run([sys.executable, str(script), "--before", str(other), "--after", args[3], "--out", str(out)])
     assert proc.returncode == 1
+
+
+def test_bench_matrix_names_its_worst_cell_and_draws_a_heat_map(tmp_path, capsys):
+    """Over several batch sizes and prompts the bench writes each model's TPOT x dense as a batch x prompt
+    table naming its worst and best cells (a cell that did not run says so), and a heat map of them."""
+    from compresskit.bench import matrix_markdown
+
+    records = [
+        {"model": m, "batch": b, "prompt": p, "tpot_speedup": s}
+        for m, b, p, s in [
+            ("dense", 1, 512, 1.0), ("wide", 1, 512, 1.45), ("wide", 1, 2048, 1.30), ("wide", 8, 512, 1.01),
+            ("dense", 8, 512, 1.0), ("dense", 1, 2048, 1.0),
+        ]
+    ]  # fmt: skip
+    md = matrix_markdown(records)
+    assert "## wide: TPOT x dense, batch x prompt" in md and "dense:" not in md
+    assert "| 1 | 1.45x | 1.30x |" in md and "| 8 | 1.01x | skipped |" in md
+    assert "Worst cell: batch 8 x prompt 512, 1.01x; best: batch 1 x prompt 512, 1.45x." in md
+    assert matrix_markdown(records[:2]) == ""  # one case: the main table says it all
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--batch", "1,2", "--prompt", "8,12", "--new-tokens", "2", "--repeats", "1"]
+    assert main([*argv, "--transformers", "off", "--bounds", "off", "--output", str(out)]) == 0
+    assert "Worst cell: batch" in (out / "bench.md").read_text()
+    assert (out / "bench-heatmap.png").stat().st_size > 5_000
