@@ -886,7 +886,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RULE",
         help="also time the routed model under batch-consensus routing, e.g. quorum=0.5,budget=0.6 (the wide-triton "
-        "executor's consensus settings: quorum, budget, share); repeat for several rules",
+        "executor's consensus settings: quorum, budget, share, over, tile; over=tile,tile=64: tile-coherent routing "
+        "of each prompt's tiles); repeat for several rules",
     )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
@@ -945,7 +946,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--consensus",
         metavar="RULE",
         help="score a saved routing run under batch-consensus routing, e.g. quorum=0.5,budget=0.6: each batch of "
-        "--batch-size sequences decides together, as a served batch decoding that many would",
+        "--batch-size sequences decides together, as a served batch decoding that many would; with over=tile,tile=64 "
+        "(tile-coherent routing) each tile of 64 tokens of a sequence decides together, as a prompt's prefill would",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -26,7 +26,7 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import nn
 
 from compresskit.errors import ArtifactError
@@ -80,9 +80,15 @@ def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
     return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
 
 
+TILE_MULTIPLE = 16  # a tile of ``over: tile`` is a whole number of the products' smallest token tiles
+
+
 class Consensus(PluginConfig):
-    """Batch-consensus routing: at each position, the real tokens of a batch's sequences share one set of
-    groups per router, so that a product reads the weights of that set, not the union of every token's.
+    """Shared routing. ``over: batch`` (batch consensus): at each position, the real tokens of a batch's
+    sequences share one set of groups per router, so that a product reads the weights of that set, not the
+    union of every token's. ``over: tile`` (tile-coherent routing): the real tokens of each tile of ``tile``
+    consecutive positions of a sequence share one set, so that a prefill tile's products can skip whole
+    groups of weights; a tile of one real token (each decode step) keeps its own decision.
 
     The shared set: the groups that at least ``quorum`` of the position's real tokens execute (at least
     one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
@@ -91,7 +97,9 @@ class Consensus(PluginConfig):
     one) keeps that token's own decision exactly: per-token routing. The same object is what a recipe, a
     training stage or a command gives (``consensus: {quorum: 0.5}``).
 
-    With consensus on, a sequence's output depends on the sequences batched with it."""
+    With ``over: batch`` a sequence's output depends on the sequences batched with it; with ``over: tile``
+    a token's depends on the tokens of its tile (later ones too), so a prompt's logits differ from those of
+    the same tokens decoded one at a time."""
 
     quorum: float = Field(
         0.5,
@@ -106,10 +114,51 @@ class Consensus(PluginConfig):
     share: Literal["set", "own"] = Field(
         "set", description="set: every token runs the whole shared set; own: its own choices within it"
     )
+    over: Literal["batch", "tile"] = Field(
+        "batch", description="batch: the sequences of a batch at each position; tile: each tile of a sequence"
+    )
+    tile: int = Field(
+        64, ge=TILE_MULTIPLE, description=f"with over: tile, positions a tile (a multiple of {TILE_MULTIPLE})"
+    )
+
+    @field_validator("tile")
+    @classmethod
+    def _whole_tiles(cls, value: int) -> int:
+        if value % TILE_MULTIPLE:
+            raise ValueError(
+                f"a tile is a whole number of the products' {TILE_MULTIPLE}-token tiles: give a multiple of "
+                f"{TILE_MULTIPLE} (e.g. {TILE_MULTIPLE * max(1, round(value / TILE_MULTIPLE))}), not {value}"
+            )
+        return value
+
+    def applies(self, batch: int, tokens: int) -> bool:
+        """Whether a ``[batch, tokens]`` step has sets to share: two or more sequences (``over: batch``) or
+        two or more positions (``over: tile``)."""
+        return batch > 1 if self.over == "batch" else tokens > 1
 
     def cap(self, groups: int) -> int:
         """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
         return max(1, math.ceil(self.budget * groups - 1e-9))
+
+
+def to_voters(x: torch.Tensor, consensus: Consensus, fill=0) -> torch.Tensor:
+    """``x: [B, T, ...]`` in the layout the rule shares over, ``[voters, positions, ...]``: itself for
+    ``over: batch``; for ``over: tile``, ``[S, B * ceil(T / S), ...]`` with ``S = tile``, the tokens of each
+    tile along the first axis (the last tile padded with ``fill``)."""
+    if consensus.over == "batch":
+        return x
+    b, t, size = x.shape[0], x.shape[1], consensus.tile
+    n = -(-t // size)
+    if n * size != t:
+        x = torch.cat([x, x.new_full((b, n * size - t, *x.shape[2:]), fill)], 1)
+    return x.unflatten(1, (n, size)).movedim(2, 0).flatten(1, 2)
+
+
+def from_voters(x: torch.Tensor, consensus: Consensus, batch: int, tokens: int) -> torch.Tensor:
+    """The inverse of :func:`to_voters`: back to ``[batch, tokens, ...]``."""
+    if consensus.over == "batch":
+        return x
+    return x.unflatten(1, (batch, -1)).movedim(0, 2).flatten(1, 2)[:, :tokens]
 
 
 def consensus_keep(
@@ -140,9 +189,12 @@ def consensus_execute(
 ) -> torch.Tensor:
     """Reference: the execute mask ``[B, T, G]`` (bool) that runs under ``consensus`` (see
     :class:`Consensus` and :func:`consensus_keep`)."""
-    keep, multi = consensus_keep(margin, own, valid, consensus)
-    shared = keep[None].expand_as(own) if consensus.share == "set" else own & keep[None]
-    return torch.where(multi[None, :, None], shared, own)
+    b, t = own.shape[:2]
+    real = torch.ones(b, t, dtype=torch.bool, device=own.device) if valid is None else valid.bool()
+    own_v = to_voters(own, consensus, False)
+    keep, multi = consensus_keep(to_voters(margin, consensus), own_v, to_voters(real, consensus, False), consensus)
+    shared = keep[None].expand_as(own_v) if consensus.share == "set" else own_v & keep[None]
+    return from_voters(torch.where(multi[None, :, None], shared, own_v), consensus, b, t)
 
 
 def linear_tau(step: int, total_steps: int, tau_start: float, tau_end: float) -> float:
@@ -258,7 +310,7 @@ class RoutedProjection(nn.Module):
         execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
         valid = mask_for(x_raw) if self.training else declared_mask(x_raw)
-        if self.consensus is not None and x_raw.shape[0] > 1:
+        if self.consensus is not None and self.consensus.applies(x_raw.shape[0], x_raw.shape[1]):
             execute = self._agree(logits, execute, valid)
         self._take(execute, valid)
 
@@ -266,14 +318,18 @@ class RoutedProjection(nn.Module):
         """``execute`` (the tokens' own decisions, with their straight-through gradient in training) under
         the batch's consensus: the forward value :func:`consensus_execute`'s, the gradient the own
         decision's (``share="set"``) or the own decision's where the set keeps the group (``"own"``)."""
+        c = self.consensus
+        b, t = execute.shape[:2]
         with torch.no_grad():
-            margin = logits[..., 0] - logits[..., 1]
-            own = execute > 0.5
-            real = None if valid is None else valid > 0.5
-            keep, multi = consensus_keep(margin, own, real, self.consensus)
-        if self.consensus.share == "own":
-            return execute * torch.where(multi[None, :, None], keep[None], True).to(execute.dtype)
-        shared = torch.where(multi[None, :, None], keep[None], own).to(execute.dtype)
+            margin = to_voters(logits[..., 0] - logits[..., 1], c)
+            own = to_voters(execute > 0.5, c, False)
+            real = torch.ones(b, t, dtype=torch.bool, device=execute.device) if valid is None else valid > 0.5
+            keep, multi = consensus_keep(margin, own, to_voters(real, c, False), c)
+            keep = from_voters(keep[None].expand_as(own), c, b, t)  # the set of each token's position or tile
+            multi = from_voters(multi[None].expand(own.shape[:2]), c, b, t)[..., None]
+        if c.share == "own":
+            return execute * torch.where(multi, keep, True).to(execute.dtype)
+        shared = torch.where(multi, keep, execute > 0.5).to(execute.dtype)
         return shared + (execute - execute.detach()) if execute.requires_grad else shared
 
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:

@@ -78,9 +78,10 @@ class TrainStageConfig(PluginConfig):
     )
     consensus: Consensus | None = Field(
         None,
-        description="Train with batch-consensus routing in the loop (compresskit.routing.Consensus): at each position "
-        "the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's groups, "
-        "so that the routers learn to agree. Needs a routing pruner.",
+        description="Train with shared routing in the loop (compresskit.routing.Consensus): with over: batch, at each "
+        "position the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's "
+        "groups; with over: tile, the tokens of each tile of a sequence do; so that the routers learn to agree. "
+        "Needs a routing pruner.",
     )
 
     @model_validator(mode="after")

@@ -3,7 +3,9 @@ all-on, ragged real tokens), a batch of one as per-token routing, WIDE's runtime
 against the routed modules under the same rule (the teacher-forced simulation evaluation scores),
 training with the consensus in the loop, and the option's bad values."""
 
+import copy
 import itertools
+import math
 
 import pytest
 import torch
@@ -198,6 +200,16 @@ def test_training_with_consensus_in_the_loop(tiny_model_dir):
     execute = 1.0 - proj.last_skip  # [B, T, G]: one set a position
     assert torch.equal(execute, execute[:1].expand_as(execute))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
+    # over: tile, each sequence's tiles share their sets (share: set): one set a tile of 16 positions
+    for p in model.parameters():
+        p.grad = None
+    set_consensus(model, Consensus(over="tile", tile=16, quorum=0.0, budget=0.5))
+    model(torch.randint(2, 300, (2, 20), generator=torch.Generator().manual_seed(1))).logits.sum().backward()
+    execute = 1.0 - proj.last_skip  # [B, T, G]
+    assert torch.equal(execute[:, :16], execute[:, :1].expand(-1, 16, -1))  # the first tile: one set
+    assert torch.equal(execute[:, 16:], execute[:, 16:17].expand(-1, 4, -1))  # the last, short tile
+    assert (execute.sum(-1) <= math.ceil(0.5 * proj.groups)).all()  # within the budget
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
 
 
 def _saved_wide_run(tiny_model_dir, tmp_path, training=()):
@@ -229,7 +241,9 @@ def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsy
     for name, extra in (("own", []), ("agreed", ["--consensus", "quorum=1.0"])):
         assert main([*common, *extra, "--output", str(tmp_path / name)]) == 0, capsys.readouterr().err
         out[name] = json.loads((tmp_path / name / "results.json").read_text())
-    assert out["agreed"]["recipe"]["consensus"] == {"schema_version": 1, "quorum": 1.0, "budget": 1.0, "share": "set"}
+    assert out["agreed"]["recipe"]["consensus"] == {
+        "schema_version": 1, "quorum": 1.0, "budget": 1.0, "share": "set", "over": "batch", "tile": 64,
+    }  # fmt: skip
     assert "consensus" not in out["own"]["recipe"]
     assert out["agreed"]["sparsity"]["macs"] > out["own"]["sparsity"]["macs"]
     assert out["agreed"]["metrics"]["perplexity"] != out["own"]["metrics"]["perplexity"]
@@ -296,3 +310,82 @@ def test_bench_times_each_consensus_rule_beside_per_token_routing(capsys, tmp_pa
     assert capped["sparsity_macs"] > 0.6  # at most a quarter of the groups, and only the token's own
     assert main(["bench", "--shape", "tiny", "--method", "dynamic-depth", "--consensus", "quorum=0.5"]) == 2
     assert "DynamicDepthPruner has no batch-consensus routing" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# tile-coherent routing (over: tile): the tokens of each tile of a sequence share one set
+
+
+def test_tile_coherent_rule_is_batch_consensus_within_each_tile():
+    """``over: tile`` against a loop: each tile of ``tile`` positions of each sequence decides as a batch of its
+    real tokens would at one position (ragged lengths, padding, a last tile cut short)."""
+    gen = torch.Generator().manual_seed(0)
+    margin = torch.randint(-8, 9, (3, 37, 6), generator=gen).float() / 4
+    own, valid = margin >= 0, torch.rand(3, 37, generator=gen) > 0.2
+    for budget, quorum, share in itertools.product([1.0, 0.5, 0.2], [0.0, 0.5], ["set", "own"]):
+        rule = Consensus(over="tile", tile=16, budget=budget, quorum=quorum, share=share)
+        got = consensus_execute(margin, own, valid, rule)
+        want = own.clone()
+        for b, start in itertools.product(range(3), range(0, 37, 16)):
+            idx = [i for i in range(start, min(start + 16, 37)) if valid[b, i]]
+            if len(idx) > 1:
+                batch_rule = Consensus(budget=budget, quorum=quorum, share=share)
+                alone = consensus_execute(margin[b, idx][:, None], own[b, idx][:, None], None, batch_rule)
+                want[b, idx] = alone[:, 0]
+        assert torch.equal(got[valid], want[valid]), (budget, quorum, share)
+    # the union of a tile's choices (quorum 0, no cap), each token its own within it: per-token routing exactly
+    union = Consensus(over="tile", tile=16, quorum=0.0, share="own")
+    assert torch.equal(consensus_execute(margin, own, valid, union)[valid], own[valid])
+
+
+def test_a_tile_size_off_the_kernels_tiles_is_refused():
+    with pytest.raises(ValueError, match="give a multiple of 16 \\(e.g. 16\\), not 20"):
+        Consensus(over="tile", tile=20)
+    with pytest.raises(ValueError, match="tile"):
+        Consensus(over="tile", tile=8)
+    with pytest.raises(ValueError, match="over"):
+        Consensus(over="sequence")
+
+
+@pytest.mark.parametrize("share", ["set", "own"])
+def test_runtime_blocks_under_tile_coherent_routing_match_the_routed_modules(tiny_model_dir, share):
+    """WIDE's runtime blocks under ``over: tile`` give the routed modules' logits under the same rule: a prompt
+    of three tiles (the last one short) decides tile by tile, even alone; a decode step (one token a tile)
+    decides per token."""
+    model, pruner = _wide_model(tiny_model_dir)
+    executor = _executor(over="tile", tile=16, quorum=0.5, budget=0.5, share=share)
+    fast = Runtime(model, executor=executor, compile=False, graphs=False)
+    plain = Runtime(model, executor=_executor(), compile=False, graphs=False)
+    ids = torch.randint(2, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    caches = [rt.new_cache(2, 41) for rt in (fast, plain)]
+    got, per_token = (rt.forward(ids, c) for rt, c in zip((fast, plain), caches, strict=True))
+    executor.convert(model)
+    with torch.no_grad():
+        want = model(ids).logits
+        alone = model(ids[:1]).logits  # a sequence's tiles are its own: batch mates change nothing
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone, want[:1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, per_token, atol=1e-3)
+    set_consensus(model, None)
+    # a decode step, one token a tile, decides per token: from the same cache, the plain blocks' step
+    twin = copy.deepcopy(caches[0])
+    token = torch.tensor([7, 8])
+    torch.testing.assert_close(fast.decode(token, caches[0]), plain.decode(token, twin), rtol=1e-5, atol=1e-5)
+
+
+def test_tile_coherent_routing_on_the_kernels(tiny_model_dir):
+    """``over: tile`` on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
+    give margins, the consensus kernel decides each tile, and the prompt's logits are the routed modules'."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, pruner = _wide_model(tiny_model_dir)
+    model = model.to(device)
+    pruner.reset_sparsity(model)
+    executor = _executor("triton", over="tile", tile=16, quorum=0.0, budget=0.5)
+    fast = Runtime(model, executor=executor, compile=False, graphs=False)
+    ids = torch.randint(2, 300, (1, 20), generator=torch.Generator().manual_seed(4)).to(device)
+    got = fast.forward(ids, fast.new_cache(1, 21))
+    executor.convert(model)
+    with torch.no_grad():
+        want = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    set_consensus(model, None)

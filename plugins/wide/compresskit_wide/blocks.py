@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compresskit.routing import Consensus, Counting, RoutedProjection, mask_input_groups
+from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import decode_kernel, use_kernel
@@ -66,7 +66,8 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.setup_counts(proj, proj.groups, counting=count)
-        # the batch's rule as plain values, fixed with the block: (groups at most, quorum, every token the set)
+        # the rule, and as plain values for its launch: (groups at most, quorum, every token the set)
+        self.rule = consensus
         self.consensus = (
             None if consensus is None else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set")
         )
@@ -80,14 +81,14 @@ class _Routing(Counting):
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
         if shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
-            agree = self.consensus is not None and b > 1
+            agree = self.rule is not None and self.rule.applies(b, t)
             count = self.counting and valid is None and not agree
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
                 delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, self.stat_counts, count,
                 self.backend, agree,
             )  # fmt: skip
-            return self._counted(execute, b, valid, agree, count), x2.view(b, t, dim), h
+            return self._counted(execute, b, t, valid, agree, count), x2.view(b, t, dim), h
         x = x + delta
         execute = self.decide(x, valid, shares)
         return execute, x, self.norm(x).reshape(b * t, dim)
@@ -96,7 +97,8 @@ class _Routing(Counting):
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
         d, r = self.router_down, self.router_up
-        agree = self.consensus is not None and x.shape[0] > 1  # margins, then the batch's decision
+        b, t = x.shape[:2]
+        agree = self.rule is not None and self.rule.applies(b, t)  # margins, then the shared decision
         count = self.counting and valid is None and not agree  # every token real: the router's launch counts
         if shares is not None:
             execute = router_decide_from_shares(
@@ -107,19 +109,30 @@ class _Routing(Counting):
             execute = router_decide(
                 x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend, agree
             )
-        return self._counted(execute, x.shape[0], valid, agree, count)
+        return self._counted(execute, b, t, valid, agree, count)
 
     def _counted(
-        self, decided: torch.Tensor, batch: int, valid: torch.Tensor | None, agree: bool, counted: bool
+        self, decided: torch.Tensor, b: int, t: int, valid: torch.Tensor | None, agree: bool, counted: bool
     ) -> torch.Tensor:
         """The execute mask from what the router gave (``decided``: its decision, or its margins where the
-        batch agrees), counted where the router's launch did not count it."""
+        batch or tile agrees), counted where the router's launch did not count it. Under ``over: tile`` the
+        rows go to the rule's layout (a tile's tokens as the voters) and back around the launch."""
         if agree:
             cap, quorum, share_set = self.consensus
-            real = None if valid is None else valid.reshape(-1).bool()
-            return consensus_decide(
-                decided, real, batch, cap, quorum, share_set, self.stat_counts, self.counting, self.backend
-            )
+            if self.rule.over == "batch":
+                real = None if valid is None else valid.reshape(-1).bool()
+                return consensus_decide(
+                    decided, real, b, cap, quorum, share_set, self.stat_counts, self.counting, self.backend
+                )
+            g = decided.shape[-1]
+            real = torch.ones(b, t, dtype=torch.bool, device=decided.device) if valid is None else valid.bool()
+            margins = to_voters(decided.view(b, t, g), self.rule, 0.0)  # [S, tiles, G]
+            voters = to_voters(real, self.rule, False)
+            execute = consensus_decide(
+                margins.reshape(-1, g), voters.reshape(-1), margins.shape[0], cap, quorum, share_set,
+                self.stat_counts, self.counting, self.backend,
+            )  # fmt: skip
+            return from_voters(execute.view(margins.shape), self.rule, b, t).reshape(b * t, g)
         if self.counting and not counted:
             self.count(decided, valid)
         return decided
@@ -127,7 +140,7 @@ class _Routing(Counting):
     def shared(self, b: int, t: int) -> bool:
         """Whether every token of a ``[b, t]`` step runs the same groups: a decode step of a batch under a
         consensus whose tokens run the whole set (at prefill each position has its own set)."""
-        return self.consensus is not None and self.consensus[2] and b > 1 and t == 1
+        return self.rule is not None and self.rule.over == "batch" and self.consensus[2] and b > 1 and t == 1
 
     def last_product(
         self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor

@@ -4,6 +4,7 @@ Sample YAML::
 
     executor: {name: wide-triton, config: {backend: auto, attention: true}}
     executor: {name: wide-triton, config: {consensus: {quorum: 0.5, budget: 0.6}}}  # batch consensus
+    executor: {name: wide-triton, config: {consensus: {over: tile, tile: 64, quorum: 0.0, budget: 0.5}}}  # tiles
 
 The executor supplies the runtime's blocks and nothing else (``runtime_blocks``): each block routes,
 then runs only the kept groups through the kernel dispatch (``kernels.ops``); under ``backend: auto``
@@ -18,7 +19,11 @@ reads that set's weights, not the union of every token's choices. It applies whe
 run together, in the runtime's blocks and, through ``convert``, in the reference path that evaluation scores:
 evaluated with a batch of B sequences, the model is scored as it would decode B sequences at once (a
 teacher-forced simulation). **With consensus on, a sequence's output depends on its batch mates.** A batch of
-one is per-token routing exactly.
+one is per-token routing exactly. With ``over: tile`` the tokens of each tile of ``tile`` positions of a
+sequence share the set instead (tile-coherent routing, for prefill): a prompt decides tile by tile, a decode
+step (one token) per token; a token's output then depends on the other tokens of its tile. The blocks
+compute what the rule decides; the reduction kernels do not yet skip a tile's dropped groups as whole blocks,
+so it changes no speed yet (docs/consensus.md).
 """
 
 from __future__ import annotations
@@ -53,8 +58,9 @@ class TritonExecutorConfig(PluginConfig):
     )
     consensus: Consensus | None = Field(
         None,
-        description="batch-consensus routing (module docstring): a batch's sequences share each router's groups "
-        "at every position; a sequence's output then depends on its batch mates. None: per-token routing",
+        description="shared routing (module docstring): with over: batch a batch's sequences share each router's "
+        "groups at every position (a sequence's output then depends on its batch mates), with over: tile the "
+        "tokens of each tile of a sequence do. None: per-token routing",
     )
 
 
