@@ -9,7 +9,8 @@
   split into ``G`` contiguous groups, each kept or zeroed per token. With ``G = 1`` that skips
   the whole sublayer (dynamic depth); K and V are never touched, so the KV cache stays complete.
 * :class:`Consensus` (set on a model's routers by :func:`set_consensus`): batch-consensus routing, the
-  sequences of a batch sharing each router's groups at every position (:func:`consensus_execute`).
+  sequences of a batch sharing each router's groups at every position, or tile-coherent routing, the
+  tokens of each tile of a sequence sharing them (:func:`consensus_execute`).
 
 The transformers layer code is left alone: in a Llama-style decoder layer the input of
 ``input_layernorm`` is the residual entering the layer and the input of
