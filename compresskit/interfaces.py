@@ -232,19 +232,18 @@ class Pruner(abc.ABC):
         n = sum(p.numel() for p in model.parameters())
         return PruneSummary(method=type(self).__name__, targeted=[], params_before=n, params_after=n)
 
-    def speed_shape(self, model: nn.Module, ctx: RunContext, profile: Any) -> nn.Module:
-        """Give ``model``, random weights of a known configuration (``compresskit bench --shape``), the
-        structure a run of this method realised, for a speed-only benchmark: ``profile`` (a
-        ``compresskit.sparsity.SparsityProfile``) is what that run skipped, overall and per layer, on a
-        model that may have another size. Returns the model to time, finalized, so that
-        ``compresskit.runtime.runtime_for(model, self)`` runs it. A method that does not implement it has
-        no speed shape (:meth:`has_speed_shape`)."""
-        raise NotImplementedError(f"{type(self).__name__} has no speed shape")
+    # Optional: ``speed_shape(self, model, ctx, profile) -> nn.Module`` gives ``model``, random weights of a
+    # known configuration (``compresskit bench --shape``), the structure a run of this method realised, for a
+    # speed-only benchmark; ``profile`` (a ``compresskit.sparsity.SparsityProfile``) is what that run skipped,
+    # overall and per layer, on a model that may have another size. It returns the model to time, finalized,
+    # so that ``compresskit.runtime.runtime_for(model, self)`` runs it. ``RoutedPruner`` and the static
+    # baselines' base define it; a method that leaves it None has no speed shape.
+    speed_shape: ClassVar[Any] = None
 
     @classmethod
     def has_speed_shape(cls) -> bool:
-        """Whether :meth:`speed_shape` is implemented: ``compresskit bench --shape`` can time this method."""
-        return cls.speed_shape is not Pruner.speed_shape
+        """Whether the method defines ``speed_shape``: ``compresskit bench --shape`` can time it."""
+        return callable(cls.speed_shape)
 
 
 class Trainer(abc.ABC):
