@@ -103,6 +103,8 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from compresskit.plot import save
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run, rule in dict.fromkeys((r["run"], r["rule"]) for r in rows):
         pts = sorted((r for r in rows if r["run"] == run and r["rule"] == rule), key=lambda r: r["batch"])
@@ -121,7 +123,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
 
 
 def main() -> None:
