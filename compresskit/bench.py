@@ -181,7 +181,7 @@ class Source:
         try:
             model = pruner.speed_shape(model, ctx, self.profile)
         except CompressKitError as exc:  # e.g. a structure this shape's granularity cannot take
-            raise type(exc)(f"{self.name} at --shape {shape}: {exc}") from None
+            raise CompressKitError(f"{self.name} at --shape {shape}: {exc}") from None
         return model, runtime_for(model, pruner, executor=executor, **options), pruner
 
     def info(self) -> dict[str, Any]:

@@ -55,17 +55,22 @@ def _dense_row(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     if any(not r.get("pruner") for r in runs):
         return None
-    first = next(r for r in runs if r.get("pruner"))
-    params = first["model"]["params_before"]
+    return _reference_row(next(r for r in runs if r.get("pruner")), "dense")
+
+
+def _reference_row(run: dict[str, Any], name: str) -> dict[str, Any]:
+    """The dense reference ``run`` was measured against, as a row of its own named ``name``."""
+    ref, model = run["dense"], run.get("model") or {}
+    params = model.get("params_before")
     return {
-        "name": "dense",
+        "name": name,
         "pruner": None,
-        "metrics": refs[0]["metrics"],
-        "zero_shot_average": refs[0].get("zero_shot_average"),
+        "metrics": ref.get("metrics") or {},
+        "zero_shot_average": ref.get("zero_shot_average"),
         "sparsity": {"attention": 0.0, "ffn": 0.0, "macs": 0.0, "dynamic": False, "tokens": 0},
-        "model": {"params_before": params, "params_after": params, "name_or_path": first["model"]["name_or_path"]},
-        "recipe": first.get("recipe"),
-        "dense": refs[0],
+        "model": {"params_before": params, "params_after": params, "name_or_path": model.get("name_or_path")},
+        "recipe": run.get("recipe"),
+        "dense": ref,
     }
 
 
@@ -194,17 +199,7 @@ def dense_anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     if dense is not None:
         return dense
     first = next((r for r in runs if r.get("pruner") and r.get("dense")), None)
-    if first is None:
-        return None
-    ref = first["dense"]
-    return {
-        "name": f"dense (the reference of {first['name']})",
-        "pruner": None,
-        "metrics": ref.get("metrics") or {},
-        "zero_shot_average": ref.get("zero_shot_average"),
-        "sparsity": {"attention": 0.0, "ffn": 0.0, "macs": 0.0},
-        "model": first.get("model") or {},
-    }
+    return None if first is None else _reference_row(first, f"dense (the reference of {first['name']})")
 
 
 def speed_points(runs: list[dict[str, Any]], speed: Speed, batch: int, measure: str = "tpot") -> dict[str, list]:
