@@ -30,6 +30,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
+    triton_shared_reduce_gemm,
 )
 
 
@@ -65,7 +66,30 @@ def products(x, xf_in, res, mq, mf, kv, fixed, *, wqkv, wg, wu, wd, wo, share_w)
             lambda: (torch_masked_reduce_gemm(x, wo, mq), None),
             lambda: x @ wo.T,
         ),
+        "down, split K": (
+            lambda: triton_shared_reduce_gemm(xf_in, wd, mf),
+            lambda: torch_masked_reduce_gemm(xf_in, wd, mf),
+            lambda: xf_in @ wd.T,
+        ),
+        "o, split K": (
+            lambda: triton_shared_reduce_gemm(x, wo, mq),
+            lambda: torch_masked_reduce_gemm(x, wo, mq),
+            lambda: x @ wo.T,
+        ),
     }
+
+
+def sweep_split(name, x, w, mask, m) -> list[dict]:
+    """The split-K reduction at every (split_k, block_n, block_k, warps) of a small grid: GPU time."""
+    found = []
+    for split_k in (1, 2, 4, 8, 16, 32):
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128):
+                for warps in (4, 8):
+                    setting = {"split_k": split_k, "block_n": block_n, "block_k": block_k, "warps": warps}
+                    t = gpu_time(lambda s=setting: triton_shared_reduce_gemm(x, w, mask, **s))[0]
+                    found.append({"op": name, "m": m, **setting, "ms": t})
+    return sorted(found, key=lambda r: r["ms"])
 
 
 def main() -> int:
@@ -73,6 +97,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="16,24,32,48,64", help="token counts")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the split-K reduction's launch settings")
     args = ap.parse_args()
     if not CUDA and not args.smoke:
         print("no CUDA device: use --smoke")
@@ -89,7 +114,7 @@ def main() -> int:
 
     wqkv, wg, wu, wd, wo = w(heads * head_dim + 2 * kv_heads * head_dim, d), w(ffn, d), w(ffn, d), w(d, ffn), w(d, d)
     share_w = (torch.randn(rank, d, generator=gen) / d**0.5).to(device)
-    rows, data = [], []
+    rows, data, swept = [], [], []
     tol = {"rtol": 3e-2, "atol": 3e-2} if CUDA else {"rtol": 1e-4, "atol": 1e-4}
     for m in [int(v) for v in args.m.split(",")]:
         x = torch.randn(m, d, generator=gen).to(device, dtype)
@@ -116,10 +141,17 @@ def main() -> int:
             rows.append(f"| {name} | {m} | {t_ours * 1e3:.1f} | {t_dense * 1e3:.1f} | {ratio:.2f}x |")
             data.append({"op": name, "m": m, "ours_ms": t_ours, "cublas_ms": t_dense, "x_cublas": ratio})
             print(rows[-1], flush=True)
+        if CUDA and args.sweep:
+            for name, a, wt, mk in (("down", xf_in, wd, mf), ("o", x, wo, mq)):
+                found = sweep_split(name, a, wt, mk, m)
+                swept += found[:3]
+                dense_ms = gpu_time(lambda a=a, wt=wt: a @ wt.T)[0]
+                for r in found[:3]:
+                    print(f"sweep {name} M={m}: {r} -> {dense_ms / r['ms']:.2f}x cuBLAS", flush=True)
     lines = ["| product | tokens | ours us | cuBLAS us | x cuBLAS |", "|---|---|---|---|---|", *rows]
     facts = run_facts(CUDA, shapes="smoke" if args.smoke else "Llama-3.1-8B, half the groups in one shared set")
     print(write(args.out, "shared_set", "Shared-set products against cuBLAS (GPU time, L2 flushed)", facts, lines,
-                {"rows": data}))  # fmt: skip
+                {"rows": data, "sweep_best": swept}))  # fmt: skip
     return 0
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
-from compresskit_wide.kernels.policy import decode_kernel, use_kernel
+from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
@@ -143,21 +143,22 @@ class _Routing(Counting):
         return self.rule is not None and self.rule.over == "batch" and self.consensus[2] and b > 1 and t == 1
 
     def last_product(
-        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor
+        self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor, shared: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], carry)``: with the
         next router's shares where this block is linked to a next WIDE block and the reduction kernel
-        runs (``x``: the block's input, to which the caller adds the output), else None."""
+        runs (``x``: the block's input, to which the caller adds the output), else None. ``shared``: the
+        tokens all run one set (past the decode tile, its split-K reduction hands nothing on)."""
         m = a.shape[0]
         nxt = self.next_router_down
         # under auto the handoff runs where its kernel does (on a GPU, where it measured faster); on the CPU
         # the reference's shares would be extra work: the next router computes its bottleneck itself
         if nxt is not None and (
-            self.backend != "auto"
+            (self.backend != "auto" and not (shared and m > DECODE_MAX_M))
             or (a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed))
         ):
             return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
-        return masked_reduce_gemm(a, w, execute, zeroed, self.backend), None
+        return masked_reduce_gemm(a, w, execute, zeroed, self.backend, shared), None
 
 
 class WideAttention(Attention, _Routing):
@@ -221,7 +222,7 @@ class WideAttention(Attention, _Routing):
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
         if self.wo is not None:
-            y, shares = self.last_product(out, self.wo, execute, routed, x)
+            y, shares = self.last_product(out, self.wo, execute, routed, x, shared)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
         return x, y.view(b, t, -1), shares
@@ -242,7 +243,7 @@ class WideMLP(Block, _Routing):
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         shared = self.shared(b, t)
         g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend, 0, shared)
-        y, shares = self.last_product(g, self.wd, execute, True, x)
+        y, shares = self.last_product(g, self.wd, execute, True, x, shared)
         return x, y.view(b, t, -1), shares
 
 

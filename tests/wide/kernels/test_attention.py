@@ -59,6 +59,40 @@ def test_decode_reads_no_kv_for_inactive_groups():
     assert not torch.isnan(out).any() and torch.count_nonzero(out[0, :3]) > 0 and torch.count_nonzero(out[:, 3:]) == 0
 
 
+@pytest.mark.parametrize("splits", [4, 8])
+def test_decode_reads_nothing_past_a_sequence_end(splits):
+    """The cache's slots past each sequence's length may hold anything (NaN here): no split reads
+    them, including the splits that start past the end (which return at once)."""
+    gen = torch.Generator().manual_seed(splits)
+    q = torch.randn(3, 8, 16, generator=gen).to(DEVICE)
+    k = torch.randn(3, 2, 128, 16, generator=gen).to(DEVICE)
+    v = torch.randn(3, 2, 128, 16, generator=gen).to(DEVICE)
+    lens = torch.tensor([5, 70, 128], device=DEVICE)
+    mask = torch.tensor([[True, True], [True, False], [False, True]], device=DEVICE)
+    want = torch_routed_attention_decode(q, k, v, lens, mask)
+    for b, n in enumerate(lens.tolist()):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_splits_fill_the_gpu_within_bounds():
+    """The split count: the programs the policy aims for over the batch's (sequence, KV head) pairs,
+    never a split shorter than the policy's minimum, 1 to the maximum."""
+    from compresskit_wide.kernels import policy
+
+    per, most, aim = policy.ATTN_DECODE_POSITIONS_PER_SPLIT, policy.ATTN_DECODE_MAX_SPLITS, policy.ATTN_DECODE_PROGRAMS
+    for context in (1, per - 1, per, 8 * per, 10**6):
+        for batch, kv_heads in ((1, 1), (1, 8), (64, 8)):
+            splits = policy.attention_decode_splits(context, batch, kv_heads)
+            assert 1 <= splits <= most
+            assert splits == 1 or context // splits >= per
+            pairs, cap = batch * kv_heads, max(1, min(most, context // per))
+            assert splits == cap or pairs * splits >= aim  # enough programs, unless the cache caps them
+            assert splits == 1 or pairs * (splits - 1) < aim  # and no more than needed
+
+
 @pytest.mark.parametrize(
     ("b", "hq", "hkv", "d", "t", "past", "groups"),
     [

@@ -49,6 +49,7 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
             monkeypatch.setattr(ops, f"{impl}_{op}", stub)
 
     monkeypatch.setattr(ops, "torch_router_shares", lambda *a: None)
+    monkeypatch.setattr(ops, "triton_shared_reduce_gemm", lambda *a, **k: calls.append("triton"))
 
     def ran(op, *args, **kwargs):
         calls.clear()
@@ -63,8 +64,8 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
         for groups in (2, 8, 16):
             x, wd, mask = torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool)
             for zeroed in (False, True):
-                got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed)
-                assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed)
+                got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, shared=shared)
+                assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed, shared=shared)
                 assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
                 handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
                 got = ran("masked_reduce_gemm_shares", *handoff)

@@ -15,6 +15,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
+    triton_shared_reduce_gemm,
 )
 from compresskit_wide.kernels.policy import SHARE_N  # noqa: E402
 
@@ -69,6 +70,33 @@ def test_hands_the_next_router_its_shares(m, sparsity, n, rank, block_n, direct)
     torch.testing.assert_close(want_shares.sum(0), (residual + want) @ share_w.T, rtol=1e-4, atol=1e-3)
     if block_n in (None, 16):  # one slot a program: each slot is its columns' share
         torch.testing.assert_close(shares, want_shares, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [2, 17, 33, 64])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(("groups", "width", "split_k"), [(5, 32, None), (3, 48, 2), (2, 16, 7), (6, 32, 1)])
+def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
+    """A batch's shared set (every row's mask the same): all the tokens in one tile, the set's K steps
+    split among programs (more splits than steps leaves some with none: their partial sums are zero),
+    a group of 48 inputs over a ragged K step, 40 outputs over a ragged output block; all-on and
+    all-off sets; the rows after the first mask are never read."""
+    gen = torch.Generator().manual_seed(m * 11 + groups)
+    x = torch.randn(m, width * groups, generator=gen).to(DEVICE)
+    w = torch.randn(40, width * groups, generator=gen).to(DEVICE)
+    mask = random_mask(1, groups, sparsity, seed=m + groups).expand(m, groups)
+    got = triton_shared_reduce_gemm(x, w, mask, split_k=split_k)
+    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+    if sparsity == 1.0:
+        assert torch.count_nonzero(got) == 0
+    other = mask.clone()
+    other[1:] = ~mask[1:]  # only the first row is the set
+    torch.testing.assert_close(triton_shared_reduce_gemm(x, w, other, split_k=split_k), got)
+
+
+def test_shared_set_is_one_tile():
+    x, w = torch.randn(65, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="up to 64 tokens in one tile, got 65"):
+        triton_shared_reduce_gemm(x, w, random_mask(65, 4, 0.5))
 
 
 def test_shares_need_what_they_read():

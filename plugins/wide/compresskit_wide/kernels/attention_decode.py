@@ -92,6 +92,10 @@ if triton is not None:
             return
         seq_len = tl.load(lens_ptr + b)
         start = sp * SPLIT_LEN
+        if start >= seq_len:  # a split past the sequence's end: nothing to read
+            tl.store(m_ptr + part, tl.full((BLOCK_H,), float("-inf"), tl.float32), mask=h_ok)
+            tl.store(l_ptr + part, tl.zeros((BLOCK_H,), tl.float32), mask=h_ok)
+            return
         q = tl.load(
             q_ptr + b * stride_qb + heads[:, None] * stride_qh + ds[None, :],
             mask=(on & h_ok)[:, None] & d_ok[None, :],
@@ -150,10 +154,12 @@ def triton_routed_attention_decode(
     *,
     splits: int | None = None,
     block_n: int | None = None,
+    warps: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_routed_attention_decode`. ``splits``: KV splits a (sequence,
-    KV head), default ``policy.attention_decode_splits(S)``; ``block_n``: KV positions a step,
-    default ``policy.ATTN_DECODE_BLOCK`` (16 in the CPU interpreter)."""
+    KV head), default ``policy.attention_decode_splits(S, B, Hkv)``; ``block_n``: KV positions a step,
+    default ``policy.ATTN_DECODE_BLOCK`` (16 in the CPU interpreter); ``warps``: a program's warps,
+    default ``policy.ATTN_DECODE_WARPS``."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     b, hq, d = q.shape
@@ -163,7 +169,7 @@ def triton_routed_attention_decode(
             f"shapes do not fit: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(mask.shape)}"
         )
     rep = hq // hkv
-    splits = splits or policy.attention_decode_splits(s)
+    splits = splits or policy.attention_decode_splits(s, b, hkv)
     block_n = block_n or (16 if interpreted() else policy.ATTN_DECODE_BLOCK)
     mask_u8 = mask_bytes(mask.bool())  # [B, G], read by head // (Hq / G) in both kernels: no per-head copy
     q = q.contiguous()
@@ -180,6 +186,7 @@ def triton_routed_attention_decode(
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
         DOT_PRECISION=dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps or policy.ATTN_DECODE_WARPS,
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),

@@ -21,6 +21,12 @@ router's bottleneck, ``x_next[:, cols] @ w_down[:, cols].T`` in fp32, into slot
 ``program * BLOCK_N / SHARE_N`` of ``[S, M, R]`` (``S = N / SHARE_N``; zeros in the slots a wider
 program spans beyond its first). The next router then needs only its decision's launch.
 
+A batch's shared set (consensus, every token running one set) is the same for all rows:
+``triton_shared_reduce_gemm`` reads the set from the first row's mask and runs an ordinary product of
+all the tokens (up to 64, one tile) by the set's weight columns, its K steps over the set split among
+``SPLIT_K`` programs per output block (enough programs to stream the weight), the fp32 partial sums then
+added and rounded by a second launch.
+
 At prefill sizes ``auto`` takes the dense fallback (``dense_masked_reduce_gemm``, cuBLAS): exact,
 as inactive inputs are zero, and the plain dense product where the input already is (after the
 fused SwiGLU kernel or the routed attention).
@@ -209,6 +215,55 @@ if triton is not None:
                     at = sh_ptr + ((slot + j) * M + rows)[:, None] * R + rs[None, :]
                     tl.store(at, zeros, mask=keep & in_n[None, :])
 
+    @triton.jit
+    def triton_shared_reduce_split_kernel(
+        x_ptr, w_ptr, mask_ptr, list_ptr, part_ptr, M, N, GW: tl.constexpr, G, stride_xm, stride_wn, SPLIT_K,
+        DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # program (n-block tn, split sk): its share of the K steps over the set's groups (the first row's
+        # mask), every token in one tile; fp32 partial sums to slot sk of part [SPLIT_K, M, N]
+        tn = tl.program_id(0)
+        sk = tl.program_id(1)
+        first = tl.arange(0, 1)
+        my_list, n_active = tile_group_list(mask_ptr, list_ptr, sk, tn, first, first < 1, G, 0, BLOCK_G)
+        STEPS: tl.constexpr = (GW + BLOCK_K - 1) // BLOCK_K  # K steps a group
+        total = n_active * STEPS
+        per = tl.cdiv(total, SPLIT_K)
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for t in range(sk * per, tl.minimum(total, sk * per + per)):
+            g = tl.load(my_list + t // STEPS)
+            k_in = (t % STEPS) * BLOCK_K + kk
+            k_ok = k_in < GW
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xm + (g * GW + k_in)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + cols[:, None] * stride_wn + (g * GW + k_in)[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
+        at = part_ptr + (sk * M + rows)[:, None] * N + cols[None, :]
+        tl.store(at, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def triton_split_sum_kernel(part_ptr, out_ptr, SIZE, SPLIT_K, BLOCK: tl.constexpr):
+        """``out = sum(part, axis 0)`` rounded to the output's dtype; ``part: [SPLIT_K, SIZE]`` fp32."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < SIZE
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for sk in range(0, SPLIT_K):
+            acc += tl.load(part_ptr + sk * SIZE + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
     _tuned = {
         (pack, direct): autotuned(
             triton_masked_reduce_gemm_kernel,
@@ -311,3 +366,47 @@ def triton_masked_reduce_gemm(
         grid = lambda cfg: (cdiv(n, cfg["BLOCK_N"]), cdiv(m, block_m))  # noqa: E731
         _tuned[(k_pack, direct)][grid](*args, **common, K_PACK=k_pack)
     return (out, shares) if handing else out
+
+
+def triton_shared_reduce_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    split_k: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    warps: int | None = None,
+    stages: int | None = None,
+) -> torch.Tensor:
+    """:func:`torch_masked_reduce_gemm` for tokens that all run the same groups (a batch's shared set):
+    the set is read from the first row of ``mask`` (the other rows are not read). Up to
+    ``policy.SHARED_MAX_M`` tokens, one tile. ``split_k``: programs an output block's K steps are
+    split among (default ``policy.shared_reduce_splits``); ``block_n``, ``block_k``, ``warps``,
+    ``stages``: the launch (defaults ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter)."""
+    m, k, n, groups = _checked_shapes(x, w, mask)
+    if m > policy.SHARED_MAX_M:
+        raise ValueError(f"the shared reduction takes up to {policy.SHARED_MAX_M} tokens in one tile, got {m}")
+    x, w = x.contiguous(), w.contiguous()
+    mask_u8 = mask_bytes(mask)
+    gw = k // groups
+    tile_n, tile_k, tile_warps, tile_stages = policy.SHARED_REDUCE_TILE
+    if interpreted():
+        tile_n, tile_k = 16, min(32, max(16, next_power_of_2(gw)))
+    bn, bk = block_n or tile_n, block_k or min(tile_k, max(16, next_power_of_2(gw)))
+    if bn < 16 or bk < 16:
+        raise ValueError(f"block_n={bn} and block_k={bk}: tl.dot needs 16 or more of each")
+    n_blocks = cdiv(n, bn)
+    splits = split_k or policy.shared_reduce_splits(n_blocks, groups * cdiv(gw, bk))
+    block_g = max(16, next_power_of_2(groups))
+    lists = torch.empty(n_blocks * splits * block_g, dtype=torch.int32, device=x.device)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    triton_shared_reduce_split_kernel[(n_blocks, splits)](
+        x, w, mask_u8, lists, part, m, n, gw, groups, x.stride(0), w.stride(0), splits,
+        DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g, BLOCK_M=max(16, next_power_of_2(m)),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps or tile_warps, num_stages=stages or tile_stages,
+    )  # fmt: skip
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    size, block = m * n, 1024
+    triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block)
+    return out

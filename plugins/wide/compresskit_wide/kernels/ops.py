@@ -44,6 +44,7 @@ from compresskit_wide.kernels.gemm_reduce import (
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
+    triton_shared_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
     torch_count,
@@ -280,16 +281,24 @@ def masked_out_gemm(
     return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
 
 
-@_operator(lambda x, w, mask, input_is_masked=False, backend="auto": x.new_empty(x.shape[0], w.shape[0]))
+@_operator(lambda x, w, mask, input_is_masked=False, backend="auto", shared=False: x.new_empty(x.shape[0], w.shape[0]))
 def masked_reduce_gemm(
-    x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor, input_is_masked: bool = False, backend: str = "auto"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    input_is_masked: bool = False,
+    backend: str = "auto",
+    shared: bool = False,
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
-    dense product."""
-    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    dense product. ``shared``: every row of ``mask`` is the same (a batch's shared set): past the
+    decode kernel's tile, up to ``policy.SHARED_MAX_M`` tokens, the kernel is the split-K one."""
+    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
+        if shared and policy.DECODE_MAX_M < x.shape[0] <= policy.SHARED_MAX_M:
+            return triton_shared_reduce_gemm(x, w, mask)
         return triton_masked_reduce_gemm(x, w, mask)
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)

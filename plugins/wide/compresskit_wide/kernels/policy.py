@@ -135,9 +135,13 @@ OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the f
 SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)
 REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
 SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narrowest reduction tile at REDUCE_K_PACK)
+SHARED_REDUCE_TILE = (64, 64, 4, 4)  # the shared set's reduction: (BLOCK_N, BLOCK_K, warps, stages)
+SHARED_REDUCE_PROGRAMS = 264  # its programs in all, over the output blocks and K splits (2 per SM of 132)
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
 ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64 splits (64 beat 32 at 32k)
 ATTN_DECODE_MAX_SPLITS = 64
+ATTN_DECODE_PROGRAMS = 1 << 30  # split programs to aim for over the batch's (sequence, KV head) pairs
+ATTN_DECODE_WARPS = 4
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
 # the router's tile past decode sizes: (tokens, columns of D) a step; measured at 4k tokens and 112 groups:
@@ -213,6 +217,17 @@ def out_k_pack(m: int, fused: bool) -> int:
     return next((pack for max_m, pack in OUT_K_PACK if m <= max_m), 1)
 
 
-def attention_decode_splits(context: int) -> int:
-    """KV splits a (sequence, KV head) of the routed decode attention."""
-    return max(1, min(ATTN_DECODE_MAX_SPLITS, context // ATTN_DECODE_POSITIONS_PER_SPLIT))
+def shared_reduce_splits(n_blocks: int, k_steps: int) -> int:
+    """Programs an output block's K steps are split among in the shared set's reduction: about
+    ``SHARED_REDUCE_PROGRAMS`` programs in all, at most one a K step of every group (the set is at most
+    all of them)."""
+    return max(1, min(k_steps, -(-SHARED_REDUCE_PROGRAMS // max(1, n_blocks))))
+
+
+def attention_decode_splits(context: int, batch: int = 1, kv_heads: int = 1) -> int:
+    """KV splits a (sequence, KV head) of the routed decode attention: enough programs to fill the GPU
+    (``ATTN_DECODE_PROGRAMS`` over the batch's (sequence, KV head) pairs), never a split shorter than
+    ``ATTN_DECODE_POSITIONS_PER_SPLIT`` positions, 1 to ``ATTN_DECODE_MAX_SPLITS``."""
+    most = max(1, min(ATTN_DECODE_MAX_SPLITS, context // ATTN_DECODE_POSITIONS_PER_SPLIT))
+    wanted = -(-ATTN_DECODE_PROGRAMS // max(1, batch * kv_heads))
+    return max(1, min(most, wanted))
