@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The serving matrix on the device machine (H200): `compresskit bench --shape llama-3.1-8b` over batch 1-64 at
+# each prompt length, one process a prompt length (dense and the routed rows side by side in it), run in a new
+# process session that outlives the call, so that the matrix may take longer than one call.
+# Through the device tool, from the repo root, carrying [".whl"]:
+#   bash benchmarks/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
+#   bash benchmarks/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
+# Environment: PROMPTS (default "512 2048 8192 16384"), BATCHES (default 1,2,4,8,16,32,64).
+# Then, here: python benchmarks/merge_bench.py OUT_DIR FETCHED/p*/   (one matrix and heat map)
+set -uo pipefail
+SM=/tmp/sm
+step=${1:?usage: device_serving_matrix.sh start [ARGS...]|wait [SECONDS]}
+shift
+if [ "$step" = wait ]; then
+  for ((t = 0; t < ${1:-540}; t += 10)); do
+    [ -f "$SM/rc" ] && break
+    sleep 10
+  done
+  tail -n 30 "$SM/log"
+  mkdir -p "$OUT" && cp -r "$SM/out/." "$OUT/" 2>/dev/null; cp "$SM/log" "$OUT/log" 2>/dev/null
+  [ -f "$SM/rc" ] && { echo "matrix ended: exit $(cat "$SM/rc")"; exit 0; }
+  echo "matrix still running"
+  exit 4
+fi
+source benchmarks/device_env.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+rm -rf "$SM" && mkdir -p "$SM/out"
+# shellcheck disable=SC2016
+setsid bash -c '
+  for p in ${PROMPTS:-512 2048 8192 16384}; do
+    compresskit bench --shape llama-3.1-8b --batch "${BATCHES:-1,2,4,8,16,32,64}" --prompt "$p" \
+      --transformers off --prefill-graphs off --new-tokens 32 --repeats 3 "$@" --output "'"$SM"'/out/p$p" || echo "prompt $p: exit $?"
+  done
+  echo 0 > "'"$SM"'/rc"' _ "$@" > "$SM/log" 2>&1 < /dev/null &
+sleep 5 && tail -n 5 "$SM/log"
+echo "started: bash benchmarks/device_serving_matrix.sh wait"

@@ -1,0 +1,62 @@
+"""One batch x prompt matrix from several ``compresskit bench`` outputs (e.g. one process a prompt length, as
+``device_serving_matrix.sh`` runs them): their records together as ``bench.json``, the matrix of each model's
+TPOT (and TTFT) x dense with its worst and best cells as ``bench.md``, and the heat map ``bench-heatmap.png``.
+
+    python benchmarks/merge_bench.py OUT_DIR BENCH_DIR_OR_JSON...
+
+Each input keeps its own dense row (the speedups are the ones measured side by side in its process); the facts
+of every input (date, GPU, versions, command) are kept in ``bench.json``'s ``meta.parts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from compresskit import artifacts
+from compresskit.bench import matrix_markdown
+from compresskit.plot import speedup_heatmap
+
+
+def load(path: Path) -> dict:
+    file = path / "bench.json" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"merge_bench: {file}: no such bench.json")
+    return json.loads(file.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("inputs", type=Path, nargs="+")
+    args = parser.parse_args()
+    parts = [load(p) for p in args.inputs]
+    records = [r for part in parts for r in part["results"]]
+    cells = [(r["model"], r["batch"], r["prompt"]) for r in records]
+    if len(set(cells)) != len(cells):
+        print("merge_bench: a model's cell is in more than one input", file=sys.stderr)
+        return 2
+    first = parts[0]["meta"]
+    lines = [
+        f"# {first['model']}: batch x prompt",
+        "",
+        f"{first['device']}, {first['dtype']}, torch {first['torch']}, transformers {first['transformers']}, "
+        f"triton {first['triton']}; {len(parts)} processes side by side with their own dense rows:",
+        "",
+        *[f"- {p['meta']['date']}: `{p['meta']['command']}`" for p in parts],
+        "",
+        matrix_markdown(records),
+        matrix_markdown(records, "ttft"),
+    ]
+    with artifacts.staged_dir(args.out) as tmp:
+        artifacts.write_json(tmp / "bench.json", {"meta": {"parts": [p["meta"] for p in parts]}, "results": records})
+        artifacts.write_text(tmp / "bench.md", "\n".join(lines))
+        speedup_heatmap(records, tmp / "bench-heatmap.png")
+    print(f"{args.out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
