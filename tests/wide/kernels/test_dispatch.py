@@ -82,12 +82,16 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
     assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
-    # a batch's shared set keeps q's kernel up to SHARED_MAX_M tokens, where per-token unions run dense; the
-    # reductions run cuBLAS past 16 tokens either way (the unpacked one-tile reduction lost to it)
+    # a batch's shared set keeps q's kernel and the split-K reduction up to SHARED_MAX_M tokens, where per-token
+    # unions run dense; past 16 tokens no kernel hands the next router its shares
     assert policy.use_kernel("out", 64, shared=True) and not policy.use_kernel("out", 64)
     assert not policy.use_kernel("out", 65, shared=True)
-    for op in ("reduce", "reduce_handoff"):
-        assert not policy.use_kernel(op, 17, groups=112, shared=True)
+    assert policy.use_kernel("reduce", 17, groups=112, shared=True) and policy.use_kernel("reduce", 64, shared=True)
+    assert not policy.use_kernel("reduce", 17, groups=112) and not policy.use_kernel("reduce", 65, shared=True)
+    assert not policy.use_kernel("reduce_handoff", 17, groups=112, shared=True)
+    # the routed decode attention at every batch from 512 cached positions
+    assert all(policy.use_kernel("attn_decode", b, context=512) for b in (1, 2, 64))
+    assert not policy.use_kernel("attn_decode", 1, context=511)
     assert policy.decode_kernel(64, shared=True) and not policy.decode_kernel(17, shared=False)
 
 

@@ -63,6 +63,13 @@ KERNEL_RANGES = (
         why="q (k / v stacked) on a batch's half set, 24-64 tokens in one tile: 1.21-1.35x cuBLAS (gate+up 1.88-1.95x)",
     ),
     Range("reduce", max_m=1, why="down / o at one token: the active groups packed four to a product"),
+    Range(
+        "reduce",
+        min_m=DECODE_MAX_M + 1,
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="down / o of a batch's half set, 24-64 tokens, split K: about 1.5x / 1.2x cuBLAS (bench_shared_set.py)",
+    ),
     Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's few wide groups read directly, up to 8 tokens"),
     Range(
         "reduce",
@@ -77,12 +84,11 @@ KERNEL_RANGES = (
         why="down / o writing the next router's shares, up to 16 tokens: faster than cuBLAS, the add and the "
         "two-launch router after it (down 1.20x / o 1.42x at 4 tokens, 1.10x / 1.24x at 16)",
     ),
-    Range("attn_decode", min_context=32768, why="from 32k positions the K/V the skipped heads need not read dominate"),
     Range(
         "attn_decode",
-        min_m=4,
-        min_context=8192,
-        why="batch 4 or more from 8k positions; batch 1 at 8k was at par in a CUDA graph",
+        min_context=512,
+        why="every batch 1-64 from 512 to 32k positions: at a quarter of the groups off 1.10-2.13x the runtime's "
+        "attention (a half 1.13-2.68x); with every group on 0.93-1.76x (bench_attention_matrix.py --sweep)",
     ),
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
@@ -135,12 +141,17 @@ OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the f
 SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)
 REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
 SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narrowest reduction tile at REDUCE_K_PACK)
-SHARED_REDUCE_TILE = (64, 64, 4, 4)  # the shared set's reduction: (BLOCK_N, BLOCK_K, warps, stages)
-SHARED_REDUCE_PROGRAMS = 264  # its programs in all, over the output blocks and K splits (2 per SM of 132)
+# the shared set's reduction: (BLOCK_N, BLOCK_K, warps, stages) and its programs in all (output blocks x K
+# splits); the fastest of 1-32 splits x 32-128 columns x 64/128 K x 4/8 warps for down and o at 24-64 tokens
+SHARED_REDUCE_TILE = (64, 128, 4, 4)
+SHARED_REDUCE_PROGRAMS = 512
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
-ATTN_DECODE_POSITIONS_PER_SPLIT = 256  # one KV split per 256 positions, 1 to 64 splits (64 beat 32 at 32k)
+# KV splits: about ATTN_DECODE_PROGRAMS split programs over the batch's (sequence, KV head) pairs, none shorter
+# than 64 positions, at most 64; within 0.98x (geometric mean; worst 0.92x) of the best split count of each cell
+# of batch 1-64 x context 512-32k, where one split per 256 positions was 0.96x (worst 0.73x)
+ATTN_DECODE_POSITIONS_PER_SPLIT = 64
 ATTN_DECODE_MAX_SPLITS = 64
-ATTN_DECODE_PROGRAMS = 1 << 30  # split programs to aim for over the batch's (sequence, KV head) pairs
+ATTN_DECODE_PROGRAMS = 2048
 ATTN_DECODE_WARPS = 4
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
