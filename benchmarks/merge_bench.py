@@ -5,7 +5,8 @@ TPOT (and TTFT) x dense with its worst and best cells as ``bench.md``, and the h
     python benchmarks/merge_bench.py OUT_DIR BENCH_DIR_OR_JSON...
 
 Each input keeps its own dense row (the speedups are the ones measured side by side in its process); the facts
-of every input (date, GPU, versions, command) are kept in ``bench.json``'s ``meta.parts``.
+of every input (date, GPU, versions, command) are kept in ``bench.json``'s ``meta.parts``; an earlier merge's
+``bench.json`` may be an input (a matrix grows a call at a time).
 """
 
 from __future__ import annotations
@@ -32,23 +33,29 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("inputs", type=Path, nargs="+")
     args = parser.parse_args()
-    parts = [load(p) for p in args.inputs]
-    records = [r for part in parts for r in part["results"]]
+    loaded = [load(p) for p in args.inputs]
+    records = [r for part in loaded for r in part["results"]]
+    # an earlier merge's output is an input like any other: its parts' facts come along
+    parts = [{"meta": meta} for part in loaded for meta in part["meta"].get("parts", [part["meta"]])]
     cells = [(r["model"], r["batch"], r["prompt"]) for r in records]
-    if len(set(cells)) != len(cells):
-        print("merge_bench: a model's cell is in more than one input", file=sys.stderr)
+    twice = sorted({c for c in cells if cells.count(c) > 1})
+    if twice:
+        model, batch, prompt = twice[0]
+        print(f"merge_bench: {model} at batch {batch} x prompt {prompt} is in more than one input", file=sys.stderr)
         return 2
     first = parts[0]["meta"]
     lines = [
         f"# {first['model']}: batch x prompt",
         "",
         f"{first['device']}, {first['dtype']}, torch {first['torch']}, transformers {first['transformers']}, "
-        f"triton {first['triton']}; {len(parts)} processes side by side with their own dense rows:",
+        f"triton {first['triton']}; {len(parts)} processes, each with its own dense row beside the others:",
         "",
         *[f"- {p['meta']['date']}: `{p['meta']['command']}`" for p in parts],
         "",
-        matrix_markdown(records),
-        matrix_markdown(records, "ttft"),
+        "A cell with - was not measured (no input has it).",
+        "",
+        matrix_markdown(records, missing="-"),
+        matrix_markdown(records, "ttft", missing="-"),
     ]
     with artifacts.staged_dir(args.out) as tmp:
         artifacts.write_json(tmp / "bench.json", {"meta": {"parts": [p["meta"] for p in parts]}, "results": records})

@@ -527,9 +527,10 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot") -> str:
+def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot", missing: str = "skipped") -> str:
     """For each model row but dense, its ``measure`` speedup over dense as a batch x prompt table, with its
-    worst and best cells named; "" where the bench has a single case (the main table says it all)."""
+    worst and best cells named; "" where the bench has a single case (the main table says it all).
+    ``missing``: what a cell without a record says (in one bench, a case that did not fit was skipped)."""
     batches = sorted({r["batch"] for r in records})
     prompts = sorted({r["prompt"] for r in records})
     if len(batches) * len(prompts) < 2:
@@ -545,7 +546,7 @@ def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot") -> str
             "|---|" + "---|" * len(prompts),
         ]
         for b in batches:
-            row = [f"{cells[(b, p)]:.2f}x" if (b, p) in cells else "skipped" for p in prompts]
+            row = [f"{cells[(b, p)]:.2f}x" if (b, p) in cells else missing for p in prompts]
             lines.append(f"| {b} | " + " | ".join(row) + " |")
         lines += [
             "",

@@ -601,3 +601,44 @@ def test_bench_matrix_names_its_worst_cell_and_draws_a_heat_map(tmp_path, capsys
     assert main([*argv, "--transformers", "off", "--bounds", "off", "--output", str(out)]) == 0
     assert "Worst cell: batch" in (out / "bench.md").read_text()
     assert (out / "bench-heatmap.png").stat().st_size > 5_000
+
+
+def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
+    """``merge_bench.py``: the records of several bench runs (and of an earlier merge) in one matrix, a cell
+    no input has marked not measured, every input's facts kept; a cell two inputs both have is refused."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def bench_dir(name, batch, prompt, speedup):
+        rows = [
+            {"model": m, "batch": batch, "prompt": prompt, "ttft_ms": 9.0, "tpot_ms": 3.0, "ttft_speedup": s,
+             "tpot_speedup": s}
+            for m, s in (("wide", speedup), ("dense", 1.0))
+        ]  # fmt: skip
+        meta = {"model": "--shape x", "device": "GPU", "dtype": "bfloat16", "torch": "2", "transformers": "5",
+                "triton": "3", "date": name, "command": f"compresskit bench {name}"}  # fmt: skip
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "bench.json").write_text(json.dumps({"meta": meta, "results": rows}))
+        return str(folder)
+
+    script = Path(__file__).parents[2] / "benchmarks" / "merge_bench.py"
+
+    def merge(out, *inputs):
+        return subprocess.run(
+            [sys.executable, str(script), str(tmp_path / out), *inputs], capture_output=True, text=True
+        )
+
+    assert merge("m1", bench_dir("a", 8, 2048, 1.07), bench_dir("b", 32, 2048, 0.97)).returncode == 0
+    proc = merge("m2", str(tmp_path / "m1"), bench_dir("c", 16, 8192, 1.27))
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "m2" / "bench.md").read_text()
+    assert "| 8 | 1.07x | - |" in md and "| 16 | - | 1.27x |" in md and "| 32 | 0.97x | - |" in md
+    assert "Worst cell: batch 32 x prompt 2048, 0.97x; best: batch 16 x prompt 8192, 1.27x." in md
+    merged = json.loads((tmp_path / "m2" / "bench.json").read_text())
+    assert [p["command"] for p in merged["meta"]["parts"]] == [f"compresskit bench {n}" for n in "abc"]
+    assert (tmp_path / "m2" / "bench-heatmap.png").is_file()
+    proc = merge("m3", str(tmp_path / "a"), str(tmp_path / "m1"))
+    assert proc.returncode == 2 and "more than one input" in proc.stderr
