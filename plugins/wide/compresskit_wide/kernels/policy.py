@@ -87,8 +87,8 @@ KERNEL_RANGES = (
     Range(
         "attn_decode",
         min_context=512,
-        why="every batch 1-64 from 512 to 32k positions: at a quarter of the groups off 1.10-2.13x the runtime's "
-        "attention (a half 1.13-2.68x); with every group on 0.93-1.76x (bench_attention_matrix.py --sweep)",
+        why="every batch 1-64 from 512 to 32k positions: with a quarter of the groups off 1.08-2.07x the runtime's "
+        "attention, a half 1.12-2.65x, every group on 0.95-1.65x (docs/serving.md)",
     ),
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
