@@ -7,7 +7,9 @@ For M tokens that all run one random set of half the groups: q with k and v stac
 dense), gate+up with the SwiGLU fused (112 groups of 128), down and o handing the next router its shares, each
 checked against its reference, then timed in GPU time with the L2 flushed (``bench_wide_kernels.gpu_time``) beside
 the dense product cuBLAS runs for it ("x cuBLAS" > 1: the kernel is faster). What ``policy.SHARED_MAX_M`` (the
-out-width products) rests on, and why the reductions past 16 tokens run cuBLAS.
+out-width products) rests on, and the split-K reduction's settings (``--sweep``). ``--prefill 1024,4096 --tile 64``
+also times down and o over tile-coherent sets at prefill (each tile of 64 positions one random half of the groups,
+the tile reduction) against cuBLAS.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
-    triton_shared_reduce_gemm,
+    triton_tile_reduce_gemm,
 )
 
 
@@ -67,12 +69,12 @@ def products(x, xf_in, res, mq, mf, kv, fixed, *, wqkv, wg, wu, wd, wo, share_w)
             lambda: x @ wo.T,
         ),
         "down, split K": (
-            lambda: triton_shared_reduce_gemm(xf_in, wd, mf),
+            lambda: triton_tile_reduce_gemm(xf_in, wd, mf, rows_agree=True),
             lambda: torch_masked_reduce_gemm(xf_in, wd, mf),
             lambda: xf_in @ wd.T,
         ),
         "o, split K": (
-            lambda: triton_shared_reduce_gemm(x, wo, mq),
+            lambda: triton_tile_reduce_gemm(x, wo, mq, rows_agree=True),
             lambda: torch_masked_reduce_gemm(x, wo, mq),
             lambda: x @ wo.T,
         ),
@@ -87,7 +89,7 @@ def sweep_split(name, x, w, mask, m) -> list[dict]:
             for block_k in (64, 128):
                 for warps in (4, 8):
                     setting = {"split_k": split_k, "block_n": block_n, "block_k": block_k, "warps": warps}
-                    t = gpu_time(lambda s=setting: triton_shared_reduce_gemm(x, w, mask, **s))[0]
+                    t = gpu_time(lambda s=setting: triton_tile_reduce_gemm(x, w, mask, rows_agree=True, **s))[0]
                     found.append({"op": name, "m": m, **setting, "ms": t})
     return sorted(found, key=lambda r: r["ms"])
 
@@ -98,6 +100,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="16,24,32,48,64", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also sweep the split-K reduction's launch settings")
+    ap.add_argument("--prefill", default="", help="prompt lengths at which to time down and o over tile sets")
+    ap.add_argument("--tile", type=int, default=64, help="with --prefill: positions a tile (one set each)")
     args = ap.parse_args()
     if not CUDA and not args.smoke:
         print("no CUDA device: use --smoke")
@@ -148,6 +152,25 @@ def main() -> int:
                 dense_ms = gpu_time(lambda a=a, wt=wt: a @ wt.T)[0]
                 for r in found[:3]:
                     print(f"sweep {name} M={m}: {r} -> {dense_ms / r['ms']:.2f}x cuBLAS", flush=True)
+    for t in [int(v) for v in args.prefill.split(",") if v]:
+        # tile-coherent routing at prefill: each tile of --tile positions runs one random half of the groups
+        x = torch.randn(t, d, generator=gen).to(device, dtype)
+        xf = torch.randn(t, ffn, generator=gen).to(device, dtype)
+        n_tiles = -(-t // args.tile)
+        mq = torch.cat([shared_mask(args.tile, qg, gen, device) for _ in range(n_tiles)])[:t]
+        mf = torch.cat([shared_mask(args.tile, fg, gen, device) for _ in range(n_tiles)])[:t]
+        xf_in = xf * mf.repeat_interleave(group, dim=-1)
+        for name, a, wt, mk in (
+            (f"down, tiles of {args.tile}", xf_in, wd, mf),
+            (f"o, tiles of {args.tile}", x, wo, mq),
+        ):
+            ours = lambda a=a, wt=wt, mk=mk, t=t: triton_tile_reduce_gemm(a, wt, mk, tile=args.tile, tokens=t)  # noqa: E731
+            torch.testing.assert_close(ours().float(), torch_masked_reduce_gemm(a, wt, mk).float(), **tol)
+            dense = lambda a=a, wt=wt: a @ wt.T  # noqa: E731
+            t_ours, t_dense = (gpu_time(ours)[0], gpu_time(dense)[0]) if CUDA else (timed(ours), timed(dense))
+            rows.append(f"| {name} | {t} | {t_ours * 1e3:.1f} | {t_dense * 1e3:.1f} | {t_dense / t_ours:.2f}x |")
+            data.append({"op": name, "m": t, "ours_ms": t_ours, "cublas_ms": t_dense, "x_cublas": t_dense / t_ours})
+            print(rows[-1], flush=True)
     lines = ["| product | tokens | ours us | cuBLAS us | x cuBLAS |", "|---|---|---|---|---|", *rows]
     facts = run_facts(CUDA, shapes="smoke" if args.smoke else "Llama-3.1-8B, half the groups in one shared set")
     print(write(args.out, "shared_set", "Shared-set products against cuBLAS (GPU time, L2 flushed)", facts, lines,

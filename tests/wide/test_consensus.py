@@ -177,8 +177,8 @@ def test_a_decode_batch_past_16_runs_its_shared_set_on_the_decode_kernels(tiny_m
     real = gemm_out.triton_routing_layout
     monkeypatch.setattr(gemm_out, "triton_routing_layout", lambda mask: layouts.append(mask) or real(mask))
     split = []
-    reduce = ops.triton_shared_reduce_gemm
-    monkeypatch.setattr(ops, "triton_shared_reduce_gemm", lambda *a, **k: split.append(1) or reduce(*a, **k))
+    reduce = ops.triton_tile_reduce_gemm
+    monkeypatch.setattr(ops, "triton_tile_reduce_gemm", lambda *a, **k: split.append(1) or reduce(*a, **k))
     token = torch.arange(20, device=device) + 7
     got = fast.decode(token, cache)
     assert layouts == []  # no product of the step took the prefill kernels' sorted layout
@@ -378,17 +378,26 @@ def test_runtime_blocks_under_tile_coherent_routing_match_the_routed_modules(tin
     torch.testing.assert_close(fast.decode(token, caches[0]), plain.decode(token, twin), rtol=1e-5, atol=1e-5)
 
 
-def test_tile_coherent_routing_on_the_kernels(tiny_model_dir):
+@pytest.mark.parametrize("share", ["set", "own"])
+def test_tile_coherent_routing_on_the_kernels(tiny_model_dir, monkeypatch, share):
     """``over: tile`` on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
-    give margins, the consensus kernel decides each tile, and the prompt's logits are the routed modules'."""
+    give margins, the consensus kernel decides each tile, down and o read each tile's set (the tile reduction:
+    two sequences of 20 tokens, tiles of 16 and 4), and the prompt's logits are the routed modules'."""
+    from compresskit_wide.kernels import ops
+
+    tiles = []
+    reduce = ops.triton_tile_reduce_gemm
+    monkeypatch.setattr(ops, "triton_tile_reduce_gemm", lambda *a, **k: tiles.append(k) or reduce(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
     pruner.reset_sparsity(model)
-    executor = _executor("triton", over="tile", tile=16, quorum=0.0, budget=0.5)
+    executor = _executor("triton", over="tile", tile=16, quorum=0.0, budget=0.5, share=share)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
-    ids = torch.randint(2, 300, (1, 20), generator=torch.Generator().manual_seed(4)).to(device)
-    got = fast.forward(ids, fast.new_cache(1, 21))
+    ids = torch.randint(2, 300, (2, 20), generator=torch.Generator().manual_seed(4)).to(device)
+    got = fast.forward(ids, fast.new_cache(2, 21))
+    assert len(tiles) == 2 * model.config.num_hidden_layers  # o and down of every layer
+    assert all(k == {"tile": 16, "tokens": 20} for k in tiles)
     executor.convert(model)
     with torch.no_grad():
         want = model(ids).logits

@@ -49,7 +49,7 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
             monkeypatch.setattr(ops, f"{impl}_{op}", stub)
 
     monkeypatch.setattr(ops, "torch_router_shares", lambda *a: None)
-    monkeypatch.setattr(ops, "triton_shared_reduce_gemm", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(ops, "triton_tile_reduce_gemm", lambda *a, **k: calls.append("triton"))
 
     def ran(op, *args, **kwargs):
         calls.clear()

@@ -15,7 +15,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
-    triton_shared_reduce_gemm,
+    triton_tile_reduce_gemm,
 )
 from compresskit_wide.kernels.policy import SHARE_N  # noqa: E402
 
@@ -76,27 +76,48 @@ def test_hands_the_next_router_its_shares(m, sparsity, n, rank, block_n, direct)
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize(("groups", "width", "split_k"), [(5, 32, None), (3, 48, 2), (2, 16, 7), (6, 32, 1)])
 def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
-    """A batch's shared set (every row's mask the same): all the tokens in one tile, the set's K steps
-    split among programs (more splits than steps leaves some with none: their partial sums are zero),
-    a group of 48 inputs over a ragged K step, 40 outputs over a ragged output block; all-on and
-    all-off sets; the rows after the first mask are never read."""
+    """A batch's shared set (every row's mask the same, ``rows_agree``): all the tokens in one tile, the set's
+    K steps split among programs (more splits than steps leaves some with none: their partial sums are
+    zero), a group of 48 inputs over a ragged K step, 40 outputs over a ragged output block; all-on and
+    all-off sets."""
     gen = torch.Generator().manual_seed(m * 11 + groups)
     x = torch.randn(m, width * groups, generator=gen).to(DEVICE)
     w = torch.randn(40, width * groups, generator=gen).to(DEVICE)
     mask = random_mask(1, groups, sparsity, seed=m + groups).expand(m, groups)
-    got = triton_shared_reduce_gemm(x, w, mask, split_k=split_k)
+    got = triton_tile_reduce_gemm(x, w, mask, split_k=split_k, rows_agree=True)
     torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
     if sparsity == 1.0:
         assert torch.count_nonzero(got) == 0
-    other = mask.clone()
-    other[1:] = ~mask[1:]  # only the first row is the set
-    torch.testing.assert_close(triton_shared_reduce_gemm(x, w, other, split_k=split_k), got)
+    torch.testing.assert_close(triton_tile_reduce_gemm(x, w, mask, split_k=split_k), got)  # rows read too
 
 
-def test_shared_set_is_one_tile():
-    x, w = torch.randn(65, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
-    with pytest.raises(ValueError, match="up to 64 tokens in one tile, got 65"):
-        triton_shared_reduce_gemm(x, w, random_mask(65, 4, 0.5))
+@pytest.mark.parametrize(("batch", "tokens", "tile"), [(1, 16, 16), (2, 40, 16), (3, 33, 32), (1, 300, 256)])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("agree", [True, False])
+def test_tiles_read_their_union_exactly(batch, tokens, tile, sparsity, agree):
+    """Tiles of each sequence (a short last tile; sequences not a whole number of tiles, so a tile never spans
+    two; a tile of 256 run as MMA tiles of 128): rows that agree in a tile (tile-coherent routing) and rows
+    that do not (each reads only its own groups of the tile's union; the inputs of the others are not zero,
+    as after a dense attention): the reference either way."""
+    groups = 4
+    m = batch * tokens
+    gen = torch.Generator().manual_seed(tokens + tile)
+    x = torch.randn(m, 16 * groups, generator=gen).to(DEVICE)
+    w = torch.randn(24, 16 * groups, generator=gen).to(DEVICE)
+    mask = random_mask(m, groups, sparsity, seed=tokens)
+    if agree:  # one set a tile: its first row's
+        starts = (torch.arange(m, device=mask.device) % tokens) // tile * tile + torch.arange(
+            m, device=mask.device
+        ) // tokens * tokens
+        mask = mask[starts]
+    got = triton_tile_reduce_gemm(x, w, mask, tile=tile, tokens=tokens)
+    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_tiles_need_whole_sequences():
+    x, w = torch.randn(10, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="rows 10 are no whole sequences of 4"):
+        triton_tile_reduce_gemm(x, w, random_mask(10, 4, 0.5), tile=2, tokens=4)
 
 
 def test_shares_need_what_they_read():

@@ -117,3 +117,18 @@ def test_prefill_tile_sweep_smoke(tmp_path, monkeypatch):
 
     mask = make_mask(40, 8, "balanced", torch.Generator().manual_seed(0))
     assert (mask.sum(0) == 20).all() and (mask.sum(1) == 4).all()
+
+
+@pytest.mark.slow
+def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
+    """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every
+    cell) and ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against
+    their references before it would time them."""
+    proc = run_script("bench_attention_matrix.py", "--smoke", env=KERNEL_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matches the runtime's attention in every cell" in proc.stdout
+    args = ("--smoke", "--out", str(tmp_path), "--m", "3,20", "--prefill", "40", "--tile", "16")
+    proc = run_script("bench_shared_set.py", *args, env=KERNEL_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ops = {r["op"] for r in json.loads((tmp_path / "shared_set.json").read_text())["rows"]}
+    assert {"down, split K", "o, split K", "down, tiles of 16", "o, tiles of 16"} <= ops

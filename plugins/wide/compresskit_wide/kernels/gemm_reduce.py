@@ -21,11 +21,11 @@ router's bottleneck, ``x_next[:, cols] @ w_down[:, cols].T`` in fp32, into slot
 ``program * BLOCK_N / SHARE_N`` of ``[S, M, R]`` (``S = N / SHARE_N``; zeros in the slots a wider
 program spans beyond its first). The next router then needs only its decision's launch.
 
-A batch's shared set (consensus, every token running one set) is the same for all rows:
-``triton_shared_reduce_gemm`` reads the set from the first row's mask and runs an ordinary product of
-all the tokens (up to 64, one tile) by the set's weight columns, its K steps over the set split among
-``SPLIT_K`` programs per output block (enough programs to stream the weight), the fp32 partial sums then
-added and rounded by a second launch.
+Rows that agree in tiles (a decode batch's shared set under consensus; a prefill tile under tile-coherent
+routing) take ``triton_tile_reduce_gemm``: each tile's rows in one MMA tile by the union of their groups'
+weight columns, each row's input read only in its own groups; the K steps of a tile's output block split
+among ``SPLIT_K`` programs where few tiles would leave the weight streamed by too few (a decode batch), the
+fp32 partial sums then added and rounded by a second launch.
 
 At prefill sizes ``auto`` takes the dense fallback (``dense_masked_reduce_gemm``, cuBLAS): exact,
 as inactive inputs are zero, and the plain dense product where the input already is (after the
@@ -216,22 +216,30 @@ if triton is not None:
                     tl.store(at, zeros, mask=keep & in_n[None, :])
 
     @triton.jit
-    def triton_shared_reduce_split_kernel(
-        x_ptr, w_ptr, mask_ptr, list_ptr, part_ptr, M, N, GW: tl.constexpr, G, stride_xm, stride_wn, SPLIT_K,
+    def triton_tile_reduce_kernel(
+        x_ptr, w_ptr, mask_ptr, list_ptr, part_ptr, out_ptr, M, N, GW: tl.constexpr, G,
+        stride_xm, stride_wn, stride_mm, SPLIT_K, SEQ, TILE, TILES_PER_SEQ,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SPLIT: tl.constexpr,
+        ROW_MASKS: tl.constexpr,
     ):  # fmt: skip
-        # program (n-block tn, split sk): its share of the K steps over the set's groups (the first row's
-        # mask), every token in one tile; fp32 partial sums to slot sk of part [SPLIT_K, M, N]
+        # program (n-block tn, split sk, tile tt): the tile's rows (TILE consecutive rows of one sequence of SEQ)
+        # by the union of their groups, each row's input read only in its own groups (ROW_MASKS; without, the
+        # caller guarantees the rows agree); its share of the union's K steps. ONE_SPLIT: the sums go to out in
+        # its dtype; else fp32 partial sums to slot sk of part [SPLIT_K, M, N]
         tn = tl.program_id(0)
         sk = tl.program_id(1)
-        first = tl.arange(0, 1)
-        my_list, n_active = tile_group_list(mask_ptr, list_ptr, sk, tn, first, first < 1, G, 0, BLOCK_G)
+        tt = tl.program_id(2)
+        i = tl.arange(0, BLOCK_M)
+        first = (tt % TILES_PER_SEQ) * TILE
+        rows = (tt // TILES_PER_SEQ) * SEQ + first + i
+        row_ok = (i < TILE) & (first + i < SEQ)
+        my_list, n_active = tile_group_list(
+            mask_ptr, list_ptr, tt * SPLIT_K + sk, tn, rows, row_ok, G, stride_mm, BLOCK_G
+        )
         STEPS: tl.constexpr = (GW + BLOCK_K - 1) // BLOCK_K  # K steps a group
         total = n_active * STEPS
         per = tl.cdiv(total, SPLIT_K)
-        rows = tl.arange(0, BLOCK_M)
-        row_ok = rows < M
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         kk = tl.arange(0, BLOCK_K)
@@ -240,9 +248,12 @@ if triton is not None:
             g = tl.load(my_list + t // STEPS)
             k_in = (t % STEPS) * BLOCK_K + kk
             k_ok = k_in < GW
+            x_on = row_ok
+            if ROW_MASKS:
+                x_on = x_on & (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0)
             a = tl.load(
                 x_ptr + rows[:, None] * stride_xm + (g * GW + k_in)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
+                mask=x_on[:, None] & k_ok[None, :],
                 other=0.0,
             )
             b = tl.load(
@@ -251,8 +262,11 @@ if triton is not None:
                 other=0.0,
             )
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-        at = part_ptr + (sk * M + rows)[:, None] * N + cols[None, :]
-        tl.store(at, acc, mask=row_ok[:, None] & col_ok[None, :])
+        keep = row_ok[:, None] & col_ok[None, :]
+        if ONE_SPLIT:
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+        else:
+            tl.store(part_ptr + (sk * M + rows)[:, None] * N + cols[None, :], acc, mask=keep)
 
     @triton.jit
     def triton_split_sum_kernel(part_ptr, out_ptr, SIZE, SPLIT_K, BLOCK: tl.constexpr):
@@ -368,25 +382,35 @@ def triton_masked_reduce_gemm(
     return (out, shares) if handing else out
 
 
-def triton_shared_reduce_gemm(
+def triton_tile_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     mask: torch.Tensor,
     *,
+    tile: int | None = None,
+    tokens: int | None = None,
+    rows_agree: bool = False,
     split_k: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
     warps: int | None = None,
     stages: int | None = None,
 ) -> torch.Tensor:
-    """:func:`torch_masked_reduce_gemm` for tokens that all run the same groups (a batch's shared set):
-    the set is read from the first row of ``mask`` (the other rows are not read). Up to
-    ``policy.SHARED_MAX_M`` tokens, one tile. ``split_k``: programs an output block's K steps are
-    split among (default ``policy.shared_reduce_splits``); ``block_n``, ``block_k``, ``warps``,
-    ``stages``: the launch (defaults ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter)."""
+    """:func:`torch_masked_reduce_gemm` for rows that agree in tiles: each tile of ``tile`` consecutive rows of
+    a sequence of ``tokens`` rows (``x``'s rows are sequences of ``tokens`` one after another; the last tile of
+    each may be short) reads the weight columns of the union of its rows' groups once, each row's input only in
+    its own groups, so the result is exact for any mask and reads least where a tile's rows share one set: a
+    decode batch's shared set (default: all rows one tile) or a prefill tile under tile-coherent routing;
+    tiles of more than 128 rows run as tiles of 128. ``rows_agree``: the caller guarantees that every row of a tile has the same mask (a decode
+    batch's shared set), so no row's own mask is read. ``split_k``: programs a tile's output block's K steps
+    are split among (default ``policy.shared_reduce_splits``: few tiles, several; many, one); ``block_n``,
+    ``block_k``, ``warps``, ``stages``: the launch (defaults ``policy.SHARED_REDUCE_TILE``; 16-wide in the
+    CPU interpreter)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
-    if m > policy.SHARED_MAX_M:
-        raise ValueError(f"the shared reduction takes up to {policy.SHARED_MAX_M} tokens in one tile, got {m}")
+    tokens = tokens or m
+    if m % tokens or (tile is not None and tile < 1):
+        raise ValueError(f"rows {m} are no whole sequences of {tokens}, or a tile of {tile} rows is none")
+    tile = min(tile or tokens, 128)  # a larger tile in MMA tiles of 128 rows, each reading its own rows' union
     x, w = x.contiguous(), w.contiguous()
     mask_u8 = mask_bytes(mask)
     gw = k // groups
@@ -396,17 +420,20 @@ def triton_shared_reduce_gemm(
     bn, bk = block_n or tile_n, block_k or min(tile_k, max(16, next_power_of_2(gw)))
     if bn < 16 or bk < 16:
         raise ValueError(f"block_n={bn} and block_k={bk}: tl.dot needs 16 or more of each")
-    n_blocks = cdiv(n, bn)
-    splits = split_k or policy.shared_reduce_splits(n_blocks, groups * cdiv(gw, bk))
+    n_blocks, per_seq = cdiv(n, bn), cdiv(tokens, tile)
+    tiles = per_seq * (m // tokens)
+    splits = split_k or policy.shared_reduce_splits(n_blocks * tiles, groups * cdiv(gw, bk))
     block_g = max(16, next_power_of_2(groups))
-    lists = torch.empty(n_blocks * splits * block_g, dtype=torch.int32, device=x.device)
-    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    triton_shared_reduce_split_kernel[(n_blocks, splits)](
-        x, w, mask_u8, lists, part, m, n, gw, groups, x.stride(0), w.stride(0), splits,
-        DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g, BLOCK_M=max(16, next_power_of_2(m)),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps or tile_warps, num_stages=stages or tile_stages,
-    )  # fmt: skip
+    lists = torch.empty(n_blocks * splits * tiles * block_g, dtype=torch.int32, device=x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    size, block = m * n, 1024
-    triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block)
+    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    triton_tile_reduce_kernel[(n_blocks, splits, tiles)](
+        x, w, mask_u8, lists, part, out, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0), splits,
+        tokens, tile, per_seq, DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g,
+        BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=splits == 1, ROW_MASKS=not rows_agree,
+        num_warps=warps or tile_warps, num_stages=stages or tile_stages,
+    )  # fmt: skip
+    if splits > 1:
+        size, block = m * n, 1024
+        triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block)
     return out

@@ -44,7 +44,7 @@ from compresskit_wide.kernels.gemm_reduce import (
     torch_masked_reduce_gemm,
     torch_router_shares,
     triton_masked_reduce_gemm,
-    triton_shared_reduce_gemm,
+    triton_tile_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
     torch_count,
@@ -281,7 +281,11 @@ def masked_out_gemm(
     return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
 
 
-@_operator(lambda x, w, mask, input_is_masked=False, backend="auto", shared=False: x.new_empty(x.shape[0], w.shape[0]))
+def _fake_reduce(x, w, mask, input_is_masked=False, backend="auto", shared=False, tile=0, tokens=0):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@_operator(_fake_reduce)
 def masked_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -289,16 +293,23 @@ def masked_reduce_gemm(
     input_is_masked: bool = False,
     backend: str = "auto",
     shared: bool = False,
+    tile: int = 0,
+    tokens: int = 0,
 ) -> torch.Tensor:
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
     dense product. ``shared``: every row of ``mask`` is the same (a batch's shared set): past the
-    decode kernel's tile, up to ``policy.SHARED_MAX_M`` tokens, the kernel is the split-K one."""
-    path = _choose(backend, "reduce", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
+    decode kernel's tile, up to ``policy.SHARED_MAX_M`` tokens, the kernel is the split-K one. ``tile``
+    (with ``tokens``, the rows a sequence): the rows agree in tiles of that many positions of each
+    sequence (tile-coherent routing at prefill): the kernel reads each tile's union of groups."""
+    m = x.shape[0]
+    path = _choose(backend, "reduce", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
-        if shared and policy.DECODE_MAX_M < x.shape[0] <= policy.SHARED_MAX_M:
-            return triton_shared_reduce_gemm(x, w, mask)
+        if tile:
+            return triton_tile_reduce_gemm(x, w, mask, tile=tile, tokens=tokens)
+        if shared and policy.DECODE_MAX_M < m <= policy.SHARED_MAX_M:
+            return triton_tile_reduce_gemm(x, w, mask, rows_agree=True)
         return triton_masked_reduce_gemm(x, w, mask)
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
