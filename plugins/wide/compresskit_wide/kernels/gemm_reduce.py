@@ -401,11 +401,11 @@ def triton_tile_reduce_gemm(
     each may be short) reads the weight columns of the union of its rows' groups once, each row's input only in
     its own groups, so the result is exact for any mask and reads least where a tile's rows share one set: a
     decode batch's shared set (default: all rows one tile) or a prefill tile under tile-coherent routing;
-    tiles of more than 128 rows run as tiles of 128. ``rows_agree``: the caller guarantees that every row of a tile has the same mask (a decode
-    batch's shared set), so no row's own mask is read. ``split_k``: programs a tile's output block's K steps
-    are split among (default ``policy.shared_reduce_splits``: few tiles, several; many, one); ``block_n``,
-    ``block_k``, ``warps``, ``stages``: the launch (defaults ``policy.SHARED_REDUCE_TILE``; 16-wide in the
-    CPU interpreter)."""
+    tiles of more than 128 rows run as tiles of 128. ``rows_agree``: the caller guarantees that every row of a
+    tile has the same mask (a decode batch's shared set), so no row's own mask is read. ``split_k``: programs
+    a tile's output block's K steps are split among (default ``policy.shared_reduce_splits``: few tiles,
+    several; many, one); ``block_n``, ``block_k``, ``warps``, ``stages``: the launch (defaults
+    ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
     tokens = tokens or m
     if m % tokens or (tile is not None and tile < 1):

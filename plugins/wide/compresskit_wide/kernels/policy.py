@@ -68,7 +68,7 @@ KERNEL_RANGES = (
         min_m=DECODE_MAX_M + 1,
         max_m=SHARED_MAX_M,
         shared=True,
-        why="down / o of a batch's half set, 24-64 tokens, split K: about 1.5x / 1.2x cuBLAS (bench_shared_set.py)",
+        why="down / o of a batch's half set, split K: 1.50-1.52x / 1.29-1.32x cuBLAS at 24-32 tokens (docs/serving.md)",
     ),
     Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's few wide groups read directly, up to 8 tokens"),
     Range(
@@ -142,7 +142,8 @@ SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows
 REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
 SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narrowest reduction tile at REDUCE_K_PACK)
 # the shared set's reduction: (BLOCK_N, BLOCK_K, warps, stages) and its programs in all (output blocks x K
-# splits); the fastest of 1-32 splits x 32-128 columns x 64/128 K x 4/8 warps for down and o at 24-64 tokens
+# splits); of 1-32 splits x 32-128 columns x 64/128 K x 4/8 warps at 24-32 tokens, within 1% of the fastest
+# for down and 4% for o (docs/serving.md)
 SHARED_REDUCE_TILE = (64, 128, 4, 4)
 SHARED_REDUCE_PROGRAMS = 512
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
@@ -152,6 +153,7 @@ ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch
 ATTN_DECODE_POSITIONS_PER_SPLIT = 64
 ATTN_DECODE_MAX_SPLITS = 64
 ATTN_DECODE_PROGRAMS = 2048
+# a program's warps: 2 or 8 (or 32 / 128 positions a step) won some cells, by 0.7% in the geometric mean, 5% at most
 ATTN_DECODE_WARPS = 4
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
