@@ -32,7 +32,7 @@ def parse_rule(text: str) -> tuple[str, dict]:
     rule = {}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
-        rule[key] = float(value) if key in ("quorum", "budget") else value
+        rule[key] = float(value) if key in ("quorum", "budget", "follow") else value
     return name, rule
 
 

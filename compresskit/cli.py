@@ -886,8 +886,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RULE",
         help="also time the routed model under batch-consensus routing, e.g. quorum=0.5,budget=0.6 (the wide-triton "
-        "executor's consensus settings: quorum, budget, share, over, tile; over=tile,tile=64: tile-coherent routing "
-        "of each prompt's tiles); repeat for several rules",
+        "executor's consensus settings: quorum, budget, share, over, tile, follow; over=tile,tile=64: tile-coherent "
+        "routing of each prompt's tiles); repeat for several rules",
     )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")

@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_serializer
 from torch import nn
 
 from compresskit.errors import ArtifactError
@@ -93,10 +93,11 @@ class Consensus(PluginConfig):
 
     The shared set: the groups that at least ``quorum`` of the position's real tokens execute (at least
     one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
-    index), at most ``ceil(budget * G)`` of them. ``share="set"``: every token runs the whole set;
-    ``"own"``: each token runs its own choices within it. A position with one real token (a batch of
-    one) keeps that token's own decision exactly: per-token routing. The same object is what a recipe, a
-    training stage or a command gives (``consensus: {quorum: 0.5}``).
+    index), at most ``ceil(budget * G)`` of them, and with ``follow`` at most ``ceil(follow * m)``, ``m`` the
+    mean count of groups the position's real tokens would run (a cap that follows each router's own rate).
+    ``share="set"``: every token runs the whole set; ``"own"``: each token runs its own choices within it. A
+    position with one real token (a batch of one) keeps that token's own decision exactly: per-token routing.
+    The same object is what a recipe, a training stage or a command gives (``consensus: {quorum: 0.5}``).
 
     With ``over: batch`` a sequence's output depends on the sequences batched with it; with ``over: tile``
     a token's depends on the tokens of its tile (later ones too), so a prompt's logits differ from those of
@@ -121,6 +122,14 @@ class Consensus(PluginConfig):
     tile: int = Field(
         64, ge=TILE_MULTIPLE, description=f"with over: tile, positions a tile (a multiple of {TILE_MULTIPLE})"
     )
+    follow: float | None = Field(
+        None,
+        gt=0.0,
+        le=4.0,
+        description="the set follows the tokens: at most ceil(follow x the mean count of groups the position's "
+        "real tokens would run) groups, within the budget's cap (a router that keeps most groups per token keeps "
+        "most in the set)",
+    )
 
     @field_validator("tile")
     @classmethod
@@ -131,6 +140,15 @@ class Consensus(PluginConfig):
                 f"{TILE_MULTIPLE} (e.g. {TILE_MULTIPLE * max(1, round(value / TILE_MULTIPLE))}), not {value}"
             )
         return value
+
+    @model_serializer(mode="wrap")
+    def _without_unset_follow(self, handler):
+        """Dumped without ``follow`` while it is None: rules (and the recipes and results holding them) written
+        before the field keep their form and their recipe hash."""
+        data = handler(self)
+        if data.get("follow", 0) is None:
+            del data["follow"]
+        return data
 
     def applies(self, batch: int, tokens: int) -> bool:
         """Whether a ``[batch, tokens]`` step has sets to share: two or more sequences (``over: batch``) or
@@ -181,8 +199,18 @@ def consensus_keep(
     lower = (idx[None, :] < idx[:, None])[None]
     ahead = (vb > va) | ((vb == va) & ((cb > ca) | ((cb == ca) & lower)))
     rank = ahead.sum(-1)
-    keep = (rank < consensus.cap(g)) & (votes.float() >= need[:, None])
+    cap = torch.full((t,), float(consensus.cap(g)), device=own.device)
+    if consensus.follow is not None:
+        cap = torch.minimum(cap, follow_cap(votes, n, consensus.follow))
+    keep = (rank < cap[:, None]) & (votes.float() >= need[:, None])
     return keep, n >= 2
+
+
+def follow_cap(votes: torch.Tensor, n: torch.Tensor, follow: float) -> torch.Tensor:
+    """``Consensus.follow``'s cap per position (fp32 ``[T]``): ``ceil(follow * votes.sum(-1) / n)``, at least 1,
+    from the votes ``[T, G]`` and the real tokens ``n: [T]``; computed in fp32 in this order, as the kernel does."""
+    mean_times = (follow * votes.sum(-1).float()) / n.clamp_min(1).float()
+    return torch.ceil(mean_times).clamp_min(1.0)
 
 
 def consensus_execute(

@@ -34,19 +34,23 @@ def test_consensus_kernel_matches_both_references(b, t, g, kind):
     gen = torch.Generator().manual_seed(b * 100 + t * 10 + g)
     margin = _margins(b, t, g, kind, gen)
     valid = torch.rand(b, t, generator=gen) > 0.3
-    for (budget, quorum, share), real in itertools.product(
-        itertools.product([1.0, 0.5, 0.2], [0.0, 0.5, 1.0], ["set", "own"]), [None, valid]
-    ):
-        rule = Consensus(budget=budget, quorum=quorum, share=share)
+    rules = itertools.product([1.0, 0.5, 0.2], [0.0, 0.5, 1.0], ["set", "own"], [None, 0.5, 1.0, 1.3])
+    for (budget, quorum, share, follow), real in itertools.product(rules, [None, valid]):
+        rule = Consensus(budget=budget, quorum=quorum, share=share, follow=follow)
         want = consensus_execute(margin, margin >= 0, real, rule).reshape(b * t, g)
         flat = None if real is None else real.reshape(-1)
-        kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set"}
+        kw = {"cap": rule.cap(g), "quorum": quorum, "share_set": share == "set", "follow": follow or 0.0}
         ref = torch_consensus(margin.reshape(-1, g), b, valid=flat, **kw)
         counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
         on = None if flat is None else flat.to(DEVICE)
         got = triton_consensus(margin.reshape(-1, g).to(DEVICE), b, valid=on, counts=counts, **kw).cpu()
         rows = torch.ones(b * t, dtype=torch.bool) if flat is None else flat
-        assert torch.equal(ref[rows], want[rows]) and torch.equal(got[rows], want[rows]), (budget, quorum, share)
+        assert torch.equal(ref[rows], want[rows]) and torch.equal(got[rows], want[rows]), (
+            budget,
+            quorum,
+            share,
+            follow,
+        )
         assert counts.tolist() == [rows.sum().item(), got[rows].sum().item()]
 
 
@@ -66,9 +70,17 @@ def test_consensus_rule_on_a_worked_case():
     # a single real token keeps its own decision, whatever the budget
     one = consensus_execute(margin, own, torch.tensor([[False], [False], [True], [False]]), Consensus(budget=0.25))
     assert one[2, 0].tolist() == own[2, 0].tolist()
+    # follow: the tokens run 2, 2, 2 and 3 groups, 2.25 on average, so the set holds the first ceil(f * 2.25) of
+    # the ranking 0, 2, 1, 3 (f = 2: 5, all four)
+    rank = torch.tensor([0, 2, 1, 3])
+    for follow, size in ((1.0, 3), (0.4, 1), (0.8, 2), (2.0, 4)):
+        got = consensus_execute(margin, own, None, Consensus(quorum=0.0, follow=follow))[0, 0]
+        assert got.tolist() == (rank < size).tolist(), follow
 
 
-@pytest.mark.parametrize("value", [{"budget": 0.0}, {"budget": 1.5}, {"quorum": -0.1}, {"share": "all"}])
+@pytest.mark.parametrize(
+    "value", [{"budget": 0.0}, {"budget": 1.5}, {"quorum": -0.1}, {"share": "all"}, {"follow": 0.0}, {"follow": 5.0}]
+)
 def test_bad_consensus_values_are_refused(value):
     with pytest.raises(ValueError, match=next(iter(value))):
         Consensus(**value)
@@ -90,12 +102,15 @@ def _executor(backend="torch", **consensus):
     return cls(cls.Config(backend=backend, consensus=consensus or None))
 
 
-@pytest.mark.parametrize("share", ["set", "own"])
-def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir, share):
+@pytest.mark.parametrize(
+    "rule", [{"share": "set"}, {"share": "own"}, {"share": "set", "follow": 0.75}, {"share": "own", "follow": 1.0}]
+)
+def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir, rule):
     """The runtime's WIDE blocks under consensus give the logits of the routed modules under the same rule
-    (the reference path that evaluation scores), at a prompt and at decode; and the rule changes them."""
+    (the reference path that evaluation scores), at a prompt and at decode; and the rule changes them. With
+    ``follow`` too (the set's cap from the tokens' mean count)."""
     model, pruner = _wide_model(tiny_model_dir)
-    executor = _executor(quorum=0.5, budget=0.5, share=share)
+    executor = _executor(quorum=0.5, budget=0.5, **rule)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
     plain = Runtime(model, executor=_executor(), compile=False, graphs=False)
     ids = torch.randint(2, 300, (3, 6), generator=torch.Generator().manual_seed(0))
@@ -145,7 +160,7 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
     pruner.reset_sparsity(model)  # (the counters on the model's device)
-    executor = _executor("triton", quorum=0.5, budget=0.75)
+    executor = _executor("triton", quorum=0.5, budget=0.75, follow=1.0)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
     ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
     cache = fast.new_cache(3, 7)

@@ -66,10 +66,12 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.setup_counts(proj, proj.groups, counting=count)
-        # the rule, and as plain values for its launch: (groups at most, quorum, every token the set)
+        # the rule, and as plain values for its launch: (groups at most, quorum, every token the set, follow)
         self.rule = consensus
         self.consensus = (
-            None if consensus is None else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set")
+            None
+            if consensus is None
+            else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set", consensus.follow or 0.0)
         )
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
@@ -118,11 +120,11 @@ class _Routing(Counting):
         batch or tile agrees), counted where the router's launch did not count it. Under ``over: tile`` the
         rows go to the rule's layout (a tile's tokens as the voters) and back around the launch."""
         if agree:
-            cap, quorum, share_set = self.consensus
+            cap, quorum, share_set, follow = self.consensus
             if self.rule.over == "batch":
                 real = None if valid is None else valid.reshape(-1).bool()
                 return consensus_decide(
-                    decided, real, b, cap, quorum, share_set, self.stat_counts, self.counting, self.backend
+                    decided, real, b, cap, quorum, share_set, self.stat_counts, self.counting, self.backend, follow
                 )
             g = decided.shape[-1]
             real = torch.ones(b, t, dtype=torch.bool, device=decided.device) if valid is None else valid.bool()
@@ -130,7 +132,7 @@ class _Routing(Counting):
             voters = to_voters(real, self.rule, False)
             execute = consensus_decide(
                 margins.reshape(-1, g), voters.reshape(-1), margins.shape[0], cap, quorum, share_set,
-                self.stat_counts, self.counting, self.backend,
+                self.stat_counts, self.counting, self.backend, follow,
             )  # fmt: skip
             return from_voters(execute.view(margins.shape), self.rule, b, t).reshape(b * t, g)
         if self.counting and not counted:

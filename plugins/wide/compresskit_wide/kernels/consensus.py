@@ -8,9 +8,10 @@ groups, so that a routed product reads that set's weights instead of the union o
 
 At each position the real tokens vote: a group's votes are the tokens that would execute it. The shared set
 is the groups with at least ``max(1, ceil(quorum * n))`` votes (``n`` the real tokens), ranked by votes,
-then by the sum of the real tokens' margins, then by index, at most ``cap`` of them. ``share_set``: every
-token runs the whole set; else each runs its own choices within it. A position with fewer than two real
-tokens keeps each token's own decision (a batch of one is per-token routing).
+then by the sum of the real tokens' margins, then by index, at most ``cap`` of them, and with ``follow`` > 0 at
+most ``ceil(follow * votes / n)`` (``votes`` summed over the groups: the cap follows the tokens' own counts).
+``share_set``: every token runs the whole set; else each runs its own choices within it. A position with fewer
+than two real tokens keeps each token's own decision (a batch of one is per-token routing).
 
 One program a position holds its B x G margins (``B`` and ``G`` padded to powers of two) and ranks the G
 groups against each other (a G x G comparison): made for a decode batch, up to a few hundred tokens and
@@ -38,6 +39,7 @@ def torch_consensus(
     quorum: float,
     share_set: bool,
     valid: torch.Tensor | None = None,
+    follow: float = 0.0,
 ) -> torch.Tensor:
     """Reference (module docstring), by sorting: the groups in rank order are the stable sorts by margin
     sum, then by votes, each descending."""
@@ -53,7 +55,10 @@ def torch_consensus(
     order = order.gather(-1, torch.sort(votes.gather(-1, order), dim=-1, descending=True, stable=True).indices)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(g, device=margin.device).expand_as(order))
     need = torch.ceil(quorum * n.float()).clamp_min(1.0)
-    keep = (rank < cap) & (votes.float() >= need[:, None])  # [T, G]
+    caps = torch.full((t,), float(cap), device=margin.device)
+    if follow > 0:
+        caps = torch.minimum(caps, torch.ceil((follow * votes.sum(-1).float()) / n.clamp_min(1).float()).clamp_min(1.0))
+    keep = (rank < caps[:, None]) & (votes.float() >= need[:, None])  # [T, G]
     shared = keep.expand_as(own) if share_set else own & keep
     return torch.where((n >= 2)[None, :, None], shared, own).reshape(m, g)
 
@@ -62,8 +67,8 @@ if triton is not None:
 
     @triton.jit
     def triton_consensus_kernel(
-        mg_ptr, valid_ptr, out_ptr, cnt_ptr, B, T, G, cap, quorum,
-        HAS_VALID: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
+        mg_ptr, valid_ptr, out_ptr, cnt_ptr, B, T, G, cap, quorum, follow,
+        HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
         # program t: position t's tokens (rows b * T + t) and every group
@@ -89,7 +94,11 @@ if triton is not None:
         ca, cb = conf[:, None], conf[None, :]
         ahead = (vb > va) | ((vb == va) & ((cb > ca) | ((cb == ca) & (gs[None, :] < gs[:, None]))))
         rank = tl.sum(tl.where(ahead & g_ok[None, :], 1, 0), axis=1)
-        keep = (rank < cap) & (votes.to(tl.float32) >= need) & g_ok
+        limit = cap.to(tl.float32)
+        if FOLLOW:  # the cap follows the tokens' own counts
+            total = tl.sum(votes, axis=0).to(tl.float32)
+            limit = tl.minimum(limit, tl.maximum(tl.ceil((follow * total) / tl.maximum(n, 1).to(tl.float32)), 1.0))
+        keep = (rank.to(tl.float32) < limit) & (votes.to(tl.float32) >= need) & g_ok
         if SHARE_SET:
             shared = keep[None, :] & b_ok[:, None]
         else:
@@ -111,6 +120,7 @@ def triton_consensus(
     share_set: bool,
     valid: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
+    follow: float = 0.0,
 ) -> torch.Tensor:
     """Triton version of :func:`torch_consensus`: one program a position. ``counts``: fp64 ``[2]`` the
     real tokens and the groups they run are added to."""
@@ -126,8 +136,8 @@ def triton_consensus(
         t = m // batch
         triton_consensus_kernel[(t,)](
             margin, margin if valid is None else valid.contiguous().view(torch.uint8), out,
-            out if counts is None else counts, batch, t, g, cap, float(quorum),
-            HAS_VALID=valid is not None, SHARE_SET=share_set, COUNT=counts is not None,
+            out if counts is None else counts, batch, t, g, cap, float(quorum), float(follow),
+            HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
             BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)),
         )  # fmt: skip
     return out.view(torch.bool)

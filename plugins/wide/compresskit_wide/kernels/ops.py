@@ -220,7 +220,7 @@ def router_norm_from_shares(
     return execute, x_new, h
 
 
-def _fake_consensus(margin, valid, batch, cap, quorum, share_set, counts, count, backend="auto"):
+def _fake_consensus(margin, valid, batch, cap, quorum, share_set, counts, count, backend="auto", follow=0.0):
     return margin.new_empty(margin.shape, dtype=torch.bool)
 
 
@@ -235,17 +235,20 @@ def consensus_decide(
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
+    follow: float = 0.0,
 ) -> torch.Tensor:
     """``margin: [B * T, G]`` (fp32, as the router ops give them with ``margin``; row ``b * T + t``) ->
     the execute mask ``[B * T, G]`` (bool) under batch consensus (``kernels/consensus.py``: at most
-    ``cap`` groups a position, with at least ``quorum`` of its real tokens' votes, the whole set run
-    by every token with ``share_set``); ``valid: [B * T]`` the real tokens (None: all); with ``count``
-    the real tokens and the groups they run are added to ``counts``."""
+    ``cap`` groups a position, and with ``follow`` > 0 at most ``ceil(follow *`` the tokens' mean count``)``,
+    with at least ``quorum`` of its real tokens' votes, the whole set run by every token with
+    ``share_set``); ``valid: [B * T]`` the real tokens (None: all); with ``count`` the real tokens and the
+    groups they run are added to ``counts``."""
     counts = counts if count else None
+    rule = {"cap": cap, "quorum": quorum, "share_set": share_set, "valid": valid, "follow": follow}
     if _choose(backend, "router", margin.shape[0], margin) == "triton":
-        return triton_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid, counts=counts)
+        return triton_consensus(margin, batch, counts=counts, **rule)
     check_consensus(margin, batch, cap, quorum, valid)
-    execute = torch_consensus(margin, batch, cap=cap, quorum=quorum, share_set=share_set, valid=valid)
+    execute = torch_consensus(margin, batch, **rule)
     torch_count(execute, counts, valid)
     return execute
 
