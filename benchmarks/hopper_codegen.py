@@ -3,9 +3,9 @@
     python benchmarks/hopper_codegen.py [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
 
-Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue,
-the routed decode attention's split kernel, and the routers' deciding launches, which run on the CUDA
-cores and need no pipeline) is compiled for sm_90
+Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue; the tile
+reduction for a shared set and for prefill tiles), the routed decode attention's split kernel, and the
+routers' deciding launches (which run on the CUDA cores and need no pipeline) is compiled for sm_90
 (the H200) at Llama-3.1-8B's shapes, one token, with a tile the H200's autotuner chose for it
 (``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher
 specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads
@@ -143,6 +143,14 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     finish = {k: shares[k] for k in ("bd_ptr", "wu_ptr", "bu_ptr", "out_ptr", "cnt_ptr", "M", "R", "G", "stride_om")}
     finish_meta = {"SPLIT": 32, "DOT_PRECISION": "ieee", "BLOCK_M": 16, "BLOCK_R": 32, "BLOCK_G": 32}
     finish_meta.update(COUNT=True, MARGIN=False)
+    # the tile reduction: a decode batch's shared set (64 tokens, one tile, K split 8 ways, rows agreeing) and a
+    # 4k prefill in tiles of 64 (each row's own groups read, one split), at the policy's tile
+    tiles = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, list_ptr="*i32", part_ptr="*fp32", out_ptr=bf16, N=D)
+    tiles.update(G=FFN // GROUP, stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP)
+    shared_set = {**tiles, "M": 64, "SPLIT_K": 8, "SEQ": 64, "TILE": 64, "TILES_PER_SEQ": 1}
+    prefill = {**tiles, "M": 4096, "SPLIT_K": 1, "SEQ": 4096, "TILE": 64, "TILES_PER_SEQ": 64}
+    o_set = {**shared_set, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
+    tile_meta = {**tf32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
@@ -159,6 +167,13 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         ("o, 4 groups a step, no list, handing on shares", gemm_reduce.triton_masked_reduce_gemm_kernel, o,
          {**packed, **no_shares, "DIRECT": True, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "BLOCK_N": 32,
           "BLOCK_K": 128, "SHARES": True}, 4, 4, "wgmma"),
+        ("down, a shared set of 64 tokens, K split 8", gemm_reduce.triton_tile_reduce_kernel, shared_set,
+         {**tile_meta, "GW": GROUP, "BLOCK_G": 128, "ONE_SPLIT": False, "ROW_MASKS": False}, 4, 4, "wgmma"),
+        ("o, a shared set of 64 tokens, K split 8", gemm_reduce.triton_tile_reduce_kernel, o_set,
+         {**tile_meta, "GW": ATTN_GROUP * HEAD_DIM, "BLOCK_G": 16, "ONE_SPLIT": False, "ROW_MASKS": False}, 4, 4,
+         "wgmma"),
+        ("down, 4k prefill in tiles of 64, own groups", gemm_reduce.triton_tile_reduce_kernel, prefill,
+         {**tile_meta, "GW": GROUP, "BLOCK_G": 128, "ONE_SPLIT": True, "ROW_MASKS": True}, 4, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
         ("router: decision from shares, counting", router.triton_router_shares_kernel, shares, shares_meta, 4, 1,
