@@ -70,12 +70,15 @@ def test_consensus_rule_on_a_worked_case():
     # a single real token keeps its own decision, whatever the budget
     one = consensus_execute(margin, own, torch.tensor([[False], [False], [True], [False]]), Consensus(budget=0.25))
     assert one[2, 0].tolist() == own[2, 0].tolist()
-    # follow: the tokens run 2, 2, 2 and 3 groups, 2.25 on average, so the set holds the first ceil(f * 2.25) of
-    # the ranking 0, 2, 1, 3 (f = 2: 5, all four)
+    # follow: the set holds the first ceil(follow * the tokens' mean count of groups) of the ranking (votes, then
+    # margin sums): groups 0, 2, 1, 3; all four once that many or more
     rank = torch.tensor([0, 2, 1, 3])
-    for follow, size in ((1.0, 3), (0.4, 1), (0.8, 2), (2.0, 4)):
+    mean = own.sum(-1).float().mean().item()
+    for follow in (1.0, 0.4, 0.8, 2.0):
+        size = math.ceil(follow * mean)
         got = consensus_execute(margin, own, None, Consensus(quorum=0.0, follow=follow))[0, 0]
         assert got.tolist() == (rank < size).tolist(), follow
+    assert [math.ceil(f * mean) for f in (0.4, 0.8, 1.0)] == [1, 2, 3]  # each cap a different set here
 
 
 @pytest.mark.parametrize(

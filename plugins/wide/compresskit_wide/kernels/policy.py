@@ -68,7 +68,8 @@ KERNEL_RANGES = (
         min_m=DECODE_MAX_M + 1,
         max_m=SHARED_MAX_M,
         shared=True,
-        why="down / o of a batch's half set, split K: 1.50-1.52x / 1.29-1.32x cuBLAS at 24-32 tokens (docs/serving.md)",
+        why="down / o of a batch's shared set past the decode tile: K split among programs streams only the set's "
+        "weights, faster than cuBLAS on every group (docs/serving.md)",
     ),
     Range("reduce", max_m=8, max_groups=FEW_GROUPS, why="o_proj's few wide groups read directly, up to 8 tokens"),
     Range(
@@ -87,8 +88,8 @@ KERNEL_RANGES = (
     Range(
         "attn_decode",
         min_context=512,
-        why="every batch 1-64 from 512 to 32k positions: with a quarter of the groups off 1.08-2.07x the runtime's "
-        "attention, a half 1.12-2.65x, every group on 0.95-1.65x (docs/serving.md)",
+        why="each sequence's inactive KV heads go unread at any batch: faster than the runtime's attention in "
+        "every cell of batch 1-64 x 512-32k positions with a quarter of the groups off (docs/serving.md)",
     ),
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
@@ -142,18 +143,17 @@ SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows
 REDUCE_K_PACK = 4  # active groups a product in the reduction (2 and 8 were slower at M = 1)
 SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narrowest reduction tile at REDUCE_K_PACK)
 # the shared set's reduction: (BLOCK_N, BLOCK_K, warps, stages) and its programs in all (output blocks x K
-# splits); of 1-32 splits x 32-128 columns x 64/128 K x 4/8 warps at 24-32 tokens, within 1% of the fastest
-# for down and 4% for o (docs/serving.md)
+# splits), the settings its sweep chose for down and o (docs/serving.md)
 SHARED_REDUCE_TILE = (64, 128, 4, 4)
 SHARED_REDUCE_PROGRAMS = 512
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
-# KV splits: about ATTN_DECODE_PROGRAMS split programs over the batch's (sequence, KV head) pairs, none shorter
-# than 64 positions, at most 64; within 0.98x (geometric mean; worst 0.92x) of the best split count of each cell
-# of batch 1-64 x context 512-32k, where one split per 256 positions was 0.96x (worst 0.73x)
+# KV splits: about ATTN_DECODE_PROGRAMS split programs over the batch's (sequence, KV head) pairs (a small batch
+# splits its cache finer to fill the GPU, a large one less to merge less), none shorter than 64 positions, at most
+# 64 (the rule and its sweep: docs/serving.md)
 ATTN_DECODE_POSITIONS_PER_SPLIT = 64
 ATTN_DECODE_MAX_SPLITS = 64
 ATTN_DECODE_PROGRAMS = 2048
-# a program's warps: 2 or 8 (or 32 / 128 positions a step) won some cells, by 0.7% in the geometric mean, 5% at most
+# a program's warps (with ATTN_DECODE_BLOCK positions a step): one setting for every cell (docs/serving.md)
 ATTN_DECODE_WARPS = 4
 ROUTER_DECODE_PROGRAMS = 128  # the decode router spreads its bottleneck over this many programs
 ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about this many run
