@@ -458,39 +458,6 @@ def case_attention_decode(batch, ctx, heads, kv_heads, head_dim, attn_group, mas
     )
 
 
-def case_attention_decode_sweep(batch, ctx, heads, kv_heads, head_dim, attn_group, dtype, device, gen, results):
-    """The decode attention's two launch settings against the shipped defaults: KV positions per
-    loop step (``block_n``) and KV splits per (sequence, KV head), exact masks."""
-    from compresskit_wide.kernels import policy
-
-    q, k, v, lens, mask = decode_attention_inputs(
-        batch, ctx, heads, kv_heads, head_dim, attn_group, "exact", dtype, device, gen
-    )
-    ref = torch_routed_attention_decode(q, k, v, lens, mask)
-    base = policy.attention_decode_splits(ctx)
-    for block_n in (16, 64):
-        for splits in (base, 2 * base, 4 * base):
-            got = triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, block_n=block_n)
-            err = (got.float() - ref.float()).abs().max().item()
-            ok = torch.allclose(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
-
-            def ours(splits=splits, block_n=block_n):
-                return triton_routed_attention_decode(q, k, v, lens, mask, splits=splits, block_n=block_n)
-
-            add_row(
-                results,
-                f"attn decode ctx={ctx} bn={block_n} splits={splits}",
-                batch,
-                "exact",
-                mask,
-                ours,
-                sdpa_variants(q[:, :, None, :], k, v, False),
-                ok,
-                err,
-                False,
-            )
-
-
 def case_attention_prefill(t, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, device, gen, results):
     q = torch.randn(1, heads, t, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, kv_heads, t, head_dim, device=device, dtype=dtype)
@@ -691,16 +658,6 @@ def main() -> int:
                         ),
                     )
                 )
-    for ctx in contexts[1:]:
-        for batch in batches[:2]:
-            cases.append(
-                (
-                    f"attn decode sweep ctx={ctx} B={batch}",
-                    lambda c=ctx, b=batch: case_attention_decode_sweep(
-                        b, c, heads, kv_heads, head_dim, attn_group, dtype, device, gen, results
-                    ),
-                )
-            )
     for t in prefill_m:
         for kind in ("exact", "iid"):
             cases.append(

@@ -302,17 +302,17 @@ def masked_reduce_gemm(
     """``x: [M, K]``, ``w: [N, K]``, ``mask: [M, K/G]`` -> ``[M, N]``: the product over the active
     input groups only. ``input_is_masked``: ``x`` is already zero in the inactive groups (as the
     fused SwiGLU kernel and the routed attention leave it), so the dense fallback is the plain
-    dense product. ``shared``: every row of ``mask`` is the same (a batch's shared set): past the
-    decode kernel's tile, up to ``policy.SHARED_MAX_M`` tokens, the kernel is the split-K one. ``tile``
-    (with ``tokens``, the rows a sequence): the rows agree in tiles of that many positions of each
-    sequence (tile-coherent routing at prefill): the kernel reads each tile's union of groups."""
+    dense product. ``shared``: every row of ``mask`` is the same (a batch's shared set). ``tile`` (with
+    ``tokens``, the rows a sequence): the rows agree in tiles of that many positions of each sequence
+    (tile-coherent routing at prefill). Either way, past the decode kernel's tiles the kernel is the tile
+    reduction, which reads each tile's set once."""
     m = x.shape[0]
     path = _choose(backend, "reduce", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
-        if tile:
-            return triton_tile_reduce_gemm(x, w, mask, tile=tile, tokens=tokens)
-        if shared and policy.DECODE_MAX_M < m <= policy.SHARED_MAX_M:
-            return triton_tile_reduce_gemm(x, w, mask, rows_agree=True)
+        # past the decode kernel's tiles, rows that agree (a tile-coherent prefill; a shared set of up to
+        # SHARED_MAX_M) take the tile reduction
+        if m > policy.DECODE_MAX_M and (tile or (shared and m <= policy.SHARED_MAX_M)):
+            return triton_tile_reduce_gemm(x, w, mask, tile=tile or None, tokens=tokens or None, rows_agree=not tile)
         return triton_masked_reduce_gemm(x, w, mask)
     if path == "dense":
         return dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
