@@ -1,18 +1,18 @@
-"""What the decode kernels compile to on Hopper, checked on any machine: no GPU needed.
+"""What WIDE's kernels compile to on Hopper, checked on any machine: no GPU needed.
 
     python benchmarks/hopper_codegen.py [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
 
 Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue; the tile
-reduction for a shared set and for prefill tiles), the routed decode attention's split kernel, and the
-routers' deciding launches (which run on the CUDA cores and need no pipeline) is compiled for sm_90
-(the H200) at Llama-3.1-8B's shapes, one token, with a tile the H200's autotuner chose for it
-(``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher
-specialises them (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads
-the compiled kernel's TTGIR and reports, per kernel:
+reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
+routed decode attention's split kernel, and the routers' deciding launches (which run on the CUDA cores
+and need no pipeline) is compiled for sm_90 (the H200) at Llama-3.1-8B's shapes, one token (the prefill
+products: 4k), with a tile the H200's autotuner chose for it (``docs/results/wide-kernels/``), its integer
+arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16, a 1
+made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
 - the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
-  loads wait in registers each step, unpipelined);
+  loads wait in registers each step, unpipelined), and how many of them are TMA copies;
 - the shared memory a program takes, against the H200's 227 KB;
 - the registers a thread takes and the bytes it spills (``ptxas -v``, the ptxas Triton ships).
 It exits 1 when a kernel compiles to something else than expected (its MMA kind: the warp-group MMA
@@ -52,7 +52,9 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num
             signature[name] = "constexpr"
             continue
         value = args[name]
-        if isinstance(value, str):  # a pointer: the launcher's tensors are 16-byte aligned
+        if isinstance(value, str) and value.startswith("tensordesc"):  # a host TMA descriptor
+            signature[name] = value
+        elif isinstance(value, str):  # a pointer: the launcher's tensors are 16-byte aligned
             signature[name] = value
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
@@ -78,6 +80,7 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num
     return {
         "mma": mma,
         "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
+        "tma_copies": ttgir.count("async_tma_copy_global_to_local"),
         "shared": out.metadata.shared,
         **registers(out.asm["ptx"]),
     }
@@ -151,6 +154,24 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     prefill = {**tiles, "M": 4096, "SPLIT_K": 1, "SEQ": 4096, "TILE": 64, "TILES_PER_SEQ": 64}
     o_set = {**shared_set, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
     tile_meta = {**tf32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}
+    # the persistent prefill products at 4k tokens: q with k and v under it, gate+up fused (TMA weight tiles)
+    desc = "tensordesc<bf16[128, 64]>"
+    persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")
+    persistent.update(M=4096, K=D, M_BUCKET=4096, stride_xm=D)
+    q_prefill = {**persistent, "N": (HEADS + 2 * 8) * HEAD_DIM, "GW": ATTN_GROUP * HEAD_DIM, "G": HEADS // ATTN_GROUP}
+    q_prefill.update(LAUNCHED=HEADS // ATTN_GROUP + 4, stride_om=(HEADS + 2 * 8) * HEAD_DIM)
+    gu_desc = "tensordesc<bf16[64, 64]>"
+    gu_prefill = {
+        **persistent,
+        "w_desc": gu_desc,
+        "wu_desc": gu_desc,
+        "N": FFN,
+        "GW": GROUP,
+        "G": FFN // GROUP,
+        "LAUNCHED": FFN // GROUP,
+        "stride_om": FFN,
+    }
+    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
@@ -174,6 +195,10 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
          "wgmma"),
         ("down, 4k prefill in tiles of 64, own groups", gemm_reduce.triton_tile_reduce_kernel, prefill,
          {**tile_meta, "GW": GROUP, "BLOCK_G": 128, "ONE_SPLIT": True, "ROW_MASKS": True}, 4, 4, "wgmma"),
+        ("q prefill, 4k, persistent (TMA weight)", gemm_out.triton_persistent_out_gemm_kernel, q_prefill,
+         {**p_meta, "FUSE_SWIGLU": False, "GROUPS_P2": 16}, 8, 4, "wgmma"),
+        ("gate+up prefill, 4k, persistent (TMA weights)", gemm_out.triton_persistent_out_gemm_kernel, gu_prefill,
+         {**p_meta, "FUSE_SWIGLU": True, "BLOCK_N": 64, "GROUPS_P2": 128}, 8, 4, "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
         ("router: decision from shares, counting", router.triton_router_shares_kernel, shares, shares_meta, 4, 1,

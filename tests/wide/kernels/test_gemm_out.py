@@ -11,6 +11,7 @@ from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     torch_masked_out_gemm,
     triton_masked_out_gemm,
+    triton_persistent_out_gemm,
 )
 
 pytestmark = pytest.mark.triton
@@ -57,6 +58,53 @@ def test_prefill_over_several_token_tiles_with_dense_rows(m, dense_rows, sparsit
         x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "dense_rows", "programs"), [(17, 40, 0, 1), (45, 72, 48, 3), (70, 32, 32, 7), (5, 48, 0, 2)]
+)
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsity, fuse):
+    """The persistent prefill kernel (TMA weight tiles, programs over the active tiles, then the
+    zero tiles): the reference's values with 3 routed groups over several token and channel tiles,
+    dense rows after them, K no multiple of the K step, fewer programs than tiles; every output
+    element written, nothing after it."""
+    if fuse and dense_rows:
+        pytest.skip("dense rows are the plain product's")
+    x, w, w_up = inputs(m, k, 96 + dense_rows, fuse, seed=m + k)
+    mask = random_mask(m, 3, sparsity, seed=m * 3)
+    buf = poisoned(m, 96 + dense_rows)
+    got = triton_persistent_out_gemm(
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16, programs=programs
+    )
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up, dense_rows), rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[:, :96][~mask.repeat_interleave(32, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+def test_persistent_prefill_refuses_rows_a_descriptor_cannot_take():
+    x, w, _ = inputs(20, 36, 32, False, seed=3)  # 36 bf16 = 72 bytes a row
+    with pytest.raises(ValueError, match="K=36: a TMA descriptor needs rows of a multiple of 16 bytes"):
+        triton_persistent_out_gemm(x.bfloat16(), w.bfloat16(), random_mask(20, 2, 0.5))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("m", [17, 300, 1100])
+def test_bf16_persistent_prefill_with_autotuned_tiles(fuse, m):
+    """The persistent kernel on its autotuned tiles in bf16: q with dense rows, gate+up fused."""
+    dense_rows = 0 if fuse else 1024
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048 + dense_rows, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    w_up = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) / 4 if fuse else None
+    mask = random_mask(m, 8, 0.5, seed=m)
+    buf = poisoned(m, 2048 + dense_rows, torch.bfloat16)
+    got = triton_persistent_out_gemm(x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m])
+    ref = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
+    assert torch.count_nonzero(got[:, :2048][~mask.repeat_interleave(256, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
 
 

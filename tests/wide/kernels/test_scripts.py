@@ -88,7 +88,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     proc = run_script("hopper_codegen.py", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [r["mma"] for r in rows] == ["wgmma"] * 10 + ["mma"] + ["none"] * 3
+    assert [r["mma"] for r in rows] == ["wgmma"] * 12 + ["mma"] + ["none"] * 3
     assert all(not r["problems"] for r in rows)
     assert all(r["async_copies"] > 0 for r in rows if r["mma"] != "none")
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)

@@ -72,20 +72,33 @@ def flushed_graph_bench(fn, quantiles=None, reps: int = 10, rounds: int = 7):
     return [costs[min(len(costs) - 1, int(q * len(costs)))] for q in quantiles]
 
 
-def configs(rows: list[tuple[dict, int, int]]) -> list:
-    """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list."""
-    return [triton.Config(meta, num_warps=w, num_stages=s) for meta, w, s in rows]
+def configs(rows: list[tuple[dict, int, int]], pre_hook=None) -> list:
+    """``[(meta, num_warps, num_stages), ...]`` -> ``triton.Config`` list (each with ``pre_hook``)."""
+    return [triton.Config(meta, num_warps=w, num_stages=s, pre_hook=pre_hook) for meta, w, s in rows]
 
 
-def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune=None):
+def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune=None, pre_hook=None):
     """``kernel`` autotuned over ``rows`` per ``key``; ``decode`` kernels timed by
-    ``flushed_graph_bench``; ``prune``: an ``early_config_prune`` hook."""
+    ``flushed_graph_bench``; ``prune``: an ``early_config_prune`` hook; ``pre_hook``: run before
+    each launch with the arguments and the tile (:func:`descriptor_blocks`)."""
     return triton.autotune(
-        configs=configs(rows),
+        configs=configs(rows, pre_hook),
         key=key,
         do_bench=flushed_graph_bench if decode else None,
         prune_configs_by={"early_config_prune": prune} if prune else None,
     )(kernel)
+
+
+def descriptor_blocks(**blocks: tuple[str, ...]):
+    """Hook: set each named TMA descriptor's block shape from the tile, e.g.
+    ``descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"))`` (a descriptor's block is part of the
+    compiled kernel, so it follows the tile the autotuner tries)."""
+
+    def hook(nargs):
+        for name, dims in blocks.items():
+            nargs[name].block_shape = [nargs[d] for d in dims]
+
+    return hook
 
 
 def prune_wider_than_group(block: str, group_width_arg: str = "GW"):

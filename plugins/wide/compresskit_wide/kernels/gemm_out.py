@@ -43,8 +43,14 @@ from compresskit_wide.kernels.layout import triton_routing_layout
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from compresskit_wide.kernels.autotune import autotuned, packed_pruner, prune_wider_than_group
+    from compresskit_wide.kernels.autotune import (
+        autotuned,
+        descriptor_blocks,
+        packed_pruner,
+        prune_wider_than_group,
+    )
     from compresskit_wide.kernels.common import packed_diagonal
 except ImportError:
     triton = None
@@ -200,12 +206,101 @@ if triton is not None:
             y = tl.where(on[:, None], tl.trans(y), 0.0)
             tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=store_mask)
 
+    @triton.jit
+    def _group_of(item, cum, lanes):
+        # the group whose items (inclusive prefix sums ``cum`` over the groups' lanes) hold ``item``,
+        # and its first item
+        g = tl.sum((cum <= item).to(tl.int32), axis=0)
+        first = tl.sum(tl.where(lanes == g - 1, cum, 0), axis=0)
+        return g, first
+
+    @triton.jit
+    def triton_persistent_out_gemm_kernel(
+        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr,
+        M, N, K, GW, G, LAUNCHED, M_BUCKET,
+        stride_xm, stride_om,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # prefill, persistent: the programs take the active items (tile of a group's sorted
+        # tokens x block of its channels) in turn, every group's before any zero item, then the
+        # items whose tokens are all inactive (zeros, no weight read). The weight tiles come through
+        # TMA descriptors; the tokens, gathered by the routing layout, through asynchronous copies.
+        # A group past the G routed ones (dense rows) takes every token in order.
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(GW, BLOCK_N)
+        lanes = tl.arange(0, GROUPS_P2)
+        counts = tl.load(counts_ptr + lanes, mask=lanes < G, other=0)
+        counts = tl.where(lanes < G, counts, tl.where(lanes < LAUNCHED, M, 0))
+        live = tl.cdiv(counts, BLOCK_M)  # a group's tiles holding an active token
+        cum_live = tl.cumsum(live * tiles_n, axis=0)
+        cum_zero = tl.cumsum(tl.where(lanes < LAUNCHED, tiles_m - live, 0) * tiles_n, axis=0)
+        n_live = tl.max(cum_live, axis=0)
+        n_zero = tl.max(cum_zero, axis=0)
+        cols_in = tl.arange(0, BLOCK_N)
+        for item in tl.range(tl.program_id(0), n_live, tl.num_programs(0)):
+            g, first = _group_of(item, cum_live, lanes)
+            routed = g < G
+            g_routed = tl.minimum(g, G - 1)
+            count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
+            tm = (item - first) // tiles_n
+            tn = (item - first) % tiles_n
+            slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            in_range = slots < M
+            rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)
+            rows = tl.where(routed, rows, slots)
+            active = slots < count
+            n0 = g * GW + tn * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0
+                )
+                acc = tl.dot(a, tl.trans(w_desc.load([n0, k0])), acc, input_precision=DOT_PRECISION)
+                if FUSE_SWIGLU:
+                    acc_up = tl.dot(a, tl.trans(wu_desc.load([n0, k0])), acc_up, input_precision=DOT_PRECISION)
+            if FUSE_SWIGLU:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            acc = tl.where(active[:, None], acc, 0.0)
+            cols = n0 + cols_in
+            col_ok = ((tn * BLOCK_N + cols_in) < GW) & (cols < N)
+            tl.store(
+                out_ptr + rows[:, None] * stride_om + cols[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=in_range[:, None] & col_ok[None, :],
+            )
+        for item in tl.range(tl.program_id(0), n_zero, tl.num_programs(0)):
+            g, first = _group_of(item, cum_zero, lanes)
+            live_g = tl.sum(tl.where(lanes == g, live, 0), axis=0)
+            tm = live_g + (item - first) // tiles_n
+            tn = (item - first) % tiles_n
+            slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            in_range = slots < M
+            rows = tl.load(order_ptr + g * M + slots, mask=in_range, other=0)  # zero items: routed groups only
+            cols = g * GW + tn * BLOCK_N + cols_in
+            col_ok = ((tn * BLOCK_N + cols_in) < GW) & (cols < N)
+            tl.store(
+                out_ptr + rows[:, None] * stride_om + cols[None, :],
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                mask=in_range[:, None] & col_ok[None, :],
+            )
+
     _tuned_prefill = autotuned(
         triton_masked_out_gemm_kernel,
         policy.OUT_PREFILL,
         ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
         decode=False,
         prune=prune_wider_than_group("BLOCK_N"),
+    )
+    _tuned_persistent = autotuned(
+        triton_persistent_out_gemm_kernel,
+        policy.OUT_PREFILL,
+        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
+        decode=False,
+        prune=prune_wider_than_group("BLOCK_N"),
+        pre_hook=descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"), wu_desc=("BLOCK_N", "BLOCK_K")),
     )
     _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"]
     _tuned_decode = {
@@ -298,4 +393,68 @@ def triton_masked_out_gemm(
     else:
         grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched,)  # noqa: E731
         _tuned_prefill[grid](*args, **common)
+    return out
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def triton_persistent_out_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    mask: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    dense_rows: int = 0,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    warps: int = 4,
+    stages: int = 3,
+    programs: int | None = None,
+) -> torch.Tensor:
+    """The prefill product of :func:`triton_masked_out_gemm` in persistent programs (one per SM on a
+    GPU, ``programs`` to fix it) over the active tiles first, the weight through TMA descriptors
+    (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
+    (``policy.OUT_PREFILL``); ``block_*`` fix them, with ``warps`` and ``stages`` (and do in the CPU
+    interpreter)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    m, k = x.shape
+    n = w.shape[0]
+    groups = mask.shape[-1]
+    if w.shape[1] != k or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    if (k * w.element_size()) % 16:
+        raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
+    gw = routed_rows(w, mask, w_up, dense_rows) // groups
+    launched = groups + cdiv(dense_rows, gw)
+    fuse = w_up is not None
+    x, w = x.contiguous(), w.contiguous()
+    w_up = w_up.contiguous() if fuse else w
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    order, counts = triton_routing_layout(mask)
+    fixed = block_n is not None or interpreted()
+    bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    wu_desc = TensorDescriptor.from_tensor(w_up, [bn, bk])
+    if programs is None:
+        programs = 3 if interpreted() else _sm_count(x.device)
+    args = (x, w_desc, wu_desc, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
+    args += (x.stride(0), out.stride(0))
+    common = {
+        "FUSE_SWIGLU": fuse,
+        "DOT_PRECISION": dot_precision(x.dtype),
+        "GROUPS_P2": max(2, next_power_of_2(launched)),
+    }
+    if fixed:
+        grid = (min(programs, cdiv(m, bm) * cdiv(gw, bn) * launched),)
+        triton_persistent_out_gemm_kernel[grid](
+            *args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages
+        )
+    else:
+        grid = lambda meta: (min(programs, cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched),)  # noqa: E731
+        _tuned_persistent[grid](*args, **common)
     return out

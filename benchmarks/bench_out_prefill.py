@@ -1,0 +1,158 @@
+"""The prefill output-width products against cuBLAS: the sorted-tile kernel (one program a tile) and the
+persistent one (programs over the active tiles, the weight through TMA), side by side in one run.
+
+    python benchmarks/bench_out_prefill.py --out DIR            # on the H200
+    python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
+    python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
+
+Products at Llama-3.1-8B shapes: q with k and v stacked under it (6144 x 4096, 8 routed groups of 512 rows,
+2048 dense rows) and gate+up with the SwiGLU fused (14336 x 4096 each, 112 groups of 128). Masks: ``all``
+(every group on: the kernel's own efficiency at cuBLAS's work), ``iid50`` / ``iid25`` (each group off with
+probability 0.5 / 0.25, independently per token) and ``exact50`` (half of each token's groups). cuBLAS runs the
+dense product (gate+up: both products and the SwiGLU), the inactive groups left as computed. GPU time with the
+L2 flushed, median of 30 calls; each kernel's call includes its routing layout. Every kernel's output is first
+checked against the reference (``torch_masked_out_gemm``)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark_report as report  # noqa: E402  (beside this script)
+from sweep_out_prefill import EXTRA  # noqa: E402
+
+from compresskit_wide.kernels import policy  # noqa: E402
+from compresskit_wide.kernels.gemm_out import (  # noqa: E402
+    dense_masked_out_gemm,
+    torch_masked_out_gemm,
+    triton_masked_out_gemm,
+    triton_persistent_out_gemm,
+)
+
+MASKS = {"all": None, "iid50": 0.5, "iid25": 0.25, "exact50": "exact"}
+
+
+def make_mask(m: int, groups: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    off = MASKS[kind]
+    if off is None:
+        return torch.ones(m, groups, dtype=torch.bool)
+    if off == "exact":
+        idx = torch.rand(m, groups, generator=gen).topk(groups // 2, dim=1).indices
+        return torch.zeros(m, groups, dtype=torch.bool).scatter_(1, idx, True)
+    return torch.rand(m, groups, generator=gen) >= off
+
+
+def products(gpu: bool) -> dict:
+    """name -> (rows of w, K, groups, dense rows, fused)."""
+    if gpu:
+        return {"q (+k, v dense)": (6144, 4096, 8, 2048, False), "gate+up (SwiGLU)": (14336, 4096, 112, 0, True)}
+    return {"q (+k, v dense)": (96, 64, 4, 32, False), "gate+up (SwiGLU)": (64, 48, 4, 0, True)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="1024,2048,4096,8192")
+    parser.add_argument("--masks", default=",".join(MASKS))
+    parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    where = report.gpu_or_smoke(args.smoke)
+    if where is None:
+        return 2
+    dev, dt = where
+    gpu = dev.type == "cuda"
+    if gpu:
+        from bench_wide_kernels import gpu_time
+    else:
+
+        def gpu_time(fn):
+            fn()
+            return float("nan"), {}
+
+    tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
+    fixed = {"block_m": 16, "block_n": 16, "block_k": 16} if not gpu else {}
+    tiles = policy.OUT_PREFILL + EXTRA if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, 4, 2)]
+    gen = torch.Generator().manual_seed(0)
+    rows, ok = [], True
+    header = (
+        "| product | tokens | mask | cuBLAS us | sorted-tile us | x cuBLAS | persistent us | x cuBLAS | x sorted-tile |"
+    )
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    tile_lines = [
+        "| product | tokens | mask | BLOCK_M x N x K, warps, stages | us | x cuBLAS |",
+        "|---|---|---|---|---|---|",
+    ]
+    print(header, flush=True)
+    for name, (n, d, groups, dense_rows, fused) in products(gpu).items():
+        w = (torch.randn(n, d, generator=gen) / d**0.5).to(dev, dt)
+        w_up = (torch.randn(n, d, generator=gen) / d**0.5).to(dev, dt) if fused else None
+        gw = (n - dense_rows) // groups
+        for m in tokens:
+            x = torch.randn(m, d, generator=gen).to(dev, dt)
+            for kind in args.masks.split(","):
+                mask = make_mask(m, groups, kind, gen).to(dev)
+                want = torch_masked_out_gemm(x, w, mask, w_up, dense_rows).float()
+                calls = {
+                    "cublas": functools.partial(
+                        dense_masked_out_gemm, x, w, mask, w_up, zero_inactive=False, dense_rows=dense_rows
+                    ),
+                    "sorted": functools.partial(
+                        triton_masked_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, **fixed
+                    ),
+                    "persistent": functools.partial(
+                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, **fixed
+                    ),
+                }
+                us = {}
+                for label, call in calls.items():
+                    if label != "cublas":
+                        good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
+                        ok &= good
+                        if not good:
+                            print(f"{name} {m} {kind} {label}: WRONG", flush=True)
+                    us[label] = gpu_time(call)[0] * 1e3
+                row = {"product": name, "tokens": m, "mask": kind, **{f"{k}_us": v for k, v in us.items()}}
+                rows.append(row)
+                c, st, pe = us["cublas"], us["sorted"], us["persistent"]
+                line = (
+                    f"| {name} | {m} | {kind} | {c:.1f} | {st:.1f} | {c / st:.2f}x | {pe:.1f} | {c / pe:.2f}x "
+                    f"| {st / pe:.2f}x |"
+                )
+                lines.append(line)
+                print(line, flush=True)
+                if args.tiles and kind == "all":
+                    for meta, warps, stages in tiles:
+                        if meta["BLOCK_N"] > gw:
+                            continue
+                        call = functools.partial(
+                            triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows,
+                            block_m=meta["BLOCK_M"], block_n=meta["BLOCK_N"], block_k=meta["BLOCK_K"],
+                            warps=warps, stages=stages,
+                        )  # fmt: skip
+
+                        good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
+                        ok &= good
+                        t_us = gpu_time(call)[0] * 1e3
+                        label = f"{meta['BLOCK_M']} x {meta['BLOCK_N']} x {meta['BLOCK_K']}, {warps}, {stages}"
+                        rows.append({"product": name, "tokens": m, "mask": kind, "tile": meta, "warps": warps,
+                                     "stages": stages, "us": t_us, "ok": good})  # fmt: skip
+                        tile_line = f"| {name} | {m} | {kind} | {label} | {t_us:.1f} | {us['cublas'] / t_us:.2f}x |"
+                        tile_lines.append(tile_line + ("" if good else " WRONG"))
+                        print(tile_line, flush=True)
+    facts = report.run_facts(gpu, shapes={k: list(v) for k, v in products(gpu).items()})
+    all_lines = lines + ([""] + tile_lines if args.tiles else [])
+    report.write(args.out, "bench-out-prefill", "Prefill output-width products against cuBLAS", facts, all_lines,
+                 {"rows": rows})  # fmt: skip
+    print("every kernel matches the reference" if ok else "SOME KERNELS DO NOT MATCH THE REFERENCE", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
