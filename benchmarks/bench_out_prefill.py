@@ -25,7 +25,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_report as report  # noqa: E402  (beside this script)
-from sweep_out_prefill import EXTRA  # noqa: E402
 
 from compresskit_wide.kernels import policy  # noqa: E402
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
@@ -78,7 +77,7 @@ def main() -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
     fixed = {"block_m": 16, "block_n": 16, "block_k": 16} if not gpu else {}
-    tiles = policy.OUT_PREFILL + EXTRA if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}, 4, 2)]
+    tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
     header = (
@@ -129,18 +128,22 @@ def main() -> int:
                 print(line, flush=True)
                 if args.tiles and kind == "all":
                     for meta, warps, stages in tiles:
-                        if meta["BLOCK_N"] > gw:
+                        staged = stages * meta["BLOCK_K"] * (meta["BLOCK_M"] + meta["BLOCK_N"] * (2 if fused else 1))
+                        if meta["BLOCK_N"] > gw or staged * x.element_size() > policy.PACKED_SMEM_BUDGET:
                             continue
                         call = functools.partial(
                             triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows,
                             block_m=meta["BLOCK_M"], block_n=meta["BLOCK_N"], block_k=meta["BLOCK_K"],
-                            warps=warps, stages=stages,
+                            per_sm=meta["PER_SM"], warps=warps, stages=stages,
                         )  # fmt: skip
 
                         good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
                         ok &= good
                         t_us = gpu_time(call)[0] * 1e3
-                        label = f"{meta['BLOCK_M']} x {meta['BLOCK_N']} x {meta['BLOCK_K']}, {warps}, {stages}"
+                        label = (
+                            f"{meta['BLOCK_M']} x {meta['BLOCK_N']} x {meta['BLOCK_K']}, {warps}, {stages}, "
+                            f"{meta['PER_SM']} an SM"
+                        )
                         rows.append({"product": name, "tokens": m, "mask": kind, "tile": meta, "warps": warps,
                                      "stages": stages, "us": t_us, "ok": good})  # fmt: skip
                         tile_line = f"| {name} | {m} | {kind} | {label} | {t_us:.1f} | {us['cublas'] / t_us:.2f}x |"

@@ -139,6 +139,25 @@ def packed_pruner(block: str, unrolled_group: bool = False):
     return prune
 
 
+def prune_staged_tiles(block_n: str = "BLOCK_N"):
+    """Hook of the prefill products: ``prune_wider_than_group(block_n)``, then the tiles whose pipeline
+    stages (a token tile and one weight tile, two with the fused SwiGLU) fit ``PACKED_SMEM_BUDGET``; where
+    none fits, the smallest."""
+
+    def prune(configs_, named_args, **kwargs):
+        kept = prune_wider_than_group(block_n)(configs_, named_args)
+        elem = named_args["x_ptr"].element_size()
+        weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
+
+        def staged(c):
+            m, n, k = c.kwargs["BLOCK_M"], c.kwargs[block_n], c.kwargs["BLOCK_K"]
+            return c.num_stages * k * elem * (m + n * weights)
+
+        return [c for c in kept if staged(c) <= PACKED_SMEM_BUDGET] or [min(kept, key=staged)]
+
+    return prune
+
+
 def prune_heads_per_program(configs_, named_args, **kwargs):
     """Hook of the prefill attention: the tiles whose heads a program (``HP``) divide both the heads
     of a group (``A``) and those of a KV head (``REP``)."""

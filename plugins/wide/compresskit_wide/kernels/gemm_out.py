@@ -49,6 +49,7 @@ try:
         autotuned,
         descriptor_blocks,
         packed_pruner,
+        prune_staged_tiles,
         prune_wider_than_group,
     )
     from compresskit_wide.kernels.common import packed_diagonal
@@ -220,11 +221,11 @@ if triton is not None:
         M, N, K, GW, G, LAUNCHED, M_BUCKET,
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
     ):  # fmt: skip
-        # prefill, persistent: the programs take the active items (tile of a group's sorted
-        # tokens x block of its channels) in turn, every group's before any zero item, then the
-        # items whose tokens are all inactive (zeros, no weight read). The weight tiles come through
+        # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
+        # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
+        # group's, then the items whose tokens are all inactive (zeros, no weight read). The weight tiles come through
         # TMA descriptors; the tokens, gathered by the routing layout, through asynchronous copies.
         # A group past the G routed ones (dense rows) takes every token in order.
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -296,10 +297,10 @@ if triton is not None:
     )
     _tuned_persistent = autotuned(
         triton_persistent_out_gemm_kernel,
-        policy.OUT_PREFILL,
+        policy.OUT_PERSISTENT,
         ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
         decode=False,
-        prune=prune_wider_than_group("BLOCK_N"),
+        prune=prune_staged_tiles("BLOCK_N"),
         pre_hook=descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"), wu_desc=("BLOCK_N", "BLOCK_K")),
     )
     _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"]
@@ -413,13 +414,14 @@ def triton_persistent_out_gemm(
     block_k: int | None = None,
     warps: int = 4,
     stages: int = 3,
+    per_sm: int = 1,
     programs: int | None = None,
 ) -> torch.Tensor:
-    """The prefill product of :func:`triton_masked_out_gemm` in persistent programs (one per SM on a
-    GPU, ``programs`` to fix it) over the active tiles first, the weight through TMA descriptors
-    (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
-    (``policy.OUT_PREFILL``); ``block_*`` fix them, with ``warps`` and ``stages`` (and do in the CPU
-    interpreter)."""
+    """The prefill product of :func:`triton_masked_out_gemm` in persistent programs (the tile's
+    ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
+    through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
+    (``policy.OUT_PERSISTENT``); ``block_*`` fix them, with ``warps``, ``stages`` and ``per_sm`` (and do in
+    the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -440,8 +442,7 @@ def triton_persistent_out_gemm(
     bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
     w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
     wu_desc = TensorDescriptor.from_tensor(w_up, [bn, bk])
-    if programs is None:
-        programs = 3 if interpreted() else _sm_count(x.device)
+    sms = 3 if interpreted() else _sm_count(x.device)
     args = (x, w_desc, wu_desc, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
     args += (x.stride(0), out.stride(0))
     common = {
@@ -449,12 +450,14 @@ def triton_persistent_out_gemm(
         "DOT_PRECISION": dot_precision(x.dtype),
         "GROUPS_P2": max(2, next_power_of_2(launched)),
     }
+
+    def grid(meta):
+        most = cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched
+        return (min(programs or sms * meta["PER_SM"], most),)
+
     if fixed:
-        grid = (min(programs, cdiv(m, bm) * cdiv(gw, bn) * launched),)
-        triton_persistent_out_gemm_kernel[grid](
-            *args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages
-        )
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm}
+        triton_persistent_out_gemm_kernel[grid(meta)](*args, **common, **meta, num_warps=warps, num_stages=stages)
     else:
-        grid = lambda meta: (min(programs, cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched),)  # noqa: E731
         _tuned_persistent[grid](*args, **common)
     return out

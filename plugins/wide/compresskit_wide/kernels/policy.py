@@ -201,6 +201,19 @@ OUT_PREFILL = [
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
     ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
 ]
+# the persistent output-width product at prefill: tiles, and the programs an SM runs (PER_SM: the grid is
+# that many per SM); tiles whose stages do not fit PACKED_SMEM_BUDGET are pruned (the fused SwiGLU stages
+# two weight tiles)
+OUT_PERSISTENT = [
+    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "PER_SM": 1}, 8, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 2}, 8, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 2}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "PER_SM": 2}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 2),
+]
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
 ATTN_PREFILL = [
     ({"BLOCK_M": bm, "BLOCK_N": bn, "HP": hp}, warps, stages)
