@@ -185,7 +185,7 @@ def case_gate_up(m, d, ffn, group, mask_kind, dtype, device, gen, results):
 
 def note_prefill_tiles(row: dict, tuned=None) -> None:
     """Record (and print) the tiles the autotuner chose for the last call of ``tuned`` (default:
-    the sorted-tile gate+up kernel)."""
+    the prefill gate+up kernel)."""
     from compresskit_wide.kernels import gemm_out
 
     tuned = tuned if tuned is not None else gemm_out._tuned_prefill

@@ -1,4 +1,4 @@
-"""One call of the prefill output-width kernel (sorted tiles) at Llama-3.1-8B shapes, for Nsight
+"""One call of the prefill output-width kernel (persistent, over sorted tiles) at Llama-3.1-8B shapes, for Nsight
 Compute: gate+up with the fused SwiGLU (``--op gate-up``) or q (``--op q``: 32 heads of 128 in 8
 groups), with half of each token's groups on (``--mask exact``), i.i.d. at one half (``iid``) or every
 group on (``all``). The autotuner runs first, outside the profiled range, then one call between

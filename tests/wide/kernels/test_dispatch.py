@@ -70,6 +70,10 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
                 handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
                 got = ran("masked_reduce_gemm_shares", *handoff)
                 assert got == policy.use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed)
+    # a prefill whose weight rows a TMA descriptor cannot take (K x 4 bytes not a multiple of 16) runs dense
+    for m in (16, 4096):
+        x, mask, w3 = torch.zeros(m, 3), torch.ones(m, 2, dtype=torch.bool), torch.zeros(8, 3)
+        assert ran("masked_out_gemm", x, w3, mask, w3) == (m <= policy.DECODE_MAX_M)
     for b, ctx in ((1, 8192), (4, 8192), (1, 32768)):
         q, kv, lens = torch.zeros(b, 8, 16), torch.zeros(b, 2, ctx, 16), torch.full((b,), ctx)
         got = ran("routed_attention_decode", q, kv, kv, lens, torch.ones(b, 2, dtype=torch.bool))
@@ -155,6 +159,16 @@ def test_autotune_hooks_keep_tiles_that_fit():
     assert listed and all(fits(c, 2, 1, pack, 16, steps=512 // c.kwargs["BLOCK_K"]) for c in listed)
     flat = autotune.packed_pruner("BLOCK_K")(rows, wide, K_PACK=pack, BLOCK_M=16)
     assert len(flat) >= len(listed)
+    # the persistent prefill product: every tile for q (groups of 512); the fused SwiGLU stages two weight
+    # tiles, so its widest tile no longer fits; groups of 128 drop the 256-wide tiles
+    persistent = autotune.configs(policy.OUT_PERSISTENT)
+    prune = autotune.prune_staged_tiles("BLOCK_N")
+    assert prune(persistent, {**bf16, "GW": 512}, FUSE_SWIGLU=False) == persistent
+    fused = prune(persistent, {**bf16, "GW": 512}, FUSE_SWIGLU=True)
+    assert fused and len(fused) < len(persistent)
+    assert all(c.num_stages * c.kwargs["BLOCK_K"] * 2 * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"])
+               <= policy.PACKED_SMEM_BUDGET for c in fused)  # fmt: skip
+    assert all(c.kwargs["BLOCK_N"] <= 128 for c in prune(persistent, bf16, FUSE_SWIGLU=True))
 
 
 def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():

@@ -103,23 +103,6 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     assert proc.returncode == 2 and "replaces Triton's compiler" in proc.stderr
 
 
-def test_prefill_tile_sweep_smoke(tmp_path, monkeypatch):
-    """``sweep_out_prefill.py`` runs every mask kind through the sorted-tile kernel and checks each
-    row against the reference (tiny shapes in the interpreter here), writing its table and JSON."""
-
-    args = ["--smoke"] if DEVICE == "cpu" else ["--tiles", "two", "--tokens", "1024"]
-    proc = run_script("sweep_out_prefill.py", *args, "--out", str(tmp_path), env=KERNEL_ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((tmp_path / "sweep-out-prefill.json").read_text())["rows"]
-    assert {r["mask"] for r in rows} == {"exact", "iid", "all", "balanced"} and all(r["ok"] for r in rows)
-    # balanced: half of each token's groups, and every group exactly half of the tokens
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from sweep_out_prefill import make_mask
-
-    mask = make_mask(40, 8, "balanced", torch.Generator().manual_seed(0))
-    assert (mask.sum(0) == 20).all() and (mask.sum(1) == 4).all()
-
-
 @pytest.mark.slow
 def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every

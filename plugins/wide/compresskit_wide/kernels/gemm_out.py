@@ -8,11 +8,14 @@
 ``dense_rows``: the last rows of ``w`` are not routed but run for every token, in groups of GW
 after the G routed ones (k and v stacked under q: one product instead of two).
 
-Prefill (M > 16): program (tile, group) takes one tile of the group's tokens in the routing
-layout's sorted order, active first. A tile with no active token writes zeros without reading a
-weight; in the one partial tile the inactive rows are not read. A group's tiles launch together, so
-that the programs running at once share its weight rows in L2 (gate+up's weights are five times the
-L2).
+Prefill (M > 16): persistent programs (``PER_SM`` an SM) take the items (tile of a group's tokens
+in the routing layout's sorted order, active first x block of its channels) in turn: first every
+item with an active token, group after group (so that the programs running at once share a group's
+weight rows in L2: gate+up's weights are five times the L2), then the items whose tokens are all
+inactive, which write zeros without reading a weight. In the one partial tile of a group the
+inactive rows are not read. The weight tiles come through TMA descriptors (Hopper's bulk copy
+engine; a row of K must be a multiple of 16 bytes), the tokens, gathered by the layout, through
+asynchronous copies.
 
 Decode (M <= 16, or up to 64 tokens that all run one set of groups: a batch's consensus set): program
 (group, block of output channels) takes every token in one tile, reads the mask column itself (no
@@ -106,56 +109,6 @@ def dense_masked_out_gemm(
 
 
 if triton is not None:
-
-    @triton.jit
-    def triton_masked_out_gemm_kernel(
-        x_ptr, w_ptr, wu_ptr, out_ptr, order_ptr, counts_ptr,
-        M, N, K, GW, G, LAUNCHED, M_BUCKET,
-        stride_xm, stride_wn, stride_om,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # prefill, program (i, g): i = tile of group g's sorted tokens x block of its channels (the
-        # channel block fastest), g = one of the LAUNCHED groups (slowest); a group past the G routed
-        # ones (dense rows) takes every token in order. M_BUCKET is only the autotuning key.
-        tiles_n = tl.cdiv(GW, BLOCK_N)
-        g = tl.program_id(0) // (tl.cdiv(M, BLOCK_M) * tiles_n)
-        i = tl.program_id(0) % (tl.cdiv(M, BLOCK_M) * tiles_n)
-        routed = g < G
-        tm = i // tiles_n
-        tn = i % tiles_n
-        g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the layout
-        count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
-        slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_range = slots < M
-        rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)  # token ids, active first
-        rows = tl.where(routed, rows, slots)
-        active = slots < count
-        cols = g * GW + tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = ((tn * BLOCK_N + tl.arange(0, BLOCK_N)) < GW) & (cols < N)
-        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        store_mask = in_range[:, None] & col_ok[None, :]
-        if tm * BLOCK_M >= count:  # the tile's first sorted token is inactive: so are the others
-            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                a = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & k_ok[None, :], other=0.0
-                )
-                w_mask = col_ok[:, None] & k_ok[None, :]
-                b = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
-                if FUSE_SWIGLU:
-                    bu = tl.load(wu_ptr + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-                    acc_up = tl.dot(a, tl.trans(bu), acc_up, input_precision=DOT_PRECISION)
-            if FUSE_SWIGLU:
-                acc = acc * tl.sigmoid(acc) * acc_up
-            acc = tl.where(active[:, None], acc, 0.0)
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
     @triton.jit
     def triton_masked_out_gemv_kernel(
@@ -289,13 +242,6 @@ if triton is not None:
             )
 
     _tuned_prefill = autotuned(
-        triton_masked_out_gemm_kernel,
-        policy.OUT_PREFILL,
-        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
-        decode=False,
-        prune=prune_wider_than_group("BLOCK_N"),
-    )
-    _tuned_persistent = autotuned(
         triton_persistent_out_gemm_kernel,
         policy.OUT_PERSISTENT,
         ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
@@ -339,10 +285,10 @@ def triton_masked_out_gemm(
 ) -> torch.Tensor:
     """Triton version of :func:`torch_masked_out_gemm`. Up to ``policy.DECODE_MAX_M`` tokens (or
     ``policy.SHARED_MAX_M`` where they all run one set of groups, ``shared``) the decode kernel (``k_pack``:
-    K chunks a product, a power of two; default ``policy.out_k_pack``); more, the sorted-tile kernel on the
-    routing layout of ``mask``. ``dense_rows``: the last rows of ``w`` run for every token. Tiles are
-    autotuned on a GPU (for the packings ``policy.out_k_pack`` gives); ``block_*`` fix them, for any packing
-    (and do in the CPU interpreter)."""
+    K chunks a product, a power of two; default ``policy.out_k_pack``); more, the persistent prefill kernel
+    (:func:`triton_persistent_out_gemm`) on the routing layout of ``mask``. ``dense_rows``: the last rows of
+    ``w`` run for every token. Tiles are autotuned on a GPU (for the packings ``policy.out_k_pack`` gives);
+    ``block_*`` fix them, for any packing (and do in the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -384,17 +330,16 @@ def triton_masked_out_gemm(
         return out
     if k_pack not in (None, 1):
         raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}, or shared); got M={m}")
-    order, counts = triton_routing_layout(mask)
-    args = (x, w, w_up, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
-    args += (x.stride(0), w.stride(0), out.stride(0))
-    if fixed:
-        bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-        grid = (cdiv(m, bm) * cdiv(gw, bn) * launched,)
-        triton_masked_out_gemm_kernel[grid](*args, **common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    else:
-        grid = lambda meta: (cdiv(m, meta["BLOCK_M"]) * cdiv(gw, meta["BLOCK_N"]) * launched,)  # noqa: E731
-        _tuned_prefill[grid](*args, **common)
-    return out
+    return triton_persistent_out_gemm(
+        x, w, mask, w_up if fuse else None, dense_rows=dense_rows, out=out, block_m=block_m, block_n=block_n,
+        block_k=block_k,
+    )  # fmt: skip
+
+
+def out_kernel_takes(x: torch.Tensor, w: torch.Tensor, shared: bool = False) -> bool:
+    """Whether :func:`triton_masked_out_gemm` takes these operands: the prefill kernel reads the weight
+    through TMA descriptors, whose rows must be a multiple of 16 bytes (any K at decode sizes)."""
+    return policy.decode_kernel(x.shape[0], shared) or (w.shape[1] * w.element_size()) % 16 == 0
 
 
 def _sm_count(device: torch.device) -> int:
@@ -417,7 +362,7 @@ def triton_persistent_out_gemm(
     per_sm: int = 1,
     programs: int | None = None,
 ) -> torch.Tensor:
-    """The prefill product of :func:`triton_masked_out_gemm` in persistent programs (the tile's
+    """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
     (``policy.OUT_PERSISTENT``); ``block_*`` fix them, with ``warps``, ``stages`` and ``per_sm`` (and do in
@@ -459,5 +404,5 @@ def triton_persistent_out_gemm(
         meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm}
         triton_persistent_out_gemm_kernel[grid(meta)](*args, **common, **meta, num_warps=warps, num_stages=stages)
     else:
-        _tuned_persistent[grid](*args, **common)
+        _tuned_prefill[grid](*args, **common)
     return out

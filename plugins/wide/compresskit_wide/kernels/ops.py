@@ -36,7 +36,12 @@ from compresskit_wide.kernels.attention_prefill import (
 )
 from compresskit_wide.kernels.common import KernelUnavailableError, interpreted
 from compresskit_wide.kernels.consensus import check_consensus, torch_consensus, triton_consensus
-from compresskit_wide.kernels.gemm_out import dense_masked_out_gemm, torch_masked_out_gemm, triton_masked_out_gemm
+from compresskit_wide.kernels.gemm_out import (
+    dense_masked_out_gemm,
+    out_kernel_takes,
+    torch_masked_out_gemm,
+    triton_masked_out_gemm,
+)
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
     share_slots,
@@ -277,6 +282,8 @@ def masked_out_gemm(
     the reference write zeros anyway. ``shared``: every token runs the same groups (a batch's consensus
     set at decode), which the kernels take in one tile up to ``policy.SHARED_MAX_M`` tokens."""
     path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w, shared=shared)
+    if path == "triton" and backend == "auto" and not out_kernel_takes(x, w, shared):
+        path = "dense"
     if path == "triton":
         return triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows, shared=shared)
     if path == "dense":

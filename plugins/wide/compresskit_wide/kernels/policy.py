@@ -55,7 +55,11 @@ class Range:
 KERNEL_RANGES = (
     Range("swiglu", why="the fused gate+up beats cuBLAS gate+up at every token count measured, decode to 4k"),
     Range("out", max_m=DECODE_MAX_M, why="q at decode: K packed into one product, no layout to build"),
-    Range("out", min_m=4096, why="q on sorted tiles from 4k tokens; below that, down to 17, cuBLAS was faster"),
+    Range(
+        "out",
+        min_m=4096,
+        why="q on the persistent prefill kernel from 4k tokens; at 2k cuBLAS was faster (docs/wide-kernels-h200.md)",
+    ),
     Range(
         "out",
         max_m=SHARED_MAX_M,
@@ -191,16 +195,6 @@ SWIGLU_DECODE = [
 # the reduction's K-packed product (BLOCK_K steps through one group)
 REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64, 8, 4), (128, 128, 8, 3)]
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
-# the output-width product at prefill, over sorted tokens (256-row tiles were never chosen from 512 to 4k tokens)
-OUT_PREFILL = [
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64}, 8, 4),
-    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64}, 4, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32}, 8, 4),
-    ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
-]
 # the persistent output-width product at prefill: tiles, and the programs an SM runs (PER_SM: the grid is
 # that many per SM); tiles whose stages do not fit PACKED_SMEM_BUDGET are pruned (the fused SwiGLU stages
 # two weight tiles)
