@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_report as report  # noqa: E402  (beside this script)
 
-from compresskit_wide.kernels import policy  # noqa: E402
+from compresskit_wide.kernels import gemm_out, policy  # noqa: E402
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     torch_masked_out_gemm,
@@ -77,7 +78,11 @@ def main() -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
     fixed = {"block_m": 16, "block_n": 16, "block_k": 16} if not gpu else {}
-    tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
+    tiles = (
+        policy.OUT_PERSISTENT
+        if gpu
+        else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1, "WARP_SPECIALIZE": False}, 4, 2)]
+    )
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS |"
@@ -113,30 +118,38 @@ def main() -> int:
                             print(f"{name} {m} {kind} {label}: WRONG", flush=True)
                     us[label] = gpu_time(call)[0] * 1e3
                 row = {"product": name, "tokens": m, "mask": kind, **{f"{k}_us": v for k, v in us.items()}}
+                best = getattr(gemm_out._tuned_prefill, "best_config", None) if gpu else None
+                if best is not None:  # the tile the autotuner chose for this row's shape
+                    row["tile"] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
                 rows.append(row)
                 c, ours = us["cublas"], us["kernel"]
                 line = f"| {name} | {m} | {kind} | {c:.1f} | {ours:.1f} | {c / ours:.2f}x |"
                 lines.append(line)
                 print(line, flush=True)
                 if args.tiles and kind == "all":
-                    for meta, warps, stages in tiles:
+                    for (meta, warps, stages), ws in itertools.product(tiles, (False, True)):
                         staged = stages * meta["BLOCK_K"] * (meta["BLOCK_M"] + meta["BLOCK_N"] * (2 if fused else 1))
                         if meta["BLOCK_N"] > gw or staged * x.element_size() > policy.PACKED_SMEM_BUDGET:
                             continue
                         call = functools.partial(
                             triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows,
                             block_m=meta["BLOCK_M"], block_n=meta["BLOCK_N"], block_k=meta["BLOCK_K"],
-                            per_sm=meta["PER_SM"], warps=warps, stages=stages,
+                            per_sm=meta["PER_SM"], warps=warps, stages=stages, warp_specialize=ws,
                         )  # fmt: skip
-
-                        good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
-                        ok &= good
-                        t_us = gpu_time(call)[0] * 1e3
                         label = (
                             f"{meta['BLOCK_M']} x {meta['BLOCK_N']} x {meta['BLOCK_K']}, {warps}, {stages}, "
-                            f"{meta['PER_SM']} an SM"
+                            f"{meta['PER_SM']} an SM" + (", warp-specialised" if ws else "")
                         )
-                        rows.append({"product": name, "tokens": m, "mask": kind, "tile": meta, "warps": warps,
+                        try:
+                            good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
+                        except Exception as err:  # a variant this Triton cannot compile: say so, go on
+                            tile_lines.append(f"| {name} | {m} | {kind} | {label} | does not compile | |")
+                            print(f"{tile_lines[-1]} {type(err).__name__}: {str(err)[:200]}", flush=True)
+                            continue
+                        ok &= good
+                        t_us = gpu_time(call)[0] * 1e3
+                        tile = {**meta, "WARP_SPECIALIZE": ws}
+                        rows.append({"product": name, "tokens": m, "mask": kind, "tile": tile, "warps": warps,
                                      "stages": stages, "us": t_us, "ok": good})  # fmt: skip
                         tile_line = f"| {name} | {m} | {kind} | {label} | {t_us:.1f} | {us['cublas'] / t_us:.2f}x |"
                         tile_lines.append(tile_line + ("" if good else " WRONG"))

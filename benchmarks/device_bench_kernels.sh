@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${TESTS_K:-}" != none ]; then
   workers=()
   [ "${SHARDS:-1}" -gt 1 ] && workers=(-n "$SHARDS")
-  python3 -m pytest -q -p no:cacheprovider -rfEs "${workers[@]}" tests/wide/kernels \
+  python3 -m pytest -v -p no:cacheprovider -rfEs "${workers[@]}" tests/wide/kernels \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/kernel-tests.log" | tail -n 15
 fi
 if [ -n "${BEFORE:-}" ]; then

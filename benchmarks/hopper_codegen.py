@@ -171,7 +171,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
+    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "WARP_SPECIALIZE": False}
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),

@@ -9,6 +9,7 @@ from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask 
 
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
+    out_kernel_takes,
     torch_masked_out_gemm,
     triton_masked_out_gemm,
     triton_persistent_out_gemm,
@@ -82,6 +83,30 @@ def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsi
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up, dense_rows), rtol=1e-4, atol=1e-4)
     assert torch.count_nonzero(got[:, :96][~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_persistent_prefill_with_warp_specialised_k_loop(fuse):
+    """The tile sweep's warp-specialised K loop gives the reference's values too (on a GPU this Triton's
+    producer / consumer split; in the interpreter the same loop)."""
+    x, w, w_up = inputs(45, 64, 96, fuse, seed=11)
+    mask = random_mask(45, 3, 0.5, seed=12)
+    got = triton_persistent_out_gemm(
+        x, w, mask, w_up, block_m=16, block_n=16, block_k=16, programs=4, warp_specialize=True
+    )
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
+
+
+def test_persistent_prefill_reads_a_weight_that_starts_unaligned():
+    """A weight whose start is not 16-byte aligned (a view one element in, as a tensor mapped from a file
+    may be) gives the reference's values, and ``auto`` would send it to cuBLAS."""
+    x, w, _ = inputs(30, 64, 96, False, seed=5)
+    view = torch.cat([w.new_zeros(1), w.flatten()])[1:].view(96, 64)  # the same values, 4 bytes in
+    assert view.data_ptr() % 16 and not out_kernel_takes(x, view)
+    mask = random_mask(30, 3, 0.5, seed=6)
+    got = triton_persistent_out_gemm(x, view, mask, block_m=16, block_n=16, block_k=16)
+    torch.testing.assert_close(got, torch_masked_out_gemm(x, view, mask), rtol=1e-4, atol=1e-4)
+    assert out_kernel_takes(x, w) and out_kernel_takes(x[:16], view)  # aligned; decode sizes take any
 
 
 def test_persistent_prefill_refuses_rows_a_descriptor_cannot_take():

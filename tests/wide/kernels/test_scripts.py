@@ -79,9 +79,10 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     down fused, o with its group list and without) compiled for sm_90 at Llama-3.1-8B's shapes and
     the H200's tiles use the warp-group MMA (the decode attention's split kernel the older one; the
     reductions also with the next router's shares in their epilogue; the tile reduction for a shared
-    set of 64 tokens, down and o, and for a 4k prefill in tiles of 64),
-    stream their operands through a software pipeline, fit the H200's shared memory and spill no
-    registers; the routers' deciding launches run on the CUDA cores, unpipelined, without spills.
+    set of 64 tokens, down and o, and for a 4k prefill in tiles of 64; the persistent prefill q and
+    gate+up, their weights through TMA), stream their operands through a software pipeline, fit the
+    H200's shared memory and spill no registers; the routers' deciding launches run on the CUDA cores,
+    unpipelined, without spills.
     The check sees an unpipelined product (one stage) as one."""
 
     out = tmp_path / "codegen.json"

@@ -175,6 +175,7 @@ if triton is not None:
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
@@ -207,7 +208,7 @@ if triton is not None:
             n0 = g * GW + tn * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):  # producer / consumer warps
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(
                     x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0
@@ -336,10 +337,22 @@ def triton_masked_out_gemm(
     )  # fmt: skip
 
 
-def out_kernel_takes(x: torch.Tensor, w: torch.Tensor, shared: bool = False) -> bool:
-    """Whether :func:`triton_masked_out_gemm` takes these operands: the prefill kernel reads the weight
-    through TMA descriptors, whose rows must be a multiple of 16 bytes (any K at decode sizes)."""
-    return policy.decode_kernel(x.shape[0], shared) or (w.shape[1] * w.element_size()) % 16 == 0
+def _tma_ready(w: torch.Tensor) -> bool:
+    """A TMA descriptor can read ``w`` in place: its start and its rows 16-byte aligned."""
+    return w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+
+
+def out_kernel_takes(x: torch.Tensor, w: torch.Tensor, shared: bool = False, w_up: torch.Tensor | None = None) -> bool:
+    """Whether ``auto`` runs :func:`triton_masked_out_gemm` on these operands at no extra cost: the prefill
+    kernel reads the weights through TMA descriptors, which need them 16-byte aligned (a weight mapped from
+    a file may start anywhere; the decode kernel takes any)."""
+    if policy.decode_kernel(x.shape[0], shared):
+        return True
+    return all(_tma_ready(t.contiguous()) for t in (w, w_up) if t is not None)
+
+
+def _aligned(w: torch.Tensor) -> torch.Tensor:
+    return w if w.data_ptr() % 16 == 0 else w.clone()
 
 
 def _sm_count(device: torch.device) -> int:
@@ -360,13 +373,15 @@ def triton_persistent_out_gemm(
     warps: int = 4,
     stages: int = 3,
     per_sm: int = 1,
+    warp_specialize: bool = False,
     programs: int | None = None,
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
-    (``policy.OUT_PERSISTENT``); ``block_*`` fix them, with ``warps``, ``stages`` and ``per_sm`` (and do in
-    the CPU interpreter)."""
+    (``policy.OUT_PERSISTENT``); ``block_*`` fix them, with ``warps``, ``stages``, ``per_sm`` and
+    ``warp_specialize`` (Triton's producer / consumer warps for the K loop; a tile sweep's option, not in the
+    table until measured) (and do in the CPU interpreter)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, k = x.shape
@@ -379,8 +394,9 @@ def triton_persistent_out_gemm(
     gw = routed_rows(w, mask, w_up, dense_rows) // groups
     launched = groups + cdiv(dense_rows, gw)
     fuse = w_up is not None
-    x, w = x.contiguous(), w.contiguous()
-    w_up = w_up.contiguous() if fuse else w
+    # a weight whose start is not 16-byte aligned (mapped from a file) is read from an aligned copy
+    x, w = x.contiguous(), _aligned(w.contiguous())
+    w_up = _aligned(w_up.contiguous()) if fuse else w
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     order, counts = triton_routing_layout(mask)
     fixed = block_n is not None or interpreted()
@@ -401,7 +417,7 @@ def triton_persistent_out_gemm(
         return (min(programs or sms * meta["PER_SM"], most),)
 
     if fixed:
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm}
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm, "WARP_SPECIALIZE": warp_specialize}
         triton_persistent_out_gemm_kernel[grid(meta)](*args, **common, **meta, num_warps=warps, num_stages=stages)
     else:
         _tuned_prefill[grid](*args, **common)

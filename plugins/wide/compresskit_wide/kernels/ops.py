@@ -282,7 +282,7 @@ def masked_out_gemm(
     the reference write zeros anyway. ``shared``: every token runs the same groups (a batch's consensus
     set at decode), which the kernels take in one tile up to ``policy.SHARED_MAX_M`` tokens."""
     path = _choose(backend, "swiglu" if w_up is not None else "out", x.shape[0], x, w, shared=shared)
-    if path == "triton" and backend == "auto" and not out_kernel_takes(x, w, shared):
+    if path == "triton" and backend == "auto" and not out_kernel_takes(x, w, shared, w_up):
         path = "dense"
     if path == "triton":
         return triton_masked_out_gemm(x, w, mask, w_up, dense_rows=dense_rows, shared=shared)
