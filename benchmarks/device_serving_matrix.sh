@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The serving matrix on the device machine (H200): `compresskit bench --shape llama-3.1-8b` over batch 1-64 at
 # each prompt length, one process a prompt length (dense and the routed rows side by side in it), run in a new
-# process session that outlives the call, so that the matrix may take longer than one call.
+# process session that outlives the call, so that the matrix may take longer than one call. Each cell runs one
+# whole generation (its TTFT) and times the other two TPOT repeats from the prompt's cache (--ttft-repeats 1),
+# which spares two long prefills a cell.
 # Through the device tool, from the repo root, carrying [".whl"]:
 #   bash benchmarks/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
 #   bash benchmarks/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
@@ -29,7 +31,7 @@ rm -rf "$SM" && mkdir -p "$SM/out"
 setsid bash -c '
   for p in ${PROMPTS:-512 2048 8192 16384}; do
     compresskit bench --shape llama-3.1-8b --batch "${BATCHES:-1,2,4,8,16,32,64}" --prompt "$p" \
-      --transformers off --prefill-graphs off --new-tokens 32 --repeats 3 "$@" --output "'"$SM"'/out/p$p" || echo "prompt $p: exit $?"
+      --transformers off --prefill-graphs off --new-tokens 32 --repeats 3 --ttft-repeats 1 "$@" --output "'"$SM"'/out/p$p" || echo "prompt $p: exit $?"
   done
   echo 0 > "'"$SM"'/rc"' _ "$@" > "$SM/log" 2>&1 < /dev/null &
 sleep 5 && tail -n 5 "$SM/log"

@@ -341,17 +341,25 @@ def reset_counts(runtime, model, pruner) -> None:
         pruner.reset_sparsity(model)
 
 
-def time_runtime(runtime, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0):
+def time_runtime(
+    runtime, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0, ttft_repeats: int | None = None
+):
     """Median TTFT and TPOT (ms) of greedy generation on ``runtime`` (one warm-up first: compilation,
-    graph capture, autotuning)."""
+    graph capture, autotuning). ``ttft_repeats`` (default ``repeats``) of the ``repeats`` are whole
+    generations; the rest time the decode alone from the prompt's cache (:meth:`Runtime.time_decode`),
+    which spares a long prompt's prefill where only TPOT needs more samples."""
     prompts = _prompts(batch, prompt, runtime.config.vocab_size, seed)
     runtime.generate(prompts, max_new_tokens=new_tokens)
     ttft, tpot = [], []
-    for _ in range(repeats):
-        res = runtime.generate(prompts, max_new_tokens=new_tokens)
-        ttft.append(res.prefill_seconds * 1e3)
-        steps = max(1, len(res.tokens[0]) - 1)
-        tpot.append(res.decode_seconds * 1e3 / steps)
+    whole = repeats if ttft_repeats is None else ttft_repeats
+    for i in range(repeats):
+        if i < whole:
+            res = runtime.generate(prompts, max_new_tokens=new_tokens)
+            ttft.append(res.prefill_seconds * 1e3)
+            steps = max(1, len(res.tokens[0]) - 1)
+            tpot.append(res.decode_seconds * 1e3 / steps)
+        else:  # the first token's step is in TTFT: time the steps after it, as generate's decode does
+            tpot.append(runtime.time_decode(batch, prompt, new_tokens) * 1e3 / max(1, new_tokens - 1))
     return statistics.median(ttft), statistics.median(tpot)
 
 
@@ -429,13 +437,15 @@ def bench(
     config=None,
     progress=None,
     skipped=None,
+    ttft_repeats: int | None = None,
 ) -> list[Row]:
     """A row per member for each batch and prompt, in order of case and member. The members are timed
     one after another, each over every case; a member with a ``build`` is made when its turn comes and
     freed after it, and each runtime's caches and graphs are released after each case (one model's
     working memory on the device at a time). A case whose estimate (:func:`cell_bytes` of ``config``,
     by default the first member's model's) exceeds the memory free when the first member runs it is
-    skipped for every member with one line to ``skipped`` (a callable taking it), the others run."""
+    skipped for every member with one line to ``skipped`` (a callable taking it), the others run.
+    ``ttft_repeats``: of the runtime members' ``repeats``, how many are whole generations (:func:`time_runtime`)."""
     rows: list[tuple[int, int, Row]] = []
     cases = [(b, p) for b in batches for p in prompts]
     fits: dict[tuple[int, int], bool] = {}
@@ -458,7 +468,7 @@ def bench(
                             f"{size(need['kv'])}, activations {size(need['activations'])}) and {size(free)} is free"
                         )
                 if fits[(b, p)]:
-                    rows.append((case, index, _time_member(live, b, p, new_tokens, repeats)))
+                    rows.append((case, index, _time_member(live, b, p, new_tokens, repeats, ttft_repeats)))
                 if task is not None:
                     task.advance(1)
             if m.build is not None:
@@ -468,13 +478,13 @@ def bench(
     return [row for _, _, row in sorted(rows, key=lambda r: r[:2])]
 
 
-def _time_member(m: Member, batch: int, prompt: int, new_tokens: int, repeats: int) -> Row:
+def _time_member(m: Member, batch: int, prompt: int, new_tokens: int, repeats: int, ttft_repeats=None) -> Row:
     if m.transformers:
         ttft, tpot = time_transformers(m.model, batch, prompt, new_tokens, repeats, cache=m.transformers)
         sparsity, mode = None, _transformers_mode(m)
     else:
         reset_counts(m.runtime, m.model, m.pruner)
-        ttft, tpot = time_runtime(m.runtime, batch, prompt, new_tokens, repeats)
+        ttft, tpot = time_runtime(m.runtime, batch, prompt, new_tokens, repeats, ttft_repeats=ttft_repeats)
         sparsity, mode = realised_sparsity(m.runtime, m.model, m.pruner), m.runtime.mode
         m.runtime.release()
     return Row(m.name, batch, prompt, ttft, tpot, sparsity, {"mode": mode, **m.info})

@@ -496,6 +496,28 @@ class Runtime:
         cache.reset()
         return time.perf_counter() - t0
 
+    def time_decode(self, batch: int, context: int, steps: int) -> float:
+        """Seconds of ``steps`` greedy decode steps of ``batch`` sequences after ``context`` cached
+        positions, on the cache an earlier :meth:`generate` of ``batch`` prompts of ``context`` tokens and
+        ``steps`` new ones used: its slots from ``context`` on are rewound and written again, the ones
+        before kept as they are (a step's time does not depend on the values it reads). What a benchmark
+        repeats instead of a whole generation when only the decode is timed."""
+        cache = self._cache_for(batch, context + steps)
+        cache.valid[:, :context] = True
+        cache.end = context
+        first = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._sync()
+        t0 = time.perf_counter()
+        if self.compiled or self.graphs:
+            for _ in self.greedy_tokens(cache, first, steps):
+                pass
+        else:
+            token = first
+            for _ in range(steps - 1):
+                token = self.decode(token, cache).argmax(-1)
+        self._sync()
+        return time.perf_counter() - t0
+
     # -- generation ----------------------------------------------------------------------------
     def _sync(self) -> None:
         if self.device.type == "cuda":

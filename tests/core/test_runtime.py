@@ -152,6 +152,24 @@ def test_sampling_is_seeded_and_stops_at_eos(tiny):
     assert stopped == a[0][: a[0].index(eos) + 1]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_time_decode_reruns_the_steps_of_a_generation_from_its_cache(tiny, compiled):
+    """``time_decode`` rewinds the cache a generation of that shape used to the prompt's end and runs the
+    same number of decode steps again: the cache's prompt slots keep their keys, the steps after them are
+    written again (one slot a step past the first token, as generate's decode), and the time is positive."""
+    model, _ = tiny
+    rt = Runtime(model, compile=compiled)
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]]
+    rt.generate(prompts, max_new_tokens=4)
+    cache = rt._cache_for(2, 5 + 4)
+    prompt_keys = cache.keys[0][:, :, :5].clone()
+    cache.keys[0][:, :, 5:].fill_(float("nan"))
+    seconds = rt.time_decode(2, 5, 4)
+    assert seconds > 0 and cache.end >= 5 + 3
+    assert torch.equal(cache.keys[0][:, :, :5], prompt_keys)
+    assert not torch.isnan(cache.keys[0][:, :, 5:8]).any() and cache.valid[:, : cache.end].all()
+
+
 def test_self_feeding_greedy_decode_gives_the_eager_tokens(tiny):
     """Compiled decode steps feed themselves (the token picked on the device, the host one step
     behind): the same tokens, streamed in order, as eager decoding, padded or not, stopping at EOS;
@@ -236,6 +254,12 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
     assert (out / "bench.png").stat().st_size > 10_000  # TTFT / TPOT speedup against batch size
     assert data["meta"]["command"].startswith("compresskit bench") and "TTFT x dense" in (out / "bench.md").read_text()
     assert "TTFT and TPOT" in printed
+    # one whole generation a case, the other TPOT repeats from the prompt's cache
+    argv = ["bench", str(tiny_model_dir), "--prompt", "8", "--new-tokens", "3", "--repeats", "3", "--ttft-repeats", "1"]
+    assert main([*argv, "--dtype", "float32", "--transformers", "off", "--output", str(tmp_path / "once")]) == 0
+    once = json.loads((tmp_path / "once" / "bench.json").read_text())
+    assert once["meta"]["ttft_repeats"] == 1 and all(r["tpot_ms"] > 0 for r in once["results"])
+    assert "TPOT medians of 3, TTFT of 1" in capsys.readouterr().out
     for bad, expect in (
         (["--batch", "0"], "--batch: '0': give integers of 1 or more"),
         (["--prompt", "a"], "--prompt: 'a' is not a comma-separated list of integers"),
@@ -244,6 +268,8 @@ def test_bench_command_times_the_model_beside_its_dense_base(capsys, tiny_model_
         (["--compile", "on"], "CUDA graphs need a CUDA device"),
         (["--prefill-graphs", "on"], "--prefill-graphs on: needs CUDA graphs, so a GPU"),
         (["--prefill-graphs", "sometimes"], "--prefill-graphs: invalid choice"),
+        (["--ttft-repeats", "4"], "--ttft-repeats 4: give 1 to --repeats (3)"),
+        (["--ttft-repeats", "0"], "--ttft-repeats 0: give 1 to --repeats (3)"),
     ):
         code = main(["bench", str(tiny_model_dir), "--dtype", "float32", *bad])
         assert code == 2 and expect in capsys.readouterr().err
