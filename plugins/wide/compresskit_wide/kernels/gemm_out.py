@@ -270,6 +270,19 @@ if triton is not None:
     )
 
 
+def _operands(x, w, mask, w_up, dense_rows) -> tuple[int, int, int, int, int, int]:
+    """(M, K, N, G, the group width, the groups launched: the routed ones, then the dense rows in groups of
+    that width), the shapes checked."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    m, k = x.shape
+    n, groups = w.shape[0], mask.shape[-1]
+    if w.shape[1] != k or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    gw = routed_rows(w, mask, w_up, dense_rows) // groups
+    return m, k, n, groups, gw, groups + cdiv(dense_rows, gw)
+
+
 def triton_masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -290,15 +303,7 @@ def triton_masked_out_gemm(
     (:func:`triton_persistent_out_gemm`) on the routing layout of ``mask``. ``dense_rows``: the last rows of
     ``w`` run for every token. Tiles are autotuned on a GPU (for the packings ``policy.out_k_pack`` gives);
     ``block_*`` fix them, for any packing (and do in the CPU interpreter)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, k = x.shape
-    n = w.shape[0]
-    groups = mask.shape[-1]
-    if w.shape[1] != k or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
-    gw = routed_rows(w, mask, w_up, dense_rows) // groups
-    launched = groups + cdiv(dense_rows, gw)  # the routed groups, then the dense rows in groups of gw
+    m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     fuse = w_up is not None
     x, w = x.contiguous(), w.contiguous()
     w_up = w_up.contiguous() if fuse else w
@@ -378,21 +383,13 @@ def triton_persistent_out_gemm(
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
-    through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned on a GPU
-    (``policy.OUT_PERSISTENT``); ``block_*`` fix them, with ``warps``, ``stages``, ``per_sm`` and
-    ``warp_specialize`` (Triton's producer / consumer warps for the K loop; a tile sweep's option, not in the
-    table until measured) (and do in the CPU interpreter)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    m, k = x.shape
-    n = w.shape[0]
-    groups = mask.shape[-1]
-    if w.shape[1] != k or mask.shape[0] != m or (w_up is not None and w_up.shape != w.shape):
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, w {tuple(w.shape)}, mask {tuple(mask.shape)}")
+    through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned
+    on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
+    ``warps``, ``stages``, ``per_sm`` and ``warp_specialize`` (Triton's producer / consumer warps for the K
+    loop: a tile sweep's option, not in the table until measured)."""
+    m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     if (k * w.element_size()) % 16:
         raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
-    gw = routed_rows(w, mask, w_up, dense_rows) // groups
-    launched = groups + cdiv(dense_rows, gw)
     fuse = w_up is not None
     # a weight whose start is not 16-byte aligned (mapped from a file) is read from an aligned copy
     x, w = x.contiguous(), _aligned(w.contiguous())
