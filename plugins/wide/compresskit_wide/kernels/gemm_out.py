@@ -179,9 +179,10 @@ if triton is not None:
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
-        # group's, then the items whose tokens are all inactive (zeros, no weight read). The weight tiles come through
-        # TMA descriptors; the tokens, gathered by the routing layout, through asynchronous copies.
-        # A group past the G routed ones (dense rows) takes every token in order.
+        # group's, then the items whose tokens are all inactive (zeros, no weight read). The weight
+        # tiles come through TMA descriptors; the tokens, gathered by the routing layout, through
+        # asynchronous copies. A group past the G routed ones (dense rows) takes every token in order.
+        # M_BUCKET is only the autotuning key.
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(GW, BLOCK_N)
         lanes = tl.arange(0, GROUPS_P2)
