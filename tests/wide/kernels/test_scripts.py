@@ -107,11 +107,18 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 @pytest.mark.slow
 def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every
-    cell) and ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against
-    their references before it would time them."""
-    proc = run_script("bench_attention_matrix.py", "--smoke", env=KERNEL_ENV)
+    cell), ``bench_out_prefill.py --smoke --tiles`` (the prefill out-width products, autotuned and each tile with
+    and without the warp-specialised loop) and ``bench_shared_set.py --smoke`` with the tile reduction at prefill:
+    each checks its kernels against their references before it would time them."""
+    interpreted = {**os.environ, "TRITON_INTERPRET": "1"}  # these two smoke on the CPU, GPU or not
+    proc = run_script("bench_attention_matrix.py", "--smoke", env=interpreted)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "matches the runtime's attention in every cell" in proc.stdout
+    proc = run_script("bench_out_prefill.py", "--smoke", "--tiles", "--out", str(tmp_path), env=interpreted)
+    assert proc.returncode == 0 and "every kernel matches the reference" in proc.stdout, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
+    timed = {(r["product"], r["mask"]) for r in rows if "kernel_us" in r}
+    assert len(timed) == 8 and sum(r.get("ok") is True for r in rows) == 4  # 2 products x 4 masks; 2 tiles x WS
     args = ("--smoke", "--out", str(tmp_path), "--m", "3,20", "--prefill", "40", "--tile", "16")
     proc = run_script("bench_shared_set.py", *args, env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
