@@ -169,6 +169,15 @@ def test_autotune_hooks_keep_tiles_that_fit():
     assert all(c.num_stages * c.kwargs["BLOCK_K"] * 2 * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"])
                <= policy.PACKED_SMEM_BUDGET for c in fused)  # fmt: skip
     assert all(c.kwargs["BLOCK_N"] <= 128 for c in prune(persistent, bf16, FUSE_SWIGLU=True))
+    # the TMA descriptors' blocks follow the tile the autotuner launches
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    w = torch.zeros(64, 64)
+    nargs = {"w_desc": TensorDescriptor.from_tensor(w, [16, 16]), "wu_desc": TensorDescriptor.from_tensor(w, [16, 16])}
+    autotune.descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"), wu_desc=("BLOCK_N", "BLOCK_K"))(
+        {**nargs, "BLOCK_N": 128, "BLOCK_K": 64}
+    )
+    assert nargs["w_desc"].block_shape == [128, 64] and nargs["wu_desc"].block_shape == [128, 64]
 
 
 def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():
