@@ -153,7 +153,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     shared_set = {**tiles, "M": 64, "SPLIT_K": 8, "SEQ": 64, "TILE": 64, "TILES_PER_SEQ": 1}
     prefill = {**tiles, "M": 4096, "SPLIT_K": 1, "SEQ": 4096, "TILE": 64, "TILES_PER_SEQ": 64}
     o_set = {**shared_set, "G": HEADS // ATTN_GROUP, "stride_xm": D, "stride_wn": D, "stride_mm": HEADS // ATTN_GROUP}
-    tile_meta = {**tf32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}
+    tile_meta = {**tf32, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "WIDE_ROWS": False}
     # the persistent prefill products at 4k tokens: q with k and v under it, gate+up fused (TMA weight tiles)
     desc = "tensordesc<bf16[128, 64]>"
     persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")

@@ -133,6 +133,20 @@ def test_bf16_persistent_prefill_with_autotuned_tiles(fuse, m):
     assert torch.isnan(buf[m:]).all()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+def test_bf16_prefill_past_32_bit_offsets():
+    """A prefill whose output passes 2**31 elements (here 132k tokens x 16,384 channels; at Llama-3.1-8B's
+    gate+up, from 150k tokens: batch 32 x 8k) addresses its rows in 64 bits: the last rows are right."""
+    m, k, n = 2**31 // 16384 + 1000, 64, 16384
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 4
+    mask = random_mask(m, 8, 0.5, seed=3)
+    got = triton_masked_out_gemm(x, w, mask)
+    tail = slice(m - 300, m)
+    want = torch_masked_out_gemm(x[tail], w, mask[tail])
+    torch.testing.assert_close(got[tail].float(), want.float(), rtol=2e-2, atol=2e-2 * 4)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])

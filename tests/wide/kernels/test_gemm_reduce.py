@@ -114,6 +114,34 @@ def test_tiles_read_their_union_exactly(batch, tokens, tile, sparsity, agree):
     torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_tiles_with_64_bit_row_offsets(monkeypatch, split_k):
+    """Past 2**31 elements (a prefill of half a million tokens) the tile reduction computes its row offsets in
+    64 bits: the same results, here with the threshold lowered to every size."""
+    from compresskit_wide.kernels import gemm_reduce
+
+    monkeypatch.setattr(gemm_reduce, "WIDE_OFFSETS", 0)
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(40, 64, generator=gen).to(DEVICE), torch.randn(24, 64, generator=gen).to(DEVICE)
+    mask = random_mask(40, 4, 0.5, seed=8)
+    got = triton_tile_reduce_gemm(x, w, mask, tile=16, tokens=20, split_k=split_k)
+    torch.testing.assert_close(got, torch_masked_reduce_gemm(x, w, mask), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a GPU: 4 GB inputs")
+def test_bf16_tiles_past_32_bit_offsets():
+    """A prefill tile reduction whose input passes 2**31 elements (132k tokens x 16,384 inputs) reads and writes
+    its last rows right."""
+    m, k, n, groups = 2**31 // 16384 + 1000, 16384, 64, 128
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+    mask = random_mask(m, groups, 0.5, seed=9)
+    got = triton_tile_reduce_gemm(x, w, mask, tile=64, tokens=m)
+    tail = slice(m - 300, m)
+    want = torch_masked_reduce_gemm(x[tail], w, mask[tail])
+    torch.testing.assert_close(got[tail].float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_tiles_need_whole_sequences():
     x, w = torch.randn(10, 64, device=DEVICE), torch.randn(32, 64, device=DEVICE)
     with pytest.raises(ValueError, match="rows 10 are no whole sequences of 4"):

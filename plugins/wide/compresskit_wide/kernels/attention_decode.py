@@ -76,7 +76,7 @@ if triton is not None:
         HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # a batch's cache may pass 2**31 elements
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         hs = tl.arange(0, BLOCK_H)

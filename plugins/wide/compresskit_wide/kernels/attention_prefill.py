@@ -93,7 +93,7 @@ if triton is not None:
         # token order and the keys) x BLOCK_M // HP of their sorted tokens, row r = (token r // HP,
         # head r % HP): the BLOCK_M rows span HP times fewer positions than one head's BLOCK_M
         # tokens, so fewer key blocks straddle the tile's causal diagonal
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # a batch's q, k, v may pass 2**31 elements
         h0 = tl.program_id(1) * HP
         g = h0 // A
         kvh = h0 // REP

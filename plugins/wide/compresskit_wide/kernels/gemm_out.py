@@ -204,16 +204,15 @@ if triton is not None:
             slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
             in_range = slots < M
             rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)
-            rows = tl.where(routed, rows, slots)
+            rows = tl.where(routed, rows, slots).to(tl.int64)  # a prefill's M x N may pass 2**31
             active = slots < count
             n0 = g * GW + tn * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            x_rows = x_ptr + rows[:, None] * stride_xm
             for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):  # producer / consumer warps
                 ks = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(
-                    x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0
-                )
+                a = tl.load(x_rows + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0)
                 acc = tl.dot(a, tl.trans(w_desc.load([n0, k0])), acc, input_precision=DOT_PRECISION)
                 if FUSE_SWIGLU:
                     acc_up = tl.dot(a, tl.trans(wu_desc.load([n0, k0])), acc_up, input_precision=DOT_PRECISION)
@@ -234,7 +233,7 @@ if triton is not None:
             tn = (item - first) % tiles_n
             slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
             in_range = slots < M
-            rows = tl.load(order_ptr + g * M + slots, mask=in_range, other=0)  # zero items: routed groups only
+            rows = tl.load(order_ptr + g * M + slots, mask=in_range, other=0).to(tl.int64)  # routed groups only
             cols = g * GW + tn * BLOCK_N + cols_in
             col_ok = ((tn * BLOCK_N + cols_in) < GW) & (cols < N)
             tl.store(

@@ -122,7 +122,7 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         k_ok = (k0 + kk) < GW
         a = tl.load(
-            x_ptr + tok[:, None] * stride_xm + (g_x * GW + k0)[:, None] + kk[None, :],
+            x_ptr + tok.to(tl.int64)[:, None] * stride_xm + (g_x * GW + k0)[:, None] + kk[None, :],
             mask=x_on[:, None] & k_ok[None, :],
             other=0.0,
         )
@@ -194,10 +194,11 @@ if triton is not None:
         col_ok = cols < N
         in_tile = row_ok[:, None] & col_ok[None, :]
         y = out.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y, mask=in_tile)
+        rows64 = rows.to(tl.int64)  # the kernel runs at any M under backend "triton": M x N may pass 2**31
+        tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], y, mask=in_tile)
         if SHARES:
             tl.static_assert(BLOCK_N % SHARE_N == 0, "a program's output block spans whole share slots")
-            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=in_tile, other=0.0)
+            res = tl.load(res_ptr + rows64[:, None] * stride_rm + cols[None, :], mask=in_tile, other=0.0)
             x_next = (res.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
             slot = tn * (BLOCK_N // SHARE_N)
             # R in chunks, so that the broadcast product stays within about 4k values a program
@@ -221,7 +222,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_mm, SPLIT_K, SEQ, TILE, TILES_PER_SEQ,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SPLIT: tl.constexpr,
-        ROW_MASKS: tl.constexpr,
+        ROW_MASKS: tl.constexpr, WIDE_ROWS: tl.constexpr,
     ):  # fmt: skip
         # program (n-block tn, split sk, tile tt): the tile's rows (TILE consecutive rows of one sequence of SEQ)
         # by the union of their groups, each row's input read only in its own groups (ROW_MASKS; without, the
@@ -234,6 +235,9 @@ if triton is not None:
         first = (tt % TILES_PER_SEQ) * TILE
         rows = (tt // TILES_PER_SEQ) * SEQ + first + i
         row_ok = (i < TILE) & (first + i < SEQ)
+        rows64 = rows
+        if WIDE_ROWS:  # a prefill whose M x K or M x N passes 2**31: 64-bit row offsets
+            rows64 = rows.to(tl.int64)
         my_list, n_active = tile_group_list(
             mask_ptr, list_ptr, tt * SPLIT_K + sk, tn, rows, row_ok, G, stride_mm, BLOCK_G
         )
@@ -252,7 +256,7 @@ if triton is not None:
             if ROW_MASKS:
                 x_on = x_on & (tl.load(mask_ptr + rows * stride_mm + g, mask=row_ok, other=0) != 0)
             a = tl.load(
-                x_ptr + rows[:, None] * stride_xm + (g * GW + k_in)[None, :],
+                x_ptr + rows64[:, None] * stride_xm + (g * GW + k_in)[None, :],
                 mask=x_on[:, None] & k_ok[None, :],
                 other=0.0,
             )
@@ -264,9 +268,9 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PRECISION)
         keep = row_ok[:, None] & col_ok[None, :]
         if ONE_SPLIT:
-            tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
+            tl.store(out_ptr + rows64[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=keep)
         else:
-            tl.store(part_ptr + (sk * M + rows)[:, None] * N + cols[None, :], acc, mask=keep)
+            tl.store(part_ptr + (sk * M + rows64)[:, None] * N + cols[None, :], acc, mask=keep)
 
     @triton.jit
     def triton_split_sum_kernel(part_ptr, out_ptr, SIZE, SPLIT_K, BLOCK: tl.constexpr):
@@ -289,6 +293,9 @@ if triton is not None:
         for pack in (policy.REDUCE_K_PACK,)  # the packing ``auto`` takes
         for direct in (False, True)
     }
+
+
+WIDE_OFFSETS = 2**31  # from this many elements a row offset needs 64 bits (the tile reduction's WIDE_ROWS)
 
 
 def _checked_shapes(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> tuple[int, int, int, int]:
@@ -431,6 +438,7 @@ def triton_tile_reduce_gemm(
         x, w, mask_u8, lists, part, out, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0), splits,
         tokens, tile, per_seq, DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g,
         BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=splits == 1, ROW_MASKS=not rows_agree,
+        WIDE_ROWS=max(m * x.stride(0), splits * m * n) >= WIDE_OFFSETS,
         num_warps=warps or tile_warps, num_stages=stages or tile_stages,
     )  # fmt: skip
     if splits > 1:

@@ -155,7 +155,7 @@ if triton is not None:
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = (ks < k_end) & (ks < D)
             x_mask = row_ok[:, None] & k_ok[None, :]
-            a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
             w = tl.load(wd_ptr + rs[:, None] * D + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             z = tl.dot(a.to(tl.float32), tl.trans(w), z, input_precision=DOT_PRECISION)
         return z
