@@ -343,8 +343,9 @@ def triton_masked_out_gemm(
 
 
 def _tma_ready(w: torch.Tensor) -> bool:
-    """A TMA descriptor can read ``w`` in place: its start and its rows 16-byte aligned."""
-    return w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+    """A TMA descriptor can read ``w`` with no extra copy: rows of a multiple of 16 bytes, and a 16-byte
+    aligned start (a weight not contiguous is copied to a fresh, aligned tensor by any kernel)."""
+    return (w.shape[1] * w.element_size()) % 16 == 0 and (w.data_ptr() % 16 == 0 or not w.is_contiguous())
 
 
 def out_kernel_takes(x: torch.Tensor, w: torch.Tensor, shared: bool = False, w_up: torch.Tensor | None = None) -> bool:
@@ -353,7 +354,7 @@ def out_kernel_takes(x: torch.Tensor, w: torch.Tensor, shared: bool = False, w_u
     a file may start anywhere; the decode kernel takes any)."""
     if policy.decode_kernel(x.shape[0], shared):
         return True
-    return all(_tma_ready(t.contiguous()) for t in (w, w_up) if t is not None)
+    return all(_tma_ready(t) for t in (w, w_up) if t is not None)
 
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:
