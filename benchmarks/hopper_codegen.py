@@ -2,6 +2,7 @@
 
     python benchmarks/hopper_codegen.py [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
+    python benchmarks/hopper_codegen.py --out-tiles [--json FILE]
 
 Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue; the tile
 reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
@@ -23,6 +24,8 @@ in a process without TRITON_INTERPRET: the interpreter replaces the compiler.
 ``--reduce-tiles``: the packed reduction's shared memory instead, for every tile of its table (4
 groups a step), with its group list and without ("direct"), at o_proj's and down's group widths with
 4 and 16 tokens, beside whether the autotuner hook (``autotune.packed_pruner``) keeps the tile.
+``--out-tiles``: the same for the persistent prefill product's table (q, gate+up fused; groups of 512, 128
+and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "WARP_SPECIALIZE": False}
+    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
@@ -247,16 +250,59 @@ def reduce_tiles() -> list[dict]:
     return rows
 
 
+def out_tiles() -> list[dict]:
+    """Every tile of the persistent prefill product's table, q alone and gate+up fused, at group widths of
+    512, 128 and 32 channels, and any tile the autotuner hook (``autotune.prune_staged_tiles``) makes of its
+    own (narrowed to a group, or with fewer stages): its shared memory compiled for sm_90, beside the
+    hook's estimate and whether the hook keeps it."""
+    import torch
+
+    from compresskit_wide.kernels import autotune, policy
+
+    named_cases = {c[0]: c for c in cases()}
+    table = autotune.configs(policy.OUT_PERSISTENT)
+    key = lambda c: (tuple(c.kwargs.items()), c.num_warps, c.num_stages)  # noqa: E731
+    compiled, rows = {}, []
+    for fused in (False, True):
+        name = "gate+up prefill, 4k, persistent (TMA weights)" if fused else "q prefill, 4k, persistent (TMA weight)"
+        _, kernel, runtime, constexprs, *_ = named_cases[name]
+        for gw in (512, 128, 32):
+            named = {"GW": gw, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
+            kept = autotune.prune_staged_tiles("BLOCK_N")(table, named, FUSE_SWIGLU=fused)
+            in_table = {key(c) for c in table}
+            for c in table + [c for c in kept if key(c) not in in_table]:
+                if (fused, key(c)) not in compiled:
+                    desc = f"tensordesc<bf16[{c.kwargs['BLOCK_N']}, {c.kwargs['BLOCK_K']}]>"
+                    args = {**runtime, "w_desc": desc, "wu_desc": desc}
+                    got = compile_for_hopper(kernel, args, {**constexprs, **c.kwargs}, c.num_warps, c.num_stages)
+                    compiled[fused, key(c)] = got["shared"]
+                row = {
+                    "product": "gate+up" if fused else "q", "group_width": gw, "tile": c.kwargs,
+                    "warps": c.num_warps, "stages": c.num_stages, "shared": compiled[fused, key(c)],
+                    "estimate": autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, fused),
+                    "in_table": key(c) in in_table, "kept": key(c) in {key(k) for k in kept},
+                }  # fmt: skip
+                rows.append(row)
+                status = ("kept" if row["kept"] else "pruned") + ("" if row["in_table"] else " (the hook's own)")
+                print(
+                    f"{row['product']:7s} width {gw:3d} {c.kwargs} w{c.num_warps} s{c.num_stages}"
+                    f"  shared {row['shared'] / 1024:6.1f} KB (estimate {row['estimate'] / 1024:6.1f})  {status}",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reduce-tiles", action="store_true", help="the packed reduction's tiles' shared memory")
+    parser.add_argument("--out-tiles", action="store_true", help="the persistent prefill tiles' shared memory")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
-    if args.reduce_tiles:
-        rows = reduce_tiles()
+    if args.reduce_tiles or args.out_tiles:
+        rows = reduce_tiles() if args.reduce_tiles else out_tiles()
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0

@@ -137,7 +137,8 @@ def test_autotune_hooks_keep_tiles_that_fit():
     kept = autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 32})
     assert kept and all(c.kwargs["BLOCK_N"] <= 32 for c in kept) and len(kept) < len(decode)
     assert autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 512}) == decode
-    assert len(autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 4})) >= 1
+    narrow = autotune.prune_wider_than_group("BLOCK_N")(decode, {"GW": 4})  # every tile wider: narrowed
+    assert narrow and all(c.kwargs["BLOCK_N"] == 16 for c in narrow)
 
     def fits(c, elem, weights, pack, block_m, steps=1):
         stage = steps * c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
@@ -169,6 +170,16 @@ def test_autotune_hooks_keep_tiles_that_fit():
     assert all(c.num_stages * c.kwargs["BLOCK_K"] * 2 * (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"])
                <= policy.PACKED_SMEM_BUDGET for c in fused)  # fmt: skip
     assert all(c.kwargs["BLOCK_N"] <= 128 for c in prune(persistent, bf16, FUSE_SWIGLU=True))
+    # groups narrower than every tile (32 channels): the tiles narrowed to the group, each fitting, each
+    # still setting its descriptors' blocks; where even the smallest does not fit, it with fewer stages
+    hook = autotune.descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"))
+    narrow = prune(autotune.configs(policy.OUT_PERSISTENT, hook), {**bf16, "GW": 32}, FUSE_SWIGLU=True)
+    assert narrow and all(c.kwargs["BLOCK_N"] == 32 and c.pre_hook is hook for c in narrow)
+    assert all(autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, True) <= policy.PACKED_SMEM_BUDGET
+               for c in narrow)  # fmt: skip
+    big = autotune.configs([({"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 128, "PER_SM": 1}, 8, 4)], hook)
+    (one,) = prune(big, {"GW": 512, "x_ptr": torch.empty(1)}, FUSE_SWIGLU=True)
+    assert one.num_stages == 1 and one.pre_hook is hook
     # the TMA descriptors' blocks follow the tile the autotuner launches
     from triton.tools.tensor_descriptor import TensorDescriptor
 

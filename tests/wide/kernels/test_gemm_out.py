@@ -85,18 +85,6 @@ def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsi
     assert torch.isnan(buf[m:]).all()
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_persistent_prefill_with_warp_specialised_k_loop(fuse):
-    """The tile sweep's warp-specialised K loop gives the reference's values too (on a GPU this Triton's
-    producer / consumer split; in the interpreter the same loop)."""
-    x, w, w_up = inputs(45, 64, 96, fuse, seed=11)
-    mask = random_mask(45, 3, 0.5, seed=12)
-    got = triton_persistent_out_gemm(
-        x, w, mask, w_up, block_m=16, block_n=16, block_k=16, programs=4, warp_specialize=True
-    )
-    torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up), rtol=1e-4, atol=1e-4)
-
-
 def test_persistent_prefill_reads_a_weight_that_starts_unaligned():
     """A weight whose start is not 16-byte aligned (a view one element in, as a tensor mapped from a file
     may be) gives the reference's values, and ``auto`` would send it to cuBLAS."""

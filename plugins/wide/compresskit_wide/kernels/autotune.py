@@ -103,11 +103,21 @@ def descriptor_blocks(**blocks: tuple[str, ...]):
 
 def prune_wider_than_group(block: str, group_width_arg: str = "GW"):
     """Hook: drop tiles whose ``block`` (``BLOCK_N`` of an output-width kernel, which never spans two
-    groups; ``BLOCK_K`` of the reduction, which steps through one group) is wider than a group."""
+    groups; ``BLOCK_K`` of the reduction, which steps through one group) is wider than a group. Where
+    every tile is, each narrowed to the group (its ``block`` the group width's power of two, at least 16)."""
 
     def prune(configs_, named_args, **kwargs):
         width = max(16, next_power_of_2(named_args[group_width_arg]))
-        return [c for c in configs_ if c.kwargs[block] <= width] or configs_[:1]
+        kept = [c for c in configs_ if c.kwargs[block] <= width]
+        if kept:
+            return kept
+        narrowed = {}
+        for c in configs_:
+            meta = {**c.kwargs, block: width}
+            key = (tuple(meta.items()), c.num_warps, c.num_stages)
+            tile = triton.Config(meta, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=c.pre_hook)
+            narrowed.setdefault(key, tile)
+        return list(narrowed.values())
 
     return prune
 
@@ -139,21 +149,29 @@ def packed_pruner(block: str, unrolled_group: bool = False):
     return prune
 
 
+def staged_tile_bytes(meta: dict, stages: int, elem: int, fused: bool) -> int:
+    """The shared memory a prefill output-width tile stages: ``stages`` x (a token tile and one weight
+    tile, two with the fused SwiGLU) of ``BLOCK_K`` elements of ``elem`` bytes (what the compiled kernel
+    takes on sm_90, within a few bytes: ``benchmarks/hopper_codegen.py --out-tiles``)."""
+    return stages * meta["BLOCK_K"] * elem * (meta["BLOCK_M"] + meta["BLOCK_N"] * (2 if fused else 1))
+
+
 def prune_staged_tiles(block_n: str = "BLOCK_N"):
     """Hook of the prefill products: ``prune_wider_than_group(block_n)``, then the tiles whose pipeline
-    stages (a token tile and one weight tile, two with the fused SwiGLU) fit ``PACKED_SMEM_BUDGET``; where
-    none fits, the smallest."""
+    stages (:func:`staged_tile_bytes`) fit ``PACKED_SMEM_BUDGET``; where none fits, the smallest with as
+    many stages as fit."""
 
     def prune(configs_, named_args, **kwargs):
         kept = prune_wider_than_group(block_n)(configs_, named_args)
         elem = named_args["x_ptr"].element_size()
-        weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
-
-        def staged(c):
-            m, n, k = c.kwargs["BLOCK_M"], c.kwargs[block_n], c.kwargs["BLOCK_K"]
-            return c.num_stages * k * elem * (m + n * weights)
-
-        return [c for c in kept if staged(c) <= PACKED_SMEM_BUDGET] or [min(kept, key=staged)]
+        fused = bool(kwargs.get("FUSE_SWIGLU"))
+        fit = [c for c in kept if staged_tile_bytes(c.kwargs, c.num_stages, elem, fused) <= PACKED_SMEM_BUDGET]
+        if fit:
+            return fit
+        small = min(kept, key=lambda c: staged_tile_bytes(c.kwargs, 1, elem, fused))
+        stages = max(1, PACKED_SMEM_BUDGET // staged_tile_bytes(small.kwargs, 1, elem, fused))
+        return [triton.Config(dict(small.kwargs), num_warps=small.num_warps, num_stages=min(stages, small.num_stages),
+                              pre_hook=small.pre_hook)]  # fmt: skip
 
     return prune
 

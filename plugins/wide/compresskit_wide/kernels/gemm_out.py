@@ -175,7 +175,6 @@ if triton is not None:
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
@@ -210,7 +209,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_rows = x_ptr + rows[:, None] * stride_xm
-            for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):  # producer / consumer warps
+            for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(x_rows + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0)
                 acc = tl.dot(a, tl.trans(w_desc.load([n0, k0])), acc, input_precision=DOT_PRECISION)
@@ -379,15 +378,13 @@ def triton_persistent_out_gemm(
     warps: int = 4,
     stages: int = 3,
     per_sm: int = 1,
-    warp_specialize: bool = False,
     programs: int | None = None,
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned
     on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
-    ``warps``, ``stages``, ``per_sm`` and ``warp_specialize`` (Triton's producer / consumer warps for the K
-    loop: a tile sweep's option, not in the table until measured)."""
+    ``warps``, ``stages`` and ``per_sm``."""
     m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     if (k * w.element_size()) % 16:
         raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
@@ -415,7 +412,7 @@ def triton_persistent_out_gemm(
         return (min(programs or sms * meta["PER_SM"], most),)
 
     if fixed:
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm, "WARP_SPECIALIZE": warp_specialize}
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "PER_SM": per_sm}
         triton_persistent_out_gemm_kernel[grid(meta)](*args, **common, **meta, num_warps=warps, num_stages=stages)
     else:
         _tuned_prefill[grid](*args, **common)

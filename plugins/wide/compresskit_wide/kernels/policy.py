@@ -197,15 +197,15 @@ REDUCE_DECODE_ROWS = [(64, 128, 4, 4), (64, 128, 4, 3), (64, 64, 4, 6), (128, 64
 PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (Hopper: 227 KB shared memory)
 # the persistent output-width product at prefill: tiles, and the programs an SM runs (PER_SM: the grid is
 # that many per SM); tiles whose stages do not fit PACKED_SMEM_BUDGET are pruned (the fused SwiGLU stages
-# two weight tiles). WARP_SPECIALIZE (producer / consumer warps) is swept by bench_out_prefill.py --tiles.
+# two weight tiles).
 OUT_PERSISTENT = [
-    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1, "WARP_SPECIALIZE": False}, 8, 3),
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "WARP_SPECIALIZE": False}, 8, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "PER_SM": 1, "WARP_SPECIALIZE": False}, 8, 3),
-    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1, "WARP_SPECIALIZE": False}, 8, 4),
-    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 2, "WARP_SPECIALIZE": False}, 8, 3),
-    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 2, "WARP_SPECIALIZE": False}, 4, 4),
-    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "PER_SM": 2, "WARP_SPECIALIZE": False}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "PER_SM": 1}, 8, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
+    ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 2}, 8, 3),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 2}, 4, 4),
+    ({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "PER_SM": 2}, 4, 4),
 ]
 # the routed prefill attention: rows (tokens x HP heads of a group and KV head) x key tiles
 ATTN_PREFILL = [
