@@ -57,7 +57,7 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
         return calls[0] == "triton"
 
     w = torch.zeros(8, 4)
-    for m, shared in itertools.product((1, 2, 8, 9, 16, 17, 64, 65, 1024, 4096), (False, True)):
+    for m, shared in itertools.product((1, 2, 8, 9, 16, 17, 64, 65, 256, 1024, 4096), (False, True)):
         x, mask = torch.zeros(m, 4), torch.ones(m, 2, dtype=torch.bool)
         assert ran("masked_out_gemm", x, w, mask, shared=shared) == policy.use_kernel("out", m, shared=shared)
         assert ran("masked_out_gemm", x, w, mask, w, shared=shared) == policy.use_kernel("swiglu", m, shared=shared)
@@ -84,6 +84,8 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
         assert got == policy.use_kernel("attn_prefill", t)
     # the policy is not trivially one way or the other
     assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
+    assert all(policy.use_kernel("swiglu", m) for m in (1, 16, 128, 512, 8192))
+    assert not any(policy.use_kernel("swiglu", m) for m in (129, 256, 511))  # cuBLAS was faster at 256
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
     assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
     # a batch's shared set keeps q's kernel and the split-K reduction up to SHARED_MAX_M tokens, where per-token

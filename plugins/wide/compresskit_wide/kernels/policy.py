@@ -53,7 +53,12 @@ class Range:
 # Each range is where the kernel measured faster than its dense fallback in GPU time and in a CUDA graph
 # (docs/wide-kernels-h200.md; the boundary measurements are recorded at commit 217c749).
 KERNEL_RANGES = (
-    Range("swiglu", why="the fused gate+up beats cuBLAS's at every size measured: decode, and prefill 1k-8k at 25-50%"),
+    Range("swiglu", max_m=128, why="the fused gate+up at decode and up to 128 prefill tokens (1.05x cuBLAS at 128)"),
+    Range(
+        "swiglu",
+        min_m=512,
+        why="the fused gate+up from 512 prefill tokens at 25-50% (1.09-1.84x); at 256 cuBLAS was faster (0.88-0.91x)",
+    ),
     Range("out", max_m=DECODE_MAX_M, why="q at decode: K packed into one product, no layout to build"),
     Range(
         "out",
