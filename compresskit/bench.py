@@ -189,12 +189,14 @@ class Source:
         return {"method": self.method, "run_sparsity_macs": round(self.profile.macs, 4), "source": self.profile.source}
 
 
-def method_source(method: str, sparsity: float) -> Source:
+def method_source(method: str, sparsity: float, named: bool = False) -> Source:
     """``--method M --sparsity S``: the method's default config (aimed at ``S``) with ``S`` of each
-    router's groups skipped (a static method: of the MACs removed), named "compressed"."""
+    router's groups skipped (a static method: of the MACs removed), named "compressed" (``named``: one
+    of several sparsities, "compressed (S)")."""
     cls = speed_method(method)
     config = {"target_sparsity": sparsity} if "target_sparsity" in cls.Config.model_fields else {}
-    return Source("compressed", method, cls, config, SparsityProfile(sparsity, groups=sparsity, source="--sparsity"))
+    name = f"compressed ({sparsity:g})" if named else "compressed"
+    return Source(name, method, cls, config, SparsityProfile(sparsity, groups=sparsity, source="--sparsity"))
 
 
 def run_source(ref: str) -> Source:
@@ -564,6 +566,34 @@ def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot", missin
             f"{best[1]}, {cells[best]:.2f}x.",
             "",
         ]
+    return "\n".join(lines)
+
+
+def model_matrix_markdown(records: list[dict[str, Any]], measure: str = "ttft", missing: str = "skipped") -> str:
+    """At each batch size, the ``measure`` speedup over dense of every model row but dense as a model x prompt
+    table (with several ``--sparsity`` values: prompt x sparsity), its worst cell named; "" unless the bench
+    has two such models and two prompts."""
+    models = list(dict.fromkeys(r["model"] for r in records if r["model"] != "dense"))
+    prompts = sorted({r["prompt"] for r in records})
+    if len(models) < 2 or len(prompts) < 2:
+        return ""
+    lines = []
+    for b in sorted({r["batch"] for r in records}):
+        cells = {(r["model"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["batch"] == b}
+        cells = {k: v for k, v in cells.items() if k[0] != "dense"}
+        if not cells:
+            continue
+        worst = min(cells, key=cells.get)
+        lines += [
+            f"## {measure.upper()} x dense at batch {b}, model x prompt",
+            "",
+            "| model | " + " | ".join(str(p) for p in prompts) + " |",
+            "|---|" + "---|" * len(prompts),
+        ]
+        for m in models:
+            row = [f"{cells[(m, p)]:.2f}x" if (m, p) in cells else missing for p in prompts]
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines += ["", f"Worst cell: {worst[0]} at prompt {worst[1]}, {cells[worst]:.2f}x.", ""]
     return "\n".join(lines)
 
 

@@ -359,6 +359,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         markdown,
         matrix_markdown,
         method_source,
+        model_matrix_markdown,
         run_source,
         shape_config,
         shape_members,
@@ -385,12 +386,11 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         raise CompressKitError("compresskit bench: give a MODEL (a saved run, an HF directory or an alias) or --shape")
     if args.shape is not None and args.shape not in SHAPES:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
-    if not 0.0 <= args.sparsity < 1.0:
-        raise CompressKitError(f"--sparsity: {args.sparsity}; give a fraction in [0, 1)")
+    sparsities = _sparsity_list(args.sparsity)
     sources = []
     if args.shape is not None:  # every name and run checked before anything is built: one line each
         if args.method or not args.runs:
-            sources.append(method_source(args.method or "wide", args.sparsity))
+            sources += [method_source(args.method or "wide", s, named=len(sparsities) > 1) for s in sparsities]
         sources += [run_source(ref) for ref in args.runs]
         if args.consensus:
             for src in sources:
@@ -477,7 +477,11 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         meta["structures"] = (
             "random weights; routers untrained, their biases calibrated so that each group is skipped on a share "
             "of the tokens: "
-            + (f"{args.sparsity} of each router's groups (--sparsity), " if args.method or not args.runs else "")
+            + (
+                f"{', '.join(map(str, sparsities))} of each router's groups (--sparsity), "
+                if args.method or not args.runs
+                else ""
+            )
             + (
                 "each run's realised fraction per layer and block, at the same relative depth (--run); "
                 if args.runs
@@ -502,8 +506,9 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     if args.output is not None:
         with artifacts.staged_dir(Path(args.output)) as tmp:
             artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
-            matrix = matrix_markdown(records)
-            artifacts.write_text(tmp / "bench.md", markdown(records, meta) + ("\n" + matrix if matrix else ""))
+            parts = [matrix_markdown(records), matrix_markdown(records, "ttft")]
+            parts += [model_matrix_markdown(records, "ttft"), model_matrix_markdown(records, "tpot")]
+            artifacts.write_text(tmp / "bench.md", "\n".join([markdown(records, meta), *filter(None, parts)]))
             speedup_vs_batch(records, tmp / "bench.png")
             if len({r["batch"] for r in records}) > 1 and len({r["prompt"] for r in records}) > 1:
                 speedup_heatmap(records, tmp / "bench-heatmap.png")
@@ -625,6 +630,21 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
         raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of numbers, e.g. 1.2,1.4") from None
     if not values or min(values) <= 0:
         raise CompressKitError(f"{flag}: {text!r}: give positive speedups, e.g. 1.2,1.4")
+    return values
+
+
+def _sparsity_list(text: str) -> list[float]:
+    """``--sparsity 0.25,0.5``: distinct fractions in [0, 1), or one line naming the flag."""
+    try:
+        values = [float(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise CompressKitError(
+            f"--sparsity: {text!r} is not a comma-separated list of fractions, e.g. 0.25,0.5"
+        ) from None
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise CompressKitError(f"--sparsity: {text!r}; give fractions in [0, 1), e.g. 0.25,0.5")
+    if len(set(values)) < len(values):
+        raise CompressKitError(f"--sparsity: {text!r} names a fraction twice")
     return values
 
 
@@ -844,10 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", help="instead of MODEL: a known configuration with random weights (speed only)")
     p.add_argument(
         "--sparsity",
-        type=float,
-        default=0.5,
-        help="with --shape and --method: the fraction of each router's groups the routers skip (a static method: of "
-        "the MACs it removes)",
+        default="0.5",
+        help="with --shape: the fraction of each router's groups the routers skip (a static method: of the MACs it "
+        "removes); comma-separated for several, a row each (named 'compressed (S)') beside one dense model",
     )
     p.add_argument(
         "--method",

@@ -629,6 +629,45 @@ def test_bench_matrix_names_its_worst_cell_and_draws_a_heat_map(tmp_path, capsys
     assert (out / "bench-heatmap.png").stat().st_size > 5_000
 
 
+def test_bench_times_several_sparsities_beside_one_dense_model(tmp_path, capsys):
+    """``--sparsity 0.25,0.5``: a compressed row per fraction (named after it), each calibrated to it, one dense
+    row; bench.md has the prompt x sparsity tables of TTFT and TPOT x dense at each batch, worst cell named. A
+    fraction out of range, a repeated one or a word is one line and exit 2."""
+    import json
+
+    from compresskit.bench import model_matrix_markdown
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--shape", "tiny", "--prompt", "16,24", "--new-tokens", "2", "--repeats", "1"]
+    code = main([*argv, "--sparsity", "0.25,0.5", "--method", "toy-router", "--transformers", "off",
+                 "--bounds", "off", "--output", str(out)])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    data = json.loads((out / "bench.json").read_text())
+    rows = {(r["model"], r["prompt"]): r for r in data["results"]}
+    assert {m for m, _ in rows} == {"compressed (0.25)", "compressed (0.5)", "dense"}
+    assert rows["compressed (0.25)", 16]["sparsity_macs"] < rows["compressed (0.5)", 16]["sparsity_macs"]
+    assert data["meta"]["methods"] == {"compressed (0.25)": "toy-router", "compressed (0.5)": "toy-router"}
+    md = (out / "bench.md").read_text()
+    assert "## TTFT x dense at batch 1, model x prompt" in md and "## TPOT x dense at batch 1, model x prompt" in md
+    assert "| model | 16 | 24 |" in md and "| compressed (0.25) | " in md and "Worst cell: compressed" in md
+    records = [
+        {"model": m, "batch": 1, "prompt": p, "ttft_speedup": v}
+        for m, p, v in [("dense", 512, 1.0), ("a (0.25)", 512, 1.03), ("a (0.25)", 1024, 1.1), ("a (0.5)", 512, 1.2)]
+    ]
+    md = model_matrix_markdown(records)
+    assert "| a (0.25) | 1.03x | 1.10x |" in md and "| a (0.5) | 1.20x | skipped |" in md
+    assert "Worst cell: a (0.25) at prompt 512, 1.03x." in md
+    assert model_matrix_markdown(records[:3]) == ""  # one model: its batch x prompt matrix says it all
+    for bad, expect in (
+        ("0.25,1.5", "--sparsity: '0.25,1.5'; give fractions in [0, 1), e.g. 0.25,0.5"),
+        ("0.5,0.5", "--sparsity: '0.5,0.5' names a fraction twice"),
+        ("half", "--sparsity: 'half' is not a comma-separated list of fractions"),
+    ):
+        assert main([*argv, "--sparsity", bad]) == 2
+        err = capsys.readouterr().err
+        assert expect in err and "Traceback" not in err and err.count("error:") == 1
+
+
 def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
     """``merge_bench.py``: the records of several bench runs (and of an earlier merge) in one matrix, a cell
     no input has marked not measured, every input's facts kept; a cell two inputs both have is refused."""
