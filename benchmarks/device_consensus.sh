@@ -50,6 +50,24 @@ launch() {
   sleep 30
   tail -n 5 "$CQ/log"
 }
+# the job of quality-start and tile-start: train the per-token run and RECIPE's (to /tmp/cq/NAME) side by side,
+# then score both (the second as LABEL) with consensus_quality.py and the rest of the arguments
+pair_job() {
+  local recipe=$1 name=$2 label=$3
+  shift 3
+  cat <<JOB
+set -eo pipefail
+python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
+quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token \$quick &
+python3 -m compresskit apply $recipe --set output.dir=/tmp/cq/$name \$quick &
+wait %1 && wait %2
+cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
+cp /tmp/cq/$name/results.json /tmp/cq/out/$name.results.json
+python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model --run $label=/tmp/cq/$name/model \\
+  $* --workers 4 --out /tmp/cq/out
+JOB
+}
 case "$step" in
   tests)
     set -o pipefail
@@ -64,20 +82,10 @@ case "$step" in
     python3 -m compresskit bench "$@" --output "$OUT/$name" 2>&1 | tail -n 30
     ;;
   quality-start)
-    launch <<'JOB'
-set -eo pipefail
-python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token $quick &
-python3 -m compresskit apply recipes/study/wide-smollm2-50-stage1-consensus8.yaml --set output.dir=/tmp/cq/consensus8 $quick &
-wait %1 && wait %2
-cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
-cp /tmp/cq/consensus8/results.json /tmp/cq/out/consensus8.results.json
-python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model \
-  --run consensus-trained=/tmp/cq/consensus8/model --rule majority=quorum=0.5 \
-  --rule majority-own=quorum=0.5,share=own --rule majority-cap50=quorum=0.5,budget=0.5 --batches 4,8,16,32 \
-  --only consensus-trained=majority,majority-cap50 --workers 4 --out /tmp/cq/out
-JOB
+    pair_job recipes/study/wide-smollm2-50-stage1-consensus8.yaml consensus8 consensus-trained \
+      --rule majority=quorum=0.5 --rule majority-own=quorum=0.5,share=own \
+      --rule majority-cap50=quorum=0.5,budget=0.5 --batches 4,8,16,32 --only consensus-trained=majority,majority-cap50 \
+      | launch
     ;;
   rules-start)
     rules=${RULES:-"--rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 \
@@ -94,20 +102,9 @@ python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model 
 JOB
     ;;
   tile-start)
-    launch <<'JOB'
-set -eo pipefail
-python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token $quick &
-python3 -m compresskit apply recipes/study/wide-smollm2-50-stage1-tile64.yaml --set output.dir=/tmp/cq/tile64 $quick &
-wait %1 && wait %2
-cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
-cp /tmp/cq/tile64/results.json /tmp/cq/out/tile64.results.json
-python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model \
-  --run tile-trained=/tmp/cq/tile64/model --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 \
-  --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 --rule tile128=over=tile,tile=128,quorum=0,budget=0.6 \
-  --batches 8 --workers 4 --out /tmp/cq/out
-JOB
+    pair_job recipes/study/wide-smollm2-50-stage1-tile64.yaml tile64 tile-trained \
+      --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 \
+      --rule tile128=over=tile,tile=128,quorum=0,budget=0.6 --batches 8 | launch
     ;;
   *)
     echo "unknown step $step"

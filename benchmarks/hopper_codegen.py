@@ -213,6 +213,25 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     ]  # fmt: skip
 
 
+def tile_key(c) -> tuple:
+    """A ``triton.Config``'s tile, warps and stages, comparable."""
+    return tuple(c.kwargs.items()), c.num_warps, c.num_stages
+
+
+def tile_row(c, table: list, kept: list, shared: int, head: str, note: str = "", **fields) -> dict:
+    """The row (``fields``, then the tile, its shared memory, whether it is in ``table`` and whether the hook
+    ``kept`` it) of a compiled tile ``c``, printed after ``head`` (and ``note``)."""
+    row = {
+        **fields, "tile": c.kwargs, "warps": c.num_warps, "stages": c.num_stages, "shared": shared,
+        "in_table": tile_key(c) in {tile_key(t) for t in table}, "kept": tile_key(c) in {tile_key(k) for k in kept},
+    }  # fmt: skip
+    status = ("kept" if row["kept"] else "pruned") + ("" if row["in_table"] else " (the hook's own)")
+    print(
+        f"{head} {c.kwargs} w{c.num_warps} s{c.num_stages}  shared {shared / 1024:6.1f} KB{note}  {status}", flush=True
+    )
+    return row
+
+
 def reduce_tiles() -> list[dict]:
     """Every tile of the packed reduction's table (4 groups a step), listed and direct, at o's (512
     inputs a group) and down's (128) widths with 4 and 16 tokens, and any tile the autotuner hook
@@ -224,29 +243,19 @@ def reduce_tiles() -> list[dict]:
 
     name, kernel, runtime, constexprs, *_ = next(c for c in cases() if c[0].startswith("o, 4 groups packed"))
     table = autotune.configs(policy.per_packing(policy.REDUCE_DECODE_ROWS, 4))
-    key = lambda c: (tuple(c.kwargs.items()), c.num_warps, c.num_stages)  # noqa: E731
     rows = []
     for direct in (False, True):
         for gw, tokens in ((512, 4), (512, 16), (128, 4), (128, 16)):
             named = {"GW": gw, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
             hook = autotune.packed_pruner("BLOCK_K", unrolled_group=not direct)
             kept = hook(table, named, K_PACK=4, BLOCK_M=tokens)
-            in_table = {key(c) for c in table}
-            for c in table + [c for c in kept if key(c) not in in_table]:
+            variant = "direct" if direct else "listed"
+            for c in table + [c for c in kept if tile_key(c) not in {tile_key(t) for t in table}]:
                 meta = {**constexprs, **c.kwargs, "GW": gw, "BLOCK_M": tokens, "DIRECT": direct}
                 got = compile_for_hopper(kernel, runtime, meta, c.num_warps, c.num_stages)
-                row = {
-                    "variant": "direct" if direct else "listed", "group_width": gw, "tokens": tokens,
-                    "tile": c.kwargs, "warps": c.num_warps, "stages": c.num_stages, "shared": got["shared"],
-                    "in_table": key(c) in in_table, "kept": key(c) in {key(k) for k in kept},
-                }  # fmt: skip
-                rows.append(row)
-                status = ("kept" if row["kept"] else "pruned") + ("" if row["in_table"] else " (the hook's own)")
-                print(
-                    f"{row['variant']:6s} width {gw:3d} tokens {tokens:2d} {c.kwargs} w{c.num_warps} s{c.num_stages}"
-                    f"  shared {got['shared'] / 1024:6.1f} KB  {status}",
-                    flush=True,
-                )
+                head = f"{variant:6s} width {gw:3d} tokens {tokens:2d}"
+                rows.append(tile_row(c, table, kept, got["shared"], head, variant=variant, group_width=gw,
+                                     tokens=tokens))  # fmt: skip
     return rows
 
 
@@ -261,34 +270,24 @@ def out_tiles() -> list[dict]:
 
     named_cases = {c[0]: c for c in cases()}
     table = autotune.configs(policy.OUT_PERSISTENT)
-    key = lambda c: (tuple(c.kwargs.items()), c.num_warps, c.num_stages)  # noqa: E731
     compiled, rows = {}, []
     for fused in (False, True):
         name = "gate+up prefill, 4k, persistent (TMA weights)" if fused else "q prefill, 4k, persistent (TMA weight)"
         _, kernel, runtime, constexprs, *_ = named_cases[name]
+        product = "gate+up" if fused else "q"
         for gw in (512, 128, 32):
             named = {"GW": gw, "x_ptr": torch.empty(1, dtype=torch.bfloat16)}
             kept = autotune.prune_staged_tiles("BLOCK_N")(table, named, FUSE_SWIGLU=fused)
-            in_table = {key(c) for c in table}
-            for c in table + [c for c in kept if key(c) not in in_table]:
-                if (fused, key(c)) not in compiled:
+            for c in table + [c for c in kept if tile_key(c) not in {tile_key(t) for t in table}]:
+                if (fused, tile_key(c)) not in compiled:
                     desc = f"tensordesc<bf16[{c.kwargs['BLOCK_N']}, {c.kwargs['BLOCK_K']}]>"
                     args = {**runtime, "w_desc": desc, "wu_desc": desc}
                     got = compile_for_hopper(kernel, args, {**constexprs, **c.kwargs}, c.num_warps, c.num_stages)
-                    compiled[fused, key(c)] = got["shared"]
-                row = {
-                    "product": "gate+up" if fused else "q", "group_width": gw, "tile": c.kwargs,
-                    "warps": c.num_warps, "stages": c.num_stages, "shared": compiled[fused, key(c)],
-                    "estimate": autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, fused),
-                    "in_table": key(c) in in_table, "kept": key(c) in {key(k) for k in kept},
-                }  # fmt: skip
-                rows.append(row)
-                status = ("kept" if row["kept"] else "pruned") + ("" if row["in_table"] else " (the hook's own)")
-                print(
-                    f"{row['product']:7s} width {gw:3d} {c.kwargs} w{c.num_warps} s{c.num_stages}"
-                    f"  shared {row['shared'] / 1024:6.1f} KB (estimate {row['estimate'] / 1024:6.1f})  {status}",
-                    flush=True,
-                )
+                    compiled[fused, tile_key(c)] = got["shared"]
+                estimate = autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, fused)
+                note = f" (estimate {estimate / 1024:6.1f})"
+                rows.append(tile_row(c, table, kept, compiled[fused, tile_key(c)], f"{product:7s} width {gw:3d}", note,
+                                     product=product, group_width=gw, estimate=estimate))  # fmt: skip
     return rows
 
 

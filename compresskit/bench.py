@@ -539,6 +539,15 @@ def markdown(records: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speedup_table(title: str, label: str, rows: list, prompts: list, cells: dict, missing: str) -> list[str]:
+    """A Markdown table of ``cells`` ((row, prompt) -> speedup), a row per ``rows`` and a column per prompt."""
+    lines = [title, "", f"| {label} | " + " | ".join(str(p) for p in prompts) + " |", "|---|" + "---|" * len(prompts)]
+    for key in rows:
+        lines.append(f"| {key} | " + " | ".join(f"{cells[(key, p)]:.2f}x" if (key, p) in cells else missing
+                                               for p in prompts) + " |")  # fmt: skip
+    return lines
+
+
 def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot", missing: str = "skipped") -> str:
     """For each model row but dense, its ``measure`` speedup over dense as a batch x prompt table, with its
     worst and best cells named; "" where the bench has a single case (the main table says it all).
@@ -551,15 +560,8 @@ def matrix_markdown(records: list[dict[str, Any]], measure: str = "tpot", missin
     for model in dict.fromkeys(r["model"] for r in records if r["model"] != "dense"):
         cells = {(r["batch"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["model"] == model}
         worst, best = min(cells, key=cells.get), max(cells, key=cells.get)
-        lines += [
-            f"## {model}: {measure.upper()} x dense, batch x prompt",
-            "",
-            "| batch | " + " | ".join(str(p) for p in prompts) + " |",
-            "|---|" + "---|" * len(prompts),
-        ]
-        for b in batches:
-            row = [f"{cells[(b, p)]:.2f}x" if (b, p) in cells else missing for p in prompts]
-            lines.append(f"| {b} | " + " | ".join(row) + " |")
+        title = f"## {model}: {measure.upper()} x dense, batch x prompt"
+        lines += _speedup_table(title, "batch", batches, prompts, cells, missing)
         lines += [
             "",
             f"Worst cell: batch {worst[0]} x prompt {worst[1]}, {cells[worst]:.2f}x; best: batch {best[0]} x prompt "
@@ -584,15 +586,8 @@ def model_matrix_markdown(records: list[dict[str, Any]], measure: str = "ttft", 
         if not cells:
             continue
         worst = min(cells, key=cells.get)
-        lines += [
-            f"## {measure.upper()} x dense at batch {b}, model x prompt",
-            "",
-            "| model | " + " | ".join(str(p) for p in prompts) + " |",
-            "|---|" + "---|" * len(prompts),
-        ]
-        for m in models:
-            row = [f"{cells[(m, p)]:.2f}x" if (m, p) in cells else missing for p in prompts]
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        title = f"## {measure.upper()} x dense at batch {b}, model x prompt"
+        lines += _speedup_table(title, "model", models, prompts, cells, missing)
         lines += ["", f"Worst cell: {worst[0]} at prompt {worst[1]}, {cells[worst]:.2f}x.", ""]
     return "\n".join(lines)
 
