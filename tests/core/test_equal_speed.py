@@ -128,7 +128,7 @@ def test_bench_of_a_run_that_cannot_be_built_says_which_and_why(tmp_path, capsys
     assert main(["bench", "--run", str(sd)]) == 2
     assert "--run: builds a structure at a known configuration; give --shape NAME" in capsys.readouterr().err
     assert main([*base, "--method", "wide", "--sparsity", "1.5"]) == 2
-    assert "--sparsity: 1.5; give a fraction in [0, 1)" in capsys.readouterr().err
+    assert "--sparsity: '1.5'; give fractions in [0, 1)" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
