@@ -1,6 +1,7 @@
 """One batch x prompt matrix from several ``compresskit bench`` outputs (e.g. one process a prompt length, as
 ``device_serving_matrix.sh`` runs them): their records together as ``bench.json``, the matrix of each model's
-TPOT (and TTFT) x dense with its worst and best cells as ``bench.md``, and the heat map ``bench-heatmap.png``.
+TPOT (and TTFT) x dense with its worst and best cells as ``bench.md`` (with two or more compressed rows, e.g.
+several ``--sparsity`` values, also a model x prompt table a batch), and the heat map ``bench-heatmap.png``.
 
     python benchmarks/merge_bench.py OUT_DIR BENCH_DIR_OR_JSON...
 
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from compresskit import artifacts
-from compresskit.bench import matrix_markdown
+from compresskit.bench import matrix_markdown, model_matrix_markdown
 from compresskit.plot import speedup_heatmap
 
 
@@ -56,6 +57,8 @@ def main() -> int:
         "",
         matrix_markdown(records, missing="-"),
         matrix_markdown(records, "ttft", missing="-"),
+        model_matrix_markdown(records, "ttft", missing="-"),
+        model_matrix_markdown(records, "tpot", missing="-"),
     ]
     with artifacts.staged_dir(args.out) as tmp:
         artifacts.write_json(tmp / "bench.json", {"meta": {"parts": [p["meta"] for p in parts]}, "results": records})

@@ -707,3 +707,15 @@ def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
     assert (tmp_path / "m2" / "bench-heatmap.png").is_file()
     proc = merge("m3", str(tmp_path / "a"), str(tmp_path / "m1"))
     assert proc.returncode == 2 and "more than one input" in proc.stderr
+    # two compressed rows (two sparsities, one process a prompt): merged into a model x prompt table a batch
+    one = bench_dir("d", 1, 512, 1.1)
+    two = tmp_path / "e"
+    two.mkdir()
+    rows = json.loads((tmp_path / "d" / "bench.json").read_text())
+    for r in rows["results"]:
+        r.update(prompt=4096, model="wide (0.25)" if r["model"] == "wide" else r["model"], ttft_speedup=1.02)
+    (two / "bench.json").write_text(json.dumps(rows))
+    assert merge("m4", one, str(two)).returncode == 0
+    md = (tmp_path / "m4" / "bench.md").read_text()
+    assert "## TTFT x dense at batch 1, model x prompt" in md
+    assert "| wide | 1.10x | - |" in md and "| wide (0.25) | - | 1.02x |" in md
