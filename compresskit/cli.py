@@ -386,7 +386,10 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         raise CompressKitError("compresskit bench: give a MODEL (a saved run, an HF directory or an alias) or --shape")
     if args.shape is not None and args.shape not in SHAPES:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
-    sparsities = _sparsity_list(args.sparsity)
+    sparsities = _float_list(
+        args.sparsity, "--sparsity", what="fractions", ok=lambda v: 0.0 <= v < 1.0, rule="; give fractions in [0, 1)",
+        example="0.25,0.5", distinct=True,
+    )  # fmt: skip
     sources = []
     if args.shape is not None:  # every name and run checked before anything is built: one line each
         if args.method or not args.runs:
@@ -622,29 +625,26 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     return data
 
 
-def _float_list(text: str, flag: str) -> tuple[float, ...]:
-    """A comma-separated list of positive numbers, or one line naming ``flag``."""
+def _float_list(
+    text: str,
+    flag: str,
+    *,
+    what: str = "numbers",
+    ok=lambda v: v > 0,
+    rule: str = ": give positive speedups",
+    example: str = "1.2,1.4",
+    distinct: bool = False,
+) -> tuple[float, ...]:
+    """A comma-separated list of numbers each ``ok`` (``rule`` says which; ``distinct``: none twice), or one
+    line naming ``flag``."""
     try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple(float(v) for v in str(text).split(",") if v.strip())
     except ValueError:
-        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of numbers, e.g. 1.2,1.4") from None
-    if not values or min(values) <= 0:
-        raise CompressKitError(f"{flag}: {text!r}: give positive speedups, e.g. 1.2,1.4")
-    return values
-
-
-def _sparsity_list(text: str) -> list[float]:
-    """``--sparsity 0.25,0.5``: distinct fractions in [0, 1), or one line naming the flag."""
-    try:
-        values = [float(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise CompressKitError(
-            f"--sparsity: {text!r} is not a comma-separated list of fractions, e.g. 0.25,0.5"
-        ) from None
-    if not values or not all(0.0 <= v < 1.0 for v in values):
-        raise CompressKitError(f"--sparsity: {text!r}; give fractions in [0, 1), e.g. 0.25,0.5")
-    if len(set(values)) < len(values):
-        raise CompressKitError(f"--sparsity: {text!r} names a fraction twice")
+        raise CompressKitError(f"{flag}: {text!r} is not a comma-separated list of {what}, e.g. {example}") from None
+    if not values or not all(ok(v) for v in values):
+        raise CompressKitError(f"{flag}: {text!r}{rule}, e.g. {example}")
+    if distinct and len(set(values)) < len(values):
+        raise CompressKitError(f"{flag}: {text!r} names a {what.removesuffix('s')} twice")
     return values
 
 

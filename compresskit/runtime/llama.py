@@ -511,10 +511,11 @@ class Runtime:
         if self.compiled or self.graphs:
             for _ in self.greedy_tokens(cache, first, steps):
                 pass
-        else:
+        else:  # as generate's eager decode: the host reads each step's token before the next
             token = first
             for _ in range(steps - 1):
                 token = self.decode(token, cache).argmax(-1)
+                token.tolist()
         self._sync()
         return time.perf_counter() - t0
 
