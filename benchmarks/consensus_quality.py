@@ -9,7 +9,7 @@ batch of B sequences decides together, as B sequences decoding at once would).
 Each run is scored once per token (at batch 16: per-token routing does not depend on the batch), then
 under each rule at each batch size (``--only RUN=RULE,...`` limits a run to those rules). The evaluations
 spread over ``--workers`` processes (a small model leaves a GPU mostly idle); ``--replot quality.json``
-draws the plot again from the table. Writes ``DIR/quality.json``
+draws the plot and writes the table again from it. Writes ``DIR/quality.json``
 (one row per evaluation: held-out, code and licence perplexity, the zero-shot tasks and their average,
 the realised sparsity and the batch sizes lm-eval ran), ``DIR/quality.md`` and ``DIR/quality.png`` (held-out
 perplexity against the realised MACs skipped, a line per run and rule through its batch sizes).
@@ -23,6 +23,8 @@ import json
 import multiprocessing
 import time
 from pathlib import Path
+
+from compresskit import artifacts
 
 TASKS = ["perplexity", "code_perplexity", "legal_perplexity", "piqa", "next_sentence"]
 
@@ -81,16 +83,18 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         " ".join(f"{k}: {v};" for k, v in meta.items()),
         "",
-        "| run | rule | consensus batch | held-out ppl | x per-token | code ppl | licence ppl | PIQA acc | "
-        "next-sent acc | zero-shot avg | MACs skipped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | rule | consensus batch | held-out ppl | x its per-token | x reference | code ppl | licence ppl | "
+        "PIQA acc | next-sent acc | zero-shot avg | MACs skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base = {r["run"]: r for r in rows if r["rule"] == "per-token"}
+    base = {r["run"]: r["held_out_ppl"] for r in rows if r["rule"] == "per-token"}
+    reference = base.get(rows[0]["run"], float("nan")) if rows else float("nan")  # the first run, per token
     for r in rows:
-        ratio = r["held_out_ppl"] / base[r["run"]]["held_out_ppl"] if r["run"] in base else float("nan")
+        ratio = r["held_out_ppl"] / base.get(r["run"], float("nan"))
         batch = "-" if r["rule"] == "per-token" else str(r["batch"])
         lines.append(
-            f"| {r['run']} | {r['rule']} | {batch} | {r['held_out_ppl']:.2f} | {ratio:.3f} | {r['code_ppl']:.2f} | "
+            f"| {r['run']} | {r['rule']} | {batch} | {r['held_out_ppl']:.2f} | {ratio:.3f} | "
+            f"{r['held_out_ppl'] / reference:.3f} | {r['code_ppl']:.2f} | "
             f"{r['legal_ppl']:.2f} | {r['piqa_acc']:.4f} | {r['next_sentence_acc']:.4f} | {r['zero_shot_avg']:.4f} | "
             f"{r['macs_skipped']:.3f} |"
         )
@@ -138,7 +142,9 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.replot:
-        plot(json.loads(Path(args.replot).read_text())["rows"], Path(args.replot).with_name("quality.png"))
+        table = json.loads(Path(args.replot).read_text())
+        plot(table["rows"], Path(args.replot).with_name("quality.png"))
+        artifacts.write_text(Path(args.replot).with_name("quality.md"), markdown(table["rows"], table["meta"]))
         return
     if not args.run or not args.out:
         ap.error("give --run NAME=PATH (one or more) and --out DIR, or --replot")
@@ -181,8 +187,8 @@ def main() -> None:
         + "".join(f" --only {o}" for o in args.only)
         + f" --workers {args.workers}",
     }
-    (out / "quality.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "quality.md").write_text(markdown(rows, meta))
+    artifacts.write_json(out / "quality.json", {"meta": meta, "rows": rows})
+    artifacts.write_text(out / "quality.md", markdown(rows, meta))
     plot(rows, out / "quality.png")
     print(markdown(rows, meta))
 

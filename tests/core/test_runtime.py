@@ -1,6 +1,8 @@
 """The runtime against transformers on the tiny model: the same logits at prefill and decode, the
 same greedy tokens with left padding, seeded sampling, the generate command."""
 
+import re
+
 import pytest
 import torch
 
@@ -719,3 +721,22 @@ def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
     md = (tmp_path / "m4" / "bench.md").read_text()
     assert "## TTFT x dense at batch 1, model x prompt" in md
     assert "| wide | 1.10x | - |" in md and "| wide (0.25) | - | 1.02x |" in md
+
+
+def test_profile_script_counts_every_wide_kernel_as_wide():
+    """The profile's kinds: each of compresskit_wide's Triton kernels (the persistent product too, whose
+    name says gemm) is WIDE's, inductor's fused kernels are not, whatever op names they carry."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_runtime.py"
+    spec = importlib.util.spec_from_file_location("profile_runtime", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    wide = Path(__file__).resolve().parents[2] / "plugins" / "wide" / "compresskit_wide" / "kernels"
+    names = {m for f in wide.glob("*.py") for m in re.findall(r"def (triton_\w+_kernel)\(", f.read_text())}
+    assert "triton_persistent_out_gemm_kernel" in names and len(names) >= 10
+    assert {mod.kind(n) for n in names} == {"WIDE triton"}
+    assert mod.kind("triton_red_fused__to_copy_add_masked_out_gemm_mean_mul_pow_rsqrt_view_0").startswith("fused")
+    assert mod.kind("triton_poi_fused_add_cat_mul_neg_routed_attention_prefill_slice_view_2").startswith("fused")
+    assert mod.kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (cuBLAS/CUTLASS)"
