@@ -8,9 +8,10 @@
 #   bash benchmarks/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
 #   bash benchmarks/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
 # Environment: PROMPTS (default "512 2048 8192 16384"), BATCHES (default 1,2,4,8,16,32,64).
-# Then, here: python benchmarks/merge_bench.py OUT_DIR FETCHED/p*/   (one matrix and heat map)
+# `wait` merges the prompts finished so far there (benchmarks/merge_bench.py: $OUT/bench.{json,md},
+# bench-heatmap.png) and packs each prompt's own files into $OUT/parts.tar.gz (a call brings back 8 files).
 set -uo pipefail
-SM=/tmp/sm
+SM=${SM:-/tmp/sm}  # the job's folder
 step=${1:?usage: device_serving_matrix.sh start [ARGS...]|wait [SECONDS]}
 shift
 if [ "$step" = wait ]; then
@@ -19,7 +20,14 @@ if [ "$step" = wait ]; then
     sleep 10
   done
   tail -n 30 "$SM/log"
-  mkdir -p "$OUT" && cp -r "$SM/out/." "$OUT/" 2>/dev/null; cp "$SM/log" "$OUT/log" 2>/dev/null
+  mkdir -p "$OUT" && cp "$SM/log" "$OUT/log" 2>/dev/null
+  parts=$(find "$SM/out" -mindepth 2 -maxdepth 2 -name bench.json -printf '%h\n' 2>/dev/null | sort -V)
+  if [ -n "$parts" ]; then
+    tar czf "$OUT/parts.tar.gz" -C "$SM/out" . && echo "prompts done: $(basename -a $parts | tr '\n' ' ')"
+    # shellcheck disable=SC2086
+    PYTHONPATH=/tmp/ck:/tmp/site python3 benchmarks/merge_bench.py "$SM/merged" $parts >/dev/null &&
+      cp "$SM/merged/"* "$OUT/" && tail -n +3 "$OUT/bench.md" | head -n 40
+  fi
   [ -f "$SM/rc" ] && { echo "matrix ended: exit $(cat "$SM/rc")"; exit 0; }
   echo "matrix still running"
   exit 4

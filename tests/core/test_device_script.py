@@ -44,3 +44,34 @@ def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
     res = subprocess.run(["bash", "benchmarks/device_wide_smollm2.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0 and "ended: exit 0" in res.stdout
+
+
+def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
+    """``benchmarks/device_serving_matrix.sh wait``: the prompts finished so far merged into one matrix
+    there, each prompt's own files packed in one archive (a device call brings back 8 files)."""
+    import json
+
+    repo, out, sm = tmp_path / "repo", tmp_path / "out", tmp_path / "sm"
+    (repo / "benchmarks").mkdir(parents=True)
+    for name in ("device_serving_matrix.sh", "merge_bench.py"):
+        shutil.copy(SCRIPT.with_name(name), repo / "benchmarks")
+    merged = json.loads((SCRIPT.parents[1] / "docs" / "results" / "prefill-h200" / "ttft-matrix.json").read_text())
+    for prompt in (128, 512):
+        part = sm / "out" / f"p{prompt}"
+        part.mkdir(parents=True)
+        meta = next(m for m in merged["meta"]["parts"] if f"--prompt {prompt} " in m["command"])
+        rows = [r for r in merged["results"] if r["prompt"] == prompt]
+        (part / "bench.json").write_text(json.dumps({"meta": meta, "results": rows}))
+        (part / "bench.md").write_text("table\n")
+    (sm / "log").write_text("benchmarking\n")
+    (sm / "rc").write_text("0\n")
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "SM": str(sm)}
+    res = subprocess.run(["bash", "benchmarks/device_serving_matrix.sh", "wait", "0"], cwd=repo, env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0 and "matrix ended" in res.stdout, res.stdout + res.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench-heatmap.png", "bench.json", "bench.md", "log", "parts.tar.gz"]
+    assert {r["prompt"] for r in json.loads((out / "bench.json").read_text())["results"]} == {128, 512}
+    with tarfile.open(out / "parts.tar.gz") as t:
+        assert {"./p128/bench.md", "./p512/bench.json"} <= set(t.getnames())
