@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
-from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, write_cache
+from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, stacked_linear, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
 from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_kernel
 
@@ -238,6 +238,8 @@ class WideMLP(Block, _Routing):
         mlp = layer.mlp
         self.norm = base_module(layer.post_attention_layernorm)  # under the router tap
         self._setup_routing(mlp.down_proj, backend, count, consensus)
+        # gate and up stacked in memory (their Parameters re-pointed, no copy kept): the dense fallback's one product
+        stacked_linear([mlp.gate_proj, mlp.up_proj])
         self.wg, self.wu = mlp.gate_proj.weight, mlp.up_proj.weight
         self.wd = mlp.down_proj.base_layer.weight
 

@@ -10,7 +10,10 @@ from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask 
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     out_kernel_takes,
+    stacked_rows,
+    swiglu_zero,
     torch_masked_out_gemm,
+    torch_swiglu_zero,
     triton_masked_out_gemm,
     triton_persistent_out_gemm,
 )
@@ -301,6 +304,70 @@ def test_dense_fallback_equals_reference(fuse, sparsity):
     inactive = ~mask.repeat_interleave(32, dim=-1)
     assert torch.count_nonzero(got[inactive]) == 0
     raw = dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=False)
-    dense = x @ w.T if w_up is None else torch.nn.functional.silu(x @ w.T) * (x @ w_up.T)
-    torch.testing.assert_close(raw, dense, rtol=0, atol=0)
+    if w_up is None:  # the plain product left as computed
+        torch.testing.assert_close(raw, x @ w.T, rtol=0, atol=0)
+    else:  # the SwiGLU's one pass zeroes anyway
+        torch.testing.assert_close(raw, got, rtol=0, atol=0)
     torch.testing.assert_close(raw[~inactive], got[~inactive], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("m", "n", "groups"), [(1, 48, 3), (5, 60, 3), (33, 96, 1), (7, 2048, 2)])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_zero_matches_reference(m, n, groups, sparsity, dtype):
+    """The fallback's one pass: silu(gate) * up in fp32 where active, exactly 0 elsewhere, even where
+    gate and up hold NaN; gate and up as the two halves of one product's output (a row stride of 2N),
+    groups of a width no power of two, groups wider than the program's block."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip(NEEDS_GPU)
+    gen = torch.Generator().manual_seed(m * 31 + n)
+    gu = torch.randn(m, 2 * n, generator=gen).to(DEVICE, dtype)
+    gate, up = gu.split(n, dim=-1)
+    mask = random_mask(m, groups, sparsity, seed=m + n)
+    inactive = ~mask.repeat_interleave(n // groups, dim=-1)
+    gate[inactive], up[inactive] = float("nan"), float("nan")
+    got = swiglu_zero(gate, up, mask)
+    ref = torch_swiglu_zero(gate, up, mask)
+    assert got.shape == (m, n) and got.dtype == dtype and torch.count_nonzero(got[inactive]) == 0
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="G dividing N"):
+        swiglu_zero(gate, up, random_mask(m, 7, 0.5))
+
+
+def test_stacked_rows_finds_gate_and_up_stacked_by_the_runtime():
+    """Gate and up stacked by ``stacked_linear`` (the modules' weights re-pointed at one tensor) are one
+    ``[2N, K]`` view; weights apart, or in the other order, are not."""
+    from compresskit.runtime.blocks import stacked_linear
+
+    gate, up = torch.nn.Linear(40, 24, bias=False), torch.nn.Linear(40, 24, bias=False)
+    assert stacked_rows(gate.weight, up.weight) is None
+    ref = torch.cat([gate.weight, up.weight]).detach().clone()
+    stacked_linear([gate, up])
+    both = stacked_rows(gate.weight, up.weight)
+    assert both is not None and both.data_ptr() == gate.weight.data_ptr() and torch.equal(both, ref)
+    assert stacked_rows(up.weight, gate.weight) is None
+
+
+def test_dense_fallback_runs_stacked_gate_and_up_as_one_product():
+    """With gate and up stacked, the fallback's SwiGLU is one product and one pass, equal to the reference."""
+    from compresskit.runtime.blocks import stacked_linear
+
+    gen = torch.Generator().manual_seed(5)
+    gate, up = torch.nn.Linear(48, 96, bias=False), torch.nn.Linear(48, 96, bias=False)
+    stacked_linear([gate, up])
+    x = torch.randn(6, 48, generator=gen)
+    mask = random_mask(6, 3, 0.5, seed=2).cpu()
+    products = []
+
+    class Count(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("matmul", "__matmul__", "mm"):
+                products.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        got = dense_masked_out_gemm(x, gate.weight, mask, up.weight)
+    assert len(products) == 1
+    ref = torch_masked_out_gemm(x, gate.weight.detach(), mask, up.weight.detach())
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

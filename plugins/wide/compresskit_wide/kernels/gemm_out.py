@@ -90,6 +90,50 @@ def torch_masked_out_gemm(
     return _zero_routed(y, mask, routed).to(x.dtype)
 
 
+def stacked_rows(w: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
+    """``[w; w_up]`` as one ``[2N, K]`` view where ``w_up``'s rows follow ``w``'s in memory (the runtime
+    stacks gate and up so: ``stacked_linear``), so that one product computes both; else None."""
+    if (
+        w.shape != w_up.shape
+        or w.dtype != w_up.dtype
+        or not (w.is_contiguous() and w_up.is_contiguous())
+        or w.untyped_storage().data_ptr() != w_up.untyped_storage().data_ptr()
+        or w_up.storage_offset() != w.storage_offset() + w.numel()
+    ):
+        return None
+    return w.as_strided((2 * w.shape[0], w.shape[1]), w.stride(), w.storage_offset())
+
+
+def torch_swiglu_zero(gate: torch.Tensor, up: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference: ``silu(gate) * up`` in fp32 (``gate, up: [M, N]``), cast to their dtype, exactly 0 in
+    the inactive groups of ``mask: [M, G]``."""
+    return zero_inactive_groups(F.silu(gate.float()) * up.float(), mask).to(gate.dtype)
+
+
+def swiglu_zero(gate: torch.Tensor, up: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`torch_swiglu_zero` in one pass (one launch where eager PyTorch made three: the SiLU, the
+    product and the select): the Triton kernel on a GPU and in the interpreter, else the reference.
+    ``gate`` and ``up`` may be column slices of one product's output (unit column stride)."""
+    m, n = gate.shape
+    groups = mask.shape[-1]
+    if up.shape != gate.shape or mask.shape[0] != m or n % groups:
+        shapes = f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, mask {tuple(mask.shape)}"
+        raise ValueError(f"{shapes}: gate and up must be [M, N] and the mask [M, G] with G dividing N")
+    if triton is None or not (gate.is_cuda or interpreted()):
+        return torch_swiglu_zero(gate, up, mask)
+    if gate.stride(1) != 1 or up.stride(1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    mask_u8 = mask_bytes(mask)
+    out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
+    block_n = min(1024, next_power_of_2(n // groups))
+    grid = (m, cdiv(n, block_n))
+    triton_swiglu_zero_kernel[grid](
+        gate, up, mask_u8, out, n, n // groups, gate.stride(0), up.stride(0), mask_u8.stride(0), out.stride(0),
+        BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
+
+
 def dense_masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -100,15 +144,36 @@ def dense_masked_out_gemm(
     dense_rows: int = 0,
 ) -> torch.Tensor:
     """The dense fallback: cuBLAS in ``x.dtype``, then the inactive groups zeroed (left as computed
-    with ``zero_inactive=False``, for a caller that never reads them)."""
+    with ``zero_inactive=False``, for a caller that never reads them). The SwiGLU: gate and up in one
+    product where their rows are stacked in memory (:func:`stacked_rows`), then :func:`swiglu_zero`
+    (zeroed whatever ``zero_inactive`` says: the select costs nothing in that pass)."""
     routed = routed_rows(w, mask, w_up, dense_rows)
-    y = x @ w.T
-    if w_up is not None:
-        y = F.silu(y) * (x @ w_up.T)
-    return _zero_routed(y, mask, routed) if zero_inactive else y
+    if w_up is None:
+        y = x @ w.T
+        return _zero_routed(y, mask, routed) if zero_inactive else y
+    both = stacked_rows(w, w_up)
+    if both is None:
+        return swiglu_zero(x @ w.T, x @ w_up.T, mask)
+    gate, up = (x @ both.T).split(w.shape[0], dim=-1)
+    return swiglu_zero(gate, up, mask)
 
 
 if triton is not None:
+
+    @triton.jit
+    def triton_swiglu_zero_kernel(
+        g_ptr, u_ptr, mask_ptr, out_ptr, N, GW, stride_gm, stride_um, stride_mm, stride_om,
+        BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # program (token m, block of channels): silu(gate) * up in fp32 where the channel's group is active
+        m = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        on = tl.load(mask_ptr + m * stride_mm + cols // GW, mask=ok, other=0) != 0
+        g = tl.load(g_ptr + m * stride_gm + cols, mask=ok & on, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + m * stride_um + cols, mask=ok & on, other=0.0).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + m * stride_om + cols, tl.where(on, y, 0.0).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def triton_masked_out_gemv_kernel(
