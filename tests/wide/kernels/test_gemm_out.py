@@ -311,13 +311,13 @@ def test_dense_fallback_equals_reference(fuse, sparsity):
     torch.testing.assert_close(raw[~inactive], got[~inactive], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("m", "n", "groups"), [(1, 48, 3), (5, 60, 3), (33, 96, 1), (7, 2048, 2)])
+@pytest.mark.parametrize(("m", "n", "groups"), [(1, 48, 3), (5, 60, 3), (33, 96, 1), (7, 2400, 2), (0, 64, 2)])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_zero_matches_reference(m, n, groups, sparsity, dtype):
     """The fallback's one pass: silu(gate) * up in fp32 where active, exactly 0 elsewhere, even where
     gate and up hold NaN; gate and up as the two halves of one product's output (a row stride of 2N),
-    groups of a width no power of two, groups wider than the program's block."""
+    groups of a width no power of two, channels past one program's block, no token."""
     if dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip(NEEDS_GPU)
     gen = torch.Generator().manual_seed(m * 31 + n)

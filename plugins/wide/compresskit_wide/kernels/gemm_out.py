@@ -119,13 +119,13 @@ def swiglu_zero(gate: torch.Tensor, up: torch.Tensor, mask: torch.Tensor) -> tor
     if up.shape != gate.shape or mask.shape[0] != m or n % groups:
         shapes = f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, mask {tuple(mask.shape)}"
         raise ValueError(f"{shapes}: gate and up must be [M, N] and the mask [M, G] with G dividing N")
-    if triton is None or not (gate.is_cuda or interpreted()):
+    if triton is None or not (gate.is_cuda or interpreted()) or m == 0:
         return torch_swiglu_zero(gate, up, mask)
     if gate.stride(1) != 1 or up.stride(1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
     mask_u8 = mask_bytes(mask)
     out = torch.empty((m, n), dtype=gate.dtype, device=gate.device)
-    block_n = min(1024, next_power_of_2(n // groups))
+    block_n = min(1024, next_power_of_2(n))  # a program's channels, across groups (each reads its group's flag)
     grid = (m, cdiv(n, block_n))
     triton_swiglu_zero_kernel[grid](
         gate, up, mask_u8, out, n, n // groups, gate.stride(0), up.stride(0), mask_u8.stride(0), out.stride(0),
