@@ -7,7 +7,8 @@ batch of B sequences decides together, as B sequences decoding at once would).
         --only consensus-trained=majority --workers 3 --out DIR
 
 Each run is scored once per token (at batch 16: per-token routing does not depend on the batch), then
-under each rule at each batch size (``--only RUN=RULE,...`` limits a run to those rules). The evaluations
+under each rule at each batch size (``--only RUN=RULE,...`` limits a run to those rules; a tile rule, which
+shares within each sequence, once, at the first). The evaluations
 spread over ``--workers`` processes (a small model leaves a GPU mostly idle); ``--replot quality.json``
 draws the plot and writes the table again from it. Writes ``DIR/quality.json``
 (one row per evaluation: held-out, code and licence perplexity, the zero-shot tasks and their average,
@@ -36,6 +37,21 @@ def parse_rule(text: str) -> tuple[str, dict]:
         key, _, value = part.partition("=")
         rule[key] = float(value) if key in ("quorum", "budget", "follow") else value
     return name, rule
+
+
+def plan(runs: dict, rules: dict, only: dict, batches: list[int], limit: int | None) -> list[dict]:
+    """The evaluations: each run per token (at batch 16), then under each of its rules (``only``: a run's
+    rules, where given) at each batch size; a tile rule (``over: tile``) shares within each sequence, so
+    the batch does not change it: scored once, at the first batch size."""
+    cells = []
+    for run, path in runs.items():
+        cells.append({"run": run, "path": path, "rule_name": "per-token", "rule": None, "batch": 16, "limit": limit})
+        for name, rule in rules.items():
+            if run in only and name not in only[run]:
+                continue
+            for b in batches[:1] if rule.get("over") == "tile" else batches:
+                cells.append({"run": run, "path": path, "rule_name": name, "rule": rule, "batch": b, "limit": limit})
+    return cells
 
 
 def evaluate_cell(cell: dict) -> dict:
@@ -151,18 +167,7 @@ def main() -> None:
     runs = dict(r.split("=", 1) for r in args.run)
     rules = dict(parse_rule(r) for r in args.rule)
     only = {k: v.split(",") for k, v in (o.split("=", 1) for o in args.only)}
-    cells = []
-    for run, path in runs.items():
-        cells.append(
-            {"run": run, "path": path, "rule_name": "per-token", "rule": None, "batch": 16, "limit": args.limit}
-        )
-        for name, rule in rules.items():
-            if run in only and name not in only[run]:
-                continue
-            for b in (int(x) for x in args.batches.split(",")):
-                cells.append(
-                    {"run": run, "path": path, "rule_name": name, "rule": rule, "batch": b, "limit": args.limit}
-                )
+    cells = plan(runs, rules, only, [int(x) for x in args.batches.split(",")], args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

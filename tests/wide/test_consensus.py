@@ -421,3 +421,36 @@ def test_tile_coherent_routing_on_the_kernels(tiny_model_dir, monkeypatch, share
         want = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     set_consensus(model, None)
+
+
+def _quality_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "consensus_quality.py"
+    spec = importlib.util.spec_from_file_location("consensus_quality", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
+    """``benchmarks/consensus_quality.py``'s plan: per token once a run, a batch rule at every batch size, a
+    tile rule (which shares within a sequence) once; ``--only`` keeps a run to its rules. Its table gives
+    each row against its own run's per-token score and against the first run's."""
+    q = _quality_script()
+    rules = dict(map(q.parse_rule, ["maj=quorum=0.5", "t64=over=tile,tile=64,quorum=0,follow=1.0"]))
+    assert rules["t64"] == {"over": "tile", "tile": "64", "quorum": 0.0, "follow": 1.0}
+    cells = q.plan({"a": "A", "b": "B"}, rules, {"b": ["t64"]}, [4, 8], None)
+    assert [(c["run"], c["rule_name"], c["batch"]) for c in cells] == [
+        ("a", "per-token", 16), ("a", "maj", 4), ("a", "maj", 8), ("a", "t64", 4),
+        ("b", "per-token", 16), ("b", "t64", 4),
+    ]  # fmt: skip
+    row = {"code_ppl": 1.0, "legal_ppl": 1.0, "piqa_acc": 0.5, "next_sentence_acc": 0.5, "zero_shot_avg": 0.5}
+    rows = [
+        {**row, "run": "a", "rule": "per-token", "batch": 16, "held_out_ppl": 50.0, "macs_skipped": 0.4},
+        {**row, "run": "b", "rule": "per-token", "batch": 16, "held_out_ppl": 100.0, "macs_skipped": 0.4},
+        {**row, "run": "b", "rule": "t64", "batch": 4, "held_out_ppl": 200.0, "macs_skipped": 0.3},
+    ]
+    last = q.markdown(rows, {"date": "today"}).strip().splitlines()[-1]
+    assert last.startswith("| b | t64 | 4 | 200.00 | 2.000 | 4.000 |")
