@@ -20,9 +20,12 @@
 #                     tile-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-tile64.yaml), then score both per token and
 #                     under tiles of 16, 64 and 128 (the union capped at 60% of the groups)
+#   setgrad-start     the same job for the gradient through the shared set: the per-token run and
+#                     recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml side by side, both scored per
+#                     token and under the majority rule at consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=/tmp/cq
@@ -106,6 +109,10 @@ JOB
     pair_job recipes/study/wide-smollm2-50-stage1-tile64.yaml tile64 tile-trained \
       --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 \
       --rule tile128=over=tile,tile=128,quorum=0,budget=0.6 --batches 8 | launch
+    ;;
+  setgrad-start)
+    pair_job recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml setgrad set-gradient \
+      --rule majority=quorum=0.5 --batches 4,8,16,32 | launch
     ;;
   *)
     echo "unknown step $step"

@@ -542,6 +542,7 @@ class ResolvedPlugin:
 # fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
 OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
+STAGE_OMITTED_AT_DEFAULT = {"consensus_gradient": "own"}  # in each training stage's config, likewise
 
 
 @dataclass
@@ -561,7 +562,10 @@ class ResolvedRecipe:
         if self.pruner is not None:
             data["pruner"]["config"] = self.pruner.config.model_dump(mode="json")
         for i, stage in enumerate(self.training):
-            data["training"][i]["config"] = stage.config.model_dump(mode="json")
+            config = stage.config.model_dump(mode="json")
+            data["training"][i]["config"] = {
+                k: v for k, v in config.items() if k not in STAGE_OMITTED_AT_DEFAULT or v != STAGE_OMITTED_AT_DEFAULT[k]
+            }
         data["executor"]["config"] = self.executor.config.model_dump(mode="json")
         for path, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
             *parents, key = path.split(".")

@@ -297,6 +297,7 @@ class RoutedProjection(nn.Module):
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
         self.consensus: Consensus | None = None  # batch-consensus routing (set_consensus), None: per token
+        self.consensus_gradient = "own"  # in training under a consensus: whose decision the gradient goes through
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
@@ -346,7 +347,10 @@ class RoutedProjection(nn.Module):
     def _agree(self, logits: torch.Tensor, execute: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``execute`` (the tokens' own decisions, with their straight-through gradient in training) under
         the batch's consensus: the forward value :func:`consensus_execute`'s, the gradient the own
-        decision's (``share="set"``) or the own decision's where the set keeps the group (``"own"``)."""
+        decision's (``share="set"``) or the own decision's where the set keeps the group (``"own"``). With
+        ``consensus_gradient="set"`` (``share="set"``) the gradient goes through the set instead, as the mean
+        of its real voters' soft decisions: each voter's router learns what the set it shares costs all of
+        them, where the own decision's gradient tells it only what its own token would pay."""
         c = self.consensus
         b, t = execute.shape[:2]
         with torch.no_grad():
@@ -359,7 +363,16 @@ class RoutedProjection(nn.Module):
         if c.share == "own":
             return execute * torch.where(multi, keep, True).to(execute.dtype)
         shared = torch.where(multi, keep, execute > 0.5).to(execute.dtype)
-        return shared + (execute - execute.detach()) if execute.requires_grad else shared
+        if not execute.requires_grad:
+            return shared
+        straight = execute - execute.detach()  # zero, with the own decision's gradient
+        if self.consensus_gradient == "set":
+            weight = to_voters(real, c, False).to(execute.dtype)[..., None]  # [V, P, 1]: the real voters
+            voters = to_voters(straight, c, 0.0)
+            mean = (voters * weight).sum(0, keepdim=True) / weight.sum(0, keepdim=True).clamp_min(1.0)
+            # a real voter of a shared set; a padded token keeps its own (its loss is masked in training)
+            straight = torch.where(multi & real[..., None], from_voters(mean.expand_as(voters), c, b, t), straight)
+        return shared + straight
 
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
         _plain_set(self, "_mask", execute)
@@ -505,13 +518,16 @@ def routers(model: nn.Module) -> list[nn.Parameter]:
     return [p for _, proj in routed_projections(model) if proj.router is not None for p in proj.router.parameters()]
 
 
-def set_consensus(model: nn.Module, consensus: Consensus | None) -> int:
-    """Route every router of ``model`` under ``consensus`` (None: per token again); returns how many
-    routers it set (0: the model has none)."""
+def set_consensus(model: nn.Module, consensus: Consensus | None, gradient: str = "own") -> int:
+    """Route every router of ``model`` under ``consensus`` (None: per token again), in training with the
+    gradient through each token's own decision (``gradient="own"``) or the shared set (``"set"``: see
+    ``RoutedProjection._agree``); returns how many routers it set (0: the model has none)."""
+    if gradient not in ("own", "set"):
+        raise ValueError(f"gradient must be 'own' or 'set', got {gradient!r}")
     n = 0
     for _, proj in routed_projections(model):
         if proj.router is not None:
-            proj.consensus = consensus
+            proj.consensus, proj.consensus_gradient = consensus, gradient if consensus is not None else "own"
             n += 1
     return n
 

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -83,11 +83,25 @@ class TrainStageConfig(PluginConfig):
         "groups; with over: tile, the tokens of each tile of a sequence do; so that the routers learn to agree. "
         "Needs a routing pruner.",
     )
+    consensus_gradient: Literal["own", "set"] = Field(
+        "own",
+        description="With consensus (share: set): the routers' gradient goes straight through each token's own "
+        "decision (own), or through the shared set, as the mean of its voters' soft decisions (set), so that each "
+        "router learns what the set costs the tokens that share it.",
+    )
 
     @model_validator(mode="after")
     def _lr_range(self):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
+    @model_validator(mode="after")
+    def _set_gradient_needs_a_set(self):
+        if self.consensus_gradient == "set" and (self.consensus is None or self.consensus.share != "set"):
+            given = "no consensus" if self.consensus is None else f"consensus share: {self.consensus.share}"
+            raise ValueError(f"consensus_gradient: set goes through a shared set, so needs consensus with share: set "
+                             f"(given: {given})")  # fmt: skip
         return self
 
 
@@ -140,7 +154,7 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
-        if c.consensus is not None and not set_consensus(model, c.consensus):
+        if c.consensus is not None and not set_consensus(model, c.consensus, c.consensus_gradient):
             raise RecipeError(
                 f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
                 "(a routing pruner: wide, dynamic-depth)"

@@ -454,3 +454,73 @@ def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
     ]
     last = q.markdown(rows, {"date": "today"}).strip().splitlines()[-1]
     assert last.startswith("| b | t64 | 4 | 200.00 | 2.000 | 4.000 |")
+
+
+@pytest.mark.parametrize("rule", [Consensus(quorum=0.5), Consensus(over="tile", tile=16, quorum=0.0, budget=0.5)])
+def test_the_set_gradient_is_the_mean_of_the_voters(tiny_model_dir, rule):
+    """``consensus_gradient: set``: the same forward as ``own`` (the shared set), and each voter's soft decision
+    gets the mean over its position's (or tile's) real voters of what the loss says of each token's group,
+    where ``own`` gives it its own token's; a position with one real voter keeps its own gradient."""
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    cls(cls.Config(ffn_group_size=16, router_rank=8)).prepare(
+        model, RunContext(model_config=model.config, tokenizer=tok, seed=0)
+    )
+    proj = next(p for _, p in routed_projections(model) if p.router is not None)
+    gen = torch.Generator().manual_seed(3)
+    b, t, g = 4, 20, proj.groups
+    logits = torch.randn(b, t, g, 2, generator=gen)
+    soft = torch.rand(b, t, g, generator=gen, requires_grad=True)
+    valid = torch.ones(b, t)
+    valid[1:, -1] = 0.0  # the batch rule's last position: one real voter
+    weight = torch.randn(b, t, g, generator=gen)
+    out, grads = {}, {}
+    for gradient in ("own", "set"):
+        set_consensus(model, rule, gradient)
+        execute = (soft > 0.5).float() + soft - soft.detach()
+        soft.grad = None
+        out[gradient] = proj._agree(logits, execute, valid)
+        (out[gradient] * weight).sum().backward()
+        grads[gradient] = soft.grad.clone()
+    torch.testing.assert_close(out["own"], out["set"], rtol=0, atol=0)
+    torch.testing.assert_close(grads["own"], weight)
+    real = valid[..., None]  # a real voter gets its set's mean over the real voters; a padded token its own
+    if rule.over == "batch":
+        want = torch.where(real > 0, (weight * real).sum(0, keepdim=True) / real.sum(0, keepdim=True), weight)
+        want[:, -1] = weight[:, -1]  # one real voter there: per-token routing, its own gradient
+    else:  # each sequence's tiles (positions 0-15, 16-19), every one with several real voters
+        means = [
+            ((weight[:, lo:hi] * real[:, lo:hi]).sum(1, keepdim=True) / real[:, lo:hi].sum(1, keepdim=True)).expand(
+                -1, hi - lo, -1
+            )
+            for lo, hi in ((0, 16), (16, 20))
+        ]
+        want = torch.where(real > 0, torch.cat(means, 1), weight)
+    torch.testing.assert_close(grads["set"], want)
+    with pytest.raises(ValueError, match="gradient must be"):
+        set_consensus(model, rule, "mean")
+    set_consensus(model, None)
+
+
+def test_a_stage_takes_the_set_gradient_only_with_a_shared_set(tiny_model_dir, tmp_path):
+    """``consensus_gradient: set`` needs ``consensus`` with ``share: set`` (one line naming the field); at its
+    default the field stays out of the resolved recipe, so earlier runs keep their hash."""
+    from compresskit.errors import RecipeError
+    from compresskit.recipe import load_recipe
+
+    stage = {"name": "router", "config": {"steps": 1, "consensus_gradient": "set"}}
+    recipe = {
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "pruner": {"name": "wide"},
+        "training": [stage],
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    with pytest.raises(RecipeError, match=r"consensus_gradient: set .* needs consensus with share: set \(given: no"):
+        load_recipe(recipe)
+    stage["config"]["consensus"] = {"quorum": 0.5, "share": "own"}
+    with pytest.raises(RecipeError, match=r"given: consensus share: own"):
+        load_recipe(recipe)
+    stage["config"]["consensus"]["share"] = "set"
+    assert load_recipe(recipe).to_dict()["training"][0]["config"]["consensus_gradient"] == "set"
+    stage["config"].pop("consensus_gradient")
+    assert "consensus_gradient" not in load_recipe(recipe).to_dict()["training"][0]["config"]
