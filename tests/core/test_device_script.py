@@ -4,6 +4,7 @@ still running on the device (no GPU and no device needed: the step only packs fi
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     (sm / "log").write_text("benchmarking\n")
     (sm / "rc").write_text("0\n")
     out.mkdir()
-    env = {**os.environ, "OUT": str(out), "SM": str(sm)}
+    # the script's python3 (the device's) is this interpreter here, with compresskit importable
+    env = {**os.environ, "OUT": str(out), "SM": str(sm), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", "benchmarks/device_serving_matrix.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0 and "matrix ended" in res.stdout, res.stdout + res.stderr
