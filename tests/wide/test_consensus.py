@@ -305,15 +305,16 @@ def test_a_training_stage_with_consensus_needs_routers(tiny_model_dir, tmp_path)
         load_recipe(recipe)
 
 
-def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_model_dir, tmp_path):
-    """The stage's rule runs in its loop only: the saved run routes per token until a runtime or an
-    evaluation asks for consensus."""
+@pytest.mark.parametrize("gradient", ["own", "set"])
+def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_model_dir, tmp_path, gradient):
+    """The stage's rule runs in its loop only (with either gradient): the saved run routes per token until a
+    runtime or an evaluation asks for consensus."""
     from compresskit import load
 
-    stage = {"name": "router", "config": {"steps": 2, "batch_size": 4, "seq_len": 16, "consensus": {"quorum": 0.5}}}
-    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[stage])
+    config = {"steps": 2, "batch_size": 4, "seq_len": 16, "consensus": {"quorum": 0.5}, "consensus_gradient": gradient}
+    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[{"name": "router", "config": config}])
     model, _, _ = load(run / "model")
-    assert all(p.consensus is None for _, p in routed_projections(model))
+    assert all(p.consensus is None and p.consensus_gradient == "own" for _, p in routed_projections(model))
 
 
 def test_bench_times_each_consensus_rule_beside_per_token_routing(capsys, tmp_path):
