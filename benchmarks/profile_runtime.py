@@ -28,9 +28,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[i] / p) for i, p in ((0, ""
 import benchmark_report as report  # noqa: E402  (beside this script)
 
 KINDS = (  # (kind, pattern on the kernel's name), first match wins
-    # compresskit_wide's kernels: triton_<name>_kernel (inductor's are triton_poi_ / _red_ / _per_ ..._N)
-    ("WIDE triton", r"^triton_(?!poi_|red_|per_|tem_)[a-z0-9_]+_kernel$"),
-    # inductor's fused kernels, whose names list the ops fused (attention, gemm...) and so come first
+    # compresskit_wide's kernels are triton_<name>_kernel (inductor's: triton_poi_ / _red_ / _per_ ..._N), by role
+    ("routing (WIDE)", r"^triton_(router|routing_layout|consensus)[a-z0-9_]*_kernel$"),
+    ("routed products (WIDE)", r"^triton_(masked|persistent|tile_reduce|split_sum|swiglu)[a-z0-9_]*_kernel$"),
+    ("attention", r"^triton_attn_[a-z0-9_]*_kernel$"),
+    # inductor's fused kernels, whose names list the ops fused (attention, gemm...) and so come before those
     ("fused elementwise (inductor)", r"^triton_(poi|per|red)_"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("products (cuBLAS/CUTLASS)", r"gemm|gemv|cutlass|nvjet|sm90_xmma|xmma|cublas|matmul|dot|^triton_tem_"),

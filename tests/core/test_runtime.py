@@ -723,9 +723,10 @@ def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
     assert "| wide | 1.10x | - |" in md and "| wide (0.25) | - | 1.02x |" in md
 
 
-def test_profile_script_counts_every_wide_kernel_as_wide():
-    """The profile's kinds: each of compresskit_wide's Triton kernels (the persistent product too, whose
-    name says gemm) is WIDE's, inductor's fused kernels are not, whatever op names they carry."""
+def test_profile_script_counts_every_wide_kernel_by_its_role():
+    """The profile's kinds: each of compresskit_wide's Triton kernels is routing, a routed product (the
+    persistent one too, whose name says gemm) or attention, never cuBLAS's; inductor's fused kernels are
+    elementwise, whatever op names they carry."""
     import importlib.util
     from pathlib import Path
 
@@ -736,7 +737,15 @@ def test_profile_script_counts_every_wide_kernel_as_wide():
     wide = Path(__file__).resolve().parents[2] / "plugins" / "wide" / "compresskit_wide" / "kernels"
     names = {m for f in wide.glob("*.py") for m in re.findall(r"def (triton_\w+_kernel)\(", f.read_text())}
     assert "triton_persistent_out_gemm_kernel" in names and len(names) >= 10
-    assert {mod.kind(n) for n in names} == {"WIDE triton"}
+    roles = {n: mod.kind(n) for n in names}
+    assert set(roles.values()) == {"routing (WIDE)", "routed products (WIDE)", "attention"}
+    assert (
+        roles["triton_persistent_out_gemm_kernel"]
+        == roles["triton_masked_reduce_gemm_kernel"]
+        == ("routed products (WIDE)")
+    )
+    assert roles["triton_router_partial_kernel"] == roles["triton_routing_layout_kernel"] == "routing (WIDE)"
+    assert roles["triton_attn_prefill_kernel"] == "attention"
     assert mod.kind("triton_red_fused__to_copy_add_masked_out_gemm_mean_mul_pow_rsqrt_view_0").startswith("fused")
     assert mod.kind("triton_poi_fused_add_cat_mul_neg_routed_attention_prefill_slice_view_2").startswith("fused")
     assert mod.kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (cuBLAS/CUTLASS)"
