@@ -1,6 +1,7 @@
 """Where a decode step's and a prefill's GPU time goes on the runtime, for dense, WIDE and the ideal half-width models.
 
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
+    python benchmarks/profile_runtime.py --phase prefill --context 128,512 --out DIR   # several prompt lengths
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
 
 Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members``) decodes after a prompt of
@@ -16,6 +17,7 @@ stdout and ``profile.json`` / ``profile.md`` (the top kernels of each member too
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import sys
@@ -136,7 +138,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument(
+        "--context",
+        default="1024",
+        help="cached positions (decode) or prompt tokens (prefill); several, comma-separated, are each profiled on "
+        "one build of each member (rows 'MEMBER PHASE @CONTEXT')",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--phase", choices=("decode", "prefill", "both"), default="both")
@@ -149,8 +156,9 @@ def main() -> int:
         return 2
     device, dtype = where
     cuda = device.type == "cuda"
+    contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
     if args.smoke:
-        args.shape, args.context, args.steps = "tiny", 16, 2
+        args.shape, contexts, args.steps = "tiny", [16 + 8 * i for i in range(len(contexts))], 2
     options = {"compile": cuda, "graphs": False}
     source = method_source("wide", args.sparsity)
     members = shape_members(args.shape, [source], device=device, dtype=dtype, **options)
@@ -161,9 +169,9 @@ def main() -> int:
         if wanted and m.name not in wanted:
             continue
         _, runtime, _ = m.build()  # one member on the device at a time
-        for phase in phases:
-            key = f"{m.name} {phase}"
-            results[key] = profile_member(runtime, args.batch, args.context, args.steps, cuda, phase)
+        for context, phase in itertools.product(contexts, phases):
+            key = f"{m.name} {phase}" + (f" @{context}" if len(contexts) > 1 else "")
+            results[key] = profile_member(runtime, args.batch, context, args.steps, cuda, phase)
             line = ", ".join(f"{k} {v:.0f} us" for k, v in results[key]["us_per_step"].items())
             r = results[key]
             print(
@@ -176,7 +184,7 @@ def main() -> int:
         cuda,
         shape=args.shape,
         batch=args.batch,
-        context=args.context,
+        context=contexts[0] if len(contexts) == 1 else contexts,
         steps=args.steps,
         decode="compiled, launched one kernel at a time (no CUDA graph) so that each is profiled",
         prefill="one prompt of `context` tokens into a fresh cache; us per prefill",

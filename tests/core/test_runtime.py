@@ -749,3 +749,19 @@ def test_profile_script_counts_every_wide_kernel_by_its_role():
     assert mod.kind("triton_red_fused__to_copy_add_masked_out_gemm_mean_mul_pow_rsqrt_view_0").startswith("fused")
     assert mod.kind("triton_poi_fused_add_cat_mul_neg_routed_attention_prefill_slice_view_2").startswith("fused")
     assert mod.kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (cuBLAS/CUTLASS)"
+
+
+def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
+    """``profile_runtime.py --context 128,512``: a row per member, phase and context (the smoke's shapes
+    stand in for the lengths)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_runtime.py"
+    argv = [sys.executable, str(script), "--smoke", "--phase", "prefill", "--context", "128,512", "--members", "dense"]
+    res = subprocess.run([*argv, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert list(data["members"]) == ["dense prefill @16", "dense prefill @24"]
