@@ -178,8 +178,8 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
 
 def test_a_decode_batch_past_16_runs_its_shared_set_on_the_decode_kernels(tiny_model_dir, monkeypatch):
     """At decode a batch of 20 under ``share: set`` runs the out-width products on the decode kernels' one
-    tile and the reductions (down, o) on the split-K one (a shared set, up to 64 tokens), and gives the
-    routed modules' logits under the same rule."""
+    tile and the reductions (down, o) on the split-K one (a shared set, up to 64 tokens), each but the last
+    handing the next block's router its shares, and gives the routed modules' logits under the same rule."""
     from compresskit_wide.kernels import gemm_out, ops
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,11 +196,11 @@ def test_a_decode_batch_past_16_runs_its_shared_set_on_the_decode_kernels(tiny_m
     monkeypatch.setattr(gemm_out, "triton_routing_layout", lambda mask: layouts.append(mask) or real(mask))
     split = []
     reduce = ops.triton_tile_reduce_gemm
-    monkeypatch.setattr(ops, "triton_tile_reduce_gemm", lambda *a, **k: split.append(1) or reduce(*a, **k))
+    monkeypatch.setattr(ops, "triton_tile_reduce_gemm", lambda *a, **k: split.append("share_w" in k) or reduce(*a, **k))
     token = torch.arange(20, device=device) + 7
     got = fast.decode(token, cache)
     assert layouts == []  # no product of the step took the prefill kernels' sorted layout
-    assert len(split) == 2 * model.config.num_hidden_layers  # o and down of every layer
+    assert split == [True] * (2 * model.config.num_hidden_layers - 1) + [False]  # o and down of every layer
     executor.convert(model)
     with torch.no_grad():
         want = model(torch.cat([ids, token[:, None]], 1)).logits[:, -1]

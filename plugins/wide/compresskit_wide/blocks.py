@@ -150,18 +150,28 @@ class _Routing(Counting):
         """The reduction ``a: [M, K]`` by ``w`` over the kept groups -> ``([M, N], carry)``: with the
         next router's shares where this block is linked to a next WIDE block and the reduction kernel
         runs (``x: [B, T, D]``: the block's input, to which the caller adds the output), else None.
-        ``shared``: the tokens all run one set; under tile-coherent routing at prefill they agree in tiles:
-        either way, past the decode kernel's tiles the tile reduction reads each set once and hands nothing on."""
+        ``shared``: the tokens all run one set (past the decode kernel's tiles the split-K tile reduction reads
+        it once, and its second launch writes the shares); under tile-coherent routing at prefill they agree in
+        tiles, which the tile reduction reads once each, handing nothing on."""
         m, t = a.shape[0], x.shape[1]
         nxt = self.next_router_down
         tile = self.rule.tile if self.rule is not None and self.rule.over == "tile" and t > 1 else 0
-        # under auto the handoff runs where its kernel does (on a GPU, where it measured faster); on the CPU
-        # the reference's shares would be extra work: the next router computes its bottleneck itself
-        if nxt is not None and (
-            (self.backend != "auto" and not ((shared or tile) and m > DECODE_MAX_M))
-            or (a.device.type == "cuda" and use_kernel("reduce_handoff", m, groups=execute.shape[-1], zeroed=zeroed))
+        # under auto the handoff runs where its kernel does (on a GPU, where the policy takes it); on the CPU
+        # the reference's shares would be extra work: the next router computes its bottleneck itself. A
+        # prefill's tiles hand nothing on.
+        groups = execute.shape[-1]
+        if (
+            nxt is not None
+            and not (tile and m > DECODE_MAX_M)
+            and (
+                self.backend != "auto"
+                or (
+                    a.device.type == "cuda"
+                    and use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
+                )
+            )
         ):
-            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend)
+            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend, shared)
         return masked_reduce_gemm(a, w, execute, zeroed, self.backend, shared, tile, t), None
 
 

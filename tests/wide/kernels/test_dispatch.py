@@ -68,8 +68,8 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
                 assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed, shared=shared)
                 assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
                 handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
-                got = ran("masked_reduce_gemm_shares", *handoff)
-                assert got == policy.use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed)
+                got = ran("masked_reduce_gemm_shares", *handoff, shared=shared)
+                assert got == policy.use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
     # a prefill whose weight rows a TMA descriptor cannot take (K x 4 bytes not a multiple of 16) runs dense
     for m in (16, 4096):
         x, mask, w3 = torch.zeros(m, 3), torch.ones(m, 2, dtype=torch.bool), torch.zeros(8, 3)
@@ -89,12 +89,15 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
     assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
     # a batch's shared set keeps q's kernel and the split-K reduction up to SHARED_MAX_M tokens, where per-token
-    # unions run dense; past 16 tokens no kernel hands the next router its shares
+    # unions run dense; past 16 tokens only the shared set's split-K reduction hands the next router its shares
     assert policy.use_kernel("out", 64, shared=True) and not policy.use_kernel("out", 64)
     assert not policy.use_kernel("out", 65, shared=True)
     assert policy.use_kernel("reduce", 17, groups=112, shared=True) and policy.use_kernel("reduce", 64, shared=True)
     assert not policy.use_kernel("reduce", 17, groups=112) and not policy.use_kernel("reduce", 65, shared=True)
-    assert not policy.use_kernel("reduce_handoff", 17, groups=112, shared=True)
+    assert policy.use_kernel("reduce_handoff", 17, groups=112, shared=True)
+    assert policy.use_kernel("reduce_handoff", 64, shared=True) and not policy.use_kernel(
+        "reduce_handoff", 65, shared=True
+    )
     # the routed decode attention at every batch from 512 cached positions
     assert all(policy.use_kernel("attn_decode", b, context=512) for b in (1, 2, 64))
     assert not policy.use_kernel("attn_decode", 1, context=511)

@@ -91,6 +91,35 @@ def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
     torch.testing.assert_close(triton_tile_reduce_gemm(x, w, mask, split_k=split_k), got)  # rows read too
 
 
+@pytest.mark.parametrize("m", [17, 40, 64])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize(("n", "rank", "split_k"), [(40, 5, None), (72, 33, 1), (130, 3, 3), (128, 8, 2)])
+def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split_k):
+    """The shared set's split-K reduction with a residual and the next router's ``w_down``: the same output,
+    and from its second launch every share slot of ``(residual + out) @ w_down.T`` (its programs' blocks of
+    64 columns span four slots each; the last is ragged past N), one split too (partial sums first)."""
+    gen = torch.Generator().manual_seed(m * 13 + n)
+    x = torch.randn(m, 32 * 3, generator=gen).to(DEVICE)
+    w = torch.randn(n, 32 * 3, generator=gen).to(DEVICE)
+    residual = torch.randn(m, n, generator=gen).to(DEVICE)
+    share_w = torch.randn(rank, n, generator=gen).to(DEVICE)
+    mask = random_mask(1, 3, sparsity, seed=m + n).expand(m, 3)
+    got, shares = triton_tile_reduce_gemm(
+        x, w, mask, split_k=split_k, rows_agree=True, residual=residual, share_w=share_w
+    )
+    want = torch_masked_reduce_gemm(x, w, mask)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert shares.shape == (share_slots(n), m, rank) and not torch.isnan(shares).any()
+    torch.testing.assert_close(shares.sum(0), (residual + want) @ share_w.T, rtol=1e-4, atol=1e-3)
+    x_next = residual + want
+    for b in range(-(-n // 64)):  # each program's block of 64 columns: its share in its first slot, zeros after
+        cols = slice(64 * b, 64 * b + 64)
+        torch.testing.assert_close(shares[4 * b], x_next[:, cols] @ share_w[:, cols].T, rtol=1e-4, atol=1e-3)
+        assert torch.count_nonzero(shares[4 * b + 1 : 4 * b + 4]) == 0
+    with pytest.raises(ValueError, match="shares need residual"):
+        triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual)
+
+
 @pytest.mark.parametrize(("batch", "tokens", "tile"), [(1, 16, 16), (2, 40, 16), (3, 33, 32), (1, 300, 256)])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("agree", [True, False])

@@ -197,24 +197,38 @@ if triton is not None:
         rows64 = rows.to(tl.int64)  # the kernel runs at any M under backend "triton": M x N may pass 2**31
         tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], y, mask=in_tile)
         if SHARES:
-            tl.static_assert(BLOCK_N % SHARE_N == 0, "a program's output block spans whole share slots")
-            res = tl.load(res_ptr + rows64[:, None] * stride_rm + cols[None, :], mask=in_tile, other=0.0)
-            x_next = (res.to(tl.float32) + y.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
-            slot = tn * (BLOCK_N // SHARE_N)
-            # R in chunks, so that the broadcast product stays within about 4k values a program
-            R_STEP: tl.constexpr = min(BLOCK_R, max(1, 4096 // (BLOCK_M * BLOCK_N)))
-            for r0 in tl.static_range(0, BLOCK_R, R_STEP):
-                rs = r0 + tl.arange(0, R_STEP)
-                r_ok = rs < R
-                wr = tl.load(sw_ptr + rs[:, None] * N + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-                share = tl.sum(x_next[:, None, :] * wr[None, :, :], axis=2)  # [BLOCK_M, R_STEP]
-                keep = row_ok[:, None] & r_ok[None, :]
-                tl.store(sh_ptr + (slot * M + rows)[:, None] * R + rs[None, :], share, mask=keep)
-                for j in tl.static_range(1, BLOCK_N // SHARE_N):  # the slots this program spans beyond its first
-                    in_n = (slot + j) * SHARE_N + 0 * rs < N  # (the last program's may lie past N: no such slot)
-                    zeros = tl.zeros_like(share)
-                    at = sh_ptr + ((slot + j) * M + rows)[:, None] * R + rs[None, :]
-                    tl.store(at, zeros, mask=keep & in_n[None, :])
+            store_next_shares(
+                y, res_ptr, sw_ptr, sh_ptr, rows, rows64, row_ok, cols, col_ok, tn, M, N, R, stride_rm,
+                BLOCK_M, BLOCK_N, SHARE_N, BLOCK_R,
+            )  # fmt: skip
+
+    @triton.jit
+    def store_next_shares(
+        y, res_ptr, sw_ptr, sh_ptr, rows, rows64, row_ok, cols, col_ok, tn, M, N, R, stride_rm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHARE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        """The next router's shares of this program's output block ``y`` ([BLOCK_M, BLOCK_N], rounded):
+        ``x_next = residual + y`` (rounded as the caller's add rounds), ``x_next @ w_down[:, cols].T`` in fp32
+        into slot ``tn * BLOCK_N / SHARE_N`` of ``[S, M, R]``, zeros in the slots the block spans beyond it."""
+        tl.static_assert(BLOCK_N % SHARE_N == 0, "a program's output block spans whole share slots")
+        in_tile = row_ok[:, None] & col_ok[None, :]
+        res = tl.load(res_ptr + rows64[:, None] * stride_rm + cols[None, :], mask=in_tile, other=0.0)
+        x_next = (res.to(tl.float32) + y.to(tl.float32)).to(y.dtype).to(tl.float32)
+        slot = tn * (BLOCK_N // SHARE_N)
+        # R in chunks, so that the broadcast product stays within about 4k values a program
+        R_STEP: tl.constexpr = min(BLOCK_R, max(1, 4096 // (BLOCK_M * BLOCK_N)))
+        for r0 in tl.static_range(0, BLOCK_R, R_STEP):
+            rs = r0 + tl.arange(0, R_STEP)
+            r_ok = rs < R
+            wr = tl.load(sw_ptr + rs[:, None] * N + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+            share = tl.sum(x_next[:, None, :] * wr[None, :, :], axis=2)  # [BLOCK_M, R_STEP]
+            keep = row_ok[:, None] & r_ok[None, :]
+            tl.store(sh_ptr + (slot * M + rows)[:, None] * R + rs[None, :], share, mask=keep)
+            for j in tl.static_range(1, BLOCK_N // SHARE_N):  # the slots this program spans beyond its first
+                in_n = (slot + j) * SHARE_N + 0 * rs < N  # (the last program's may lie past N: no such slot)
+                zeros = tl.zeros_like(share)
+                at = sh_ptr + ((slot + j) * M + rows)[:, None] * R + rs[None, :]
+                tl.store(at, zeros, mask=keep & in_n[None, :])
 
     @triton.jit
     def triton_tile_reduce_kernel(
@@ -282,6 +296,30 @@ if triton is not None:
             acc += tl.load(part_ptr + sk * SIZE + offs, mask=ok, other=0.0)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def triton_split_sum_shares_kernel(
+        part_ptr, out_ptr, res_ptr, sw_ptr, sh_ptr, M, N, R, SPLIT_K, stride_rm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHARE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # program (n-block tn, row block tm): the partial sums ``part: [SPLIT_K, M, N]`` fp32 of its block added
+        # and rounded into out, then the next router's shares of that block (store_next_shares)
+        tn = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        rows64 = rows.to(tl.int64)
+        cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        in_tile = row_ok[:, None] & col_ok[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sk in range(0, SPLIT_K):
+            acc += tl.load(part_ptr + (sk * M + rows64)[:, None] * N + cols[None, :], mask=in_tile, other=0.0)
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows64[:, None] * N + cols[None, :], y, mask=in_tile)
+        store_next_shares(
+            y, res_ptr, sw_ptr, sh_ptr, rows, rows64, row_ok, cols, col_ok, tn, M, N, R, stride_rm,
+            BLOCK_M, BLOCK_N, SHARE_N, BLOCK_R,
+        )  # fmt: skip
+
     _tuned = {
         (pack, direct): autotuned(
             triton_masked_reduce_gemm_kernel,
@@ -309,6 +347,37 @@ def _checked_shapes(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> tup
     return m, k, n, groups
 
 
+def _hands_on(m: int, n: int, residual: torch.Tensor | None, share_w: torch.Tensor | None) -> bool:
+    """Whether a reduction hands the next router its shares: both of ``residual`` ([M, N]) and ``share_w``
+    ([R, N] fp32) given (neither: no); an error where one is missing or off."""
+    if residual is None and share_w is None:
+        return False
+    if (
+        residual is None
+        or share_w is None
+        or residual.shape != (m, n)
+        or share_w.dim() != 2
+        or share_w.shape[1] != n
+        or share_w.dtype != torch.float32
+    ):
+        shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in (residual, share_w)]
+        raise ValueError(f"shares need residual [M, N] = [{m}, {n}] and share_w [R, {n}] fp32; got {shapes}")
+    return True
+
+
+def _share_operands(
+    m: int, n: int, residual: torch.Tensor, share_w: torch.Tensor, shares: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(residual, share_w, shares)`` as the kernels read them: contiguous, and the shares' buffer
+    ``[S, M, R]`` fp32 (a new one, or ``shares`` checked)."""
+    r = share_w.shape[0]
+    if shares is None:
+        shares = torch.empty((share_slots(n), m, r), dtype=torch.float32, device=residual.device)
+    elif shares.shape != (share_slots(n), m, r) or shares.dtype != torch.float32 or not shares.is_contiguous():
+        raise ValueError(f"shares must be a contiguous fp32 [{share_slots(n)}, {m}, {r}], got {tuple(shares.shape)}")
+    return residual.contiguous(), share_w.contiguous(), shares
+
+
 def triton_masked_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -334,17 +403,7 @@ def triton_masked_reduce_gemm(
     m, k, n, groups = _checked_shapes(x, w, mask)
     if k_pack < 1 or k_pack & (k_pack - 1):
         raise ValueError(f"k_pack must be a power of two, got {k_pack}")
-    handing = residual is not None or share_w is not None
-    if handing and (
-        residual is None
-        or share_w is None
-        or residual.shape != (m, n)
-        or share_w.dim() != 2
-        or share_w.shape[1] != n
-        or share_w.dtype != torch.float32
-    ):
-        shapes = [None if t is None else (tuple(t.shape), t.dtype) for t in (residual, share_w)]
-        raise ValueError(f"shares need residual [M, N] = [{m}, {n}] and share_w [R, {n}] fp32; got {shapes}")
+    handing = _hands_on(m, n, residual, share_w)
     direct = groups <= policy.FEW_GROUPS if direct is None else direct
     x, w = x.contiguous(), w.contiguous()
     mask_u8 = mask_bytes(mask)
@@ -367,14 +426,7 @@ def triton_masked_reduce_gemm(
     lists = torch.empty(1 if direct else cdiv(n, bn) * cdiv(m, block_m) * block_g, dtype=torch.int32, device=x.device)
     r = share_w.shape[0] if handing else 1
     if handing:
-        residual = residual.contiguous()
-        share_w = share_w.contiguous()
-        if shares is None:
-            shares = torch.empty((share_slots(n), m, r), dtype=torch.float32, device=x.device)
-        elif shares.shape != (share_slots(n), m, r) or shares.dtype != torch.float32 or not shares.is_contiguous():
-            raise ValueError(
-                f"shares must be a contiguous fp32 [{share_slots(n)}, {m}, {r}], got {tuple(shares.shape)}"
-            )
+        residual, share_w, shares = _share_operands(m, n, residual, share_w, shares)
     args = (x, w, mask_u8, out, lists, residual if handing else x, share_w if handing else x)
     args += (shares if handing else x, m, n, gw, groups, r, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     args += (residual.stride(0) if handing else 0,)
@@ -402,7 +454,9 @@ def triton_tile_reduce_gemm(
     block_k: int | None = None,
     warps: int | None = None,
     stages: int | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    share_w: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_masked_reduce_gemm` for rows that agree in tiles: each tile of ``tile`` consecutive rows of
     a sequence of ``tokens`` rows (``x``'s rows are sequences of ``tokens`` one after another; the last tile of
     each may be short) reads the weight columns of the union of its rows' groups once, each row's input only in
@@ -412,8 +466,11 @@ def triton_tile_reduce_gemm(
     tile has the same mask (a decode batch's shared set), so no row's own mask is read. ``split_k``: programs
     a tile's output block's K steps are split among (default ``policy.shared_reduce_splits``: few tiles,
     several; many, one); ``block_n``, ``block_k``, ``warps``, ``stages``: the launch (defaults
-    ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter)."""
+    ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter). With ``residual`` and ``share_w`` (as
+    :func:`triton_masked_reduce_gemm`'s): ``(out, shares)``, the second launch adding the partial sums then
+    writing the next router's shares of each output block (``triton_split_sum_shares_kernel``)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
+    handing = _hands_on(m, n, residual, share_w)
     tokens = tokens or m
     if m % tokens or (tile is not None and tile < 1):
         raise ValueError(f"rows {m} are no whole sequences of {tokens}, or a tile of {tile} rows is none")
@@ -433,14 +490,24 @@ def triton_tile_reduce_gemm(
     block_g = max(16, next_power_of_2(groups))
     lists = torch.empty(n_blocks * splits * tiles * block_g, dtype=torch.int32, device=x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    one_split = splits == 1 and not handing  # the shares come from the second launch: partial sums first
+    part = out if one_split else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     triton_tile_reduce_kernel[(n_blocks, splits, tiles)](
         x, w, mask_u8, lists, part, out, m, n, gw, groups, x.stride(0), w.stride(0), mask_u8.stride(0), splits,
         tokens, tile, per_seq, DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g,
-        BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=splits == 1, ROW_MASKS=not rows_agree,
+        BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=one_split, ROW_MASKS=not rows_agree,
         WIDE_ROWS=max(m * x.stride(0), splits * m * n) >= WIDE_OFFSETS,
         num_warps=warps or tile_warps, num_stages=stages or tile_stages,
     )  # fmt: skip
+    if handing:
+        residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
+        r, sum_m = share_w.shape[0], min(16, next_power_of_2(m))
+        sum_n = policy.SHARE_N * max(1, 64 // policy.SHARE_N)  # output columns a program: whole share slots
+        triton_split_sum_shares_kernel[(cdiv(n, sum_n), cdiv(m, sum_m))](
+            part, out, residual, share_w, shares, m, n, r, splits, residual.stride(0),
+            BLOCK_M=sum_m, BLOCK_N=sum_n, SHARE_N=policy.SHARE_N, BLOCK_R=next_power_of_2(r),
+        )  # fmt: skip
+        return out, shares
     if splits > 1:
         size, block = m * n, 1024
         triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block)

@@ -326,7 +326,7 @@ def masked_reduce_gemm(
     return torch_masked_reduce_gemm(x, w, mask)
 
 
-def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto"):
+def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto", shared=False):
     n = w.shape[0]
     shares = x.new_empty(share_slots(n), x.shape[0], share_w.shape[0], dtype=torch.float32)
     return x.new_empty(x.shape[0], n), shares
@@ -341,14 +341,23 @@ def masked_reduce_gemm_shares(
     share_w: torch.Tensor,
     input_is_masked: bool = False,
     backend: str = "auto",
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masked_reduce_gemm`` that also hands the next router its first step: ``(out, shares)``,
     ``shares: [S, M, R]`` the shares of ``(residual + out) @ share_w.T`` (``residual: [M, N]``, what
     the caller adds ``out`` to; ``share_w: [R, N]`` fp32, the next router's ``w_down``), for
     ``router_decide_from_shares``. In the kernel each program writes its columns' share; elsewhere
     the reference computes them after the product. Under "auto" on CUDA the kernel runs where
-    ``policy`` says the handoff (the product, the add and the next router's first step) measured faster."""
-    path = _choose(backend, "reduce_handoff", x.shape[0], x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    ``policy`` says the handoff (the product, the add and the next router's first step) measured faster.
+    ``shared``: every row runs the same groups (a decode batch's shared set); past the decode kernel's
+    tiles the split-K tile reduction runs, its second launch writing the shares."""
+    m = x.shape[0]
+    if shared and m > policy.DECODE_MAX_M:
+        path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=True)
+        if path == "triton":
+            return triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w)
+    else:
+        path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked)
     if path == "triton":
         return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
     if path == "dense":

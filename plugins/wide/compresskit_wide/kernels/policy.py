@@ -95,6 +95,14 @@ KERNEL_RANGES = (
         "two-launch router after it (down 1.20x / o 1.42x at 4 tokens, 1.10x / 1.24x at 16)",
     ),
     Range(
+        "reduce_handoff",
+        min_m=DECODE_MAX_M + 1,
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="a shared set's split-K reduction, its second launch writing the next router's shares: two launches a "
+        "router fewer at batch 17-64 under consensus; not measured yet (docs/serving.md)",
+    ),
+    Range(
         "attn_decode",
         min_context=512,
         why="each sequence's inactive KV heads go unread at any batch: faster than the runtime's attention in "
