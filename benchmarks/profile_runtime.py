@@ -134,6 +134,8 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
 
 def main() -> int:
     from compresskit.bench import free_device_memory, method_source, shape_members
+    from compresskit.cli import _int_list
+    from compresskit.errors import CompressKitError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -156,7 +158,10 @@ def main() -> int:
         return 2
     device, dtype = where
     cuda = device.type == "cuda"
-    contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
+    try:
+        contexts = _int_list(args.context, "--context")
+    except CompressKitError as exc:
+        parser.error(str(exc))
     if args.smoke:
         args.shape, contexts, args.steps = "tiny", [16 + 8 * i for i in range(len(contexts))], 2
     options = {"compile": cuda, "graphs": False}

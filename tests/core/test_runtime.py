@@ -765,3 +765,5 @@ def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     data = json.loads((tmp_path / "profile.json").read_text())
     assert list(data["members"]) == ["dense prefill @16", "dense prefill @24"]
+    bad = subprocess.run([*argv[:-4], "--context", "128,x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--context: '128,x' is not a comma-separated list" in bad.stderr
