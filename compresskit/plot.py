@@ -10,9 +10,10 @@ from typing import Any
 # not need them (`--help` and `validate` first), stays fast.
 
 
-def save(fig, path: Path) -> None:
-    """Write ``fig`` as a PNG of at most 64 colours (a chart's lines, markers and their anti-aliased edges
-    need no more: a quarter or less of the bytes of a true-colour PNG), and close it."""
+def save(fig, path: Path, colours: int = 64) -> None:
+    """Write ``fig`` as a PNG of at most ``colours`` colours, and close it: a chart's lines, markers and their
+    anti-aliased edges need no more than 64 (a quarter or less of the bytes of a true-colour PNG); a heat map,
+    whose colours carry its values, keeps 256."""
     import io
 
     import matplotlib.pyplot as plt
@@ -23,7 +24,7 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
     buf.seek(0)
     with Image.open(buf) as image:
-        image.convert("RGB").quantize(64).save(path, format="PNG", optimize=True)
+        image.convert("RGB").quantize(colours).save(path, format="PNG", optimize=True)
 
 
 def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
@@ -208,5 +209,5 @@ def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "t
     fig.suptitle(f"{measure.upper()} speedup over dense, batch x prompt", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    save(fig, path)
+    save(fig, path, colours=256)
     return path
