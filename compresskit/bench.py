@@ -581,8 +581,8 @@ def model_matrix_markdown(records: list[dict[str, Any]], measure: str = "ttft", 
         return ""
     lines = []
     for b in sorted({r["batch"] for r in records}):
-        cells = {(r["model"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["batch"] == b}
-        cells = {k: v for k, v in cells.items() if k[0] != "dense"}
+        at_b = [r for r in records if r["batch"] == b and r["model"] != "dense"]
+        cells = {(r["model"], r["prompt"]): r[f"{measure}_speedup"] for r in at_b}
         if not cells:
             continue
         worst = min(cells, key=cells.get)

@@ -352,13 +352,10 @@ def masked_reduce_gemm_shares(
     ``shared``: every row runs the same groups (a decode batch's shared set); past the decode kernel's
     tiles the split-K tile reduction runs, its second launch writing the shares."""
     m = x.shape[0]
-    if shared and m > policy.DECODE_MAX_M:
-        path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=True)
-        if path == "triton":
-            return triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w)
-    else:
-        path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked)
+    path = _choose(backend, "reduce_handoff", m, x, w, groups=mask.shape[-1], zeroed=input_is_masked, shared=shared)
     if path == "triton":
+        if shared and m > policy.DECODE_MAX_M:
+            return triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w)
         return triton_masked_reduce_gemm(x, w, mask, residual=residual, share_w=share_w)
     if path == "dense":
         out = dense_masked_reduce_gemm(x, w, mask, input_is_masked=input_is_masked)
