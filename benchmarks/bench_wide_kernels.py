@@ -377,16 +377,18 @@ def case_qkv(m, d, heads, kv_heads, head_dim, attn_group, mask_kind, dtype, devi
     add_row(results, "q+k+v, k and v dense rows", m, mask_kind, whole, ours, baselines, ok, err, decode)
 
 
-def case_router(m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, block_m=None, block_k=None):
+def case_router(
+    m, d, groups, rank, dtype, device, gen, results, split=None, block_g=None, block_m=None, block_k=None, finish=None
+):
     """The routing decision of one sublayer: the fused kernels against the reference (the router
-    module's two products and the comparison); ``split``, ``block_g``, ``block_m`` and ``block_k``
-    other than their defaults for the sweep rows."""
+    module's two products and the comparison); ``split``, ``block_g``, ``block_m``, ``block_k`` and
+    ``finish`` other than their defaults for the sweep rows."""
     from compresskit_wide.kernels.router import torch_router_decide, triton_router_decide
 
     x = torch.randn(m, d, device=device, dtype=dtype)
     w = (torch.randn(rank, d, device=device) / d**0.5, torch.zeros(rank, device=device))
     w += (torch.randn(2 * groups, rank, device=device) / rank**0.5, torch.zeros(2 * groups, device=device))
-    tiles = {"split": split, "block_g": block_g, "block_m": block_m, "block_k": block_k}
+    tiles = {"split": split, "block_g": block_g, "block_m": block_m, "block_k": block_k, "finish": finish}
     tiles = {k: v for k, v in tiles.items() if v is not None}
     got, ref = triton_router_decide(x, *w, **tiles), torch_router_decide(x, *w)
     flips = (got != ref).float().mean().item()  # fp32 ties decided by summation order: ~never
@@ -629,6 +631,19 @@ def main() -> int:
                         f"router sweep M={m} G={ffn // group} block_m={block_m} block_k={block_k}",
                         lambda m=m, bm=block_m, bk=block_k: case_router(
                             m, d, ffn // group, 32, dtype, device, gen, results, block_m=bm, block_k=bk
+                        ),
+                    )
+                )
+    # the deciding launch's two shapes, a program a token block or a token, from decode to prefill sizes, for FFN
+    # and attention's groups (the second's G the attention router's)
+    for m in [1, 3] if args.smoke else [16, 32, 64, 128, 256, 512, 1024, 2048]:
+        for groups in (ffn // group, heads // attn_group):
+            for finish in ("tile", "token"):
+                cases.append(
+                    (
+                        f"router finish M={m} G={groups} finish={finish}",
+                        lambda m=m, g=groups, f=finish: case_router(
+                            m, d, g, 32, dtype, device, gen, results, finish=f
                         ),
                     )
                 )

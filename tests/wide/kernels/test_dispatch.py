@@ -84,8 +84,10 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
         assert got == policy.use_kernel("attn_prefill", t)
     # the policy is not trivially one way or the other
     assert not policy.use_kernel("out", 1024) and policy.use_kernel("out", 1)
-    assert all(policy.use_kernel("swiglu", m) for m in (1, 16, 128, 512, 8192))
-    assert not any(policy.use_kernel("swiglu", m) for m in (129, 256, 511))  # cuBLAS was faster at 256
+    assert all(policy.use_kernel("swiglu", m) for m in (1, 16, 512, 8192))
+    # the stacked fallback was as fast at 32-128 tokens, cuBLAS faster at 256; a shared set keeps the kernel
+    assert not any(policy.use_kernel("swiglu", m) for m in (17, 64, 128, 129, 256, 511))
+    assert policy.use_kernel("swiglu", 17, shared=True) and policy.use_kernel("swiglu", 64, shared=True)
     assert not policy.use_kernel("reduce", 2, groups=112) and policy.use_kernel("reduce", 1, groups=112)
     assert policy.use_kernel("reduce_handoff", 16, groups=112) and not policy.use_kernel("reduce_handoff", 17)
     # a batch's shared set keeps q's kernel and the split-K reduction up to SHARED_MAX_M tokens, where per-token

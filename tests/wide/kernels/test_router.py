@@ -37,6 +37,8 @@ def test_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g)
     assert torch.equal(torch_router_decide(*args), ref)
     got = triton_router_decide(*args, split=split, block_g=block_g)
     assert got.dtype == torch.float32 and torch.equal(got, ref)
+    # the other shape of the deciding launch than the default at these sizes (a program a token block)
+    assert torch.equal(triton_router_decide(*args, split=split, block_g=block_g, finish="tile"), ref)
     if split is None:  # as a bool mask (what the executor asks for)
         assert torch.equal(torch_router_decide(*args, as_bool=True), ref.bool())
         as_bool = triton_router_decide(*args, block_g=block_g, as_bool=True)
@@ -47,16 +49,36 @@ def test_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g)
 
 @pytest.mark.parametrize("m", [3, 40, 130])
 @pytest.mark.parametrize(("block_m", "block_k", "split"), [(32, 16, None), (64, 32, 2), (128, 64, 1)])
-def test_token_and_column_blocks(m, block_m, block_k, split):
+@pytest.mark.parametrize("finish", ["tile", "token"])
+def test_token_and_column_blocks(m, block_m, block_k, split, finish):
     """Larger token blocks and other K steps (the prefill launch shapes): the same decisions, with a
-    partial token block and D in one or more shares."""
+    partial token block and D in one or more shares, decided by a program a token block or a token."""
     torch.manual_seed(m + block_m)
     router = GroupRouter(200, 12, 8).to(DEVICE)
     x = torch.randn(m, 200, device=DEVICE)
     ref = decide(router(x), sample=False, tau=1.0)
     args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
-    got = triton_router_decide(*args, split=split, block_m=block_m, block_k=block_k, as_bool=True)
+    got = triton_router_decide(*args, split=split, block_m=block_m, block_k=block_k, finish=finish, as_bool=True)
     assert torch.equal(got, ref.bool())
+
+
+def test_the_deciding_launch_follows_the_token_count(monkeypatch):
+    """A program a token up to ``policy.ROUTER_TOKEN_FINISH_MAX_M`` tokens, a program a token block beyond;
+    both decide the same, whichever the policy's bound."""
+    from compresskit_wide.kernels import policy
+    from compresskit_wide.kernels.router import router_finish
+
+    bound = policy.ROUTER_TOKEN_FINISH_MAX_M
+    assert (router_finish(1), router_finish(bound), router_finish(bound + 1)) == ("token", "token", "tile")
+    torch.manual_seed(3)
+    router = GroupRouter(96, 20, 8).to(DEVICE)
+    x = torch.randn(33, 96, device=DEVICE)
+    args = (x, router.down.weight, router.down.bias, router.up.weight, router.up.bias)
+    ref = decide(router(x), sample=False, tau=1.0).bool()
+    for bound in (32, 33):  # 33 tokens past the bound, then at it
+        monkeypatch.setattr(policy, "ROUTER_TOKEN_FINISH_MAX_M", bound)
+        assert router_finish(33) == ("tile" if bound == 32 else "token")
+        assert torch.equal(triton_router_decide(*args, as_bool=True), ref)
 
 
 def test_validates_its_tensors():
@@ -71,6 +93,8 @@ def test_validates_its_tensors():
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_g=24)
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16, got 8"):
         triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), block_m=8)
+    with pytest.raises(ValueError, match="finish must be one of tile, token, got 'row'"):
+        triton_router_decide(x, wd, bd, torch.zeros(6, 4), torch.zeros(6), finish="row")
 
 
 @pytest.mark.parametrize("m", [1, 3, 16])
@@ -133,9 +157,12 @@ def test_both_launches_count_their_decision(m, groups, bias):
     shares = torch_router_shares(x, router.down.weight)
     start = torch.tensor([5.0, 7.0], dtype=torch.float64, device=DEVICE)
     for decide_counted, decide_plain in (
-        (
-            lambda c: triton_router_decide(x, *args, block_g=16, as_bool=True, counts=c),
-            lambda: triton_router_decide(x, *args, block_g=16, as_bool=True),
+        *(
+            (
+                lambda c, f=finish: triton_router_decide(x, *args, block_g=16, finish=f, as_bool=True, counts=c),
+                lambda f=finish: triton_router_decide(x, *args, block_g=16, finish=f, as_bool=True),
+            )
+            for finish in ("tile", "token")
         ),
         (
             lambda c: triton_router_decide_from_shares(shares, *args[1:], block_g=16, as_bool=True, counts=c),
@@ -213,7 +240,7 @@ def test_the_decision_with_the_norm_validates_its_tensors():
 
 @pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (5, 100, 7, 8), (40, 64, 130, 5)])
 def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
-    """With ``margin`` the three deciding launches store each group's execute-minus-skip logit (fp32, the
+    """With ``margin`` the deciding launches store each group's execute-minus-skip logit (fp32, the
     sign the decision's), uncounted: the router, the decision from shares, and that with the norm."""
     from compresskit_wide.kernels.router import torch_router_norm_from_shares, triton_router_norm_from_shares
 
@@ -230,6 +257,7 @@ def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
     got = [
         torch_router_decide(*args, margin=True),
         triton_router_decide(*args, margin=True, as_bool=True),
+        triton_router_decide(*args, margin=True, finish="tile"),
         torch_router_decide_from_shares(*sargs, margin=True),
         triton_router_decide_from_shares(*sargs, margin=True),
         torch_router_norm_from_shares(*nargs, margin=True)[0],

@@ -53,7 +53,14 @@ class Range:
 # Each range is where the kernel measured faster than its dense fallback in GPU time and in a CUDA graph
 # (docs/wide-kernels-h200.md; the boundary measurements are recorded at commit 217c749).
 KERNEL_RANGES = (
-    Range("swiglu", max_m=128, why="the fused gate+up at decode and up to 128 prefill tokens (1.05x cuBLAS at 128)"),
+    Range("swiglu", max_m=DECODE_MAX_M, why="the fused gate+up at decode: one tile of every token, the mask read"),
+    Range(
+        "swiglu",
+        max_m=SHARED_MAX_M,
+        shared=True,
+        why="gate+up on a batch's shared set, 24-64 tokens in one tile: 1.88-1.95x cuBLAS (docs/serving.md); per "
+        "token at 32-128 the stacked fallback was as fast or faster (0.95-1.01x, docs/wide-kernels-h200.md)",
+    ),
     Range(
         "swiglu",
         min_m=512,
@@ -177,6 +184,9 @@ ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about
 # the router's tile past decode sizes: (tokens, columns of D) a step; measured at 4k tokens and 112 groups:
 # 2.9x faster than (32, 128) and the fastest of the six pairs of 32-128 tokens and 64-128 columns (GPU time)
 ROUTER_PREFILL_TILE = (64, 64)
+# up to this many tokens the router's deciding launch runs a program a token (router.router_finish): a program a
+# 64-token block would sum up to 64 shares of D alone (docs/wide-kernels-h200.md, "The router's deciding launch")
+ROUTER_TOKEN_FINISH_MAX_M = 512
 
 # tile tables: (meta-parameters, num_warps, num_stages)
 # the K-packed decode product (weights as the MMA's rows): (MMA rows, BLOCK_K, warps, stages); a program

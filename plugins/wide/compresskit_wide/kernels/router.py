@@ -9,7 +9,10 @@
 The reference is ``GroupRouter`` followed by the deterministic ``decide``: five or six small launches
 per routed sublayer and token. The kernels compute the same fp32 products in two: the bottleneck over
 shares of D (one program each, partial sums in a workspace), then one that sums them in a fixed order
-and decides.
+and decides. That second launch takes one of two shapes (``finish``): a program a block of tokens
+(``tile``: its shares summed one by one, then both logits on the tensor cores), or a program a token
+(``token``: the launch that decides from shares, below), which spreads the shares' reads over many
+programs where the token blocks are few and the shares many.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
 accuracy; a bf16 input is exact in TF32). Decisions equal the reference's except where a group's two
 logits tie within fp32 rounding (another summation order), as between two GEMM libraries.
@@ -317,6 +320,16 @@ def router_split(m: int, d: int, block_m: int, block_k: int) -> int:
     return max(1, min(cdiv(d, block_k), programs // m_blocks))
 
 
+FINISHES = ("tile", "token")
+
+
+def router_finish(m: int) -> str:
+    """The deciding launch's shape for ``m`` tokens: "token" (a program a token and group block) up to
+    ``policy.ROUTER_TOKEN_FINISH_MAX_M`` tokens, where a token block's program would read many shares;
+    "tile" (a program a token block and group block) beyond, where the shares are few."""
+    return "token" if m <= policy.ROUTER_TOKEN_FINISH_MAX_M else "tile"
+
+
 def router_precision(m: int) -> str:
     """``tl.dot``'s precision for the fp32 products: "ieee" (CUDA cores) at decode sizes, too small
     for the tensor cores to matter; "tf32x3" (tensor cores, fp32-level accuracy) beyond."""
@@ -334,6 +347,7 @@ def triton_router_decide(
     block_g: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
+    finish: str | None = None,
     as_bool: bool = False,
     margin: bool = False,
     counts: torch.Tensor | None = None,
@@ -342,9 +356,10 @@ def triton_router_decide(
     D (default ``router_split``), then the launch that adds them in a fixed order and decides, with
     ``block_g`` groups a program (a power of two, at least 16; default up to 32). ``block_m`` tokens
     and ``block_k`` columns of D a step (powers of two, at least 16; default 16 and 128 at decode
-    sizes, else ``policy.ROUTER_PREFILL_TILE``). ``as_bool``: the decision stored as bytes and returned as a
-    bool mask (what the routed operators read as it is). ``counts``: fp64 ``[2]`` the decision is
-    counted into (module docstring)."""
+    sizes, else ``policy.ROUTER_PREFILL_TILE``). ``finish``: the deciding launch's shape, "tile" or
+    "token" (module docstring; default ``router_finish``). ``as_bool``: the decision stored as bytes and
+    returned as a bool mask (what the routed operators read as it is). ``counts``: fp64 ``[2]`` the
+    decision is counted into (module docstring)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape
@@ -362,6 +377,8 @@ def triton_router_decide(
         raise ValueError(f"router tensors do not fit (x, w_down, b_down, w_up, b_up): {shapes}")
     if split is not None and split < 1:
         raise ValueError(f"split must be >= 1, got {split}")
+    if finish not in (None, *FINISHES):
+        raise ValueError(f"finish must be one of {', '.join(FINISHES)}, got {finish!r}")
     _check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
     _check_counts(counts, x.device)
     _check_margin(margin, counts)
@@ -387,11 +404,20 @@ def triton_router_decide(
         x, w_down, ws, m, d, r, chunk, x.stride(0),
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
     )  # fmt: skip
-    triton_router_finish_kernel[grid](
-        ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-        MARGIN=margin,
-    )  # fmt: skip
+    cnt = out if counts is None else counts
+    if (finish or router_finish(m)) == "token":
+        if m:
+            triton_router_shares_kernel[(m, cdiv(groups, block_g))](
+                ws, b_down, w_up, b_up, out, cnt, splits, m, r, groups, out.stride(0),
+                BLOCK_S=next_power_of_2(splits), BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
+                MARGIN=margin,
+            )  # fmt: skip
+    else:
+        triton_router_finish_kernel[grid](
+            ws, b_down, w_up, b_up, out, cnt, m, r, groups, out.stride(0), splits,
+            DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
+            MARGIN=margin,
+        )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
 
