@@ -642,9 +642,7 @@ def main() -> int:
                 cases.append(
                     (
                         f"router finish M={m} G={groups} finish={finish}",
-                        lambda m=m, g=groups, f=finish: case_router(
-                            m, d, g, 32, dtype, device, gen, results, finish=f
-                        ),
+                        lambda m=m, g=groups, f=finish: case_router(m, d, g, 32, dtype, device, gen, results, finish=f),
                     )
                 )
     # a narrow model's prefill router (SmolLM2-135M: D = 576, 12 FFN groups of 128 channels), where the
