@@ -23,9 +23,12 @@
 #   setgrad-start     the same job for the gradient through the shared set: the per-token run and
 #                     recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml side by side, both scored per
 #                     token and under the majority rule at consensus batches 4, 8, 16 and 32
+#   follow-start      the same job for the follow rule trained in the loop: the per-token run and
+#                     recipes/study/wide-smollm2-50-stage1-follow8.yaml side by side, both scored per token and
+#                     under follow 1.0 and 1.25 at consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=/tmp/cq
@@ -113,6 +116,10 @@ JOB
   setgrad-start)
     pair_job recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml setgrad set-gradient \
       --rule majority=quorum=0.5 --batches 4,8,16,32 | launch
+    ;;
+  follow-start)
+    pair_job recipes/study/wide-smollm2-50-stage1-follow8.yaml follow8 follow-trained \
+      --rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 --batches 4,8,16,32 | launch
     ;;
   *)
     echo "unknown step $step"

@@ -233,6 +233,17 @@ def test_training_with_consensus_in_the_loop(tiny_model_dir):
     assert torch.equal(execute[:, 16:], execute[:, 16:17].expand(-1, 4, -1))  # the last, short tile
     assert (execute.sum(-1) <= math.ceil(0.5 * proj.groups)).all()  # within the budget
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
+    # the union capped at the tokens' own mean count (quorum 0, follow 1.0): one set a position, no larger than
+    # that cap, and a gradient (recipes/study/wide-smollm2-50-stage1-follow8.yaml trains with follow 1.25)
+    for p in model.parameters():
+        p.grad = None
+    set_consensus(model, Consensus(quorum=0.0, follow=1.0))
+    model(ids).logits.sum().backward()
+    execute = 1.0 - proj.last_skip  # [B, T, G]
+    assert torch.equal(execute, execute[:1].expand_as(execute))
+    assert (execute[0].sum(-1) >= 1).all() and (execute[0].sum(-1) < proj.groups).any()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in proj.router.parameters())
+    set_consensus(model, None)
 
 
 def _saved_wide_run(tiny_model_dir, tmp_path, training=()):
