@@ -12,10 +12,10 @@
 #                     recipes/study/wide-smollm2-50-stage1-consensus8.yaml, evaluation left to the next
 #                     step), then benchmarks/consensus_quality.py over both; log in /tmp/cq/log
 #   rules-start       the same job for other rules: train the per-token run only, then score it per token and
-#                     under each rule of RULES (consensus_quality.py --rule arguments; default: the set's cap
-#                     following the tokens, follow 1.0 and 1.25, and tile-coherent routing in tiles of 64
-#                     uncapped and following the tokens, and of 16 following them) at the consensus batches of
-#                     BATCHES (default 4,8,16,32; a tile rule once)
+#                     under each rule of RULES (consensus_quality.py --rule arguments; default: the rules not scored
+#                     yet between follow 1.0 and 1.25, the set's cap at 1.1 and 1.15 times the tokens' mean count,
+#                     and tile-coherent routing in tiles of 64 and of 16 with the cap at 1.25) at the consensus
+#                     batches of BATCHES (default 4,8,16,32; a tile rule once)
 #   tile-start        the same job for tile-coherent routing (issue 45): train the per-token and the
 #                     tile-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-tile64.yaml), then score both per token and
@@ -95,9 +95,9 @@ case "$step" in
       | launch
     ;;
   rules-start)
-    rules=${RULES:-"--rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 \
---rule tile64-union=over=tile,tile=64,quorum=0 --rule tile64-follow1=over=tile,tile=64,quorum=0,follow=1.0 \
---rule tile16-follow1=over=tile,tile=16,quorum=0,follow=1.0"}
+    rules=${RULES:-"--rule follow11=quorum=0,follow=1.1 --rule follow115=quorum=0,follow=1.15 \
+--rule tile64-follow125=over=tile,tile=64,quorum=0,follow=1.25 \
+--rule tile16-follow125=over=tile,tile=16,quorum=0,follow=1.25"}
     launch <<JOB
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
