@@ -635,7 +635,7 @@ def main() -> int:
                     )
                 )
     # the deciding launch's two shapes, a program a token block or a token, from decode to prefill sizes, for FFN
-    # and attention's groups (the second's G the attention router's)
+    # and attention's groups (the second's G the attention router's); then, at three sizes, with D in fewer shares
     for m in [1, 3] if args.smoke else [16, 32, 64, 128, 256, 512, 1024, 2048]:
         for groups in (ffn // group, heads // attn_group):
             for finish in ("tile", "token"):
@@ -643,6 +643,17 @@ def main() -> int:
                     (
                         f"router finish M={m} G={groups} finish={finish}",
                         lambda m=m, g=groups, f=finish: case_router(m, d, g, 32, dtype, device, gen, results, finish=f),
+                    )
+                )
+    for m in [3] if args.smoke else [32, 128, 512]:
+        for split in (2,) if args.smoke else (8, 16, 32):
+            for finish in ("tile", "token"):
+                cases.append(
+                    (
+                        f"router finish M={m} G={ffn // group} finish={finish} split={split}",
+                        lambda m=m, s=split, f=finish: case_router(
+                            m, d, ffn // group, 32, dtype, device, gen, results, split=s, finish=f
+                        ),
                     )
                 )
     # a narrow model's prefill router (SmolLM2-135M: D = 576, 12 FFN groups of 128 channels), where the
