@@ -10,7 +10,7 @@ The reference is ``GroupRouter`` followed by the deterministic ``decide``: five 
 per routed sublayer and token. The kernels compute the same fp32 products in two: the bottleneck over
 shares of D (one program each, partial sums in a workspace), then one that sums them in a fixed order
 and decides. That second launch takes one of two shapes (``finish``): a program a block of tokens
-(``tile``: its shares summed one by one, then both logits on the tensor cores), or a program a token
+(``tile``: its shares summed one by one, then both logits as block products), or a program a token
 (``token``: the launch that decides from shares, below), which spreads the shares' reads over many
 programs where the token blocks are few and the shares many.
 Beyond decode sizes the products run on the tensor cores in three TF32 passes (``tf32x3``: fp32-level
