@@ -10,7 +10,7 @@ Each run is scored once per token (at batch 16: per-token routing does not depen
 under each rule at each batch size (``--only RUN=RULE,...`` limits a run to those rules; a tile rule, which
 shares within each sequence, once, at the first). The evaluations
 spread over ``--workers`` processes (a small model leaves a GPU mostly idle); ``--replot quality.json``
-draws the plot and writes the table again from it. Writes ``DIR/quality.json``
+(or its folder) draws the plot and writes the table again from it. Writes ``DIR/quality.json``
 (one row per evaluation: held-out, code and licence perplexity, the zero-shot tasks and their average,
 the realised sparsity and the batch sizes lm-eval ran), ``DIR/quality.md`` and ``DIR/quality.png`` (held-out
 perplexity against the realised MACs skipped, a line per run and rule through its batch sizes).
@@ -146,10 +146,27 @@ def plot(rows: list[dict], path: Path) -> None:
     save(fig, path)
 
 
+def replot_source(given: str, error) -> tuple[Path, dict]:
+    """``--replot``'s file (``given``, or ``given/quality.json`` for a folder) and its table; ``error`` (the
+    parser's: one line, exit 2) where it is missing or is no table this script wrote."""
+    path = Path(given)
+    if path.is_dir():
+        path = path / "quality.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        error(f"--replot {given}: cannot read {path} ({type(exc).__name__}: {exc})")
+    if not isinstance(table, dict) or not isinstance(table.get("rows"), list) or "meta" not in table:
+        error(f"--replot {given}: {path} is no quality table of this script (it holds 'meta' and 'rows')")
+    return path, table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", help="NAME=PATH of a saved run's model directory")
-    ap.add_argument("--replot", help="a quality.json: draw its plot again (beside it) and stop")
+    ap.add_argument(
+        "--replot", help="a quality.json, or the folder holding one: its table and plot written again beside it"
+    )
     ap.add_argument("--rule", action="append", default=[], help="NAME=KEY=VALUE,... a consensus rule")
     ap.add_argument("--batches", default="4,8,16,32")
     ap.add_argument("--only", action="append", default=[], help="RUN=RULE,... the rules scored for that run")
@@ -158,9 +175,10 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.replot:
-        table = json.loads(Path(args.replot).read_text())
-        plot(table["rows"], Path(args.replot).with_name("quality.png"))
-        artifacts.write_text(Path(args.replot).with_name("quality.md"), markdown(table["rows"], table["meta"]))
+        path, table = replot_source(args.replot, ap.error)
+        plot(table["rows"], path.with_name("quality.png"))
+        artifacts.write_text(path.with_name("quality.md"), markdown(table["rows"], table["meta"]))
+        print(f"table and plot beside {path}")
         return
     if not args.run or not args.out:
         ap.error("give --run NAME=PATH (one or more) and --out DIR, or --replot")

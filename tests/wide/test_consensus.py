@@ -468,6 +468,34 @@ def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
     assert last.startswith("| b | t64 | 4 | 200.00 | 2.000 | 4.000 |")
 
 
+def test_quality_script_replots_a_table_from_its_file_or_folder(tmp_path, capsys, monkeypatch):
+    """``--replot`` takes a quality.json or its folder and writes the table and plot beside it; a missing file
+    or one that is no such table is one error line and exit 2."""
+    import json
+    import sys
+
+    q = _quality_script()
+    row = {"code_ppl": 1.0, "legal_ppl": 1.0, "piqa_acc": 0.5, "next_sentence_acc": 0.5, "zero_shot_avg": 0.5}
+    rows = [
+        {**row, "run": "a", "rule": "per-token", "batch": 16, "held_out_ppl": 50.0, "macs_skipped": 0.4},
+        {**row, "run": "a", "rule": "maj", "batch": 8, "held_out_ppl": 60.0, "macs_skipped": 0.3},
+    ]
+    (tmp_path / "quality.json").write_text(json.dumps({"meta": {"date": "today"}, "rows": rows}))
+    for given in (tmp_path, tmp_path / "quality.json"):
+        monkeypatch.setattr(sys, "argv", ["consensus_quality.py", "--replot", str(given)])
+        q.main()
+        assert "| a | maj | 8 | 60.00 |" in (tmp_path / "quality.md").read_text()
+        assert (tmp_path / "quality.png").stat().st_size > 0
+    (tmp_path / "other.json").write_text(json.dumps([1, 2]))
+    for bad, message in ((tmp_path / "none.json", "cannot read"), (tmp_path / "other.json", "is no quality table")):
+        monkeypatch.setattr(sys, "argv", ["consensus_quality.py", "--replot", str(bad)])
+        with pytest.raises(SystemExit) as exit_info:
+            q.main()
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("rule", [Consensus(quorum=0.5), Consensus(over="tile", tile=16, quorum=0.0, budget=0.5)])
 def test_the_set_gradient_is_the_mean_of_the_voters(tiny_model_dir, rule):
     """``consensus_gradient: set``: the same forward as ``own`` (the shared set), and each voter's soft decision
