@@ -563,6 +563,30 @@ def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_tok
     return out
 
 
+def batch_union_fraction(projections: list[RoutedProjection]) -> torch.Tensor | None:
+    """The fraction of the routed MACs that the union of the last training batch's sequences runs, position by
+    position, differentiable through the ST masks (None: no batch): at each position a group counts once if some
+    real token of the ``B`` sequences executes it, as a decode step of those ``B`` sequences would read its
+    weights. Its gradient reaches a token's decision only where no other token of the position keeps the group:
+    lowering it asks the routers to drop the groups that they alone want (a popularity prior), while each token
+    still routes on its own at inference. Read before :func:`release_batch`."""
+    union_macs = total_macs = None
+    for proj in projections:
+        if proj.last_skip is None:
+            continue
+        valid = proj.last_valid.to(proj.last_skip.dtype)  # [B, T]
+        execute = (1.0 - proj.last_skip) * valid.unsqueeze(-1)  # [B, T, G]: a padded token runs nothing
+        union = 1.0 - torch.prod(1.0 - execute, dim=0)  # [T, G]
+        positions = (valid.sum(0) > 0).to(union.dtype)  # [T]: positions with a real token
+        term = (union * positions.unsqueeze(-1)).sum() * proj.macs_per_group
+        whole = positions.sum() * proj.groups * proj.macs_per_group
+        union_macs = term if union_macs is None else union_macs + term
+        total_macs = whole if total_macs is None else total_macs + whole
+    if union_macs is None:
+        return None
+    return union_macs / total_macs.clamp_min(1.0)
+
+
 def release_batch(projections: list[RoutedProjection]) -> None:
     """Drop the training tensors of the last batch (the autograd graph is not kept past a step)."""
     for proj in projections:

@@ -468,6 +468,67 @@ def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
     assert last.startswith("| b | t64 | 4 | 200.00 | 2.000 | 4.000 |")
 
 
+def test_the_union_fraction_counts_a_group_once_a_position():
+    """``batch_union_fraction``: at each position a group counts once if some real token runs it, weighted by
+    each router's MACs a group; a padded token runs nothing; the gradient reaches only the decisions that alone
+    keep a group in the union."""
+    from types import SimpleNamespace
+
+    from compresskit.routing import batch_union_fraction
+
+    execute = torch.tensor(
+        [[[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]], requires_grad=True
+    )  # [B=2, T=2, G=3]
+    valid = torch.tensor([[1.0, 1.0], [1.0, 0.0]])  # the second sequence's second token is padding
+    a = SimpleNamespace(last_skip=1.0 - execute, last_valid=valid, groups=3, macs_per_group=1.0)
+    b = SimpleNamespace(last_skip=torch.ones(2, 2, 1), last_valid=valid, groups=1, macs_per_group=3.0)
+    got = batch_union_fraction([a, b, SimpleNamespace(last_skip=None)])
+    # a: position 0 runs groups 0 and 1, position 1 groups 0 and 1 (the padded token's group 2 does not count):
+    # 4 of 6 group slots at 1 MAC; b: nothing of 2 slots at 3 MACs
+    assert torch.isclose(got, torch.tensor(4.0 / 12.0))
+    got.backward()
+    grad = execute.grad
+    # group 0 at position 0 is kept by both sequences: neither alone keeps it, so no gradient there
+    assert grad[0, 0, 0] == 0 and grad[1, 0, 0] == 0
+    # group 1 at position 0 is kept by the second sequence alone: its decision carries the gradient, and the
+    # first sequence's does not (the group is in the union whatever it decides)
+    assert grad[1, 0, 1] > 0 and grad[0, 0, 1] == 0
+    # group 2 at position 0 is kept by no one: either sequence taking it would add it
+    assert grad[0, 0, 2] > 0 and grad[1, 0, 2] > 0
+    assert grad[1, 1].abs().sum() == 0  # a padded token
+    assert batch_union_fraction([SimpleNamespace(last_skip=None)]) is None
+
+
+def test_a_router_stage_trains_with_the_union_loss(tiny_model_dir, tmp_path):
+    """``union_coef``: the router stage adds the union fraction to its loss and logs it; without a routing
+    pruner it is one recipe error; at its default it is left out of the recipe (and its hash)."""
+    import json
+
+    from compresskit.errors import RecipeError
+    from compresskit.recipe import load_recipe
+
+    config = {"steps": 2, "batch_size": 4, "seq_len": 16, "union_coef": 1.0}
+    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[{"name": "router", "config": config}])
+    results = json.loads((run / "results.json").read_text())
+    history = results["training"][0]["history"]
+    assert history and all(0.0 < row["union"] <= 1.0 for row in history)
+    recipe = {
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "pruner": {"name": "static-width"},
+        "training": [{"name": "router", "config": {"steps": 1, "union_coef": 1.0}}],
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    with pytest.raises(RecipeError, match=r"training.0.config.union_coef: the union loss trains routers"):
+        load_recipe(recipe)
+    recipe["pruner"] = {"name": "wide"}
+    assert load_recipe(recipe).to_dict()["training"][0]["config"]["union_coef"] == 1.0
+    recipe["training"][0]["config"]["union_coef"] = 0.0
+    assert "union_coef" not in load_recipe(recipe).to_dict()["training"][0]["config"]
+    recipe["training"][0]["config"]["union_coef"] = -1.0
+    with pytest.raises(RecipeError, match=r"training.0.config.union_coef"):
+        load_recipe(recipe)
+
+
 def test_quality_script_replots_a_table_from_its_file_or_folder(tmp_path, capsys, monkeypatch):
     """``--replot`` takes a quality.json or its folder and writes the table and plot beside it; a missing file
     or one that is no such table is one error line and exit 2."""
