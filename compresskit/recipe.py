@@ -542,7 +542,10 @@ class ResolvedPlugin:
 # fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
 OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
-STAGE_OMITTED_AT_DEFAULT = {"consensus_gradient": "own", "union_coef": 0.0}  # in each training stage's config, likewise
+STAGE_OMITTED_AT_DEFAULT = {
+    "consensus_gradient": "own",
+    "agreement_coef": 0.0,
+}  # in each training stage's config, likewise
 
 
 @dataclass
@@ -609,7 +612,7 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
     pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
     training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
     for stage in training:
-        for option, what in (("consensus", "batch consensus"), ("union_coef", "the union loss")):
+        for option, what in (("consensus", "batch consensus"), ("agreement_coef", "the disagreement loss")):
             if getattr(stage.config, option, None):
                 from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
 

@@ -563,28 +563,42 @@ def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_tok
     return out
 
 
-def batch_union_fraction(projections: list[RoutedProjection]) -> torch.Tensor | None:
-    """The fraction of the routed MACs that the union of the last training batch's sequences runs, position by
-    position, differentiable through the ST masks (None: no batch): at each position a group counts once if some
-    real token of the ``B`` sequences executes it, as a decode step of those ``B`` sequences would read its
-    weights. Its gradient reaches a token's decision only where no other token of the position keeps the group:
-    lowering it asks the routers to drop the groups that they alone want (a popularity prior), while each token
-    still routes on its own at inference. Read before :func:`release_batch`."""
-    union_macs = total_macs = None
+def batch_agreement(projections: list[RoutedProjection]) -> dict[str, torch.Tensor]:
+    """How much the last training batch's sequences disagree, position by position, differentiable through the
+    ST masks (empty: no batch); each a fraction of the routed MACs (a router's groups weighted by its MACs a
+    group), over the positions that hold a real token:
+
+    - ``union``: the groups some real token of the ``B`` sequences runs, as a decode step of them would read
+      their weights;
+    - ``disagreement``: ``4 q (1 - q)`` of each group, ``q`` the share of the position's real tokens that run it
+      (0 where they all agree, 1 at an even split; 0 at a position of one real token). Its gradient pulls each
+      token toward its batch's majority (a popularity prior), a dense signal where the union's is not: with B
+      tokens choosing half the groups independently the union holds nearly all of them, and a token's decision
+      moves it only where no other token keeps the group. Agreeing tokens shrink the union while each still
+      routes on its own.
+
+    Read before :func:`release_batch`."""
+    union = disagree = total = None
     for proj in projections:
         if proj.last_skip is None:
             continue
         valid = proj.last_valid.to(proj.last_skip.dtype)  # [B, T]
         execute = (1.0 - proj.last_skip) * valid.unsqueeze(-1)  # [B, T, G]: a padded token runs nothing
-        union = 1.0 - torch.prod(1.0 - execute, dim=0)  # [T, G]
-        positions = (valid.sum(0) > 0).to(union.dtype)  # [T]: positions with a real token
-        term = (union * positions.unsqueeze(-1)).sum() * proj.macs_per_group
-        whole = positions.sum() * proj.groups * proj.macs_per_group
-        union_macs = term if union_macs is None else union_macs + term
-        total_macs = whole if total_macs is None else total_macs + whole
-    if union_macs is None:
-        return None
-    return union_macs / total_macs.clamp_min(1.0)
+        real = valid.sum(0)  # [T]: real tokens a position
+        positions = (real > 0).to(execute.dtype)
+        shared = (real > 1).to(execute.dtype).unsqueeze(-1)  # a lone token has no one to agree with
+        share = execute.sum(0) / real.clamp_min(1.0).unsqueeze(-1)  # [T, G]
+        w = positions.unsqueeze(-1) * proj.macs_per_group
+        terms = (
+            ((1.0 - torch.prod(1.0 - execute, dim=0)) * w).sum(),
+            (4.0 * share * (1.0 - share) * shared * w).sum(),
+            positions.sum() * proj.groups * proj.macs_per_group,
+        )
+        union, disagree, total = terms if union is None else (union + terms[0], disagree + terms[1], total + terms[2])
+    if union is None:
+        return {}
+    total = total.clamp_min(1.0)
+    return {"union": union / total, "disagreement": disagree / total}
 
 
 def release_batch(projections: list[RoutedProjection]) -> None:
