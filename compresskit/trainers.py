@@ -246,8 +246,9 @@ class RouterTrainer(Trainer):
                             loss = out.loss
                             if c.agreement_coef:  # (before the regularisation, which releases the batch's masks)
                                 agree = batch_agreement([p for _, p in routed_projections(model)])
-                                loss = loss + c.agreement_coef * agree["disagreement"]
-                                logs.update({k: v.detach() for k, v in agree.items()})
+                                if agree:  # (empty where no router decided for this micro-batch)
+                                    loss = loss + c.agreement_coef * agree["disagreement"]
+                                    logs.update({k: v.detach() for k, v in agree.items()})
                             reg = pruner.regularization(model) if pruner is not None else None
                             if c.distill is not None:  # after reg: the teacher's pass changes no routing state
                                 d = c.distill
