@@ -92,7 +92,8 @@ def torch_masked_out_gemm(
 
 def stacked_rows(w: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor | None:
     """``[w; w_up]`` as one ``[2N, K]`` view where ``w_up``'s rows follow ``w``'s in memory (the runtime
-    stacks gate and up so: ``stacked_linear``), so that one product computes both; else None."""
+    stacks gate and up so: ``stacked_linear``), so that one product computes both; else None. (The same
+    test as ``stacked_linear``'s: the kernels import nothing of compresskit's core, tests/test_layers.py.)"""
     if (
         w.shape != w_up.shape
         or w.dtype != w_up.dtype
