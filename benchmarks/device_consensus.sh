@@ -26,13 +26,9 @@
 #   follow-start      the same job for the follow rule trained in the loop: the per-token run and
 #                     recipes/study/wide-smollm2-50-stage1-follow8.yaml side by side, both scored per token and
 #                     under follow 1.0 and 1.25 at consensus batches 4, 8, 16 and 32
-#   agree-start       the same job for the disagreement loss: the per-token run and
-#                     recipes/study/wide-smollm2-50-stage1-agree.yaml side by side, both scored per token and
-#                     under the uncapped union (quorum 0: its MACs skipped are what a decode batch reads) at
-#                     consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|agree-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=/tmp/cq
@@ -120,10 +116,6 @@ JOB
   setgrad-start)
     pair_job recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml setgrad set-gradient \
       --rule majority=quorum=0.5 --batches 4,8,16,32 | launch
-    ;;
-  agree-start)
-    pair_job recipes/study/wide-smollm2-50-stage1-agree.yaml agree agreement-trained \
-      --rule union=quorum=0 --batches 4,8,16,32 | launch
     ;;
   follow-start)
     pair_job recipes/study/wide-smollm2-50-stage1-follow8.yaml follow8 follow-trained \

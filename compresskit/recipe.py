@@ -542,10 +542,7 @@ class ResolvedPlugin:
 # fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
 OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
-STAGE_OMITTED_AT_DEFAULT = {
-    "consensus_gradient": "own",
-    "agreement_coef": 0.0,
-}  # in each training stage's config, likewise
+STAGE_OMITTED_AT_DEFAULT = {"consensus_gradient": "own"}  # in each training stage's config, likewise
 
 
 @dataclass
@@ -612,16 +609,15 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
     pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
     training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
     for stage in training:
-        for option, what in (("consensus", "batch consensus"), ("agreement_coef", "the disagreement loss")):
-            if getattr(stage.config, option, None):
-                from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
+        if getattr(stage.config, "consensus", None) is not None:
+            from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
 
-                if pruner is None or not issubclass(pruner.cls, RoutedPruner):
-                    has = f"pruner {pruner.name!r} has" if pruner else "the recipe has no pruner, so it has"
-                    raise RecipeError(
-                        f"{stage.path}.config.{option}: {what} trains routers, and {has} none; "
-                        "drop it, or use a routing pruner (wide, dynamic-depth)"
-                    )
+            if pruner is None or not issubclass(pruner.cls, RoutedPruner):
+                has = f"pruner {pruner.name!r} has" if pruner else "the recipe has no pruner, so it has"
+                raise RecipeError(
+                    f"{stage.path}.config.consensus: batch consensus trains routers, and {has} none; "
+                    "drop it, or use a routing pruner (wide, dynamic-depth)"
+                )
     executor = validate_plugin("executor", recipe.executor, "executor")
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 

@@ -563,44 +563,6 @@ def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_tok
     return out
 
 
-def batch_agreement(projections: list[RoutedProjection]) -> dict[str, torch.Tensor]:
-    """How much the last training batch's sequences disagree, position by position, differentiable through the
-    ST masks (empty: no batch); each a fraction of the routed MACs (a router's groups weighted by its MACs a
-    group), over the positions that hold a real token:
-
-    - ``union``: the groups some real token of the ``B`` sequences runs, as a decode step of them would read
-      their weights;
-    - ``disagreement``: ``4 q (1 - q)`` of each group, ``q`` the share of the position's real tokens that run it
-      (0 where they all agree, 1 at an even split; 0 at a position of one real token). Its gradient pulls each
-      token toward its batch's majority (a popularity prior), a dense signal where the union's is not: with B
-      tokens choosing half the groups independently the union holds nearly all of them, and a token's decision
-      moves it only where no other token keeps the group. Agreeing tokens shrink the union while each still
-      routes on its own.
-
-    Read before :func:`release_batch`."""
-    union = disagree = total = None
-    for proj in projections:
-        if proj.last_skip is None:
-            continue
-        valid = proj.last_valid.to(proj.last_skip.dtype)  # [B, T]
-        execute = (1.0 - proj.last_skip) * valid.unsqueeze(-1)  # [B, T, G]: a padded token runs nothing
-        real = valid.sum(0)  # [T]: real tokens a position
-        positions = (real > 0).to(execute.dtype)
-        shared = (real > 1).to(execute.dtype).unsqueeze(-1)  # a lone token has no one to agree with
-        share = execute.sum(0) / real.clamp_min(1.0).unsqueeze(-1)  # [T, G]
-        w = positions.unsqueeze(-1) * proj.macs_per_group
-        terms = (
-            ((1.0 - torch.prod(1.0 - execute, dim=0)) * w).sum(),
-            (4.0 * share * (1.0 - share) * shared * w).sum(),
-            positions.sum() * proj.groups * proj.macs_per_group,
-        )
-        union, disagree, total = terms if union is None else (union + terms[0], disagree + terms[1], total + terms[2])
-    if union is None:
-        return {}
-    total = total.clamp_min(1.0)
-    return {"union": union / total, "disagreement": disagree / total}
-
-
 def release_batch(projections: list[RoutedProjection]) -> None:
     """Drop the training tensors of the last batch (the autograd graph is not kept past a step)."""
     for proj in projections:

@@ -41,7 +41,7 @@ from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
 from compresskit.modeling import memory_kind, peak_memory, replace_module, reset_peak_memory
-from compresskit.routing import Consensus, batch_agreement, routed_projections, set_consensus
+from compresskit.routing import Consensus, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
@@ -82,14 +82,6 @@ class TrainStageConfig(PluginConfig):
         "position the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's "
         "groups; with over: tile, the tokens of each tile of a sequence do; so that the routers learn to agree. "
         "Needs a routing pruner.",
-    )
-    agreement_coef: float = Field(
-        0.0,
-        ge=0.0,
-        description="Weight of the disagreement loss: at each position, for each group, 4 q (1 - q) with q the share "
-        "of the micro-batch's batch_size sequences that run it (compresskit.routing.batch_agreement), so that "
-        "per-token routers learn to agree and the union a decode step of them reads shrinks; the union is logged "
-        "beside it. Needs a routing pruner.",
     )
     consensus_gradient: Literal["own", "set"] = Field(
         "own",
@@ -244,11 +236,6 @@ class RouterTrainer(Trainer):
                         ):
                             out = model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False)
                             loss = out.loss
-                            if c.agreement_coef:  # (before the regularisation, which releases the batch's masks)
-                                agree = batch_agreement([p for _, p in routed_projections(model)])
-                                if agree:  # (empty where no router decided for this micro-batch)
-                                    loss = loss + c.agreement_coef * agree["disagreement"]
-                                    logs.update({k: v.detach() for k, v in agree.items()})
                             reg = pruner.regularization(model) if pruner is not None else None
                             if c.distill is not None:  # after reg: the teacher's pass changes no routing state
                                 d = c.distill

@@ -468,67 +468,6 @@ def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
     assert last.startswith("| b | t64 | 4 | 200.00 | 2.000 | 4.000 |")
 
 
-def test_the_batch_agreement_by_hand():
-    """``batch_agreement``: the union counts a group once a position if some real token runs it; the
-    disagreement is 4 q (1 - q) of the share q of a position's real tokens running a group; both weighted by each
-    router's MACs a group, a padded token running nothing; the disagreement's gradient pulls each token toward
-    its position's majority, and none reaches a lone token or a padded one."""
-    from types import SimpleNamespace
-
-    from compresskit.routing import batch_agreement
-
-    execute = torch.tensor(
-        [[[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]], [[1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]], requires_grad=True
-    )  # [B=2, T=2, G=3]
-    valid = torch.tensor([[1.0, 1.0], [1.0, 0.0]])  # the second sequence's second token is padding
-    a = SimpleNamespace(last_skip=1.0 - execute, last_valid=valid, groups=3, macs_per_group=1.0)
-    b = SimpleNamespace(last_skip=torch.ones(2, 2, 1), last_valid=valid, groups=1, macs_per_group=3.0)
-    got = batch_agreement([a, b, SimpleNamespace(last_skip=None)])
-    # a: position 0 runs groups 0 and 1, position 1 (one real token) groups 0 and 1: 4 of 6 group slots at 1 MAC;
-    # position 0 splits group 1 evenly (4 q (1 - q) = 1), the rest agree; b runs nothing of 2 slots at 3 MACs
-    assert torch.isclose(got["union"], torch.tensor(4.0 / 12.0))
-    assert torch.isclose(got["disagreement"], torch.tensor(1.0 / 12.0))
-    got["disagreement"].backward()
-    grad = execute.grad
-    # d/de of 4 q (1 - q), q = mean of 2: 2 (1 - 2 q), over the 12 MACs: group 0 (q = 1) up, group 2 (q = 0) down
-    assert torch.allclose(grad[:, 0, 0], torch.tensor(-2.0 / 12.0)) and torch.allclose(
-        grad[:, 0, 2], torch.tensor(2.0 / 12.0)
-    )
-    assert torch.all(grad[:, 0, 1] == 0)  # an even split: no majority to join
-    assert grad[:, 1].abs().sum() == 0  # a lone real token and a padded one
-    assert batch_agreement([SimpleNamespace(last_skip=None)]) == {}
-
-
-def test_a_router_stage_trains_with_the_disagreement_loss(tiny_model_dir, tmp_path):
-    """``agreement_coef``: the router stage adds the disagreement to its loss and logs it with the union; without
-    a routing pruner it is one recipe error; at its default it is left out of the recipe (and its hash)."""
-    import json
-
-    from compresskit.errors import RecipeError
-    from compresskit.recipe import load_recipe
-
-    config = {"steps": 2, "batch_size": 4, "seq_len": 16, "agreement_coef": 1.0}
-    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[{"name": "router", "config": config}])
-    results = json.loads((run / "results.json").read_text())
-    history = results["training"][0]["history"]
-    assert history and all(0.0 < row["union"] <= 1.0 and 0.0 < row["disagreement"] <= 1.0 for row in history)
-    recipe = {
-        "model": {"name_or_path": str(tiny_model_dir)},
-        "pruner": {"name": "static-width"},
-        "training": [{"name": "router", "config": {"steps": 1, "agreement_coef": 1.0}}],
-        "output": {"dir": str(tmp_path / "out")},
-    }
-    with pytest.raises(RecipeError, match=r"training.0.config.agreement_coef: the disagreement loss trains routers"):
-        load_recipe(recipe)
-    recipe["pruner"] = {"name": "wide"}
-    assert load_recipe(recipe).to_dict()["training"][0]["config"]["agreement_coef"] == 1.0
-    recipe["training"][0]["config"]["agreement_coef"] = 0.0
-    assert "agreement_coef" not in load_recipe(recipe).to_dict()["training"][0]["config"]
-    recipe["training"][0]["config"]["agreement_coef"] = -1.0
-    with pytest.raises(RecipeError, match=r"training.0.config.agreement_coef"):
-        load_recipe(recipe)
-
-
 def test_quality_script_replots_a_table_from_its_file_or_folder(tmp_path, capsys, monkeypatch):
     """``--replot`` takes a quality.json or its folder and writes the table and plot beside it; a missing file
     or one that is no such table is one error line and exit 2."""

@@ -184,8 +184,9 @@ ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about
 # the router's tile past decode sizes: (tokens, columns of D) a step; measured at 4k tokens and 112 groups:
 # 2.9x faster than (32, 128) and the fastest of the six pairs of 32-128 tokens and 64-128 columns (GPU time)
 ROUTER_PREFILL_TILE = (64, 64)
-# up to this many tokens the router's deciding launch runs a program a token (router.router_finish): a program a
-# 64-token block would sum up to 64 shares of D alone (docs/wide-kernels-h200.md, "Below 1k"; not measured yet)
+# up to this many tokens the router's deciding launch runs a program a token (router.router_finish), where a
+# program a 64-token block sums up to 64 shares of D alone; the token shape measured faster up to 512 tokens and
+# not beyond (docs/wide-kernels-h200.md, "Below 1k")
 ROUTER_TOKEN_FINISH_MAX_M = 512
 
 # tile tables: (meta-parameters, num_warps, num_stages)
