@@ -2,6 +2,8 @@
 
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --phase prefill --context 128,512 --out DIR   # several prompt lengths
+    python benchmarks/profile_runtime.py --batch 32 --context 2048 --phase decode \
+        --consensus quorum=0.5,budget=0.5 --members "compressed, consensus quorum 0.5, budget 0.5,dense" --out DIR
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
 
 Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members``) decodes after a prompt of
@@ -132,9 +134,21 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
     }
 
 
+def wanted_members(text: str, names: list[str]) -> set[str] | None:
+    """The member names ``--members`` asks for (empty: all), each of ``names`` found whole in the
+    comma-separated text (a consensus row's name holds commas); None where a part names no member."""
+    rest = f",{text},"
+    chosen = set()
+    for name in sorted(names, key=len, reverse=True):
+        if f",{name}," in rest or f", {name}," in rest:
+            chosen.add(name)
+            rest = rest.replace(f", {name},", ",").replace(f",{name},", ",")
+    return chosen if not rest.strip(", ") else None
+
+
 def main() -> int:
     from compresskit.bench import free_device_memory, method_source, shape_members
-    from compresskit.cli import _int_list
+    from compresskit.cli import _consensus_rule, _int_list
     from compresskit.errors import CompressKitError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -149,7 +163,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--phase", choices=("decode", "prefill", "both"), default="both")
-    parser.add_argument("--members", default="", help="comma-separated member names (default: all)")
+    parser.add_argument(
+        "--consensus",
+        action="append",
+        default=[],
+        help="also profile WIDE under this batch-consensus rule, as `compresskit bench --consensus` takes it (a member "
+        "each, named as the bench names its rows); repeatable",
+    )
+    parser.add_argument(
+        "--members",
+        default="",
+        help="member names (default: all), comma-separated; a name that holds commas (a consensus row's) is matched "
+        "whole first",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager: the path runs")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -160,18 +186,21 @@ def main() -> int:
     cuda = device.type == "cuda"
     try:
         contexts = _int_list(args.context, "--context")
+        consensus = [_consensus_rule(text) for text in args.consensus]
     except CompressKitError as exc:
         parser.error(str(exc))
     if args.smoke:
         args.shape, contexts, args.steps = "tiny", [16 + 8 * i for i in range(len(contexts))], 2
     options = {"compile": cuda, "graphs": False}
     source = method_source("wide", args.sparsity)
-    members = shape_members(args.shape, [source], device=device, dtype=dtype, **options)
+    members = shape_members(args.shape, [source], device=device, dtype=dtype, consensus=consensus, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}
-    wanted = {n.strip() for n in args.members.split(",") if n.strip()}
+    chosen = wanted_members(args.members, [m.name for m in members])
+    if chosen is None:
+        parser.error(f"--members {args.members!r}: allowed names are {', '.join(repr(m.name) for m in members)}")
     for m in members:
-        if wanted and m.name not in wanted:
+        if chosen and m.name not in chosen:
             continue
         _, runtime, _ = m.build()  # one member on the device at a time
         for context, phase in itertools.product(contexts, phases):

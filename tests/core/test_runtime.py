@@ -767,3 +767,30 @@ def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
     assert list(data["members"]) == ["dense prefill @16", "dense prefill @24"]
     bad = subprocess.run([*argv[:-4], "--context", "128,x"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--context: '128,x' is not a comma-separated list" in bad.stderr
+
+
+def test_profile_script_profiles_a_consensus_rule(tmp_path):
+    """``profile_runtime.py --consensus RULE``: WIDE under the rule is a member of its own, named as the bench
+    names its row (a name with commas, which ``--members`` takes whole); a name that is no member, or a bad
+    rule, is one line and exit 2."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_runtime.py"
+    rule = "consensus (quorum 0.5, budget 0.5)"
+    argv = [sys.executable, str(script), "--smoke", "--phase", "decode", "--batch", "2"]
+    res = subprocess.run(
+        [*argv, "--consensus", "quorum=0.5,budget=0.5", "--members", f"{rule},dense", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    members = json.loads((tmp_path / "profile.json").read_text())["members"]
+    assert list(members) == [f"{rule} decode", "dense decode"]
+    assert members[f"{rule} decode"]["total_us_per_step"] > 0
+    bad = subprocess.run([*argv, "--members", "dense,nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--members 'dense,nope': allowed names are 'compressed'" in bad.stderr
+    bad = subprocess.run([*argv, "--consensus", "budget=2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--consensus budget=2: budget" in bad.stderr
