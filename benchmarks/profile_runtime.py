@@ -3,7 +3,7 @@
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --phase prefill --context 128,512 --out DIR   # several prompt lengths
     python benchmarks/profile_runtime.py --batch 32 --context 2048 --phase decode \
-        --consensus quorum=0.5,budget=0.5 --members "compressed, consensus quorum 0.5, budget 0.5,dense" --out DIR
+        --consensus quorum=0.5,budget=0.5 --members "consensus (quorum 0.5, budget 0.5),compressed,dense" --out DIR
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
 
 Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members``) decodes after a prompt of
