@@ -656,6 +656,19 @@ def main() -> int:
                         ),
                     )
                 )
+    # the token shape with more groups a program (each program reads all of its token's shares: 4 programs a
+    # token at the default 32 groups and 112 groups read them 4 times) and the block shape with fewer tokens a block
+    for m in [3] if args.smoke else [128, 256, 512]:
+        for finish, key, values in (("token", "block_g", (64, 128)), ("tile", "block_m", (16, 32))):
+            for value in values:
+                cases.append(
+                    (
+                        f"router finish M={m} G={ffn // group} finish={finish} {key}={value}",
+                        lambda m=m, f=finish, kw={key: value}: case_router(
+                            m, d, ffn // group, 32, dtype, device, gen, results, finish=f, **kw
+                        ),
+                    )
+                )
     # a narrow model's prefill router (SmolLM2-135M: D = 576, 12 FFN groups of 128 channels), where the
     # token blocks are few: tokens a program, and the default shares of D against one
     narrow_d = 64 if args.smoke else 576
