@@ -68,8 +68,8 @@ launch() {
   sleep 30
   tail -n 5 "$CQ/log"
 }
-# the job of the *-start steps: train the per-token run and each RECIPE:NAME:LABEL's (to $CQ/NAME) side by
-# side, then score them all (each recipe's run as LABEL) with consensus_quality.py and the arguments after "--"
+# the job of the *-start steps: train the per-token run and each RECIPE:NAME:LABEL's (none or more; to $CQ/NAME)
+# side by side, then score them all (each recipe's run as LABEL) with consensus_quality.py and the arguments after "--"
 runs_job() {
   local runs=() spec recipe name label
   while [ "$1" != -- ]; do runs+=("$1"); shift; done
@@ -122,15 +122,8 @@ case "$step" in
     rules=${RULES:-"--rule follow11=quorum=0,follow=1.1 --rule follow115=quorum=0,follow=1.15 \
 --rule tile64-follow125=over=tile,tile=64,quorum=0,follow=1.25 \
 --rule tile16-follow125=over=tile,tile=16,quorum=0,follow=1.25"}
-    launch <<JOB
-set -eo pipefail
-python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=$CQ/per-token \
-  --set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false
-cp $CQ/per-token/results.json $CQ/out/per-token.results.json
-python3 benchmarks/consensus_quality.py --run per-token=$CQ/per-token/model $rules \
-  --batches ${BATCHES:-4,8,16,32} --workers 4 --out $CQ/out
-JOB
+    # shellcheck disable=SC2086
+    runs_job -- $rules --batches "${BATCHES:-4,8,16,32}" --workers 4 | launch
     ;;
   tile-start)
     pair_job recipes/study/wide-smollm2-50-stage1-tile64.yaml tile64 tile-trained \

@@ -131,3 +131,8 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     only = [score[i + 1] for i, a in enumerate(score) if a == "--only"]
     assert {o.split("=")[0] for o in only} == {"per-token", "follow-trained", "set-gradient", "tile-follow-trained"}
     assert score[score.index("--out") + 1] == f"{cq}/out"
+    # rules-start is the same job with no recipe: the per-token run alone, scored under the given rules
+    env = {**os.environ, "DRY_RUN": "1", "CQ": str(cq), "RULES": "--rule f=quorum=0,follow=1.1", "BATCHES": "8"}
+    job = subprocess.run(["bash", str(script), "rules-start"], env=env, capture_output=True, text=True).stdout
+    assert job.count("compresskit apply") == 1 and "recipes/wide-smollm2-50-stage1.yaml" in job
+    assert f"--run per-token={cq}/per-token/model \\\n  --rule f=quorum=0,follow=1.1 --batches 8 --workers 4" in job

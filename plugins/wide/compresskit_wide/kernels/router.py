@@ -385,7 +385,6 @@ def triton_router_decide(
     as_bool = as_bool and not margin  # (the margins are fp32)
     x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
-    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
     if interpreted():
         tile_m, tile_k = 16, 32
     else:
@@ -404,20 +403,16 @@ def triton_router_decide(
         x, w_down, ws, m, d, r, chunk, x.stride(0),
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
     )  # fmt: skip
-    cnt = out if counts is None else counts
-    if (finish or router_finish(m)) == "token":
-        if m:
-            triton_router_shares_kernel[(m, cdiv(groups, block_g))](
-                ws, b_down, w_up, b_up, out, cnt, splits, m, r, groups, out.stride(0),
-                BLOCK_S=next_power_of_2(splits), BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-                MARGIN=margin,
-            )  # fmt: skip
-    else:
-        triton_router_finish_kernel[grid](
-            ws, b_down, w_up, b_up, out, cnt, m, r, groups, out.stride(0), splits,
-            DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-            MARGIN=margin,
-        )  # fmt: skip
+    if (finish or router_finish(m)) == "token":  # the decision from the workspace's shares, a program a token
+        return triton_router_decide_from_shares(
+            ws, b_down, w_up, b_up, block_g=block_g, as_bool=as_bool, margin=margin, counts=counts
+        )
+    out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
+    triton_router_finish_kernel[grid](
+        ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
+        MARGIN=margin,
+    )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
 
