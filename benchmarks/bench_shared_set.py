@@ -7,7 +7,8 @@ For M tokens that all run one random set of half the groups: q with k and v stac
 dense), gate+up with the SwiGLU fused (112 groups of 128), down and o handing the next router its shares, each
 checked against its reference, then timed in GPU time with the L2 flushed (``bench_wide_kernels.gpu_time``) beside
 the dense product cuBLAS runs for it ("x cuBLAS" > 1: the kernel is faster). What ``policy.SHARED_MAX_M`` (the
-out-width products) rests on, and the split-K reduction's settings (``--sweep``). ``--prefill 1024,4096 --tile 64``
+out-width products) rests on, the split-K reduction's settings (``--sweep``) and its handoff launch's tile
+(``--sum-sweep``: ``policy.SHARED_SUM_TILE``). ``--prefill 1024,4096 --tile 64``
 also times down and o over tile-coherent sets at prefill (each tile of 64 positions one random half of the groups,
 the tile reduction) against cuBLAS.
 """
@@ -27,6 +28,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent)]
 from bench_wide_kernels import CUDA, gpu_time, timed  # noqa: E402
 from benchmark_report import run_facts, write  # noqa: E402
 
+from compresskit_wide.kernels import policy  # noqa: E402
 from compresskit_wide.kernels.gemm_out import torch_masked_out_gemm, triton_masked_out_gemm  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     torch_masked_reduce_gemm,
@@ -94,12 +96,27 @@ def sweep_split(name, x, w, mask, m) -> list[dict]:
     return sorted(found, key=lambda r: r["ms"])
 
 
+def sweep_sum(name, x, w, mask, m, residual, share_w) -> list[dict]:
+    """The split-K reduction handing the next router its shares, its second launch at every (rows, columns,
+    warps) of a small grid: GPU time of both launches (the first is the same in each)."""
+    found = []
+    for rows in (8, 16, 32):
+        for cols in (16, 32, 64):
+            for warps in (1, 2, 4):
+                run = lambda t=(rows, cols, warps): triton_tile_reduce_gemm(  # noqa: E731
+                    x, w, mask, rows_agree=True, residual=residual, share_w=share_w, sum_tile=t
+                )
+                found.append({"op": name, "m": m, "sum_tile": [rows, cols, warps], "ms": gpu_time(run)[0]})
+    return sorted(found, key=lambda r: r["ms"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--m", default="16,24,32,48,64", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also sweep the split-K reduction's launch settings")
+    ap.add_argument("--sum-sweep", action="store_true", help="also sweep the handoff's second launch (sum_tile)")
     ap.add_argument("--prefill", default="", help="prompt lengths at which to time down and o over tile sets")
     ap.add_argument("--tile", type=int, default=64, help="with --prefill: positions a tile (one set each)")
     args = ap.parse_args()
@@ -152,6 +169,13 @@ def main() -> int:
                 dense_ms = gpu_time(lambda a=a, wt=wt: a @ wt.T)[0]
                 for r in found[:3]:
                     print(f"sweep {name} M={m}: {r} -> {dense_ms / r['ms']:.2f}x cuBLAS", flush=True)
+        if CUDA and args.sum_sweep:
+            for name, a, wt, mk in (("down", xf_in, wd, mf), ("o", x, wo, mq)):
+                found = sweep_sum(name, a, wt, mk, m, res, share_w)
+                default = next(r for r in found if tuple(r["sum_tile"]) == policy.SHARED_SUM_TILE)
+                swept += found[:3] + [default]
+                for r in [*found[:3], default]:
+                    print(f"sum sweep {name} M={m}: {r} -> {default['ms'] / r['ms']:.2f}x the default", flush=True)
     for t in [int(v) for v in args.prefill.split(",") if v]:
         # tile-coherent routing at prefill: each tile of --tile positions runs one random half of the groups
         x = torch.randn(t, d, generator=gen).to(device, dtype)

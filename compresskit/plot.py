@@ -173,11 +173,19 @@ def quality_vs_speed(runs: list[dict[str, Any]], speed, path: Path, measure: str
     return path
 
 
+def speedup_range(values: list[float]) -> tuple[float, float]:
+    """The colour range of a speedup heat map: even in ratio about 1.00x, out to the largest ratio either
+    side (at least 1.01x), so that 0.5x is as deep a red as 2.0x is a green."""
+    reach = max(max(values), 1 / min(values), 1.01)
+    return 1 / reach, reach
+
+
 def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "tpot") -> Path:
     """Write a PNG with one heat map per model row of ``compresskit bench``'s records (the dense one
     aside): its ``measure`` ("tpot" or "ttft") speedup over dense for every batch size (rows) and prompt
-    length (columns), each cell annotated, coloured red below 1.00x and green above; a cell that was
-    skipped (it did not fit) is blank."""
+    length (columns), each cell annotated, coloured red below 1.00x and green above, on a scale even in
+    ratio (0.5x as deep a red as 2.0x is a green), so that a cell just under 1.00x is not drawn as deep as a
+    loss by half; a cell that was not measured (skipped: it did not fit) is marked "-"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,7 +196,8 @@ def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "t
     batches = sorted({r["batch"] for r in records})
     prompts = sorted({r["prompt"] for r in records})
     values = [r[f"{measure}_speedup"] for r in records if r["model"] != "dense"] or [1.0]
-    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.99), vmax=max(max(values), 1.01))
+    low, high = speedup_range(values)
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=low, vmax=high)
     fig, axes = plt.subplots(
         1, max(1, len(models)), figsize=(1.2 + 1.1 * len(prompts) * max(1, len(models)), 1.4 + 0.55 * len(batches)),
         squeeze=False,
@@ -199,8 +208,8 @@ def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "t
         ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
         for i, b in enumerate(batches):
             for j, p in enumerate(prompts):
-                if (b, p) in cells:
-                    ax.text(j, i, f"{cells[(b, p)]:.2f}x", ha="center", va="center", fontsize=8)
+                text = f"{cells[(b, p)]:.2f}x" if (b, p) in cells else "-"
+                ax.text(j, i, text, ha="center", va="center", fontsize=8, color="black" if (b, p) in cells else "grey")
         ax.set_xticks(range(len(prompts)), [str(p) for p in prompts])
         ax.set_yticks(range(len(batches)), [str(b) for b in batches])
         ax.set_xlabel("prompt (tokens)")

@@ -631,6 +631,16 @@ def test_bench_matrix_names_its_worst_cell_and_draws_a_heat_map(tmp_path, capsys
     assert (out / "bench-heatmap.png").stat().st_size > 5_000
 
 
+def test_heat_map_colours_are_even_in_ratio_about_one():
+    """A cell just under 1.00x is not drawn as deep a red as a loss by half: the range reaches as far
+    below 1.00x (in ratio) as the largest ratio either side."""
+    from compresskit.plot import speedup_range
+
+    assert speedup_range([0.975, 1.25, 1.83]) == pytest.approx((1 / 1.83, 1.83))
+    assert speedup_range([0.5, 1.2]) == pytest.approx((0.5, 2.0))
+    assert speedup_range([1.0]) == pytest.approx((1 / 1.01, 1.01))
+
+
 def test_bench_times_several_sparsities_beside_one_dense_model(tmp_path, capsys):
     """``--sparsity 0.25,0.5``: a compressed row per fraction (named after it), each calibrated to it, one dense
     row; bench.md has the prompt x sparsity tables of TTFT and TPOT x dense at each batch, worst cell named. A

@@ -17,7 +17,7 @@ from compresskit_wide.kernels.gemm_reduce import (  # noqa: E402
     triton_masked_reduce_gemm,
     triton_tile_reduce_gemm,
 )
-from compresskit_wide.kernels.policy import SHARE_N  # noqa: E402
+from compresskit_wide.kernels.policy import SHARE_N, SHARED_SUM_TILE  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -93,11 +93,15 @@ def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
 
 @pytest.mark.parametrize("m", [17, 40, 64])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize(("n", "rank", "split_k"), [(40, 5, None), (72, 33, 1), (130, 3, 3), (128, 8, 2)])
-def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split_k):
+@pytest.mark.parametrize(
+    ("n", "rank", "split_k", "sum_tile"),
+    [(40, 5, None, None), (72, 33, 1, (16, 16, 1)), (130, 3, 3, (8, 32, 2)), (128, 8, 2, None)],
+)
+def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split_k, sum_tile):
     """The shared set's split-K reduction with a residual and the next router's ``w_down``: the same output,
     and from its second launch every share slot of ``(residual + out) @ w_down.T`` (its programs' blocks of
-    64 columns span four slots each; the last is ragged past N), one split too (partial sums first)."""
+    columns, 64 by default, span whole slots each, the first holding the block's share and the others zeros;
+    the last block is ragged past N), one split too (partial sums first), with any tile of that launch."""
     gen = torch.Generator().manual_seed(m * 13 + n)
     x = torch.randn(m, 32 * 3, generator=gen).to(DEVICE)
     w = torch.randn(n, 32 * 3, generator=gen).to(DEVICE)
@@ -105,19 +109,23 @@ def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split
     share_w = torch.randn(rank, n, generator=gen).to(DEVICE)
     mask = random_mask(1, 3, sparsity, seed=m + n).expand(m, 3)
     got, shares = triton_tile_reduce_gemm(
-        x, w, mask, split_k=split_k, rows_agree=True, residual=residual, share_w=share_w
+        x, w, mask, split_k=split_k, rows_agree=True, residual=residual, share_w=share_w, sum_tile=sum_tile
     )
     want = torch_masked_reduce_gemm(x, w, mask)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert shares.shape == (share_slots(n), m, rank) and not torch.isnan(shares).any()
     torch.testing.assert_close(shares.sum(0), (residual + want) @ share_w.T, rtol=1e-4, atol=1e-3)
     x_next = residual + want
-    for b in range(-(-n // 64)):  # each program's block of 64 columns: its share in its first slot, zeros after
-        cols = slice(64 * b, 64 * b + 64)
-        torch.testing.assert_close(shares[4 * b], x_next[:, cols] @ share_w[:, cols].T, rtol=1e-4, atol=1e-3)
-        assert torch.count_nonzero(shares[4 * b + 1 : 4 * b + 4]) == 0
+    width = (sum_tile or SHARED_SUM_TILE)[1]
+    span = width // SHARE_N  # slots a program's block spans
+    for b in range(-(-n // width)):  # each program's block: its share in its first slot, zeros after
+        cols = slice(width * b, width * b + width)
+        torch.testing.assert_close(shares[span * b], x_next[:, cols] @ share_w[:, cols].T, rtol=1e-4, atol=1e-3)
+        assert torch.count_nonzero(shares[span * b + 1 : span * b + span]) == 0
     with pytest.raises(ValueError, match="shares need residual"):
         triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual)
+    with pytest.raises(ValueError, match=r"sum_tile=\(16, 24, 4\): rows and columns are powers of two"):
+        triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w, sum_tile=(16, 24, 4))
 
 
 @pytest.mark.parametrize(("batch", "tokens", "tile"), [(1, 16, 16), (2, 40, 16), (3, 33, 32), (1, 300, 256)])

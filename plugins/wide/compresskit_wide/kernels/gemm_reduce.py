@@ -456,6 +456,7 @@ def triton_tile_reduce_gemm(
     stages: int | None = None,
     residual: torch.Tensor | None = None,
     share_w: torch.Tensor | None = None,
+    sum_tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`torch_masked_reduce_gemm` for rows that agree in tiles: each tile of ``tile`` consecutive rows of
     a sequence of ``tokens`` rows (``x``'s rows are sequences of ``tokens`` one after another; the last tile of
@@ -468,7 +469,9 @@ def triton_tile_reduce_gemm(
     several; many, one); ``block_n``, ``block_k``, ``warps``, ``stages``: the launch (defaults
     ``policy.SHARED_REDUCE_TILE``; 16-wide in the CPU interpreter). With ``residual`` and ``share_w`` (as
     :func:`triton_masked_reduce_gemm`'s): ``(out, shares)``, the second launch adding the partial sums then
-    writing the next router's shares of each output block (``triton_split_sum_shares_kernel``)."""
+    writing the next router's shares of each output block (``triton_split_sum_shares_kernel``); ``sum_tile``:
+    that launch's (rows, output columns, warps) a program (default ``policy.SHARED_SUM_TILE``, the rows at most
+    the next power of two of ``M``; the columns a multiple of ``policy.SHARE_N``)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
     handing = _hands_on(m, n, residual, share_w)
     tokens = tokens or m
@@ -501,11 +504,17 @@ def triton_tile_reduce_gemm(
     )  # fmt: skip
     if handing:
         residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
-        r, sum_m = share_w.shape[0], min(16, next_power_of_2(m))
-        sum_n = policy.SHARE_N * max(1, 64 // policy.SHARE_N)  # output columns a program: whole share slots
+        r = share_w.shape[0]
+        sum_m, sum_n, sum_warps = sum_tile or policy.SHARED_SUM_TILE
+        if sum_n % policy.SHARE_N or sum_m & (sum_m - 1) or sum_n & (sum_n - 1):
+            raise ValueError(
+                f"sum_tile={sum_tile}: rows and columns are powers of two, the columns whole share slots of "
+                f"{policy.SHARE_N}"
+            )
+        sum_m = min(sum_m, next_power_of_2(m))
         triton_split_sum_shares_kernel[(cdiv(n, sum_n), cdiv(m, sum_m))](
             part, out, residual, share_w, shares, m, n, r, splits, residual.stride(0),
-            BLOCK_M=sum_m, BLOCK_N=sum_n, SHARE_N=policy.SHARE_N, BLOCK_R=next_power_of_2(r),
+            BLOCK_M=sum_m, BLOCK_N=sum_n, SHARE_N=policy.SHARE_N, BLOCK_R=next_power_of_2(r), num_warps=sum_warps,
         )  # fmt: skip
         return out, shares
     if splits > 1:

@@ -170,6 +170,8 @@ SHARE_N = 16  # columns a share of the next router's bottleneck covers (the narr
 # splits), the settings its sweep chose for down and o (docs/serving.md)
 SHARED_REDUCE_TILE = (64, 128, 4, 4)
 SHARED_REDUCE_PROGRAMS = 512
+# its second launch handing the next router its shares: (rows, output columns, warps) a program
+SHARED_SUM_TILE = (16, 64, 4)
 ATTN_DECODE_BLOCK = 64  # KV positions a step (16 was slower than cuDNN at batch 1)
 # KV splits: about ATTN_DECODE_PROGRAMS split programs over the batch's (sequence, KV head) pairs (a small batch
 # splits its cache finer to fill the GPU, a large one less to merge less), none shorter than 64 positions, at most
