@@ -95,7 +95,7 @@ def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize(
     ("n", "rank", "split_k", "sum_tile"),
-    [(40, 5, None, None), (72, 33, 1, (16, 16, 1)), (130, 3, 3, (8, 32, 2)), (128, 8, 2, None)],
+    [(40, 5, None, None), (72, 33, 1, (16, 16, 1)), (130, 3, 3, (8, 32, 2)), (128, 8, 2, (16, 64, 4))],
 )
 def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split_k, sum_tile):
     """The shared set's split-K reduction with a residual and the next router's ``w_down``: the same output,
