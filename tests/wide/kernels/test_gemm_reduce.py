@@ -126,6 +126,8 @@ def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split
         triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual)
     with pytest.raises(ValueError, match=r"sum_tile=\(16, 24, 4\): rows and columns are powers of two"):
         triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w, sum_tile=(16, 24, 4))
+    with pytest.raises(ValueError, match=r"sum_tile=\(0, 16, 4\)"):
+        triton_tile_reduce_gemm(x, w, mask, rows_agree=True, residual=residual, share_w=share_w, sum_tile=(0, 16, 4))
 
 
 @pytest.mark.parametrize(("batch", "tokens", "tile"), [(1, 16, 16), (2, 40, 16), (3, 33, 32), (1, 300, 256)])

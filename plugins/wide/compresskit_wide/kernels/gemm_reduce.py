@@ -506,7 +506,7 @@ def triton_tile_reduce_gemm(
         residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
         r = share_w.shape[0]
         sum_m, sum_n, sum_warps = sum_tile or policy.SHARED_SUM_TILE
-        if sum_n % policy.SHARE_N or sum_m & (sum_m - 1) or sum_n & (sum_n - 1):
+        if sum_m < 1 or sum_n < policy.SHARE_N or sum_n % policy.SHARE_N or sum_m & (sum_m - 1) or sum_n & (sum_n - 1):
             raise ValueError(
                 f"sum_tile={sum_tile}: rows and columns are powers of two, the columns whole share slots of "
                 f"{policy.SHARE_N}"
