@@ -100,7 +100,7 @@ def test_shared_set_matches_reference(m, sparsity, groups, width, split_k):
 def test_shared_set_hands_the_next_router_its_shares(m, sparsity, n, rank, split_k, sum_tile):
     """The shared set's split-K reduction with a residual and the next router's ``w_down``: the same output,
     and from its second launch every share slot of ``(residual + out) @ w_down.T`` (its programs' blocks of
-    columns, 64 by default, span whole slots each, the first holding the block's share and the others zeros;
+    columns span whole slots, one by default; a wider block's first slot holds its share and the others zeros;
     the last block is ragged past N), one split too (partial sums first), with any tile of that launch."""
     gen = torch.Generator().manual_seed(m * 13 + n)
     x = torch.randn(m, 32 * 3, generator=gen).to(DEVICE)
