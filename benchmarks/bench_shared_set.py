@@ -98,7 +98,10 @@ def sweep_split(name, x, w, mask, m) -> list[dict]:
 
 def sweep_sum(name, x, w, mask, m, residual, share_w) -> list[dict]:
     """The split-K reduction handing the next router its shares, its second launch at every (rows, columns,
-    warps) of a small grid: GPU time of both launches (the first is the same in each)."""
+    warps) of a small grid, each checked against the reference (the output and the shares' sum): GPU time of
+    both launches (the first is the same in each)."""
+    want = torch_masked_reduce_gemm(x, w, mask)
+    want_shares = torch_router_shares(residual + want, share_w).sum(0)
     found = []
     for rows in (8, 16, 32):
         for cols in (16, 32, 64):
@@ -106,6 +109,9 @@ def sweep_sum(name, x, w, mask, m, residual, share_w) -> list[dict]:
                 run = lambda t=(rows, cols, warps): triton_tile_reduce_gemm(  # noqa: E731
                     x, w, mask, rows_agree=True, residual=residual, share_w=share_w, sum_tile=t
                 )
+                got, shares = run()
+                torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+                torch.testing.assert_close(shares.sum(0), want_shares, rtol=5e-2, atol=5e-1)
                 found.append({"op": name, "m": m, "sum_tile": [rows, cols, warps], "ms": gpu_time(run)[0]})
     return sorted(found, key=lambda r: r["ms"])
 
