@@ -323,6 +323,28 @@ def cell_bytes(config, batch: int, prompt: int, new_tokens: int, dtype: torch.dt
     return {"kv": kv, "activations": act, "total": kv + act + CELL_SLACK}
 
 
+def plan_line(config, batches, prompts, new_tokens: int, dtype: torch.dtype, free: int, members: int) -> str:
+    """The bench's estimate before it starts, one line: the cells (batch x prompt) and members, each cell's
+    :func:`cell_bytes` against ``free`` (the memory free once a model's weights are on the device), the
+    largest cell that fits and every cell that will be skipped (the case's own check, when it comes, measures
+    the memory then free and has the last word)."""
+    cells = [(b, p, cell_bytes(config, b, p, new_tokens, dtype)["total"]) for b in batches for p in prompts]
+    fit = [c for c in cells if c[2] <= free]
+    out = [c for c in cells if c[2] > free]
+    span = lambda values: f"{min(values)}-{max(values)}" if len(set(values)) > 1 else f"{values[0]}"  # noqa: E731
+    line = (
+        f"plan: {len(cells)} cell(s) (batch {span(batches)} x prompt {span(prompts)}) x {members} member(s); each "
+        f"cell's estimate (KV cache, prefill activations) against {size(free)} free once a model's weights are "
+        f"loaded: {len(fit)} fit"
+    )
+    if fit:
+        b, p, need = max(fit, key=lambda c: c[2])
+        line += f" (the largest, batch {b} x prompt {p}: about {size(need)})"
+    if out:
+        line += f"; {len(out)} will be skipped: " + ", ".join(f"batch {b} x prompt {p} ({size(n)})" for b, p, n in out)
+    return line
+
+
 def realised_sparsity(runtime, model, pruner) -> float | None:
     """The realised fraction of projection MACs skipped since the last reset: from the runtime's
     counting blocks (None where they do not count), else the pruner's own count (a routed model's
@@ -440,6 +462,7 @@ def bench(
     progress=None,
     skipped=None,
     ttft_repeats: int | None = None,
+    planned=None,
 ) -> list[Row]:
     """A row per member for each batch and prompt, in order of case and member. The members are timed
     one after another, each over every case; a member with a ``build`` is made when its turn comes and
@@ -447,7 +470,9 @@ def bench(
     working memory on the device at a time). A case whose estimate (:func:`cell_bytes` of ``config``,
     by default the first member's model's) exceeds the memory free when the first member runs it is
     skipped for every member with one line to ``skipped`` (a callable taking it), the others run.
-    ``ttft_repeats``: of the runtime members' ``repeats``, how many are whole generations (:func:`time_runtime`)."""
+    ``ttft_repeats``: of the runtime members' ``repeats``, how many are whole generations (:func:`time_runtime`).
+    ``planned`` (a callable taking one line): the estimate of every case (:func:`plan_line`), once the first
+    member is on the device and before its first case."""
     rows: list[tuple[int, int, Row]] = []
     cases = [(b, p) for b in batches for p in prompts]
     fits: dict[tuple[int, int], bool] = {}
@@ -459,6 +484,13 @@ def bench(
                 model, runtime, pruner = m.build()
                 live = Member(m.name, model, runtime, pruner, m.transformers, info=m.info)
             param = next(live.model.parameters())
+            if index == 0 and planned is not None:
+                free = available_bytes(param.device)
+                planned(
+                    plan_line(
+                        config or live.model.config, batches, prompts, new_tokens, param.dtype, free, len(members)
+                    )
+                )
             for case, (b, p) in enumerate(cases):
                 if (b, p) not in fits:
                     need = cell_bytes(config or live.model.config, b, p, new_tokens, param.dtype)

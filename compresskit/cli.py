@@ -457,6 +457,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         progress=_progress(err),
         skipped=lambda line: _plain(err, line),
         ttft_repeats=args.ttft_repeats,
+        planned=(lambda line: _plain(err, line)) if len(batches) * len(prompts) > 1 else None,
     )
     if not rows:
         raise CompressKitError("compresskit bench: no case fits this device's free memory (the lines above say why)")

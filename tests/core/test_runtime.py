@@ -367,6 +367,28 @@ def test_bench_skips_a_cell_that_cannot_fit_and_releases_each_runtime(capsys, tm
     assert len(skipped) == 2 and skipped[0].startswith("batch 20000 x prompt 24: skipped")
     assert "KV cache" in skipped[0] and "2.00 GiB is free" in skipped[0]
     assert len(released) == 2 * 4  # two cases of four runtime members
+    # the estimate before it starts: one line, the cells that will be skipped named
+    plan = [line for line in err.splitlines() if line.startswith("plan: ")]
+    assert len(plan) == 1 and err.index(plan[0]) < err.index(skipped[0])
+    assert plan[0].startswith("plan: 4 cell(s) (batch 2-20000 x prompt 24-300) x 4 member(s)")
+    assert ": 2 fit (the largest, batch 2 x prompt 300:" in plan[0]
+    assert "2 will be skipped: batch 20000 x prompt 24 (" in plan[0] and "batch 20000 x prompt 300 (" in plan[0]
+
+
+def test_bench_plan_names_the_cells_the_h200_skipped():
+    """The plan's estimate at Llama-3.1-8B shapes against the memory the H200 had free in the serving matrix
+    (docs/serving.md): the three cells the bench skipped there, with the sizes it printed."""
+    import compresskit.bench as bench_mod
+
+    config = bench_mod.shape_config("llama-3.1-8b")
+    free = int(122.89 * 2**30)
+    line = bench_mod.plan_line(config, [1, 2, 4, 8, 16, 32, 64], [512, 2048, 8192, 16384], 32, torch.bfloat16, free, 3)
+    assert line.startswith("plan: 28 cell(s) (batch 1-64 x prompt 512-16384) x 3 member(s)")
+    assert ": 25 fit (the largest, batch 32 x prompt 8192: about 64.02 GiB)" in line
+    assert line.endswith(
+        "3 will be skipped: batch 32 x prompt 16384 (126.02 GiB), batch 64 x prompt 8192 (127.03 GiB), "
+        "batch 64 x prompt 16384 (251.03 GiB)"
+    )
 
 
 def test_generator_from_the_python_api(tiny_model_dir):
