@@ -37,6 +37,13 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def check_blocks(**blocks: tuple[int | None, int]) -> None:
+    """Each given block size (``name=(value, smallest)``; None: the default) a power of two, at least its smallest."""
+    for name, (value, smallest) in blocks.items():
+        if value is not None and (value < smallest or value & (value - 1)):
+            raise ValueError(f"{name} must be a power of two >= {smallest}, got {value}")
+
+
 def m_bucket(m: int) -> int:
     """The autotuning key of a token count: its power-of-two bucket (a new prompt length in the
     same bucket does not retune)."""

@@ -39,6 +39,7 @@ import torch
 from compresskit_wide.kernels import policy
 from compresskit_wide.kernels.common import (
     cdiv,
+    check_blocks,
     dot_precision,
     interpreted,
     mask_bytes,
@@ -471,7 +472,7 @@ def triton_tile_reduce_gemm(
     :func:`triton_masked_reduce_gemm`'s): ``(out, shares)``, the second launch adding the partial sums then
     writing the next router's shares of each output block (``triton_split_sum_shares_kernel``); ``sum_tile``:
     that launch's (rows, output columns, warps) a program (default ``policy.SHARED_SUM_TILE``, the rows at most
-    the next power of two of ``M``; the columns a multiple of ``policy.SHARE_N``)."""
+    the next power of two of ``M``; both powers of two, the columns at least ``policy.SHARE_N``)."""
     m, k, n, groups = _checked_shapes(x, w, mask)
     handing = _hands_on(m, n, residual, share_w)
     tokens = tokens or m
@@ -506,11 +507,7 @@ def triton_tile_reduce_gemm(
         residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
         r = share_w.shape[0]
         sum_m, sum_n, sum_warps = sum_tile or policy.SHARED_SUM_TILE
-        if sum_m < 1 or sum_n < policy.SHARE_N or sum_n % policy.SHARE_N or sum_m & (sum_m - 1) or sum_n & (sum_n - 1):
-            raise ValueError(
-                f"sum_tile={sum_tile}: rows and columns are powers of two, the columns whole share slots of "
-                f"{policy.SHARE_N}"
-            )
+        check_blocks(sum_tile_rows=(sum_m, 1), sum_tile_columns=(sum_n, policy.SHARE_N))  # whole share slots
         sum_m = min(sum_m, next_power_of_2(m))
         triton_split_sum_shares_kernel[(cdiv(n, sum_n), cdiv(m, sum_m))](
             part, out, residual, share_w, shares, m, n, r, splits, residual.stride(0),

@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from compresskit_wide.kernels import policy
-from compresskit_wide.kernels.common import cdiv, interpreted, next_power_of_2
+from compresskit_wide.kernels.common import cdiv, check_blocks, interpreted, next_power_of_2
 
 try:
     import triton
@@ -286,13 +286,6 @@ if triton is not None:
             tl.store(h_ptr + m * D + ds, (w * normed).to(h_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _check_blocks(**blocks: tuple[int | None, int]) -> None:
-    """Each given block size (``name=(value, smallest)``; None: the default) a power of two, at least its smallest."""
-    for name, (value, smallest) in blocks.items():
-        if value is not None and (value < smallest or value & (value - 1)):
-            raise ValueError(f"{name} must be a power of two >= {smallest}, got {value}")
-
-
 def _check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
     """``counts`` None, or a contiguous fp64 ``[2]`` on ``device``."""
     if counts is not None and (
@@ -379,7 +372,7 @@ def triton_router_decide(
         raise ValueError(f"split must be >= 1, got {split}")
     if finish not in (None, *FINISHES):
         raise ValueError(f"finish must be one of {', '.join(FINISHES)}, got {finish!r}")
-    _check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
+    check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
     _check_counts(counts, x.device)
     _check_margin(margin, counts)
     as_bool = as_bool and not margin  # (the margins are fp32)
@@ -431,7 +424,7 @@ def _checked_shares(shares, b_down, w_up, b_up, block_g: int, counts) -> tuple[i
     ):
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in fp32)
         raise ValueError(f"router tensors do not fit (shares, b_down, w_up, b_up): {shapes}")
-    _check_blocks(block_g=(block_g, 1))
+    check_blocks(block_g=(block_g, 1))
     _check_counts(counts, shares.device)
     return s, m, r, groups
 
