@@ -14,29 +14,29 @@
 #   rules-start       the same job for other rules: train the per-token run only, then score it per token and
 #                     under each rule of RULES (consensus_quality.py --rule arguments; default: the rules not scored
 #                     yet between follow 1.0 and 1.25, the set's cap at 1.1 and 1.15 times the tokens' mean count,
-#                     and tile-coherent routing in tiles of 64 and of 16 with the cap at 1.25) at the consensus
-#                     batches of BATCHES (default 4,8,16,32; a tile rule once)
+#                     and tiles of 16 with the cap at 1.25) at the consensus batches of BATCHES (default 4,8,16,32;
+#                     a tile rule once)
 #   tile-start        the same job for tile-coherent routing (issue 45): train the per-token and the
 #                     tile-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-tile64.yaml), then score both per token and
 #                     under tiles of 16, 64 and 128 (the union capped at 60% of the groups)
-#   setgrad-start     the same job for the gradient through the shared set: the per-token run and
-#                     recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml side by side, both scored per
-#                     token and under the majority rule at consensus batches 4, 8, 16 and 32
-#   follow-start      the same job for the follow rule trained in the loop: the per-token run and
-#                     recipes/study/wide-smollm2-50-stage1-follow8.yaml side by side, both scored per token and
-#                     under follow 1.0 and 1.25 at consensus batches 4, 8, 16 and 32
-#   study-start       the three training options not scored yet, in one job: the per-token run and the runs of
+#   study-start       three training options with the rule in the router stage's loop, in one job: the per-token
+#                     run and the runs of
 #                     recipes/study/wide-smollm2-50-stage1-{follow8,consensus8-setgrad,tile64-follow}.yaml trained
 #                     side by side (about 12 GiB each), then scored with 6 workers: the per-token run per token,
 #                     under follow 1.25 (batches 4-32) and tiles of 64 following at 1.25; the follow-trained run
 #                     under follow 1.25, the set-gradient run under the majority rule (batches 4-32), the
 #                     tile-trained run under tiles of 64 and 16 following at 1.25
+#   lora-start        the rule in the LoRA stage's loop, the routers frozen after a per-token router stage: the
+#                     per-token two-stage run (recipes/wide-smollm2-50.yaml) and the runs of
+#                     recipes/study/wide-smollm2-50-lora-{follow8,majority8}.yaml side by side, then scored with 6
+#                     workers: the per-token run per token and under follow 1.1, follow 1.25 and the majority, the
+#                     others per token and under their own rule, at consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|setgrad-start|follow-start|study-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|study-start|lora-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=${CQ:-/tmp/cq}  # the job's folder
@@ -68,8 +68,9 @@ launch() {
   sleep 30
   tail -n 5 "$CQ/log"
 }
-# the job of the *-start steps: train the per-token run and each RECIPE:NAME:LABEL's (none or more; to $CQ/NAME)
-# side by side, then score them all (each recipe's run as LABEL) with consensus_quality.py and the arguments after "--"
+# the job of the *-start steps: train the per-token run (the recipe in $base, default the router stage alone) and
+# each RECIPE:NAME:LABEL's (none or more; to $CQ/NAME) side by side, then score them all (each recipe's run as
+# LABEL) with consensus_quality.py and the arguments after "--"
 runs_job() {
   local runs=() spec recipe name label
   while [ "$1" != -- ]; do runs+=("$1"); shift; done
@@ -78,7 +79,7 @@ runs_job() {
 set -eo pipefail
 python3 -c "from compresskit.modeling import materialize_alias, resolve_model_source as r; print(materialize_alias(r('smollm2-135m')))"
 quick="--set evaluation.tasks=[perplexity] --set evaluation.compare_dense=false --set evaluation.speed.measure=false"
-python3 -m compresskit apply recipes/wide-smollm2-50-stage1.yaml --set output.dir=$CQ/per-token \$quick &
+python3 -m compresskit apply ${base:-recipes/wide-smollm2-50-stage1.yaml} --set output.dir=$CQ/per-token \$quick &
 JOB
   local scored="--run per-token=$CQ/per-token/model"
   for spec in "${runs[@]}"; do
@@ -120,7 +121,6 @@ case "$step" in
     ;;
   rules-start)
     rules=${RULES:-"--rule follow11=quorum=0,follow=1.1 --rule follow115=quorum=0,follow=1.15 \
---rule tile64-follow125=over=tile,tile=64,quorum=0,follow=1.25 \
 --rule tile16-follow125=over=tile,tile=16,quorum=0,follow=1.25"}
     # shellcheck disable=SC2086
     runs_job -- $rules --batches "${BATCHES:-4,8,16,32}" --workers 4 | launch
@@ -129,10 +129,6 @@ case "$step" in
     pair_job recipes/study/wide-smollm2-50-stage1-tile64.yaml tile64 tile-trained \
       --rule tile16=over=tile,tile=16,quorum=0,budget=0.6 --rule tile64=over=tile,tile=64,quorum=0,budget=0.6 \
       --rule tile128=over=tile,tile=128,quorum=0,budget=0.6 --batches 8 | launch
-    ;;
-  setgrad-start)
-    pair_job recipes/study/wide-smollm2-50-stage1-consensus8-setgrad.yaml setgrad set-gradient \
-      --rule majority=quorum=0.5 --batches 4,8,16,32 | launch
     ;;
   study-start)
     runs_job recipes/study/wide-smollm2-50-stage1-follow8.yaml:follow8:follow-trained \
@@ -144,9 +140,13 @@ case "$step" in
       --only per-token=follow125,tile64-follow125 --only follow-trained=follow125 --only set-gradient=majority \
       --only tile-follow-trained=tile64-follow125,tile16-follow125 --workers 6 | launch
     ;;
-  follow-start)
-    pair_job recipes/study/wide-smollm2-50-stage1-follow8.yaml follow8 follow-trained \
-      --rule follow1=quorum=0,follow=1.0 --rule follow125=quorum=0,follow=1.25 --batches 4,8,16,32 | launch
+  lora-start)
+    base=recipes/wide-smollm2-50.yaml runs_job \
+      recipes/study/wide-smollm2-50-lora-follow8.yaml:lorafollow8:lora-follow-trained \
+      recipes/study/wide-smollm2-50-lora-majority8.yaml:loramajority8:lora-majority-trained -- \
+      --rule follow11=quorum=0,follow=1.1 --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 \
+      --batches 4,8,16,32 --only lora-follow-trained=follow125 --only lora-majority-trained=majority --workers 6 \
+      | launch
     ;;
   *)
     echo "unknown step $step"

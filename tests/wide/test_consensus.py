@@ -13,7 +13,7 @@ import torch
 from compresskit import plugins
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
-from compresskit.routing import Consensus, consensus_execute, routed_projections, set_consensus
+from compresskit.routing import Consensus, consensus_execute, routed_projections, router_state_dict, set_consensus
 from compresskit.runtime import Runtime
 from compresskit_wide.kernels.consensus import torch_consensus, triton_consensus
 
@@ -326,6 +326,38 @@ def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_
     run = _saved_wide_run(tiny_model_dir, tmp_path, training=[{"name": "router", "config": config}])
     model, _, _ = load(run / "model")
     assert all(p.consensus is None and p.consensus_gradient == "own" for _, p in routed_projections(model))
+
+
+def test_a_lora_stage_learns_under_consensus_with_the_routers_frozen(tiny_model_dir, tmp_path):
+    """``recipes/study/wide-smollm2-50-lora-*.yaml``: routers trained per token, then a LoRA stage with the rule
+    in its loop and ``train_pruner_params: false``. The routers come out as the router stage left them, the
+    adapters learn, and the stage's losses are not those of the same stage per token (the rule ran)."""
+    import json
+
+    from compresskit import load
+
+    router = {"name": "router", "config": {"steps": 2, "batch_size": 4, "seq_len": 16}}
+    lora = {"steps": 2, "batch_size": 4, "seq_len": 16, "train_pruner_params": False}
+    runs = {"router": _saved_wide_run(tiny_model_dir, tmp_path / "router", training=[router])}
+    for name, rule in (("per-token", {}), ("follow", {"consensus": {"quorum": 0.0, "follow": 1.0}})):
+        stages = [router, {"name": "lora", "config": {**lora, **rule}}]
+        runs[name] = _saved_wide_run(tiny_model_dir, tmp_path / name, training=stages)
+    routers = {}
+    for name, run in runs.items():
+        model, _, _ = load(run / "model")
+        routers[name] = router_state_dict(model, "")
+        if name != "router":
+            adapters = [p for n, p in model.named_parameters() if "lora_B" in n]
+            assert adapters and any(p.abs().sum() > 0 for p in adapters), name  # B starts at zero
+    for name in ("per-token", "follow"):
+        assert routers[name].keys() == routers["router"].keys()
+        assert all(torch.equal(routers[name][k], v) for k, v in routers["router"].items()), name
+    losses = {}
+    for name in ("per-token", "follow"):
+        stages = json.loads((runs[name] / "results.json").read_text())["training"]
+        (stage,) = [s for s in stages if s["stage"] == "lora"]
+        losses[name] = [h["lm_loss"] for h in stage["history"]]
+    assert len(losses["follow"]) == 2 and losses["follow"] != losses["per-token"]
 
 
 def test_bench_times_each_consensus_rule_beside_per_token_routing(capsys, tmp_path):
