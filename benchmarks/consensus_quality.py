@@ -42,14 +42,15 @@ def parse_rule(text: str) -> tuple[str, dict]:
 def plan(runs: dict, rules: dict, only: dict, batches: list[int], limit: int | None) -> list[dict]:
     """The evaluations: each run per token (at batch 16), then under each of its rules (``only``: a run's
     rules, where given) at each batch size; a tile rule (``over: tile``) shares within each sequence, so
-    the batch does not change it: scored once, at the first batch size."""
+    the batch does not change it: scored once, at the largest batch size (the fewest of lm-eval's batches, so
+    the fastest)."""
     cells = []
     for run, path in runs.items():
         cells.append({"run": run, "path": path, "rule_name": "per-token", "rule": None, "batch": 16, "limit": limit})
         for name, rule in rules.items():
             if run in only and name not in only[run]:
                 continue
-            for b in batches[:1] if rule.get("over") == "tile" else batches:
+            for b in [max(batches)] if rule.get("over") == "tile" else batches:
                 cells.append({"run": run, "path": path, "rule_name": name, "rule": rule, "batch": b, "limit": limit})
     return cells
 

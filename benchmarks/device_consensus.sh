@@ -15,7 +15,7 @@
 #                     under each rule of RULES (consensus_quality.py --rule arguments; default: the rules not scored
 #                     yet between follow 1.0 and 1.25, the set's cap at 1.1 and 1.15 times the tokens' mean count,
 #                     and tiles of 16 with the cap at 1.25) at the consensus batches of BATCHES (default 4,8,16,32;
-#                     a tile rule once)
+#                     a tile rule once, at the largest)
 #   tile-start        the same job for tile-coherent routing (issue 45): train the per-token and the
 #                     tile-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-tile64.yaml), then score both per token and

@@ -480,15 +480,15 @@ def _quality_script():
 
 def test_quality_script_scores_a_tile_rule_once_and_each_batch_rule_per_batch():
     """``benchmarks/consensus_quality.py``'s plan: per token once a run, a batch rule at every batch size, a
-    tile rule (which shares within a sequence) once; ``--only`` keeps a run to its rules. Its table gives
-    each row against its own run's per-token score and against the first run's."""
+    tile rule (which shares within a sequence) once, at the largest batch; ``--only`` keeps a run to its rules.
+    Its table gives each row against its own run's per-token score and against the first run's."""
     q = _quality_script()
     rules = dict(map(q.parse_rule, ["maj=quorum=0.5", "t64=over=tile,tile=64,quorum=0,follow=1.0"]))
     assert rules["t64"] == {"over": "tile", "tile": "64", "quorum": 0.0, "follow": 1.0}
     cells = q.plan({"a": "A", "b": "B"}, rules, {"b": ["t64"]}, [4, 8], None)
     assert [(c["run"], c["rule_name"], c["batch"]) for c in cells] == [
-        ("a", "per-token", 16), ("a", "maj", 4), ("a", "maj", 8), ("a", "t64", 4),
-        ("b", "per-token", 16), ("b", "t64", 4),
+        ("a", "per-token", 16), ("a", "maj", 4), ("a", "maj", 8), ("a", "t64", 8),
+        ("b", "per-token", 16), ("b", "t64", 8),
     ]  # fmt: skip
     row = {"code_ppl": 1.0, "legal_ppl": 1.0, "piqa_acc": 0.5, "next_sentence_acc": 0.5, "zero_shot_avg": 0.5}
     rows = [
