@@ -154,6 +154,10 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
+        # a stage that leaves the pruner's parameters as they are leaves its regularisation out of the loss too
+        # (computed all the same: the realised sparsity is logged): it would reach only the stage's own weights,
+        # through what the routers read
+        regularize = getattr(c, "train_pruner_params", True)
         if c.consensus is not None and not set_consensus(model, c.consensus, c.consensus_gradient):
             raise RecipeError(
                 f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
@@ -255,7 +259,7 @@ class RouterTrainer(Trainer):
                                     )
                                 loss = (1.0 - d.weight) * loss + d.weight * kl
                                 logs["kl"] = kl.detach()
-                            if reg is not None:
+                            if reg is not None and regularize:
                                 loss = loss + reg
                         (loss / c.grad_accum).backward()
                         total_loss = total_loss + loss.detach() / c.grad_accum
@@ -430,7 +434,12 @@ class LoraStageConfig(TrainStageConfig):
     alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale alpha / r).")
     dropout: float = Field(0.1, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
-    train_pruner_params: bool = Field(True, description="Also train the pruner's parameters (e.g. routers).")
+    train_pruner_params: bool = Field(
+        True,
+        description="Also train the pruner's parameters (e.g. routers). false: they stay as they are, and the "
+        "pruner's regularisation stays out of the loss (it would reach only this stage's weights, through what the "
+        "routers read).",
+    )
     merge: bool = Field(False, description="Fold the adapters into the weights at the end of the stage.")
 
 
@@ -503,7 +512,12 @@ class FinetuneStageConfig(TrainStageConfig):
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS), description="Projections whose weights are trained in full."
     )
-    train_pruner_params: bool = Field(True, description="Also train the pruner's parameters (e.g. routers).")
+    train_pruner_params: bool = Field(
+        True,
+        description="Also train the pruner's parameters (e.g. routers). false: they stay as they are, and the "
+        "pruner's regularisation stays out of the loss (it would reach only this stage's weights, through what the "
+        "routers read).",
+    )
 
 
 class FinetuneTrainer(RouterTrainer):

@@ -331,7 +331,9 @@ def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_
 def test_a_lora_stage_learns_under_consensus_with_the_routers_frozen(tiny_model_dir, tmp_path):
     """``recipes/study/wide-smollm2-50-lora-*.yaml``: routers trained per token, then a LoRA stage with the rule
     in its loop and ``train_pruner_params: false``. The routers come out as the router stage left them, the
-    adapters learn, and the stage's losses are not those of the same stage per token (the rule ran)."""
+    adapters learn, the stage's losses are not those of the same stage per token (the rule ran), and its loss is
+    the LM loss alone (the sparsity term, which would reach the adapters through what the routers read, is left
+    out; the router stage before it adds it)."""
     import json
 
     from compresskit import load
@@ -354,9 +356,10 @@ def test_a_lora_stage_learns_under_consensus_with_the_routers_frozen(tiny_model_
         assert all(torch.equal(routers[name][k], v) for k, v in routers["router"].items()), name
     losses = {}
     for name in ("per-token", "follow"):
-        stages = json.loads((runs[name] / "results.json").read_text())["training"]
-        (stage,) = [s for s in stages if s["stage"] == "lora"]
-        losses[name] = [h["lm_loss"] for h in stage["history"]]
+        stages = {s["stage"]: s["history"] for s in json.loads((runs[name] / "results.json").read_text())["training"]}
+        losses[name] = [h["lm_loss"] for h in stages["lora"]]
+        assert all(h["loss"] == h["lm_loss"] and "sparsity_macs" in h for h in stages["lora"]), name
+        assert all(h["loss"] != h["lm_loss"] for h in stages["router"]), name
     assert len(losses["follow"]) == 2 and losses["follow"] != losses["per-token"]
 
 
