@@ -428,18 +428,23 @@ def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class LoraStageConfig(TrainStageConfig):
-    lr: float = Field(2e-4, gt=0.0, description="Peak learning rate (AdamW).")
-    r: int = Field(16, ge=1, description="LoRA rank.")
-    alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale alpha / r).")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+class RecoveryStageConfig(TrainStageConfig):
+    """What the recovery stages (``lora``, ``finetune``) share: whether the pruner's parameters train with them."""
+
     train_pruner_params: bool = Field(
         True,
         description="Also train the pruner's parameters (e.g. routers). false: they stay as they are, and the "
         "pruner's regularisation stays out of the loss (it would reach only this stage's weights, through what the "
         "routers read).",
     )
+
+
+class LoraStageConfig(RecoveryStageConfig):
+    lr: float = Field(2e-4, gt=0.0, description="Peak learning rate (AdamW).")
+    r: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0.0, description="LoRA alpha (scale alpha / r).")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
     merge: bool = Field(False, description="Fold the adapters into the weights at the end of the stage.")
 
 
@@ -507,16 +512,10 @@ class LoraTrainer(RouterTrainer):
         set_peft_model_state_dict(model, state)
 
 
-class FinetuneStageConfig(TrainStageConfig):
+class FinetuneStageConfig(RecoveryStageConfig):
     lr: float = Field(2e-5, gt=0.0, description="Peak learning rate (AdamW).")
     target_modules: list[str] = Field(
         default_factory=lambda: list(LORA_TARGETS), description="Projections whose weights are trained in full."
-    )
-    train_pruner_params: bool = Field(
-        True,
-        description="Also train the pruner's parameters (e.g. routers). false: they stay as they are, and the "
-        "pruner's regularisation stays out of the loss (it would reach only this stage's weights, through what the "
-        "routers read).",
     )
 
 
