@@ -94,7 +94,7 @@ if triton is not None:
         ca, cb = conf[:, None], conf[None, :]
         ahead = (vb > va) | ((vb == va) & ((cb > ca) | ((cb == ca) & (gs[None, :] < gs[:, None]))))
         rank = tl.sum(tl.where(ahead & g_ok[None, :], 1, 0), axis=1)
-        limit = cap.to(tl.float32)
+        limit = cap  # fp32: an int argument equal to 1 would be specialised into a constant
         if FOLLOW:  # the cap follows the tokens' own counts
             total = tl.sum(votes, axis=0).to(tl.float32)
             limit = tl.minimum(limit, tl.maximum(tl.ceil((follow * total) / tl.maximum(n, 1).to(tl.float32)), 1.0))
@@ -136,7 +136,7 @@ def triton_consensus(
         t = m // batch
         triton_consensus_kernel[(t,)](
             margin, margin if valid is None else valid.contiguous().view(torch.uint8), out,
-            out if counts is None else counts, batch, t, g, cap, float(quorum), float(follow),
+            out if counts is None else counts, batch, t, g, float(cap), float(quorum), float(follow),
             HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
             BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)),
         )  # fmt: skip
