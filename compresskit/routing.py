@@ -267,6 +267,8 @@ class RoutedProjection(nn.Module):
         masker: ``(x, mask) -> x`` zeroing inactive groups; :func:`mask_input_groups` by default.
     """
 
+    counting = True  # outside training every decision is counted (what measured_sparsity reads)
+
     def __init__(
         self,
         base_layer: nn.Linear,

@@ -24,6 +24,7 @@ from torch import nn
 
 from compresskit.errors import CompressKitError
 from compresskit.modeling import decoder_layers
+from compresskit.routing import RoutedProjection
 from compresskit.runtime.blocks import MLP, Attention, Block, Step, base_module
 from compresskit.tokens import token_mask
 
@@ -212,8 +213,16 @@ class Runtime:
         return " + ".join(parts) + (" (prefill too)" if self.prefill_graphs else "") if parts else "eager"
 
     def stat_blocks(self) -> list[nn.Module]:
-        """The blocks that count what they skip (``stat_tokens`` / ``stat_skipped``)."""
-        return [b for pair in self.blocks for b in pair if hasattr(b, "stat_skipped")]
+        """What counts the decisions the runtime runs (``stat_tokens`` / ``stat_skipped``): the blocks that
+        route, and the routed modules that the other blocks run as they are (a layer whose LoRA adapters are
+        not merged): without them a report would leave those layers' skips out."""
+        found: dict[int, nn.Module] = {}
+        for block in (b for pair in self.blocks for b in pair):
+            if hasattr(block, "stat_skipped"):
+                found[id(block)] = block
+            else:
+                found.update((id(m), m) for m in block.modules() if isinstance(m, RoutedProjection))
+        return list(found.values())
 
     # -- the cache -----------------------------------------------------------------------------
     def new_cache(self, batch: int, slots: int) -> StaticCache:

@@ -283,8 +283,9 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
 
 
 def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
-    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules, and
-    the runtime says why it cannot compile and graph it (what the speed reports repeat)."""
+    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules, the
+    runtime says why it cannot compile and graph it (what the speed reports repeat), and what it counts holds
+    those modules' skips (reported as no FFN skip before: 0.0 where the routers skipped 0.37)."""
     from peft import LoraConfig, get_peft_model
 
     from compresskit.runtime import runtime_for
@@ -299,8 +300,16 @@ def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
     )
     assert runtime_for(_wide_model(tiny_model_dir)[0], pruner).eager_reason is None
     ids = torch.randint(2, 300, (1, 6), generator=torch.Generator().manual_seed(0))
+    for b in rt.stat_blocks():
+        b.reset_stats()
     with torch.no_grad():
-        torch.testing.assert_close(rt.forward(ids, rt.new_cache(1, 6)), model(ids).logits, rtol=1e-5, atol=1e-5)
+        fast = rt.forward(ids, rt.new_cache(1, 6))
+        got = _routing_counts(rt, model)
+        pruner.reset_sparsity(model)
+        torch.testing.assert_close(fast, model(ids).logits, rtol=1e-5, atol=1e-5)
+    want = pruner.sparsity(model)
+    assert got.tokens == want.tokens == 6 and want.ffn > 0.1
+    assert abs(got.ffn - want.ffn) < 1e-9 and abs(got.macs - want.macs) < 1e-9
 
 
 def test_registered_ops_pass_opcheck():
