@@ -304,6 +304,7 @@ class RoutedProjection(nn.Module):
         self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
         self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
+        self.last_run_skip: torch.Tensor | None = None  # training under a consensus: what ran, [B, T, G]
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -342,9 +343,10 @@ class RoutedProjection(nn.Module):
         execute = decide(logits, sample=self.training and not self.deterministic, tau=self.tau)
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
         valid = mask_for(x_raw) if self.training else declared_mask(x_raw)
+        own = execute
         if self.consensus is not None and self.consensus.applies(x_raw.shape[0], x_raw.shape[1]):
             execute = self._agree(logits, execute, valid)
-        self._take(execute, valid)
+        self._take(execute, valid, own)
 
     def _agree(self, logits: torch.Tensor, execute: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """``execute`` (the tokens' own decisions, with their straight-through gradient in training) under
@@ -376,12 +378,16 @@ class RoutedProjection(nn.Module):
             straight = torch.where(multi & real[..., None], from_voters(mean.expand_as(voters), c, b, t), straight)
         return shared + straight
 
-    def _take(self, execute: torch.Tensor, valid: torch.Tensor | None) -> None:
+    def _take(self, execute: torch.Tensor, valid: torch.Tensor | None, own: torch.Tensor) -> None:
+        """Run ``execute``; ``own``: the tokens' own decisions (``execute`` itself without a consensus). In
+        training the sparsity term counts ``own``: the routers answer for their own choices, not for the
+        groups a shared set adds to them or takes away (what ran is kept apart, for the logs)."""
         _plain_set(self, "_mask", execute)
         if self.has_followers:  # handed on, then released by the follower
-            _plain_set(self, "_decision", (execute, valid))
+            _plain_set(self, "_decision", (execute, valid, own))
         if self.training:
-            self.last_skip, self.last_valid = 1.0 - execute, valid
+            self.last_skip, self.last_valid = 1.0 - own, valid
+            self.last_run_skip = None if own is execute else (1.0 - execute).detach()
         else:
             self._count(execute, valid)
 
@@ -545,30 +551,37 @@ def unwrap(model: nn.Module) -> nn.Module:
 def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_token: float) -> dict[str, torch.Tensor]:
     """Skip fractions of the last training batch, differentiable through the ST masks: per kind,
     the mean over projections of the skipped (token, group) fraction over real tokens; and
-    ``macs``, the skipped fraction of ``total_macs_per_token`` (all projection MACs of the model)."""
+    ``macs``, the skipped fraction of ``total_macs_per_token`` (all projection MACs of the model).
+    They count the tokens' own decisions; where a consensus ran in the loop, ``run_macs`` (no gradient)
+    is the fraction of what ran."""
     per_kind: dict[str, list[torch.Tensor]] = {"attention": [], "ffn": []}
-    skipped_macs = None
-    tokens = None
+    skipped_macs = run_macs = tokens = None
+    agreed = False
     for proj in projections:
         if proj.last_skip is None:
             continue
-        valid = proj.last_valid  # [B, T]
+        valid = proj.last_valid.unsqueeze(-1)  # [B, T, 1]
         n = valid.sum().clamp_min(1.0)
-        skipped_groups = (proj.last_skip * valid.unsqueeze(-1)).sum()
+        skipped_groups = (proj.last_skip * valid).sum()
         per_kind[proj.kind].append(skipped_groups / (n * proj.groups))
         term = skipped_groups * proj.macs_per_group
         skipped_macs = term if skipped_macs is None else skipped_macs + term
+        run = skipped_groups.detach() if proj.last_run_skip is None else (proj.last_run_skip * valid).sum()
+        run_macs = run * proj.macs_per_group + (0.0 if run_macs is None else run_macs)
+        agreed |= proj.last_run_skip is not None
         tokens = n
     out: dict[str, torch.Tensor] = {k: torch.stack(v).mean() for k, v in per_kind.items() if v}
     if skipped_macs is not None:
         out["macs"] = skipped_macs / (tokens * total_macs_per_token)
+    if agreed:
+        out["run_macs"] = run_macs / (tokens.detach() * total_macs_per_token)
     return out
 
 
 def release_batch(projections: list[RoutedProjection]) -> None:
     """Drop the training tensors of the last batch (the autograd graph is not kept past a step)."""
     for proj in projections:
-        proj.last_skip = proj.last_valid = None
+        proj.last_skip = proj.last_valid = proj.last_run_skip = None
 
 
 def measured_sparsity(projections: list[RoutedProjection], model_config) -> SparsityReport:

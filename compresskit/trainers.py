@@ -154,10 +154,6 @@ class RouterTrainer(Trainer):
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
-        # a stage that leaves the pruner's parameters as they are leaves its regularisation out of the loss too
-        # (computed all the same: the realised sparsity is logged): it would reach only the stage's own weights,
-        # through what the routers read
-        regularize = getattr(c, "train_pruner_params", True)
         if c.consensus is not None and not set_consensus(model, c.consensus, c.consensus_gradient):
             raise RecipeError(
                 f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
@@ -259,7 +255,7 @@ class RouterTrainer(Trainer):
                                     )
                                 loss = (1.0 - d.weight) * loss + d.weight * kl
                                 logs["kl"] = kl.detach()
-                            if reg is not None and regularize:
+                            if reg is not None:
                                 loss = loss + reg
                         (loss / c.grad_accum).backward()
                         total_loss = total_loss + loss.detach() / c.grad_accum
@@ -433,9 +429,9 @@ class RecoveryStageConfig(TrainStageConfig):
 
     train_pruner_params: bool = Field(
         True,
-        description="Also train the pruner's parameters (e.g. routers). false: they stay as they are, and the "
-        "pruner's regularisation stays out of the loss (it would reach only this stage's weights, through what the "
-        "routers read).",
+        description="Also train the pruner's parameters (e.g. routers). false: they stay as they are; the pruner's "
+        "regularisation stays in the loss, and holds the sparsity through what the routers read (without it the "
+        "stage's weights learn to make frozen routers run more groups).",
     )
 
 
