@@ -13,7 +13,7 @@
 #                     step), then benchmarks/consensus_quality.py over both; log in /tmp/cq/log
 #   rules-start       the same job for other rules: train the per-token run only, then score it per token and
 #                     under each rule of RULES (consensus_quality.py --rule arguments; default: the rules not scored
-#                     yet between follow 1.0 and 1.25, the set's cap at 1.1 and 1.15 times the tokens' mean count,
+#                     yet between follow 1.1 and 1.25, the set's cap at 1.15 and 1.2 times the tokens' mean count,
 #                     and tiles of 16 with the cap at 1.25) at the consensus batches of BATCHES (default 4,8,16,32;
 #                     a tile rule once, at the largest)
 #   tile-start        the same job for tile-coherent routing (issue 45): train the per-token and the
@@ -120,7 +120,7 @@ case "$step" in
       | launch
     ;;
   rules-start)
-    rules=${RULES:-"--rule follow11=quorum=0,follow=1.1 --rule follow115=quorum=0,follow=1.15 \
+    rules=${RULES:-"--rule follow115=quorum=0,follow=1.15 --rule follow12=quorum=0,follow=1.2 \
 --rule tile16-follow125=over=tile,tile=16,quorum=0,follow=1.25"}
     # shellcheck disable=SC2086
     runs_job -- $rules --batches "${BATCHES:-4,8,16,32}" --workers 4 | launch
