@@ -27,9 +27,10 @@
 #                     under follow 1.25 (batches 4-32) and tiles of 64 following at 1.25; the follow-trained run
 #                     under follow 1.25, the set-gradient run under the majority rule (batches 4-32), the
 #                     tile-trained run under tiles of 64 and 16 following at 1.25
-#   lora-start        the rule in the LoRA stage's loop, the routers frozen after a per-token router stage: the
-#                     per-token two-stage run (recipes/wide-smollm2-50.yaml) and the runs of
-#                     recipes/study/wide-smollm2-50-lora-{follow8,majority8}.yaml side by side, then scored with 6
+#   lora-start        the rule in the LoRA stage's loop, the routers frozen after a per-token router stage, and
+#                     in both stages' loops, the routers training: the per-token two-stage run
+#                     (recipes/wide-smollm2-50.yaml) and the runs of recipes/study/wide-smollm2-50-lora-{follow8,
+#                     majority8}.yaml and recipes/study/wide-smollm2-50-follow8.yaml side by side, then scored with 6
 #                     workers: the per-token run per token and under follow 1.1, follow 1.25 and the majority, the
 #                     others per token and under their own rule, at consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
@@ -143,10 +144,11 @@ case "$step" in
   lora-start)
     base=recipes/wide-smollm2-50.yaml runs_job \
       recipes/study/wide-smollm2-50-lora-follow8.yaml:lorafollow8:lora-follow-trained \
-      recipes/study/wide-smollm2-50-lora-majority8.yaml:loramajority8:lora-majority-trained -- \
+      recipes/study/wide-smollm2-50-lora-majority8.yaml:loramajority8:lora-majority-trained \
+      recipes/study/wide-smollm2-50-follow8.yaml:follow8:follow-trained -- \
       --rule follow11=quorum=0,follow=1.1 --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 \
-      --batches 4,8,16,32 --only lora-follow-trained=follow125 --only lora-majority-trained=majority --workers 6 \
-      | launch
+      --batches 4,8,16,32 --only lora-follow-trained=follow125 --only lora-majority-trained=majority \
+      --only follow-trained=follow125 --workers 6 | launch
     ;;
   *)
     echo "unknown step $step"

@@ -137,7 +137,8 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     job = subprocess.run(["bash", str(script), "rules-start"], env=env, capture_output=True, text=True).stdout
     assert job.count("compresskit apply") == 1 and "recipes/wide-smollm2-50-stage1.yaml" in job
     assert f"--run per-token={cq}/per-token/model \\\n  --rule f=quorum=0,follow=1.1 --batches 8 --workers 4" in job
-    # lora-start: the per-token run is the two-stage recipe, beside the two with the rule in the LoRA stage
+    # lora-start: the per-token run is the two-stage recipe, beside the two with the rule in the LoRA stage and
+    # the one with it in both stages
     env = {**os.environ, "DRY_RUN": "1", "CQ": str(cq)}
     job = subprocess.run(["bash", str(script), "lora-start"], env=env, capture_output=True, text=True).stdout
     applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
@@ -145,6 +146,8 @@ if args[:3] == ["-m", "compresskit", "apply"]:
         ("recipes/wide-smollm2-50.yaml", "per-token"),
         ("recipes/study/wide-smollm2-50-lora-follow8.yaml", "lorafollow8"),
         ("recipes/study/wide-smollm2-50-lora-majority8.yaml", "loramajority8"),
+        ("recipes/study/wide-smollm2-50-follow8.yaml", "follow8"),
     ]
     assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
     assert f"--run lora-follow-trained={cq}/lorafollow8/model" in job and "--only lora-majority-trained=majority" in job
+    assert f"--run follow-trained={cq}/follow8/model" in job and "--only follow-trained=follow125" in job
