@@ -301,7 +301,7 @@ class RoutedProjection(nn.Module):
         self.consensus: Consensus | None = None  # batch-consensus routing (set_consensus), None: per token
         self.consensus_gradient = "own"  # in training under a consensus: whose decision the gradient goes through
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
-        self._decision: tuple[torch.Tensor, torch.Tensor] | None = None  # (execute, valid) for followers
+        self._decision: tuple | None = None  # (execute, valid, own decisions) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
         self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
         self.last_run_skip: torch.Tensor | None = None  # training under a consensus: what ran, [B, T, G]
