@@ -31,8 +31,8 @@
 #                     in both stages' loops, the routers training: the per-token two-stage run
 #                     (recipes/wide-smollm2-50.yaml) and the runs of recipes/study/wide-smollm2-50-lora-{follow8,
 #                     majority8}.yaml and recipes/study/wide-smollm2-50-follow8.yaml side by side, then scored with 6
-#                     workers: the per-token run per token and under follow 1.1, follow 1.25 and the majority, the
-#                     others per token and under their own rule, at consensus batches 4, 8, 16 and 32
+#                     workers: each run per token and under its own rule (the per-token run: follow 1.25) at
+#                     consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
@@ -146,8 +146,8 @@ case "$step" in
       recipes/study/wide-smollm2-50-lora-follow8.yaml:lorafollow8:lora-follow-trained \
       recipes/study/wide-smollm2-50-lora-majority8.yaml:loramajority8:lora-majority-trained \
       recipes/study/wide-smollm2-50-follow8.yaml:follow8:follow-trained -- \
-      --rule follow11=quorum=0,follow=1.1 --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 \
-      --batches 4,8,16,32 --only lora-follow-trained=follow125 --only lora-majority-trained=majority \
+      --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 --batches 4,8,16,32 \
+      --only per-token=follow125 --only lora-follow-trained=follow125 --only lora-majority-trained=majority \
       --only follow-trained=follow125 --workers 6 | launch
     ;;
   *)
