@@ -6,8 +6,9 @@
 
 Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue; the tile
 reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
-routed decode attention's split kernel, and the routers' deciding launches (which run on the CUDA cores
-and need no pipeline) is compiled for sm_90 (the H200) at Llama-3.1-8B's shapes, one token (the prefill
+routed decode attention's split kernel, the routers' deciding launches and the consensus kernel (which run
+on the CUDA cores and need no pipeline; the consensus kernel with the arguments its wrapper passes) is compiled
+for sm_90 (the H200) at Llama-3.1-8B's shapes, one token (the prefill
 products: 4k), with a tile the H200's autotuner chose for it (``docs/results/wide-kernels/``), its integer
 arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16, a 1
 made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
@@ -110,11 +111,35 @@ def registers(ptx: str) -> dict:
     return {"registers": int(used.group(1)), "spill_bytes": sum(spills)}
 
 
+POINTER_TYPES = {"torch.float32": "*fp32", "torch.float64": "*fp64", "torch.bfloat16": "*bf16", "torch.uint8": "*u8"}
+
+
+def as_launched(module, kernel_name: str, call) -> tuple[object, dict, dict]:
+    """``(kernel, runtime args, constexprs)`` exactly as the wrapper ``call()`` (run on CPU tensors) passes
+    them to ``module.kernel_name``'s launch, which is recorded instead of run: so that a compiled case sees the
+    Python types the wrapper gives (an int argument equal to 1 is specialised into a constant, a float is not)."""
+    kernel, seen = getattr(module, kernel_name), {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
+
+    setattr(module, kernel_name, Recorder())
+    try:
+        call()
+    finally:
+        setattr(module, kernel_name, kernel)
+    runtime = {}
+    for name, value in zip(kernel.arg_names, seen["args"], strict=False):
+        runtime[name] = POINTER_TYPES[str(value.dtype)] if hasattr(value, "data_ptr") else value
+    return kernel, runtime, {k: v for k, v in seen["kwargs"].items() if k in kernel.arg_names}
+
+
 def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
     heads of a KV head are a 16-row tile: the older MMA)."""
-    from compresskit_wide.kernels import attention_decode, gemm_out, gemm_reduce, router
+    from compresskit_wide.kernels import attention_decode, consensus, gemm_out, gemm_reduce, router
     from compresskit_wide.kernels.common import softmax_scale
 
     bf16, u8 = "*bf16", "*u8"
@@ -175,6 +200,25 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         "stride_om": FFN,
     }
     p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
+    # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
+    # the FFN router's margins, the set capped at one group and following the tokens' count, counted
+    import torch
+
+    margin = torch.zeros(8, FFN // GROUP)
+    agree = as_launched(
+        consensus,
+        "triton_consensus_kernel",
+        lambda: consensus.triton_consensus(
+            margin,
+            8,
+            cap=1,
+            quorum=0.0,
+            share_set=True,
+            valid=torch.ones(8, dtype=torch.bool),
+            counts=torch.zeros(2, dtype=torch.float64),
+            follow=1.25,
+        ),
+    )
     return [
         ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
          {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
@@ -210,6 +254,7 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
          {**shares_meta, "BLOCK_D": D}, 4, 1, "none"),
         ("router: second launch, counting", router.triton_router_finish_kernel, {**finish, "ws_ptr": f32},
          finish_meta, 4, 1, "none"),
+        ("consensus: 8 sequences, a cap of 1 group, following", *agree, 4, 1, "none"),
     ]  # fmt: skip
 
 
