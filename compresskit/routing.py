@@ -555,26 +555,24 @@ def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_tok
     They count the tokens' own decisions; where a consensus ran in the loop, ``run_macs`` (no gradient)
     is the fraction of what ran."""
     per_kind: dict[str, list[torch.Tensor]] = {"attention": [], "ffn": []}
-    skipped_macs = run_macs = tokens = None
-    agreed = False
+    skipped_macs = run_macs = 0.0
+    tokens, agreed = None, False
     for proj in projections:
         if proj.last_skip is None:
             continue
         valid = proj.last_valid.unsqueeze(-1)  # [B, T, 1]
-        n = valid.sum().clamp_min(1.0)
+        tokens = valid.sum().clamp_min(1.0)
         skipped_groups = (proj.last_skip * valid).sum()
-        per_kind[proj.kind].append(skipped_groups / (n * proj.groups))
-        term = skipped_groups * proj.macs_per_group
-        skipped_macs = term if skipped_macs is None else skipped_macs + term
-        run = skipped_groups.detach() if proj.last_run_skip is None else (proj.last_run_skip * valid).sum()
-        run_macs = run * proj.macs_per_group + (0.0 if run_macs is None else run_macs)
+        per_kind[proj.kind].append(skipped_groups / (tokens * proj.groups))
+        skipped_macs = skipped_macs + skipped_groups * proj.macs_per_group
+        ran = proj.last_skip if proj.last_run_skip is None else proj.last_run_skip
+        run_macs = run_macs + (ran.detach() * valid).sum() * proj.macs_per_group
         agreed |= proj.last_run_skip is not None
-        tokens = n
     out: dict[str, torch.Tensor] = {k: torch.stack(v).mean() for k, v in per_kind.items() if v}
-    if skipped_macs is not None:
+    if tokens is not None:
         out["macs"] = skipped_macs / (tokens * total_macs_per_token)
-    if agreed:
-        out["run_macs"] = run_macs / (tokens.detach() * total_macs_per_token)
+        if agreed:
+            out["run_macs"] = run_macs / (tokens * total_macs_per_token)
     return out
 
 
