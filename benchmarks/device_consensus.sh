@@ -33,11 +33,16 @@
 #                     majority8}.yaml and recipes/study/wide-smollm2-50-follow8.yaml side by side, then scored with 6
 #                     workers: each run per token and under its own rule (the per-token run: follow 1.25) at
 #                     consensus batches 4, 8, 16 and 32
+#   caps-start        tighter caps than follow 1.25 trained in the loop: the per-token two-stage run beside
+#                     recipes/study/wide-smollm2-50-lora-follow8-110.yaml (follow 1.1 in the LoRA stage's loop, the
+#                     routers frozen) and recipes/study/wide-smollm2-50-follow8-{100,110}.yaml (follow 1.0 / 1.1 in
+#                     both stages' loops), scored with 6 workers: the per-token run per token and under follow 1.1,
+#                     each trained run per token and under its own rule, at consensus batches 4, 8, 16 and 32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
 set -euo pipefail
-step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|study-start|lora-start|quality-wait [SECONDS]}
+step=${1:?usage: device_consensus.sh tests|bench NAME ARGS...|quality-start|rules-start|tile-start|study-start|lora-start|caps-start|quality-wait [SECONDS]}
 shift
 export PYTHONPATH=/tmp/ck:/tmp/site PATH=/tmp/ck/bin:$PATH TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 CQ=${CQ:-/tmp/cq}  # the job's folder
@@ -149,6 +154,15 @@ case "$step" in
       --rule follow125=quorum=0,follow=1.25 --rule majority=quorum=0.5 --batches 4,8,16,32 \
       --only per-token=follow125 --only lora-follow-trained=follow125 --only lora-majority-trained=majority \
       --only follow-trained=follow125 --workers 6 | launch
+    ;;
+  caps-start)
+    base=recipes/wide-smollm2-50.yaml runs_job \
+      recipes/study/wide-smollm2-50-lora-follow8-110.yaml:lorafollow110:lora-follow110-trained \
+      recipes/study/wide-smollm2-50-follow8-100.yaml:follow100:follow100-trained \
+      recipes/study/wide-smollm2-50-follow8-110.yaml:follow110:follow110-trained -- \
+      --rule follow10=quorum=0,follow=1.0 --rule follow11=quorum=0,follow=1.1 --batches 4,8,16,32 \
+      --only per-token=follow11 --only lora-follow110-trained=follow11 --only follow100-trained=follow10 \
+      --only follow110-trained=follow11 --workers 6 | launch
     ;;
   *)
     echo "unknown step $step"

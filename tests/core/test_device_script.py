@@ -151,3 +151,17 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
     assert f"--run lora-follow-trained={cq}/lorafollow8/model" in job and "--only lora-majority-trained=majority" in job
     assert f"--run follow-trained={cq}/follow8/model" in job and "--only follow-trained=follow125" in job
+    # caps-start: the tighter caps, each run scored under its own rule, the per-token run under follow 1.1
+    job = subprocess.run(["bash", str(script), "caps-start"], env=env, capture_output=True, text=True).stdout
+    applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
+    assert applied == [
+        ("recipes/wide-smollm2-50.yaml", "per-token"),
+        ("recipes/study/wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"),
+        ("recipes/study/wide-smollm2-50-follow8-100.yaml", "follow100"),
+        ("recipes/study/wide-smollm2-50-follow8-110.yaml", "follow110"),
+    ]
+    assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
+    only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
+    assert only == {"per-token": "follow11", "lora-follow110-trained": "follow11", "follow100-trained": "follow10",
+                    "follow110-trained": "follow11"}  # fmt: skip
+    assert "--rule follow10=quorum=0,follow=1.0 --rule follow11=quorum=0,follow=1.1 --batches 4,8,16,32" in job
