@@ -22,7 +22,7 @@ from compresskit.errors import CompressKitError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name
-from compresskit.routing import dense_view, measured_sparsity
+from compresskit.routing import dense_view
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
 from compresskit.sparsity import SparsityProfile
@@ -345,26 +345,6 @@ def plan_line(config, batches, prompts, new_tokens: int, dtype: torch.dtype, fre
     return line
 
 
-def realised_sparsity(runtime, model, pruner) -> float | None:
-    """The realised fraction of projection MACs skipped since the last reset: from the runtime's
-    counting blocks (None where they do not count), else the pruner's own count (a routed model's
-    modules)."""
-    blocks = runtime.stat_blocks()
-    if blocks:
-        return measured_sparsity(blocks, model.config).macs if all(b.counting for b in blocks) else None
-    if pruner is not None:
-        return pruner.sparsity(model).macs
-    return None
-
-
-def reset_counts(runtime, model, pruner) -> None:
-    """Start the realised sparsity's count afresh (the runtime's counting blocks and the pruner's)."""
-    for b in runtime.stat_blocks():
-        b.reset_stats()
-    if pruner is not None:
-        pruner.reset_sparsity(model)
-
-
 def time_runtime(
     runtime, batch: int, prompt: int, new_tokens: int, repeats: int, seed: int = 0, ttft_repeats: int | None = None
 ):
@@ -517,9 +497,10 @@ def _time_member(m: Member, batch: int, prompt: int, new_tokens: int, repeats: i
         ttft, tpot = time_transformers(m.model, batch, prompt, new_tokens, repeats, cache=m.transformers)
         sparsity, mode = None, _transformers_mode(m)
     else:
-        reset_counts(m.runtime, m.model, m.pruner)
+        m.runtime.reset_counts(m.pruner)
         ttft, tpot = time_runtime(m.runtime, batch, prompt, new_tokens, repeats, ttft_repeats=ttft_repeats)
-        sparsity, mode = realised_sparsity(m.runtime, m.model, m.pruner), m.runtime.mode
+        counted = m.runtime.counted_sparsity(m.pruner)
+        sparsity, mode = None if counted is None else counted.macs, m.runtime.mode
         m.runtime.release()
     return Row(m.name, batch, prompt, ttft, tpot, sparsity, {"mode": mode, **m.info})
 
@@ -652,9 +633,10 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()
     with task_cm as task:
         rt = runtime_for(model, pruner)
-        reset_counts(rt, model, pruner)
+        rt.reset_counts(pruner)
         ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
-        sparsity = realised_sparsity(rt, model, pruner) if pruner is not None else 0.0
+        counted = rt.counted_sparsity(pruner) if pruner is not None else None
+        sparsity = 0.0 if pruner is None else None if counted is None else counted.macs
         if pruner is not None:
             pruner.reset_sparsity(model)  # what the evaluator counts next starts from zero
         if task is not None:

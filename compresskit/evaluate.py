@@ -26,7 +26,6 @@ from compresskit.interfaces import Pruner
 from compresskit.modeling import peak_memory, release_freed_memory, reset_peak_memory
 from compresskit.progress import Progress
 from compresskit.recipe import EvaluationSection
-from compresskit.routing import measured_sparsity
 from compresskit.runtime import runtime_for
 from compresskit.runtime.llama import SUPPORTED
 from compresskit.sparsity import SparsityReport
@@ -59,7 +58,7 @@ class RuntimeModel(torch.nn.Module):
     """The inference runtime standing in for the transformers model lm-eval calls: ``forward(input_ids)``
     gives the logits ``[B, T, V]`` of one prefill into a fresh cache, the right padding lm-eval adds
     marked as such (the real-token mask the evaluator declares), so that routing blocks count real tokens
-    only. ``counters``: the blocks that count what they skip, or none (then the pruner counts)."""
+    only."""
 
     def __init__(self, model: torch.nn.Module, runtime) -> None:
         super().__init__()
@@ -77,10 +76,6 @@ class RuntimeModel(torch.nn.Module):
     def tie_weights(self) -> None:
         """(lm-eval calls it; the runtime shares the model's weights as they are.)"""
 
-    @property
-    def counters(self) -> list:
-        return self.runtime.stat_blocks()
-
     def forward(self, input_ids: torch.Tensor, *args, **kwargs):
         b, t = input_ids.shape
         valid = valid_tokens()
@@ -97,19 +92,17 @@ class _Output:
 
 
 def _reset_counts(model, scored, pruner) -> None:
-    if isinstance(scored, RuntimeModel) and scored.counters:
-        for block in scored.counters:
-            block.reset_stats()
+    if isinstance(scored, RuntimeModel):
+        scored.runtime.reset_counts(pruner)
     elif pruner is not None:
         pruner.reset_sparsity(model)
 
 
 def _counted(model, scored, pruner) -> SparsityReport | None:
-    """The realised sparsity since the last reset: from the runtime's counting blocks where the runtime
-    scored with some (None, not measured, where they do not count), else the pruner's own count."""
-    if isinstance(scored, RuntimeModel) and scored.counters:
-        counters = scored.counters
-        return measured_sparsity(counters, model.config) if all(b.counting for b in counters) else None
+    """The realised sparsity since the last reset: the runtime's count where the runtime scored
+    (``Runtime.counted_sparsity``), else the pruner's own."""
+    if isinstance(scored, RuntimeModel):
+        return scored.runtime.counted_sparsity(pruner)
     return pruner.sparsity(model) if pruner is not None else None
 
 

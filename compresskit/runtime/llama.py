@@ -24,7 +24,7 @@ from torch import nn
 
 from compresskit.errors import CompressKitError
 from compresskit.modeling import decoder_layers
-from compresskit.routing import RoutedProjection
+from compresskit.routing import RoutedProjection, measured_sparsity
 from compresskit.runtime.blocks import MLP, Attention, Block, Step, base_module
 from compresskit.tokens import token_mask
 
@@ -223,6 +223,22 @@ class Runtime:
             else:
                 found.update((id(m), m) for m in block.modules() if isinstance(m, RoutedProjection))
         return list(found.values())
+
+    def reset_counts(self, pruner=None) -> None:
+        """Start the realised sparsity's count afresh: the counting blocks', and ``pruner``'s own count of its
+        routed modules."""
+        for block in self.stat_blocks():
+            block.reset_stats()
+        if pruner is not None:
+            pruner.reset_sparsity(self.model)
+
+    def counted_sparsity(self, pruner=None):
+        """The realised sparsity (a ``SparsityReport``) since :meth:`reset_counts`: from the blocks that count
+        (None, not measured, where one of them does not), else ``pruner``'s own count (None without one)."""
+        blocks = self.stat_blocks()
+        if blocks:
+            return measured_sparsity(blocks, self.config) if all(b.counting for b in blocks) else None
+        return pruner.sparsity(self.model) if pruner is not None else None
 
     # -- the cache -----------------------------------------------------------------------------
     def new_cache(self, batch: int, slots: int) -> StaticCache:
