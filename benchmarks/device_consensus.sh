@@ -37,9 +37,9 @@
 #                     recipes/study/wide-smollm2-50-lora-follow8-110.yaml (follow 1.1 in the LoRA stage's loop, the
 #                     routers frozen) and recipes/study/wide-smollm2-50-follow8-{100,110}.yaml (follow 1.0 / 1.1 in
 #                     both stages' loops), scored with 6 workers: the per-token run per token, under follow 1.1
-#                     and under follow 1.25 with each token its own choices within the set (share own: its
-#                     attention then reads only its own heads' K/V), each trained run per token and under its
-#                     own rule, at consensus batches 4, 8, 16 and 32
+#                     and under follow 1.25 with the attention routers' tokens keeping their own choices
+#                     within the set (attention_share own: each sequence's attention reads only its own heads'
+#                     K/V), each trained run per token and under its own rule, at consensus batches 4-32
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
@@ -163,8 +163,8 @@ case "$step" in
       recipes/study/wide-smollm2-50-follow8-100.yaml:follow100:follow100-trained \
       recipes/study/wide-smollm2-50-follow8-110.yaml:follow110:follow110-trained -- \
       --rule follow10=quorum=0,follow=1.0 --rule follow11=quorum=0,follow=1.1 \
-      --rule follow125own=quorum=0,follow=1.25,share=own --batches 4,8,16,32 \
-      --only per-token=follow11,follow125own --only lora-follow110-trained=follow11 --only follow100-trained=follow10 \
+      --rule follow125att=quorum=0,follow=1.25,attention_share=own --batches 4,8,16,32 \
+      --only per-token=follow11,follow125att --only lora-follow110-trained=follow11 --only follow100-trained=follow10 \
       --only follow110-trained=follow11 --workers 6 | launch
     ;;
   *)

@@ -95,8 +95,11 @@ class Consensus(PluginConfig):
     one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
     index), at most ``ceil(budget * G)`` of them, and with ``follow`` at most ``ceil(follow * m)``, ``m`` the
     mean count of groups the position's real tokens would run (a cap that follows each router's own rate).
-    ``share="set"``: every token runs the whole set; ``"own"``: each token runs its own choices within it. A
-    position with one real token (a batch of one) keeps that token's own decision exactly: per-token routing.
+    ``share="set"``: every token runs the whole set; ``"own"``: each token runs its own choices within it;
+    ``attention_share`` gives the attention routers another (``own`` with the FFN's ``set``: each sequence's
+    attention reads only its own heads' K/V, as per-token routing does, while its q and o weights are read for
+    the set only). A position with one real token (a batch of one) keeps that token's own decision exactly:
+    per-token routing.
     The same object is what a recipe, a training stage or a command gives (``consensus: {quorum: 0.5}``).
 
     With ``over: batch`` a sequence's output depends on the sequences batched with it; with ``over: tile``
@@ -115,6 +118,11 @@ class Consensus(PluginConfig):
     )
     share: Literal["set", "own"] = Field(
         "set", description="set: every token runs the whole shared set; own: its own choices within it"
+    )
+    attention_share: Literal["set", "own"] | None = Field(
+        None,
+        description="the attention routers' share (None: as share); own with share: set keeps each sequence's "
+        "attention to its own heads' K/V while the FFN runs the set",
     )
     over: Literal["batch", "tile"] = Field(
         "batch", description="batch: the sequences of a batch at each position; tile: each tile of a sequence"
@@ -142,13 +150,21 @@ class Consensus(PluginConfig):
         return value
 
     @model_serializer(mode="wrap")
-    def _without_unset_follow(self, handler):
-        """Dumped without ``follow`` while it is None: rules (and the recipes and results holding them) written
-        before the field keep their form and their recipe hash."""
+    def _without_unset_fields(self, handler):
+        """Dumped without ``follow`` and ``attention_share`` while they are None: rules (and the recipes and
+        results holding them) written before those fields keep their form and their recipe hash."""
         data = handler(self)
-        if data.get("follow", 0) is None:
-            del data["follow"]
+        for key in ("follow", "attention_share"):
+            if data.get(key, 0) is None:
+                del data[key]
         return data
+
+    def for_kind(self, kind: str) -> Consensus:
+        """The rule the routers of ``kind`` ("attention" or "ffn") run: this one, with ``attention_share`` as
+        the share of the attention routers where it is given."""
+        if kind != "attention" or self.attention_share in (None, self.share):
+            return self
+        return self.model_copy(update={"share": self.attention_share, "attention_share": None})
 
     def applies(self, batch: int, tokens: int) -> bool:
         """Whether a ``[batch, tokens]`` step has sets to share: two or more sequences (``over: batch``) or
@@ -535,7 +551,8 @@ def set_consensus(model: nn.Module, consensus: Consensus | None, gradient: str =
     n = 0
     for _, proj in routed_projections(model):
         if proj.router is not None:
-            proj.consensus, proj.consensus_gradient = consensus, gradient if consensus is not None else "own"
+            proj.consensus = None if consensus is None else consensus.for_kind(proj.kind)
+            proj.consensus_gradient = gradient if consensus is not None else "own"
             n += 1
     return n
 

@@ -98,8 +98,13 @@ class TrainStageConfig(PluginConfig):
 
     @model_validator(mode="after")
     def _set_gradient_needs_a_set(self):
-        if self.consensus_gradient == "set" and (self.consensus is None or self.consensus.share != "set"):
-            given = "no consensus" if self.consensus is None else f"consensus share: {self.consensus.share}"
+        c = self.consensus
+        if self.consensus_gradient == "set" and (c is None or c.share != "set" or c.attention_share == "own"):
+            given = (
+                "no consensus"
+                if c is None
+                else "consensus " + (f"share: {c.share}" if c.share != "set" else "attention_share: own")
+            )
             raise ValueError(f"consensus_gradient: set goes through a shared set, so needs consensus with share: set "
                              f"(given: {given})")  # fmt: skip
         return self

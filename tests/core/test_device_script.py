@@ -162,9 +162,9 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     ]
     assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
     only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
-    assert only == {"per-token": "follow11,follow125own", "lora-follow110-trained": "follow11",
+    assert only == {"per-token": "follow11,follow125att", "lora-follow110-trained": "follow11",
                     "follow100-trained": "follow10", "follow110-trained": "follow11"}  # fmt: skip
     rules = dict(r.split("=", 1) for r in re.findall(r"--rule (\S+)", job))
     assert rules == {"follow10": "quorum=0,follow=1.0", "follow11": "quorum=0,follow=1.1",
-                     "follow125own": "quorum=0,follow=1.25,share=own"}  # fmt: skip
+                     "follow125att": "quorum=0,follow=1.25,attention_share=own"}  # fmt: skip
     assert "--batches 4,8,16,32" in job

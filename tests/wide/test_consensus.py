@@ -83,8 +83,12 @@ def test_consensus_rule_on_a_worked_case():
 
 
 @pytest.mark.parametrize(
-    "value", [{"budget": 0.0}, {"budget": 1.5}, {"quorum": -0.1}, {"share": "all"}, {"follow": 0.0}, {"follow": 5.0}]
-)
+    "value",
+    [
+        {"budget": 0.0}, {"budget": 1.5}, {"quorum": -0.1}, {"share": "all"}, {"follow": 0.0}, {"follow": 5.0},
+        {"attention_share": "some"},
+    ],
+)  # fmt: skip
 def test_bad_consensus_values_are_refused(value):
     with pytest.raises(ValueError, match=next(iter(value))):
         Consensus(**value)
@@ -106,13 +110,29 @@ def _executor(backend="torch", **consensus):
     return cls(cls.Config(backend=backend, consensus=consensus or None))
 
 
+def test_the_attention_routers_may_share_otherwise():
+    """``attention_share``: the attention routers' rule is the rule with that share, the FFN's the rule itself;
+    unset, a rule dumps as before the field (its recipes keep their hash)."""
+    rule = Consensus(quorum=0.0, follow=1.25, attention_share="own")
+    assert rule.for_kind("attention") == Consensus(quorum=0.0, follow=1.25, share="own")
+    assert rule.for_kind("ffn") is rule
+    assert Consensus(quorum=0.0, share="own", attention_share="own").for_kind("attention").share == "own"
+    assert "attention_share" not in Consensus(quorum=0.5).model_dump()
+    assert rule.model_dump()["attention_share"] == "own"
+
+
 @pytest.mark.parametrize(
-    "rule", [{"share": "set"}, {"share": "own"}, {"share": "set", "follow": 0.75}, {"share": "own", "follow": 1.0}]
-)
+    "rule",
+    [
+        {"share": "set"}, {"share": "own"}, {"share": "set", "follow": 0.75}, {"share": "own", "follow": 1.0},
+        {"share": "set", "attention_share": "own"}, {"share": "own", "attention_share": "set"},
+    ],
+)  # fmt: skip
 def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir, rule):
     """The runtime's WIDE blocks under consensus give the logits of the routed modules under the same rule
     (the reference path that evaluation scores), at a prompt and at decode; and the rule changes them. With
-    ``follow`` too (the set's cap from the tokens' mean count)."""
+    ``follow`` too (the set's cap from the tokens' mean count), and with the attention routers sharing
+    otherwise than the FFN's (``attention_share``: each kind's blocks and modules take their kind's rule)."""
     model, pruner = _wide_model(tiny_model_dir)
     executor = _executor(quorum=0.5, budget=0.5, **rule)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
@@ -129,6 +149,42 @@ def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir,
     with torch.no_grad():
         want = model(torch.cat([ids, token[:, None]], 1)).logits[:, -1]
     torch.testing.assert_close(fast.decode(token, caches[0]), want, rtol=1e-5, atol=1e-5)
+    for block in (b for pair in fast.blocks for b in pair if hasattr(b, "rule")):
+        assert block.rule == executor.config.consensus.for_kind(block.kind)
+    for _, proj in routed_projections(model):
+        assert proj.consensus == executor.config.consensus.for_kind(proj.kind)
+    set_consensus(model, None)
+
+
+def test_the_attention_routers_own_share_mixes_the_two_rules(tiny_model_dir, monkeypatch):
+    """Under ``share: set, attention_share: own`` every FFN router runs one set at each position (the same
+    groups for every sequence) and every attention router each token's own choices within the set (a part of
+    them, differing between sequences); with neither given, the attention routers run the set too."""
+    from compresskit.routing import RoutedProjection
+
+    model, pruner = _wide_model(tiny_model_dir)
+    ids = torch.randint(2, 300, (4, 5), generator=torch.Generator().manual_seed(5))
+    seen: dict = {}
+    take = RoutedProjection._take
+    monkeypatch.setattr(
+        RoutedProjection,
+        "_take",
+        lambda self, execute, valid, own: (
+            seen.setdefault((self.layer_idx, self.kind), (execute > 0.5, own > 0.5)) and take(self, execute, valid, own)
+        ),
+    )
+    for rule in (Consensus(quorum=0.0, budget=0.5, attention_share="own"), Consensus(quorum=0.0, budget=0.5)):
+        set_consensus(model, rule)
+        seen.clear()
+        with torch.no_grad():
+            model(ids)
+        assert {kind for _, kind in seen} == {"attention", "ffn"}
+        for (layer, kind), (ran, own) in seen.items():
+            one_set = bool((ran == ran[:1]).all())
+            if kind == "attention" and rule.attention_share == "own":
+                assert not one_set and bool((ran <= own).all()) and not torch.equal(ran, own), layer
+            else:
+                assert one_set, (layer, kind)
     set_consensus(model, None)
 
 
@@ -611,8 +667,8 @@ def test_the_set_gradient_is_the_mean_of_the_voters(tiny_model_dir, rule):
 
 
 def test_a_stage_takes_the_set_gradient_only_with_a_shared_set(tiny_model_dir, tmp_path):
-    """``consensus_gradient: set`` needs ``consensus`` with ``share: set`` (one line naming the field); at its
-    default the field stays out of the resolved recipe, so earlier runs keep their hash."""
+    """``consensus_gradient: set`` needs ``consensus`` with ``share: set`` for every router (one line naming the
+    field); at its default the field stays out of the resolved recipe, so earlier runs keep their hash."""
     from compresskit.errors import RecipeError
     from compresskit.recipe import load_recipe
 
@@ -628,7 +684,10 @@ def test_a_stage_takes_the_set_gradient_only_with_a_shared_set(tiny_model_dir, t
     stage["config"]["consensus"] = {"quorum": 0.5, "share": "own"}
     with pytest.raises(RecipeError, match=r"given: consensus share: own"):
         load_recipe(recipe)
-    stage["config"]["consensus"]["share"] = "set"
+    stage["config"]["consensus"] = {"quorum": 0.5, "attention_share": "own"}  # the attention routers' own
+    with pytest.raises(RecipeError, match=r"given: consensus attention_share: own"):
+        load_recipe(recipe)
+    stage["config"]["consensus"] = {"quorum": 0.5, "share": "set"}
     assert load_recipe(recipe).to_dict()["training"][0]["config"]["consensus_gradient"] == "set"
     stage["config"].pop("consensus_gradient")
     assert "consensus_gradient" not in load_recipe(recipe).to_dict()["training"][0]["config"]

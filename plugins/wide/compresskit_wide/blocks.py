@@ -272,7 +272,7 @@ def wide_blocks(
     attn_block = mlp_block = None
     o_proj = getattr(layer.self_attn, "o_proj", None)
     if attention and isinstance(o_proj, RoutedProjection) and o_proj.router is not None:
-        attn_block = WideAttention(layer, head_dim, backend, count, consensus)
+        attn_block = WideAttention(layer, head_dim, backend, count, consensus and consensus.for_kind("attention"))
     mlp = layer.mlp
     down = getattr(mlp, "down_proj", None)
     if (
