@@ -213,14 +213,16 @@ def test_consensus_counts_what_ran(tiny_model_dir):
     assert all(a >= o for a, o in zip(agreed, own, strict=True)) and sum(agreed) > sum(own)
 
 
-def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir):
+@pytest.mark.parametrize("attention_share", [None, "own"])
+def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_share):
     """The same on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
-    give margins, the consensus kernel decides, the products run the shared sets."""
+    give margins, the consensus kernel decides, the products run the shared sets (with ``attention_share:
+    own`` the attention blocks each token's own choices within the set)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
     pruner.reset_sparsity(model)  # (the counters on the model's device)
-    executor = _executor("triton", quorum=0.5, budget=0.75, follow=1.0)
+    executor = _executor("triton", quorum=0.5, budget=0.75, follow=1.0, attention_share=attention_share)
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
     ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
     cache = fast.new_cache(3, 7)
