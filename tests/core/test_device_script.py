@@ -140,27 +140,30 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     # lora-start: the per-token run is the two-stage recipe, beside the two with the rule in the LoRA stage and
     # the one with it in both stages
     env = {**os.environ, "DRY_RUN": "1", "CQ": str(cq)}
-    job = subprocess.run(["bash", str(script), "lora-start"], env=env, capture_output=True, text=True).stdout
-    applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
-    assert applied == [
-        ("recipes/wide-smollm2-50.yaml", "per-token"),
-        ("recipes/study/wide-smollm2-50-lora-follow8.yaml", "lorafollow8"),
-        ("recipes/study/wide-smollm2-50-lora-majority8.yaml", "loramajority8"),
-        ("recipes/study/wide-smollm2-50-follow8.yaml", "follow8"),
-    ]
-    assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
+
+    def two_stage_job(step: str, runs: list[tuple[str, str]]) -> str:
+        """The step's job, after checking that it trains the per-token two-stage run and ``runs`` (recipe
+        under recipes/study/, folder) side by side, each recipe in the repo."""
+        job = subprocess.run(["bash", str(script), step], env=env, capture_output=True, text=True).stdout
+        applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
+        runs = [("recipes/wide-smollm2-50.yaml", "per-token")] + [(f"recipes/study/{r}", n) for r, n in runs]
+        assert applied == runs, step
+        assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
+        return job
+
+    job = two_stage_job(
+        "lora-start",
+        [("wide-smollm2-50-lora-follow8.yaml", "lorafollow8"), ("wide-smollm2-50-lora-majority8.yaml", "loramajority8"),
+         ("wide-smollm2-50-follow8.yaml", "follow8")],
+    )  # fmt: skip
     assert f"--run lora-follow-trained={cq}/lorafollow8/model" in job and "--only lora-majority-trained=majority" in job
     assert f"--run follow-trained={cq}/follow8/model" in job and "--only follow-trained=follow125" in job
     # caps-start: the tighter caps, each run scored under its own rule, the per-token run under follow 1.1
-    job = subprocess.run(["bash", str(script), "caps-start"], env=env, capture_output=True, text=True).stdout
-    applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
-    assert applied == [
-        ("recipes/wide-smollm2-50.yaml", "per-token"),
-        ("recipes/study/wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"),
-        ("recipes/study/wide-smollm2-50-follow8-100.yaml", "follow100"),
-        ("recipes/study/wide-smollm2-50-follow8-110.yaml", "follow110"),
-    ]
-    assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
+    job = two_stage_job(
+        "caps-start",
+        [("wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"), ("wide-smollm2-50-follow8-100.yaml", "follow100"),
+         ("wide-smollm2-50-follow8-110.yaml", "follow110")],
+    )  # fmt: skip
     only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
     assert only == {"per-token": "follow11,follow125att", "lora-follow110-trained": "follow11",
                     "follow100-trained": "follow10", "follow110-trained": "follow11"}  # fmt: skip
