@@ -39,6 +39,7 @@ from compresskit.modeling import (
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.report import results_markdown
+from compresskit.routing import trained_rule, trained_rule_notice
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks, check_task_data
@@ -432,6 +433,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     executor = resolved.executor.cls(resolved.executor.config)
     executor.check(model)
     model = executor.convert(model)
+    trained = trained_rule(resolved.to_dict())
+    if trained is not None and getattr(executor.config, "consensus", None) is None:
+        progress.log(trained_rule_notice(f"run {out}", trained))
 
     seed_everything(phase_seed(rec.seed, "evaluation"))
     ev = evaluate(
@@ -624,6 +628,9 @@ def eval_model(
         manifest = artifacts.read_manifest(path)
         base = manifest["base_model"]
         pruner_name = (manifest.get("pruner") or {}).get("name")
+        trained = trained_rule(manifest.get("recipe"))
+        if trained is not None and consensus is None:
+            progress.log(trained_rule_notice(model_ref, trained))
     else:
         resolve_model_source(model_ref, allow_download=allow_download, field=field)
         model, tokenizer = load_model(

@@ -542,6 +542,27 @@ def routers(model: nn.Module) -> list[nn.Parameter]:
     return [p for _, proj in routed_projections(model) if proj.router is not None for p in proj.router.parameters()]
 
 
+def trained_rule(recipe: dict | None) -> Consensus | None:
+    """The consensus rule the last training stage of ``recipe`` (a resolved recipe's dict, as a run's
+    ``results.json`` and its model's manifest hold it) ran in its loop, or None."""
+    rule = None
+    for stage in (recipe or {}).get("training") or []:
+        given = (stage.get("config") or {}).get("consensus")
+        rule = Consensus(**given) if given else None
+    return rule
+
+
+def trained_rule_notice(what: str, rule: Consensus) -> str:
+    """The line telling that ``what`` (a run, or a model directory) is scored per token though it was trained
+    under ``rule``, with the ``--consensus`` value that scores it as trained."""
+    given = rule.model_dump(exclude_defaults=True, exclude={"schema_version"})
+    spec = ",".join(f"{key}={value}" for key, value in given.items()) or "quorum=0.5"
+    return (
+        f"{what}: its last training stage ran batch-consensus routing in the loop; scored per token here, where "
+        f"such a model may do worse (--consensus {spec} scores it as it was trained)"
+    )
+
+
 def set_consensus(model: nn.Module, consensus: Consensus | None, gradient: str = "own") -> int:
     """Route every router of ``model`` under ``consensus`` (None: per token again), in training with the
     gradient through each token's own decision (``gradient="own"``) or the shared set (``"set"``: see

@@ -336,7 +336,7 @@ def test_the_sparsity_term_counts_the_tokens_own_decisions_under_consensus(tiny_
     set_consensus(model, None)
 
 
-def _saved_wide_run(tiny_model_dir, tmp_path, training=()):
+def _saved_wide_run(tiny_model_dir, tmp_path, training=(), progress=None):
     from compresskit.api import apply
 
     run = tmp_path / "run"
@@ -347,7 +347,7 @@ def _saved_wide_run(tiny_model_dir, tmp_path, training=()):
         "evaluation": {"tasks": ["piqa"], "limit": 2, "batch_size": 2, "max_length": 512, "compare_dense": False},
         "output": {"dir": str(run)},
     }
-    apply(recipe)
+    apply(recipe, progress=progress)
     return run
 
 
@@ -371,6 +371,52 @@ def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsy
     assert "consensus" not in out["own"]["recipe"]
     assert out["agreed"]["sparsity"]["macs"] > out["own"]["sparsity"]["macs"]
     assert out["agreed"]["metrics"]["perplexity"] != out["own"]["metrics"]["perplexity"]
+
+
+def test_the_rule_a_run_was_trained_under_is_its_last_stage_s():
+    """``trained_rule``: the rule of the last training stage (None where that stage ran per token); its
+    notice gives the ``--consensus`` value that gives the rule back."""
+    from compresskit.cli import _consensus_rule
+    from compresskit.routing import trained_rule, trained_rule_notice
+
+    ruled = {"name": "lora", "config": {"consensus": {"quorum": 0.0, "follow": 1.25, "attention_share": "own"}}}
+    plain = {"name": "router", "config": {"consensus": None}}
+    assert trained_rule({"training": [plain, ruled]}) == Consensus(quorum=0.0, follow=1.25, attention_share="own")
+    assert trained_rule({"training": [ruled, plain]}) is None
+    assert trained_rule({"training": []}) is None and trained_rule(None) is None
+    for rule in (trained_rule({"training": [ruled]}), Consensus(), Consensus(over="tile", tile=32, budget=0.6)):
+        spec = trained_rule_notice("run", rule).split("--consensus ")[1].split(" ")[0]
+        assert _consensus_rule(spec) == rule, spec
+
+
+def test_a_run_trained_under_a_rule_says_so_where_it_is_scored_per_token(tiny_model_dir, tmp_path, capsys):
+    """A run whose last training stage ran a rule in its loop, scored per token (by its own evaluation, or by
+    ``compresskit eval`` without ``--consensus``), says so in one line with the ``--consensus`` value that
+    scores it as trained; scored under a rule it does not."""
+    from compresskit.cli import main
+    from compresskit.progress import Progress
+
+    rule = {"quorum": 0.0, "follow": 1.25}
+    stage = {"name": "router", "config": {"steps": 1, "batch_size": 2, "seq_len": 16, "consensus": rule}}
+    logged = []
+
+    class Recording(Progress):
+        def log(self, message: str) -> None:
+            logged.append(message)
+
+    run = _saved_wide_run(tiny_model_dir, tmp_path, training=[stage], progress=Recording())
+    said = "its last training stage ran batch-consensus routing"
+    assert [line for line in logged if said in line] == [
+        f"run {run}: {said} in the loop; scored per token here, where such a model may do worse (--consensus "
+        "quorum=0.0,follow=1.25 scores it as it was trained)"
+    ]
+    common = ["eval", str(run / "model"), "--tasks", "perplexity", "--batch-size", "2", "--engine", "transformers"]
+    common += ["--perplexity-docs", "2", "--max-length", "32"]
+    assert main(common) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{run / 'model'}: {said}" in err and "--consensus quorum=0.0,follow=1.25 scores it as" in err
+    assert main([*common, "--consensus", "quorum=0.0,follow=1.25"]) == 0
+    assert said not in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize(
