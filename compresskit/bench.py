@@ -635,8 +635,8 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
         rt = runtime_for(model, pruner)
         rt.reset_counts(pruner)
         ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
-        counted = rt.counted_sparsity(pruner) if pruner is not None else None
-        sparsity = 0.0 if pruner is None else None if counted is None else counted.macs
+        counted = rt.counted_sparsity(pruner)
+        sparsity = 0.0 if pruner is None else None if counted is None else counted.macs  # None: not measured
         if pruner is not None:
             pruner.reset_sparsity(model)  # what the evaluator counts next starts from zero
         if task is not None:

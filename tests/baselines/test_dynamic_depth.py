@@ -102,7 +102,6 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     a skipped sublayer launches nothing but the attention's K and V (the cache stays whole). The
     logits and the counts equal the routed modules' (the reference); per-layer decisions (the FFN
     following the attention's router) run the modules themselves."""
-    from compresskit.routing import measured_sparsity
     from compresskit.runtime import Runtime, runtime_for
     from compresskit_baselines.depth_blocks import SkipAttention, SkipMLP
 
@@ -120,11 +119,9 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     assert len(skipping) == (8 if granularity == "sublayer" else 0) and fast.mode == "eager"
     prompts = [[5, 6, 7, 8, 9, 10], [7, 8, 9]]
     for batch in (prompts[:1], prompts):
-        for b in fast.stat_blocks():
-            b.reset_stats()
-        pruner.reset_sparsity(model)
+        fast.reset_counts(pruner)
         got = fast.generate(batch, max_new_tokens=6)
-        counted = measured_sparsity(fast.stat_blocks(), model.config) if skipping else pruner.sparsity(model)
+        counted = fast.counted_sparsity(pruner)  # the skipping blocks', else the pruner's modules'
         pruner.reset_sparsity(model)
         want = ref.generate(batch, max_new_tokens=6)
         assert got.tokens == want.tokens

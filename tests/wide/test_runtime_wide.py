@@ -65,12 +65,6 @@ def _wide_model(tiny_model_dir, ffn_group_size=16):
     return pruner.finalize(model).eval(), pruner
 
 
-def _routing_counts(rt, model):
-    from compresskit.routing import measured_sparsity
-
-    return measured_sparsity(rt.stat_blocks(), model.config)
-
-
 @pytest.mark.parametrize(("method", "blocks"), [(None, "WideMLP"), ("dynamic-depth", "SkipMLP")])
 def test_bench_of_a_known_shape_with_a_routing_plugin(capsys, tmp_path, method, blocks, monkeypatch):
     """``compresskit bench --shape``: WIDE by default, or any routing pruner by ``--method`` (dynamic
@@ -249,7 +243,7 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
         token = torch.tensor(token, device=device)
         got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    counts = _routing_counts(fast, model)
+    counts = fast.counted_sparsity()
     assert counts.tokens == 2 * 7 + 2 * 2 and 0.2 < counts.macs < 0.8
 
 
@@ -273,7 +267,7 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     fast = runtime_for(model, pruner)
     pruner.reset_sparsity(model)
     fast.generate(prompts, max_new_tokens=3)
-    got = _routing_counts(fast, model)
+    got = fast.counted_sparsity()
     Runtime(model).generate(prompts, max_new_tokens=3)
     want = pruner.sparsity(model)
     assert got.tokens == want.tokens == sum(map(len, prompts)) + 2 * len(prompts)
@@ -300,11 +294,10 @@ def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
     )
     assert runtime_for(_wide_model(tiny_model_dir)[0], pruner).eager_reason is None
     ids = torch.randint(2, 300, (1, 6), generator=torch.Generator().manual_seed(0))
-    for b in rt.stat_blocks():
-        b.reset_stats()
+    rt.reset_counts()
     with torch.no_grad():
         fast = rt.forward(ids, rt.new_cache(1, 6))
-        got = _routing_counts(rt, model)
+        got = rt.counted_sparsity()
         pruner.reset_sparsity(model)
         torch.testing.assert_close(fast, model(ids).logits, rtol=1e-5, atol=1e-5)
     want = pruner.sparsity(model)
@@ -427,20 +420,18 @@ def test_a_prefill_with_a_padded_tail_is_the_prompts_own(tiny_model_dir, method)
     rt = runtime_for(model, pruner) if method == "wide" else Runtime(model, dense=True)
     ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
     plain, tailed = rt.new_cache(2, 12), rt.new_cache(2, 12)
-    for b in rt.stat_blocks():
-        b.reset_stats()
+    rt.reset_counts()
     want = rt.forward(ids, plain, last_only=True)
-    counts = _routing_counts(rt, model).macs if method == "wide" else None
+    counts = rt.counted_sparsity().macs if method == "wide" else None
     torch.testing.assert_close(want, rt.forward(ids, rt.new_cache(2, 12))[:, -1:])  # last_only: the last row
-    for b in rt.stat_blocks():
-        b.reset_stats()
+    rt.reset_counts()
     padded = torch.cat([ids, torch.full((2, 3), 11)], dim=1)  # [B, 8]: a bucket of 8 with 3 tail tokens
     valid = torch.arange(8)[None].expand(2, 8) < 5
     with torch.inference_mode():
         got = rt._prefill_step(tailed, padded, valid, torch.tensor([4]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if method == "wide":
-        assert _routing_counts(rt, model).macs == counts
+        assert rt.counted_sparsity().macs == counts
     for k_plain, k_tailed in zip(plain.keys + plain.values, tailed.keys + tailed.values, strict=True):
         torch.testing.assert_close(k_tailed[:, :, :5], k_plain[:, :, :5], rtol=1e-5, atol=1e-5)
     tailed.valid[:, :5], tailed.end = True, 5
@@ -456,7 +447,6 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
     step by step (the WIDE kernels inside, under ``auto``: the reductions hand the next router its
     shares at every decode size, the batch of two's steps included), and the same greedy tokens; the
     counts of a graph-replayed run equal the eager run's (warm-up runs are not counted)."""
-    from compresskit.routing import measured_sparsity
     from compresskit.runtime import runtime_for
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
@@ -474,11 +464,10 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7]]
     tokens, counted = [], []
     for rt in (fast, eager):
-        for b in rt.stat_blocks():
-            b.reset_stats()
+        rt.reset_counts()
         tokens.append(rt.generate(prompts, max_new_tokens=8).tokens)
         if method == "wide":
-            counted.append(measured_sparsity(rt.stat_blocks(), model.config).macs)
+            counted.append(rt.counted_sparsity().macs)
     assert tokens[0] == tokens[1]
     if method == "wide":
         assert abs(counted[0] - counted[1]) < 1e-9  # the warm-up steps before the capture are not counted
@@ -486,10 +475,9 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
     for prompt in ([[5, 6, 7, 8, 9, 10]], [[9, 8, 7]], [[5, 6, 7, 8, 9, 10]]):
         runs = []
         for rt in (captured, eager):
-            for b in rt.stat_blocks():
-                b.reset_stats()
+            rt.reset_counts()
             out = rt.generate(prompt, max_new_tokens=6).tokens
-            runs.append((out, measured_sparsity(rt.stat_blocks(), model.config).macs if method == "wide" else 0))
+            runs.append((out, rt.counted_sparsity().macs if method == "wide" else 0))
         assert runs[0][0] == runs[1][0] and abs(runs[0][1] - runs[1][1]) < 1e-9  # the padded tail is not counted
     assert [len(c.prefills) for c in captured._caches.values()] == [1]
     caches = [rt.new_cache(2, 12) for rt in (fast, eager)]
