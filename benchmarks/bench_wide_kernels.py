@@ -406,6 +406,53 @@ def case_router(
     )
 
 
+def case_router_out(m, d, n, groups, dense_rows, fuse, dtype, device, gen, results, label):
+    """A block's start at decode from the shares the block before handed on (``label``: the model and the
+    product): the router's decision, the residual add and the RMSNorm in the first product's prologue, one
+    launch (``router_norm_out_gemm``), against the decision's launch with the add and the norm and then the
+    product (what ``auto`` runs until ``policy`` gives the one launch a range). Counting, as the runtime's
+    blocks count. The bound is 1: both skip the same groups, the one launch saves a launch and its wait."""
+    from compresskit_wide.kernels.gemm_out import triton_router_norm_out_gemm
+    from compresskit_wide.kernels.gemm_reduce import torch_router_shares
+    from compresskit_wide.kernels.router import triton_router_norm_from_shares
+
+    rank = 32
+    x, delta = torch.randn(m, d, device=device, dtype=dtype), torch.randn(m, d, device=device, dtype=dtype) / 4
+    norm_w = (1 + torch.randn(d, device=device) / 4).to(dtype)
+    w = (torch.randn(n + dense_rows, d, device=device) / d**0.5).to(dtype)
+    w_up = (torch.randn(n, d, device=device) / d**0.5).to(dtype) if fuse else None
+    route = (torch.zeros(rank, device=device), torch.randn(2 * groups, rank, device=device) / rank**0.5)
+    route += (torch.zeros(2 * groups, device=device),)
+    shares = torch_router_shares(x + delta, torch.randn(rank, d, device=device) / d**0.5)
+    norm = (x, delta, norm_w, 1e-5)
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def ours():
+        return triton_router_norm_out_gemm(shares, *route, *norm, w, w_up, dense_rows=dense_rows, counts=counts)
+
+    def separate():
+        execute, x_new, h = triton_router_norm_from_shares(shares, *route, *norm, counts=counts)
+        return triton_masked_out_gemm(h, w, execute, w_up, dense_rows=dense_rows), execute, x_new
+
+    (got, execute, x_new), (ref, ref_execute, ref_x) = ours(), separate()
+    flips = (execute != ref_execute).float().mean().item()  # fp32 near-ties decided by another summation order
+    same = (execute == ref_execute).all(dim=-1)
+    err = (got[same].float() - ref[same].float()).abs().max().item() if same.any() else 0.0
+    ok = flips <= 1e-3 and torch.equal(x_new, ref_x) and err <= (0.25 if fuse else 0.1)
+    add_row(
+        results,
+        f"{label} decided in the prologue",
+        m,
+        "router",
+        torch.ones_like(ref_execute),
+        ours,
+        {"decision launch, then product": separate},
+        ok,
+        err,
+        True,
+    )
+
+
 def sdpa_variants(q, k, v, causal: bool) -> dict:
     """The dense attention baselines PyTorch offers here, each with native GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -581,6 +628,24 @@ def main() -> int:
                     f"qkv M={m} {kind}",
                     lambda m=m, k=kind: case_qkv(
                         m, d, heads, kv_heads, head_dim, attn_group, k, dtype, device, gen, results
+                    ),
+                )
+            )
+    # a block's start at decode: the decision, add and norm in the first product's prologue, at these shapes and
+    # at SmolLM2-135M's (D 576; q of 3 groups with k and v under it, gate+up of 12 groups of 128)
+    prologue_shapes = [
+        ("q+kv", d, heads * head_dim, heads // attn_group, 2 * kv_heads * head_dim, False),
+        ("gate+up", d, ffn, ffn // group, 0, True),
+    ]
+    if not args.smoke:
+        prologue_shapes += [("SmolLM2 q+kv", 576, 576, 3, 384, False), ("SmolLM2 gate+up", 576, 1536, 12, 0, True)]
+    for m in decode_m:
+        for label, width, n, groups, dense_rows, fuse in prologue_shapes:
+            cases.append(
+                (
+                    f"{label} decided in the prologue M={m}",
+                    lambda m=m, a=(width, n, groups, dense_rows, fuse), label=label: case_router_out(
+                        m, *a, dtype, device, gen, results, label
                     ),
                 )
             )

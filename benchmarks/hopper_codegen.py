@@ -32,6 +32,7 @@ and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -45,12 +46,16 @@ D, FFN, GROUP, HEADS, HEAD_DIM, ATTN_GROUP = 4096, 14336, 128, 32, 128, 4
 
 def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """Compile the ``@triton.jit`` ``kernel`` for sm_90. ``args``: its runtime arguments by name, a
-    pointer as its Triton type ("*bf16"), an integer or a float as its value; ``constexprs``: the rest."""
+    pointer as its Triton type ("*bf16"), an integer or a float as its value; ``constexprs``: the rest (a
+    parameter with a default that neither gives: its default)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, attrs, consts = {}, {}, dict(constexprs)
+    for param in kernel.params:  # a parameter the launch leaves out takes its default
+        if param.name not in args and param.name not in consts and param.default is not inspect.Parameter.empty:
+            consts[param.name] = param.default
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
             signature[name] = "constexpr"
@@ -139,14 +144,33 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
     heads of a KV head are a 16-row tile: the older MMA)."""
+    import torch
+
     from compresskit_wide.kernels import attention_decode, consensus, gemm_out, gemm_reduce, router
     from compresskit_wide.kernels.common import softmax_scale
 
     bf16, u8 = "*bf16", "*u8"
-    q = dict(x_ptr=bf16, w_ptr=bf16, wu_ptr=bf16, out_ptr=bf16, mask_ptr=u8, M=1, N=HEADS * HEAD_DIM, K=D)
-    q.update(GW=ATTN_GROUP * HEAD_DIM, stride_xm=D, stride_wn=D, stride_om=HEADS * HEAD_DIM)
-    q.update(G=HEADS // ATTN_GROUP, stride_mm=HEADS // ATTN_GROUP)
-    gate_up = {**q, "N": FFN, "GW": GROUP, "G": FFN // GROUP, "stride_om": FFN, "stride_mm": FFN // GROUP}
+    # the out-width decode products as their wrappers launch them at one token: q (K packed 4), gate+up fused;
+    # each also with the router's decision, the add and the norm in its prologue (256 shares of rank 32)
+    x1, wq, w_ffn = (torch.empty(*shape, dtype=torch.bfloat16) for shape in ((1, D), (HEADS * HEAD_DIM, D), (FFN, D)))
+    q_mask, ffn_mask = (torch.ones(1, groups, dtype=torch.bool) for groups in (HEADS // ATTN_GROUP, FFN // GROUP))
+
+    def prologue(groups):
+        shares = (torch.empty(D // 16, 1, 32), torch.empty(32), torch.empty(2 * groups, 32), torch.empty(2 * groups))
+        return (*shares, x1, torch.empty_like(x1), torch.empty(D, dtype=torch.bfloat16), 1e-5)
+
+    tiles = {"q": {"k_pack": 4, "block_n": 16, "block_k": 128}, "gate_up": {"k_pack": 1, "block_n": 64, "block_k": 128}}
+    out_kernels = {
+        "q": lambda: gemm_out.triton_masked_out_gemm(x1, wq, q_mask, **tiles["q"]),
+        "gate_up": lambda: gemm_out.triton_masked_out_gemm(x1, w_ffn, ffn_mask, w_ffn, **tiles["gate_up"]),
+        "q decided": lambda: gemm_out.triton_router_norm_out_gemm(
+            *prologue(HEADS // ATTN_GROUP), wq, counts=torch.zeros(2, dtype=torch.float64), **tiles["q"]
+        ),
+        "gate_up decided": lambda: gemm_out.triton_router_norm_out_gemm(
+            *prologue(FFN // GROUP), w_ffn, w_ffn, counts=torch.zeros(2, dtype=torch.float64), **tiles["gate_up"]
+        ),
+    }
+    out_kernels = {k: as_launched(gemm_out, "triton_masked_out_gemv_kernel", call) for k, call in out_kernels.items()}
     down = dict(x_ptr=bf16, w_ptr=bf16, mask_ptr=u8, out_ptr=bf16, list_ptr="*i32", M=1, N=D, G=FFN // GROUP)
     down.update(stride_xm=FFN, stride_wn=FFN, stride_mm=FFN // GROUP, stride_om=D)
     # the next router's shares (read only with SHARES): the residual, its w_down (rank 32), the shares
@@ -202,8 +226,6 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
     # the FFN router's margins, the set capped at one group and following the tokens' count, counted
-    import torch
-
     margin = torch.zeros(8, FFN // GROUP)
     agree = as_launched(
         consensus,
@@ -220,10 +242,10 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         ),
     )
     return [
-        ("q, K packed 4", gemm_out.triton_masked_out_gemv_kernel, q,
-         {**packed, "FUSE_SWIGLU": False, "BLOCK_N": 16, "BLOCK_K": 128}, 4, 4, "wgmma"),
-        ("gate+up fused, weight rows", gemm_out.triton_masked_out_gemv_kernel, gate_up,
-         {**tf32, "FUSE_SWIGLU": True, "K_PACK": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 4, 4, "wgmma"),
+        ("q, K packed 4", *out_kernels["q"], 4, 4, "wgmma"),
+        ("gate+up fused, weight rows", *out_kernels["gate_up"], 4, 4, "wgmma"),
+        ("q, K packed 4, the decision in its prologue", *out_kernels["q decided"], 4, 4, "wgmma"),
+        ("gate+up fused, the decision in its prologue", *out_kernels["gate_up decided"], 4, 4, "wgmma"),
         ("down, 4 groups packed, listed", gemm_reduce.triton_masked_reduce_gemm_kernel, down,
          {**listed, "GW": GROUP, "BLOCK_G": 128, "BLOCK_N": 16, "BLOCK_K": 64}, 4, 6, "wgmma"),
         ("o, 4 groups packed, listed (a table tile)", gemm_reduce.triton_masked_reduce_gemm_kernel, o,

@@ -95,15 +95,19 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without: q, k and v
     are one routed product, each block adds the residual itself, every router but the first decides
-    from the shares the block before it handed on, and that decision's launch adds the residual and
-    applies the norm too."""
+    from the shares the block before it handed on, and that decision's operator adds the residual, applies
+    the norm and runs the block's first product too (up to 16 tokens: every forward here)."""
     from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
 
-    from_shares, with_norm = [], []
-    real_from_shares, real_with_norm = blocks.router_decide_from_shares, blocks.router_norm_from_shares
-    monkeypatch.setattr(blocks, "router_decide_from_shares", lambda *a: from_shares.append(1) or real_from_shares(*a))
-    monkeypatch.setattr(blocks, "router_norm_from_shares", lambda *a: with_norm.append(1) or real_with_norm(*a))
+    from_shares, with_norm, with_product = [], [], []
+    for name, seen in (
+        ("router_decide_from_shares", from_shares),
+        ("router_norm_from_shares", with_norm),
+        ("router_norm_out_gemm", with_product),
+    ):
+        real = getattr(blocks, name)
+        monkeypatch.setattr(blocks, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
     model, pruner = _wide_model(tiny_model_dir)
     cls = plugins.load("executor", "wide-triton")
     # the references of every operator (under auto the CPU hands nothing on: see the test after this one)
@@ -137,8 +141,8 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
             got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # each forward (two prompts, six steps) decides every router but the first from shares, with the
-    # norm in that launch (the runtime hands the blocks the residual's delta)
-    assert len(with_norm) == 8 * (len(order) - 1) and not from_shares
+    # norm and the first product in that operator (the runtime hands the blocks the residual's delta)
+    assert len(with_product) == 8 * (len(order) - 1) and not from_shares and not with_norm
 
 
 def test_on_the_cpu_auto_runs_the_cheapest_path(tiny_model_dir, monkeypatch):
@@ -255,11 +259,12 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     from compresskit_wide import blocks
 
     counted_by_router = []
-    for name in ("router_decide", "router_decide_from_shares", "router_norm_from_shares"):
+    for name in ("router_decide", "router_decide_from_shares", "router_norm_from_shares", "router_norm_out_gemm"):
         real = getattr(blocks, name)
+        flag = -2 if name == "router_norm_out_gemm" else -3  # (..., counts, count, backend[, margin])
 
-        def recording(*a, real=real):
-            counted_by_router.append(a[-3])  # (..., counts, count, backend, margin)
+        def recording(*a, real=real, flag=flag):
+            counted_by_router.append(a[flag])
             return real(*a)
 
         monkeypatch.setattr(blocks, name, recording)
@@ -331,6 +336,10 @@ def test_registered_ops_pass_opcheck():
         torch.library.opcheck(ops.router_decide_from_shares, args)
     args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
     torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
+    # a block's start and its first product: gate+up fused; q with k and v rows under it
+    torch.library.opcheck(ops.router_norm_out_gemm, (*args, w, wu, 0, True, counts, True, "torch"))
+    qkv = torch.randn(n + 8, d, generator=gen)
+    torch.library.opcheck(ops.router_norm_out_gemm, (*args, qkv, None, 8, False, counts, False, "torch"))
     # the margins the consensus decides from, and its decision
     torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, False, "torch", True))
     torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, False, "torch", True))

@@ -33,6 +33,7 @@ _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
 router_norm_from_shares = _ops.router_norm_from_shares.default
+router_norm_out_gemm = _ops.router_norm_out_gemm.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
@@ -75,6 +76,40 @@ class _Routing(Counting):
         )
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
+    def _norm_from_shares(self, shares: torch.Tensor | None, x: torch.Tensor) -> bool:
+        """Whether the decision's launch takes the residual add and the norm too: the shares came, and the
+        norm is Llama's RMSNorm in ``x``'s dtype (else torch would promote)."""
+        return shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype
+
+    def enter_product(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        valid: torch.Tensor | None,
+        shares: torch.Tensor | None,
+        w: torch.Tensor,
+        w_up: torch.Tensor | None,
+        dense_rows: int,
+        zero_inactive: bool,
+        shared: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block's start (:meth:`enter`) and its first product, ``masked_out_gemm`` of the normalised rows
+        by ``w`` (``w_up``, ``dense_rows``, ``zero_inactive``, ``shared``: as there): ``(execute, x, out)``.
+        Where the shares came at decode sizes and each token decides for itself, one operator does both
+        (``router_norm_out_gemm``: the decision in the product's prologue where ``policy`` takes it)."""
+        b, t, dim = x.shape
+        agree = self.rule is not None and self.rule.applies(b, t)
+        if self._norm_from_shares(shares, x) and not agree and b * t <= DECODE_MAX_M:
+            count = self.counting and valid is None
+            out, execute, x2 = router_norm_out_gemm(
+                shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
+                delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, w, w_up, dense_rows,
+                zero_inactive, self.stat_counts, count, self.backend,
+            )  # fmt: skip
+            return self._counted(execute, b, t, valid, False, count), x2.view(b, t, dim), out
+        execute, x, h = self.enter(x, delta, valid, shares)
+        return execute, x, masked_out_gemm(h, w, execute, w_up, zero_inactive, self.backend, dense_rows, shared)
+
     def enter(
         self, x: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +117,7 @@ class _Routing(Counting):
         ``delta`` added and ``h`` its norm; the decision, the add and the norm in one launch where the
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
-        if shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype:  # (else torch promotes)
+        if self._norm_from_shares(shares, x):
             agree = self.rule is not None and self.rule.applies(b, t)
             count = self.counting and valid is None and not agree
             execute, x2, h = router_norm_from_shares(
@@ -211,13 +246,15 @@ class WideAttention(Attention, _Routing):
         self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys: torch.Tensor, values: torch.Tensor
     ):
         b, t, _ = x.shape
-        execute, x, h2 = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
-        h = h2.view(b, t, -1)
         shared = self.shared(b, t)
         if self.wqkv is not None and self._one_qkv_product(b * t, shared):  # kept queries, k and v for every token
-            qkv = masked_out_gemm(h2, self.wqkv, execute, None, False, self.backend, self.kv_rows, shared)
+            execute, x, qkv = self.enter_product(
+                x, delta, step.valid, carry, self.wqkv, None, self.kv_rows, False, shared
+            )  # [B * T, G], [B, T, D], [B * T, N]
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
         else:
+            execute, x, h2 = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
+            h = h2.view(b, t, -1)
             if self.wq is not None:  # the kept head groups' queries only (the others are never read)
                 q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend, 0, shared)
             else:
@@ -255,10 +292,9 @@ class WideMLP(Block, _Routing):
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step):
         b, t, _ = x.shape
-        execute, x, h = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
-        # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
         shared = self.shared(b, t)
-        g = masked_out_gemm(h, self.wg, execute, self.wu, True, self.backend, 0, shared)
+        # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
+        execute, x, g = self.enter_product(x, delta, step.valid, carry, self.wg, self.wu, 0, True, shared)
         y, shares = self.last_product(g, self.wd, execute, True, x, shared)
         return x, y.view(b, t, -1), shares
 

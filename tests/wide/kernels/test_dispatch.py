@@ -9,7 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_helpers import DEVICE, random_mask  # noqa: E402
+from kernel_helpers import DEVICE, prologue_inputs, random_mask  # noqa: E402
 
 from compresskit_wide.kernels import autotune, ops, policy  # noqa: E402
 from compresskit_wide.kernels.common import KernelUnavailableError, cdiv, next_power_of_2  # noqa: E402
@@ -106,8 +106,37 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     assert policy.decode_kernel(64, shared=True) and not policy.decode_kernel(17, shared=False)
 
 
+def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
+    """``router_norm_out_gemm`` runs its one launch under "triton" up to 16 tokens; under "auto" on CUDA tensors
+    (where ``policy`` has no measured range for it) and past 16 tokens under every backend, the decision's
+    operator and then the product's, as the blocks ran them before it. Every path gives the reference's
+    decision, residual and product, counted once (spied here on the CPU, the kernels in the interpreter)."""
+    from compresskit_wide.kernels.gemm_out import torch_router_norm_out_gemm
+
+    fused = []
+    real = ops.triton_router_norm_out_gemm
+    monkeypatch.setattr(ops, "triton_router_norm_out_gemm", lambda *a, **k: fused.append(1) or real(*a, **k))
+    monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: backend != "torch")
+    monkeypatch.setattr(policy, "check_gpu", lambda device: None)
+    assert not any(policy.use_kernel("router_out", m) for m in (1, 16))  # (measured: add its range, drop this)
+    w = torch.randn(48 + 16, 40, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for m in (3, 20):
+        args = prologue_inputs(m, 40, 3, "ragged", seed=m)
+        want, want_execute, want_x = torch_router_norm_out_gemm(*args, w, None, 16)
+        want_counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
+        ops.torch_count(want_execute, want_counts)
+        for backend in ("torch", "auto", "triton"):
+            fused.clear()
+            counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
+            got, execute, x_new = ops.router_norm_out_gemm(*args, w, None, 16, True, counts, True, backend)
+            assert fused == ([1] if backend == "triton" and m <= policy.DECODE_MAX_M else []), (m, backend)
+            assert torch.equal(execute, want_execute) and torch.equal(x_new, want_x)
+            assert torch.equal(counts, want_counts)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_policy_is_data_with_a_reason_for_every_range():
-    assert {r.op for r in policy.KERNEL_RANGES} == set(policy.OPS)
+    assert {r.op for r in policy.KERNEL_RANGES} == set(policy.OPS) - set(policy.UNMEASURED)
     assert all(len(r.why) > 20 for r in policy.KERNEL_RANGES)
     with pytest.raises(ValueError, match="unknown operator 'gemm'; known: swiglu, out, reduce"):
         policy.use_kernel("gemm", 1)
@@ -228,7 +257,10 @@ def test_flushed_graph_bench_times_the_gpu_work():
 @pytest.mark.parametrize("m", [1, 5, 300])
 def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
     """Every op runs inside a captured CUDA graph (no host synchronisation): replays on new inputs
-    and masks give the references' results."""
+    and masks give the references' results (a block's start from shares too: the decision in gate+up's
+    prologue under "triton" up to 16 tokens)."""
+    from compresskit_wide.kernels.gemm_out import torch_router_norm_out_gemm
+
     dt = torch.bfloat16
     x = torch.randn(m, 256, device="cuda", dtype=dt)
     wg, wu = (torch.randn(512, 256, device="cuda", dtype=dt) / 16 for _ in range(2))
@@ -240,6 +272,10 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
     amask = random_mask(2, 4, 0.5, seed=2)
     router = [torch.randn(8, 256, device="cuda") / 16, torch.zeros(8, device="cuda")]
     router += [torch.randn(8, 8, device="cuda") / 3, torch.zeros(8, device="cuda")]  # 4 groups
+    # a block's start from the shares the block before handed on: the decision, the add, the norm, gate+up
+    delta, norm_w = torch.randn_like(x), torch.ones(256, device="cuda", dtype=dt)
+    shares = ops.torch_router_shares(x + delta, router[0])
+    started = torch.zeros(2, dtype=torch.float64, device="cuda")
 
     def step():
         h = ops.masked_out_gemm(x, wg, mask, wu, backend=backend)
@@ -250,6 +286,9 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
             o,
             ops.routed_attention_decode(q, k, v, lens, amask, backend=backend),
             ops.router_decide(x, *router, counts, True, backend=backend),
+            ops.router_norm_out_gemm(
+                shares, *router[1:], x, delta, norm_w, 1e-5, wg, wu, 0, True, started, True, backend
+            ),
         )
 
     counts = torch.zeros(2, dtype=torch.float64, device="cuda")
@@ -261,14 +300,16 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y, o, att, decision = step()
-    counts.zero_()  # (the warm-up call counted)
-    want = torch.zeros_like(counts)
+        y, o, att, decision, (gate_up, start_decision, x_new) = step()
+    counts.zero_()  # (the warm-up calls counted)
+    started.zero_()
+    want, want_started = torch.zeros_like(counts), torch.zeros_like(started)
     for seed in (3, 4):  # new inputs and masks, same buffers
         x.copy_(torch.randn_like(x))
         mask.copy_(random_mask(m, 4, 0.5 if seed == 3 else 1.0, seed=seed))
         amask.copy_(random_mask(2, 4, 0.5, seed=seed))
         lens.copy_(torch.tensor([seed * 50, 300], dtype=torch.int32))
+        shares.copy_(ops.torch_router_shares(x + delta, router[0]))
         graph.replay()
         ref_y = ops.torch_masked_reduce_gemm(ops.torch_masked_out_gemm(x, wg, mask, wu), wd, mask)
         torch.testing.assert_close(y.float(), ref_y.float(), rtol=3e-2, atol=3e-2)
@@ -278,3 +319,8 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
         assert torch.equal(decision, ops.torch_router_decide(x, *router, as_bool=True))
         ops.torch_count(decision, want)
         assert torch.equal(counts, want)  # each replay counts its decision
+        ref_gu, ref_start, ref_x = torch_router_norm_out_gemm(shares, *router[1:], x, delta, norm_w, 1e-5, wg, wu)
+        assert torch.equal(start_decision, ref_start) and torch.equal(x_new, ref_x)
+        torch.testing.assert_close(gate_up.float(), ref_gu.float(), rtol=3e-2, atol=3e-2)
+        ops.torch_count(start_decision, want_started)
+        assert torch.equal(started, want_started)

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, random_mask  # noqa: E402
+from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, prologue_inputs, random_mask  # noqa: E402
 
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
@@ -371,3 +371,84 @@ def test_dense_fallback_runs_stacked_gate_and_up_as_one_product():
     assert len(products) == 1
     ref = torch_masked_out_gemm(x, gate.weight.detach(), mask, up.weight.detach())
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "groups", "dense_rows", "fuse", "k_pack"),
+    [
+        (1, 40, 64, 2, 0, False, 4),  # K no multiple of the K step, packed 4
+        (3, 64, 96, 3, 32, False, 2),  # k and v rows under q
+        (16, 48, 64, 4, 0, True, 1),  # the fused SwiGLU, a full tile of tokens
+        (5, 72, 64, 4, 16, False, 1),
+        (7, 100, 48, 3, 0, True, 1),
+    ],
+)
+@pytest.mark.parametrize("decided", ["ragged", "all on", "all off"])
+def test_the_decision_in_the_decode_products_prologue(m, k, n, groups, dense_rows, fuse, k_pack, decided):
+    """``router_norm_out_gemm`` in one launch: the decision of every group from the shares, ``x + delta``
+    as the add rounds it and the product of its RMSNorm, as the reference's decision, add, norm and masked
+    product give them; exact zeros in the skipped groups (dense rows computed for every token even where
+    every group is off), and the counts."""
+    from compresskit_wide.kernels.gemm_out import torch_router_norm_out_gemm, triton_router_norm_out_gemm
+    from compresskit_wide.kernels.router import torch_count
+
+    args = prologue_inputs(m, k, groups, decided, seed=m + k)
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n + dense_rows, k, generator=gen).to(DEVICE)
+    w_up = torch.randn(n, k, generator=gen).to(DEVICE) if fuse else None
+    want, want_execute, want_x = torch_router_norm_out_gemm(*args, w, w_up, dense_rows)
+    counts, want_counts = (torch.full((2,), 2.0, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    got, execute, x_new = triton_router_norm_out_gemm(
+        *args, w, w_up, dense_rows=dense_rows, counts=counts, block_n=16, block_k=16, k_pack=k_pack
+    )
+    torch_count(want_execute, want_counts)
+    assert execute.dtype == torch.bool and torch.equal(execute, want_execute)
+    assert {"all on": want_execute.all(), "all off": not want_execute.any()}.get(decided, True)
+    assert torch.equal(x_new, want_x) and torch.equal(counts, want_counts)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[:, :n][~execute.repeat_interleave(n // groups, dim=-1)]) == 0
+    if dense_rows:
+        assert torch.count_nonzero(got[:, n:]) == m * dense_rows
+    not_counting = triton_router_norm_out_gemm(*args, w, w_up, dense_rows=dense_rows, block_n=16, block_k=16)
+    assert torch.equal(not_counting[1], want_execute)
+
+
+def test_the_decision_in_the_prologue_validates_its_tensors():
+    from compresskit_wide.kernels.gemm_out import triton_router_norm_out_gemm
+
+    args = prologue_inputs(17, 32, 2, "ragged")
+    w = torch.zeros(64, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="for decode sizes: M=17 > 16"):
+        triton_router_norm_out_gemm(*args, w)
+    shares, bd, rw, rb, x, delta, norm_w, eps = prologue_inputs(3, 32, 2, "ragged")
+    with pytest.raises(ValueError, match="norm tensors do not fit 3 tokens' shares"):
+        triton_router_norm_out_gemm(shares, bd, rw, rb, x, delta[:, :16], norm_w, eps, w)
+    with pytest.raises(ValueError, match="does not split into 2 groups"):
+        triton_router_norm_out_gemm(shares, bd, rw, rb, x, delta, norm_w, eps, w[:63])
+    with pytest.raises(ValueError, match="router tensors do not fit"):
+        triton_router_norm_out_gemm(shares, bd[:4], rw, rb, x, delta, norm_w, eps, w)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_bf16_decision_in_the_prologue_with_autotuned_tiles(fuse, m):
+    """bf16 at Llama-3.1-8B's widths (D 4,096, 256 shares), tiles autotuned: the reference's decision, add and
+    product, and the counts of one call (the autotuner's timed calls give the counters back)."""
+    from compresskit_wide.kernels.gemm_out import torch_router_norm_out_gemm, triton_router_norm_out_gemm
+    from compresskit_wide.kernels.router import torch_count
+
+    groups, n = (112, 14336) if fuse else (8, 4096)
+    args = prologue_inputs(m, 4096, groups, "ragged", dtype=torch.bfloat16, seed=m)
+    w = (torch.randn(n + (0 if fuse else 2048), 4096, device=DEVICE) / 64).to(torch.bfloat16)
+    w_up = (torch.randn(n, 4096, device=DEVICE) / 64).to(torch.bfloat16) if fuse else None
+    dense_rows = 0 if fuse else 2048
+    want, want_execute, want_x = torch_router_norm_out_gemm(*args, w, w_up, dense_rows)
+    counts, want_counts = (torch.zeros(2, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    got, execute, x_new = triton_router_norm_out_gemm(*args, w, w_up, dense_rows=dense_rows, counts=counts)
+    torch_count(want_execute, want_counts)
+    sure = (execute == want_execute).float().mean().item()
+    assert sure >= 0.99 and torch.equal(x_new, want_x) and torch.equal(counts[0], want_counts[0])
+    assert counts[1].item() == execute.sum().item()  # one call's decision, counted once
+    same = (execute == want_execute).all(dim=-1)  # (a near-tie may fall the other way: another summation order)
+    torch.testing.assert_close(got[same].float(), want[same].float(), rtol=5e-2, atol=2e-1 if fuse else 1e-1)

@@ -77,15 +77,26 @@ def configs(rows: list[tuple[dict, int, int]], pre_hook=None) -> list:
     return [triton.Config(meta, num_warps=w, num_stages=s, pre_hook=pre_hook) for meta, w, s in rows]
 
 
-def autotuned(kernel, rows: list[tuple[dict, int, int]], key: list[str], *, decode: bool, prune=None, pre_hook=None):
+def autotuned(
+    kernel,
+    rows: list[tuple[dict, int, int]],
+    key: list[str],
+    *,
+    decode: bool,
+    prune=None,
+    pre_hook=None,
+    restore: tuple[str, ...] = (),
+):
     """``kernel`` autotuned over ``rows`` per ``key``; ``decode`` kernels timed by
     ``flushed_graph_bench``; ``prune``: an ``early_config_prune`` hook; ``pre_hook``: run before
-    each launch with the arguments and the tile (:func:`descriptor_blocks`)."""
+    each launch with the arguments and the tile (:func:`descriptor_blocks`); ``restore``: the
+    arguments a launch adds to in place (counters), given back their values after each timed call."""
     return triton.autotune(
         configs=configs(rows, pre_hook),
         key=key,
         do_bench=flushed_graph_bench if decode else None,
         prune_configs_by={"early_config_prune": prune} if prune else None,
+        restore_value=list(restore) or None,
     )(kernel)
 
 
@@ -134,10 +145,11 @@ def packed_pruner(block: str, unrolled_group: bool = False):
         elem = named_args["x_ptr"].element_size()
         weights = 2 if kwargs.get("FUSE_SWIGLU") else 1
         pack, block_m = kwargs["K_PACK"], kwargs["BLOCK_M"]
+        inputs = 2 if kwargs.get("DECIDE") else 1  # (deciding, the kernel streams the residual and the delta)
 
         def stage_bytes(c):
             steps = cdiv(named_args["GW"], c.kwargs["BLOCK_K"]) if unrolled_group else 1
-            return steps * c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m)
+            return steps * c.kwargs["BLOCK_K"] * elem * pack * (c.kwargs["BLOCK_N"] * weights + block_m * inputs)
 
         fit = [c for c in kept if c.num_stages * stage_bytes(c) <= PACKED_SMEM_BUDGET]
         if fit:

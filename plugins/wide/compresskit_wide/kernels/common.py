@@ -1,6 +1,6 @@
 """Helpers the WIDE kernels share: their error type, host arithmetic for launches, output masking, and the
 ``tl.jit`` building blocks used by more than one op (the K-packed product's diagonal, the
-online-softmax step of the routed attention)."""
+online-softmax step of the routed attention, the counting of a decision)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,14 @@ if triton is not None:
             acc = tl.where(row_chunk[:, None] == col_chunk[None, :], acc, 0.0)
             out = tl.sum(tl.sum(tl.reshape(acc, (K_PACK, BLOCK_N, K_PACK, BLOCK_M)), axis=2), axis=0)
         return out
+
+    @triton.jit
+    def count_decision(cnt_ptr, tokens, executed, first):
+        """Add a program's part of a decision to the counters (fp64 ``[2]``, atomically: whole numbers, exact
+        in any order): ``executed`` groups by every program, its ``tokens`` where ``first`` (one program of
+        each token block)."""
+        tl.atomic_add(cnt_ptr + 1, executed.to(tl.float64))
+        tl.atomic_add(cnt_ptr, tokens.to(tl.float64), mask=first)
 
     @triton.jit
     def online_softmax_step(q, kt, vt, allowed, m_i, l_i, acc, scale, PRECISION: tl.constexpr):

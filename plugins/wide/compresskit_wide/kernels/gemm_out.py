@@ -24,6 +24,18 @@ layout) and skips the weights of a group no token needs. The weight tile is the 
 of K share one product: weight row ``c * BLOCK_N + j`` is channel j's chunk c, token column
 ``c * BLOCK_M + m`` token m's chunk c, and the diagonal blocks are kept (``packed_diagonal``). A
 program then holds few output channels, so enough programs stream the weight without splitting K.
+
+The decision in the decode product's prologue (``router_norm_out_gemm``): where the block before handed
+on the router's shares (``gemm_reduce.py``), the decode kernel may take the router's decision, the
+residual add and the RMSNorm over too (what ``router.triton_router_norm_from_shares`` does in a launch of
+its own), so that a block runs its first product with no launch before it:
+
+    shares: [S, M, R]  the router's bottleneck in shares; b_down [R], route_w [2G, R], route_b [2G] (fp32)
+    x, delta: [M, K]   the residual and what the block before adds; norm_w [K] and eps: the RMSNorm
+    ->  out [M, N] (the product of the normalised rows), execute [M, G] (bool), x + delta [M, K]
+
+Each program decides its own group for every token (its reads of the shares are the serial part it
+adds), and normalises the rows as it loads them.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from compresskit_wide.kernels.common import (
     zero_inactive_groups,
 )
 from compresskit_wide.kernels.layout import triton_routing_layout
+from compresskit_wide.kernels.router import check_norm_operands, checked_shares, torch_router_norm_from_shares
 
 try:
     import triton
@@ -55,7 +68,7 @@ try:
         prune_staged_tiles,
         prune_wider_than_group,
     )
-    from compresskit_wide.kernels.common import packed_diagonal
+    from compresskit_wide.kernels.common import count_decision, packed_diagonal
 except ImportError:
     triton = None
 
@@ -177,24 +190,83 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + cols, tl.where(on, y, 0.0).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _decide_group(
+        sh_ptr, bd_ptr, rw_ptr, rb_ptr, g, rows, S, M, R,
+        BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):  # fmt: skip
+        # group g's decision for each of the M tokens (False on the rows past them) from the router's shares
+        # ``[S, M, R]``: a token's shares summed (BLOCK_S at once: all of them at decode widths, as the decision's
+        # own launch sums them), the bottleneck's bias added, both logits on the CUDA cores in fp32, compared
+        rs = tl.arange(0, BLOCK_R)
+        r_ok = rs < R
+        bias = tl.load(bd_ptr + rs, mask=r_ok, other=0.0)
+        w_exec = tl.load(rw_ptr + 2 * g * R + rs, mask=r_ok, other=0.0)
+        w_skip = tl.load(rw_ptr + (2 * g + 1) * R + rs, mask=r_ok, other=0.0)
+        b_exec, b_skip = tl.load(rb_ptr + 2 * g), tl.load(rb_ptr + 2 * g + 1)
+        on = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        for m in range(0, M):
+            z = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for s0 in range(0, S, BLOCK_S):
+                ss = s0 + tl.arange(0, BLOCK_S)
+                part = tl.load(
+                    sh_ptr + (ss[:, None] * M + m) * R + rs[None, :], mask=(ss < S)[:, None] & r_ok[None, :], other=0.0
+                )
+                z += tl.sum(part, axis=0)
+            z += bias
+            l_exec = tl.sum(w_exec * z, axis=0) + b_exec
+            l_skip = tl.sum(w_skip * z, axis=0) + b_skip
+            on = tl.where(rows == m, (l_skip <= l_exec).to(tl.int32), on)
+        return on != 0
+
+    @triton.jit
+    def _packed(v, K_PACK: tl.constexpr, BLOCK_M: tl.constexpr):
+        # a per-token vector ``[BLOCK_M]`` at the K-packed product's token columns: column c is token c % BLOCK_M
+        return tl.reshape(tl.broadcast_to(v[None, :], (K_PACK, BLOCK_M)), (K_PACK * BLOCK_M,))
+
+    @triton.jit
     def triton_masked_out_gemv_kernel(
         x_ptr, w_ptr, wu_ptr, out_ptr, mask_ptr,
         M, N, K, GW, G,
         stride_xm, stride_wn, stride_om, stride_mm,
+        sh_ptr, bd_ptr, rw_ptr, rb_ptr, dx_ptr, nw_ptr, xn_ptr, cnt_ptr, S, R, eps,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
+        DECIDE: tl.constexpr = False, COUNT: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
+        BLOCK_R: tl.constexpr = 16,
     ):  # fmt: skip
         # decode, program (g, n-block): BLOCK_N output channels of group g for every token (past the
-        # G routed groups, dense rows: every token)
+        # G routed groups, dense rows: every token). DECIDE: the mask is not read but decided here from the
+        # router's shares (each group's first program stores its column of it, and counts it with COUNT), the
+        # input is the RMSNorm (weight nw, eps) of x + dx, and the first program stores x + dx into xn
         g = tl.program_id(0)
         g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the mask
         col0 = tl.program_id(1) * BLOCK_N
         rows = tl.arange(0, BLOCK_M)
-        flags = tl.load(mask_ptr + rows * stride_mm + g_routed, mask=rows < M, other=0)
-        on = (tl.where(g < G, flags, 1) != 0) & (rows < M)
+        row_ok = rows < M
+        if DECIDE:
+            if g < G:
+                on = _decide_group(sh_ptr, bd_ptr, rw_ptr, rb_ptr, g, rows, S, M, R, BLOCK_M, BLOCK_S, BLOCK_R)
+                if tl.program_id(1) == 0:
+                    tl.store(mask_ptr + rows * stride_mm + g, on.to(tl.uint8), mask=row_ok)
+                    if COUNT:
+                        executed = tl.sum(on.to(tl.float32), axis=0)
+                        count_decision(cnt_ptr, tl.sum(row_ok.to(tl.float32), axis=0), executed, g == 0)
+            else:
+                on = row_ok
+            if g == 0 and tl.program_id(1) == 0:  # the residual, x + dx, rounded as the add rounds
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    offs = rows[:, None] * stride_xm + ks[None, :]
+                    ok = row_ok[:, None] & (ks < K)[None, :]
+                    xa = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                    xb = tl.load(dx_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                    tl.store(xn_ptr + offs, (xa + xb).to(xn_ptr.dtype.element_ty), mask=ok)
+        else:
+            flags = tl.load(mask_ptr + rows * stride_mm + g_routed, mask=row_ok, other=0)
+            on = (tl.where(g < G, flags, 1) != 0) & row_ok
         cols = g * GW + col0 + tl.arange(0, BLOCK_N)
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        store_mask = (rows < M)[:, None] & (((col0 + tl.arange(0, BLOCK_N)) < GW) & (cols < N))[None, :]
+        store_mask = row_ok[:, None] & (((col0 + tl.arange(0, BLOCK_N)) < GW) & (cols < N))[None, :]
         if tl.sum(on.to(tl.int32), axis=0) == 0:  # no token needs the group: zeros, no weight read
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=store_mask)
         else:
@@ -204,15 +276,36 @@ if triton is not None:
             w_k = (r // BLOCK_N) * BLOCK_K
             c = tl.arange(0, K_PACK * BLOCK_M)  # MMA column: token c % BLOCK_M, chunk c // BLOCK_M
             tok = c % BLOCK_M
-            tok_flags = tl.load(mask_ptr + tok * stride_mm + g_routed, mask=tok < M, other=0)
-            tok_on = (tl.where(g < G, tok_flags, 1) != 0) & (tok < M)
+            if DECIDE:
+                tok_on = _packed(on, K_PACK, BLOCK_M)
+                # each token's 1 / rms of x + dx (rounded as the add rounds), in fp32
+                squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    offs = rows[:, None] * stride_xm + ks[None, :]
+                    ok = on[:, None] & (ks < K)[None, :]
+                    xa = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                    xb = tl.load(dx_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                    xs = (xa + xb).to(x_ptr.dtype.element_ty).to(tl.float32)
+                    squares += tl.sum(xs * xs, axis=1)
+                tok_rstd = _packed(1.0 / tl.sqrt(squares / K + eps), K_PACK, BLOCK_M)
+            else:
+                tok_flags = tl.load(mask_ptr + tok * stride_mm + g_routed, mask=tok < M, other=0)
+                tok_on = (tl.where(g < G, tok_flags, 1) != 0) & (tok < M)
             x_k = (c // BLOCK_M) * BLOCK_K
             kk = tl.arange(0, BLOCK_K)
             acc = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
             acc_up = tl.zeros((K_PACK * BLOCK_N, K_PACK * BLOCK_M), dtype=tl.float32)
             for k0 in range(0, K, K_PACK * BLOCK_K):
                 kx = k0 + x_k[:, None] + kk[None, :]
-                a = tl.load(x_ptr + tok[:, None] * stride_xm + kx, mask=tok_on[:, None] & (kx < K), other=0.0)
+                x_mask = tok_on[:, None] & (kx < K)
+                a = tl.load(x_ptr + tok[:, None] * stride_xm + kx, mask=x_mask, other=0.0)
+                if DECIDE:  # Llama's RMSNorm of x + dx: normalised in fp32, rounded, times the weight, rounded
+                    xb = tl.load(dx_ptr + tok[:, None] * stride_xm + kx, mask=x_mask, other=0.0)
+                    xs = (a.to(tl.float32) + xb.to(tl.float32)).to(a.dtype).to(tl.float32)
+                    normed = (xs * tok_rstd[:, None]).to(a.dtype).to(tl.float32)
+                    nw = tl.load(nw_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+                    a = (nw * normed).to(a.dtype)
                 kw = k0 + w_k[:, None] + kk[None, :]
                 w_mask = w_ok[:, None] & (kw < K)
                 b = tl.load(w_ptr + w_rows[:, None] * stride_wn + kw, mask=w_mask, other=0.0)
@@ -316,23 +409,33 @@ if triton is not None:
         pre_hook=descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"), wu_desc=("BLOCK_N", "BLOCK_K")),
     )
     _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"]
-    _tuned_decode = {
-        pack: autotuned(
+
+    def _decode_tables(restore: tuple[str, ...] = ()) -> dict:
+        """The decode kernel autotuned for each packing ``auto`` takes (``policy.out_k_pack``): K-packed
+        tables, and gate+up's at ``policy.SWIGLU_K_PACK``; ``restore``: as ``autotuned``'s."""
+        tables = {
+            pack: autotuned(
+                triton_masked_out_gemv_kernel,
+                policy.per_packing(policy.PACKED_DECODE_ROWS, pack),
+                _decode_key,
+                decode=True,
+                prune=packed_pruner("BLOCK_N"),
+                restore=restore,
+            )
+            for pack in sorted({pack for _, pack in policy.OUT_K_PACK})
+        }
+        tables[policy.SWIGLU_K_PACK] = autotuned(
             triton_masked_out_gemv_kernel,
-            policy.per_packing(policy.PACKED_DECODE_ROWS, pack),
+            policy.SWIGLU_DECODE,
             _decode_key,
             decode=True,
-            prune=packed_pruner("BLOCK_N"),
+            prune=prune_wider_than_group("BLOCK_N"),
+            restore=restore,
         )
-        for pack in sorted({pack for _, pack in policy.OUT_K_PACK})  # the packings ``auto`` takes (out_k_pack)
-    }
-    _tuned_decode[policy.SWIGLU_K_PACK] = autotuned(
-        triton_masked_out_gemv_kernel,
-        policy.SWIGLU_DECODE,
-        _decode_key,
-        decode=True,
-        prune=prune_wider_than_group("BLOCK_N"),
-    )
+        return tables
+
+    _tuned_decode = _decode_tables()
+    _tuned_decide = _decode_tables(restore=("cnt_ptr",))  # (the decision's counters: a timed call adds to them)
 
 
 def _operands(x, w, mask, w_up, dense_rows) -> tuple[int, int, int, int, int, int]:
@@ -376,28 +479,10 @@ def triton_masked_out_gemm(
     common = {"FUSE_SWIGLU": fuse, "DOT_PRECISION": dot_precision(x.dtype)}
     fixed = block_n is not None or interpreted()
     if policy.decode_kernel(m, shared):
-        k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
-        if k_pack < 1 or k_pack & (k_pack - 1):
-            raise ValueError(f"k_pack must be a power of two, got {k_pack}")
-        if m > policy.DECODE_MAX_M and k_pack != 1:
-            raise ValueError(f"k_pack={k_pack}: past {policy.DECODE_MAX_M} tokens the decode kernel does not pack K")
         mask_u8 = mask_bytes(mask)
-        args = (x, w, w_up, out, mask_u8, m, n, k, gw, groups)
-        args += (x.stride(0), w.stride(0), out.stride(0), mask_u8.stride(0))
-        common["BLOCK_M"] = max(next_power_of_2(m), 16 // k_pack)  # >= 16 MMA columns, every token in one tile
-        if fixed:
-            bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
-            if k_pack * bn < 16 or bk < 16:
-                raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
-            grid = (launched, cdiv(gw, bn))
-            triton_masked_out_gemv_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
-        else:
-            if k_pack not in _tuned_decode:
-                raise ValueError(
-                    f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(_tuned_decode)} (or fix block_n)"
-                )
-            grid = lambda meta: (launched, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
-            _tuned_decode[k_pack][grid](*args, **common, K_PACK=k_pack)
+        args = (x, w, w_up, out, mask_u8, m, n, k, gw, groups, x.stride(0), w.stride(0), out.stride(0))
+        args += (mask_u8.stride(0), x, x, x, x, x, x, x, x, 1, 1, 0.0)  # (no decision: its operands unread)
+        _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k, None if fixed else _tuned_decode)
         return out
     if k_pack not in (None, 1):
         raise ValueError(f"k_pack is for the decode kernel (M <= {policy.DECODE_MAX_M}, or shared); got M={m}")
@@ -405,6 +490,106 @@ def triton_masked_out_gemm(
         x, w, mask, w_up if fuse else None, dense_rows=dense_rows, out=out, block_m=block_m, block_n=block_n,
         block_k=block_k,
     )  # fmt: skip
+
+
+SHARES_AT_ONCE = 8192  # values of a token's shares the decision in the prologue loads at once (all, at 8B's width)
+
+
+def _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k, tuned) -> None:
+    """Launch the decode kernel on ``args`` for ``m`` tokens: ``k_pack`` K chunks a product (default
+    ``policy.out_k_pack``), the tile fixed (``block_n`` / ``block_k``, or small defaults) where ``tuned``
+    (the autotuned kernels by packing) is None."""
+    k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
+    if k_pack < 1 or k_pack & (k_pack - 1):
+        raise ValueError(f"k_pack must be a power of two, got {k_pack}")
+    if m > policy.DECODE_MAX_M and k_pack != 1:
+        raise ValueError(f"k_pack={k_pack}: past {policy.DECODE_MAX_M} tokens the decode kernel does not pack K")
+    common["BLOCK_M"] = max(next_power_of_2(m), 16 // k_pack)  # >= 16 MMA columns, every token in one tile
+    if tuned is None:
+        bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
+        if k_pack * bn < 16 or bk < 16:
+            raise ValueError(f"block_n={bn} x k_pack={k_pack} and block_k={bk}: tl.dot needs 16 or more of each")
+        triton_masked_out_gemv_kernel[(launched, cdiv(gw, bn))](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
+        return
+    if k_pack not in tuned:
+        raise ValueError(f"k_pack={k_pack} has no tile table on a GPU; tuned: {sorted(tuned)} (or fix block_n)")
+    grid = lambda meta: (launched, cdiv(gw, meta["BLOCK_N"]))  # noqa: E731
+    tuned[k_pack][grid](*args, **common, K_PACK=k_pack)
+
+
+def torch_router_norm_out_gemm(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    route_w: torch.Tensor,
+    route_b: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    dense_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of the decision in the product's prologue: ``(out, execute, x + delta)``, the router's
+    decision from its shares with the residual add and the RMSNorm (``router.torch_router_norm_from_shares``),
+    then :func:`torch_masked_out_gemm` of the normalised rows over the kept groups."""
+    execute, x_new, h = torch_router_norm_from_shares(shares, b_down, route_w, route_b, x, delta, norm_w, eps)
+    return torch_masked_out_gemm(h, w, execute, w_up, dense_rows), execute, x_new
+
+
+def triton_router_norm_out_gemm(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    route_w: torch.Tensor,
+    route_b: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    w_up: torch.Tensor | None = None,
+    *,
+    dense_rows: int = 0,
+    counts: torch.Tensor | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    k_pack: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`torch_router_norm_out_gemm` in one launch, for decode sizes (up to ``policy.DECODE_MAX_M``
+    tokens): the decode kernel's program of group g decides g from the shares ``[S, M, R]`` itself (as
+    ``router.triton_router_decide_from_shares`` does; each group's first program stores its column of the
+    decision and, with ``counts``, counts it), normalises ``x + delta`` (weight ``norm_w``, ``eps``: Llama's
+    RMSNorm, as ``router.triton_router_norm_from_shares`` rounds it) as it loads it, and runs the product
+    of :func:`triton_masked_out_gemm` (``w_up``: the fused SwiGLU; ``dense_rows``: the last rows of ``w``
+    for every token); its first program stores ``x + delta``. Tiles as the decode kernel's."""
+    s, m, r, groups = checked_shares(shares, b_down, route_w, route_b, 1, counts)
+    if m > policy.DECODE_MAX_M:
+        raise ValueError(f"the decision in the product's prologue is for decode sizes: M={m} > {policy.DECODE_MAX_M}")
+    check_norm_operands(m, x, delta, norm_w)
+    execute = torch.empty((m, groups), dtype=torch.uint8, device=x.device)
+    _, k, n, groups, gw, launched = _operands(x, w, execute, w_up, dense_rows)
+    fuse = w_up is not None
+    x, delta, norm_w, w = x.contiguous(), delta.contiguous(), norm_w.contiguous(), w.contiguous()
+    w_up = w_up.contiguous() if fuse else w
+    shares, b_down, route_w, route_b = (t.contiguous() for t in (shares, b_down, route_w, route_b))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x_new = torch.empty_like(x)
+    if m == 0:
+        return out, execute.view(torch.bool), x_new
+    block_r = max(16, next_power_of_2(r))
+    common = {
+        "FUSE_SWIGLU": fuse,
+        "DOT_PRECISION": dot_precision(x.dtype),
+        "DECIDE": True,
+        "COUNT": counts is not None,
+        "BLOCK_S": min(next_power_of_2(s), SHARES_AT_ONCE // block_r),  # a token's shares a load
+        "BLOCK_R": block_r,
+    }
+    args = (x, w, w_up, out, execute, m, n, k, gw, groups, x.stride(0), w.stride(0), out.stride(0), execute.stride(0))
+    args += (shares, b_down, route_w, route_b, delta, norm_w, x_new, execute if counts is None else counts, s, r, eps)
+    fixed = block_n is not None or interpreted()
+    _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k, None if fixed else _tuned_decide)
+    return out, execute.view(torch.bool), x_new
 
 
 def _tma_ready(w: torch.Tensor) -> bool:

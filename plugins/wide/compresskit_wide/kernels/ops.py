@@ -41,6 +41,7 @@ from compresskit_wide.kernels.gemm_out import (
     out_kernel_takes,
     torch_masked_out_gemm,
     triton_masked_out_gemm,
+    triton_router_norm_out_gemm,
 )
 from compresskit_wide.kernels.gemm_reduce import (
     dense_masked_reduce_gemm,
@@ -289,6 +290,48 @@ def masked_out_gemm(
     if path == "dense":
         return dense_masked_out_gemm(x, w, mask, w_up, zero_inactive=zero_inactive, dense_rows=dense_rows)
     return torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
+
+
+def _fake_router_out(
+    shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows, zero_inactive, counts, count,
+    backend="auto",
+):  # fmt: skip
+    return x.new_empty(x.shape[0], w.shape[0]), _decision(shares[0], route_w, False), torch.empty_like(x)
+
+
+@_operator(_fake_router_out, mutates=("counts",))
+def router_norm_out_gemm(
+    shares: torch.Tensor,
+    b_down: torch.Tensor,
+    route_w: torch.Tensor,
+    route_b: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    w_up: torch.Tensor | None,
+    dense_rows: int,
+    zero_inactive: bool,
+    counts: torch.Tensor,
+    count: bool,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's start and its first product: ``(out, execute, x + delta)``, what ``router_norm_from_shares``
+    (the decision from ``shares``, counted with ``count``, and the RMSNorm of ``x + delta``) and then
+    ``masked_out_gemm`` of the normalised rows (``w``, ``w_up``, ``dense_rows``, ``zero_inactive`` as there)
+    give. At decode sizes the kernel does both in one launch (the decision in the decode product's prologue,
+    ``gemm_out.py``); elsewhere, and under "auto" wherever it was not measured faster (``policy``), the two
+    operators run one after the other."""
+    m = x.shape[0]
+    if m <= policy.DECODE_MAX_M and _choose(backend, "router_out", m, x, w) == "triton":
+        counted = counts if count else None
+        return triton_router_norm_out_gemm(
+            shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows=dense_rows, counts=counted
+        )
+    decided = router_norm_from_shares(shares, b_down, route_w, route_b, x, delta, norm_w, eps, counts, count, backend)
+    execute, x_new, h = decided
+    return masked_out_gemm(h, w, execute, w_up, zero_inactive, backend, dense_rows), execute, x_new
 
 
 def _fake_reduce(x, w, mask, input_is_masked=False, backend="auto", shared=False, tile=0, tokens=0):

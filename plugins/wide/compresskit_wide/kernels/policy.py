@@ -118,7 +118,12 @@ KERNEL_RANGES = (
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
 )
-OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router")
+# ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
+# everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
+#   router_out: the decision, add and norm in the decode product's prologue (``gemm_out.py``), against the
+#   decision's own launch and then the product (benchmarks/bench_wide_kernels.py --only "in the prologue")
+UNMEASURED = ("router_out",)
+OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router", *UNMEASURED)
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 

@@ -53,6 +53,8 @@ from compresskit_wide.kernels.common import cdiv, check_blocks, interpreted, nex
 try:
     import triton
     import triton.language as tl
+
+    from compresskit_wide.kernels.common import count_decision
 except ImportError:
     triton = None
 
@@ -164,13 +166,6 @@ if triton is not None:
         return z
 
     @triton.jit
-    def _count(cnt_ptr, tokens, executed, first):
-        # the counters (fp64 [2]): the tokens once per token block (by its first group block), the
-        # executed groups by every program
-        tl.atomic_add(cnt_ptr + 1, executed.to(tl.float64))
-        tl.atomic_add(cnt_ptr, tokens.to(tl.float64), mask=first)
-
-    @triton.jit
     def _router_decide_store(
         z, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, rows, row_ok, rs, r_ok, R, G, stride_om, group_block,
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr, MARGIN: tl.constexpr,
@@ -194,7 +189,7 @@ if triton is not None:
         )
         if COUNT:
             executed = tl.sum(tl.sum(tl.where(in_tile, execute, 0.0), axis=1), axis=0)
-            _count(cnt_ptr, tl.sum(row_ok.to(tl.float32), axis=0), executed, group_block == 0)
+            count_decision(cnt_ptr, tl.sum(row_ok.to(tl.float32), axis=0), executed, group_block == 0)
 
     @triton.jit
     def triton_router_partial_kernel(
@@ -255,7 +250,7 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + gs, l_exec - l_skip if MARGIN else execute, mask=g_ok)
         if COUNT:
             one = tl.full([], 1.0, tl.float32)
-            _count(cnt_ptr, one, tl.sum(tl.where(g_ok, execute, 0.0), axis=0), tl.program_id(1) == 0)
+            count_decision(cnt_ptr, one, tl.sum(tl.where(g_ok, execute, 0.0), axis=0), tl.program_id(1) == 0)
 
     @triton.jit
     def triton_router_norm_shares_kernel(
@@ -286,7 +281,7 @@ if triton is not None:
             tl.store(h_ptr + m * D + ds, (w * normed).to(h_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
+def check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
     """``counts`` None, or a contiguous fp64 ``[2]`` on ``device``."""
     if counts is not None and (
         counts.shape != (2,) or counts.dtype != torch.float64 or not counts.is_contiguous() or counts.device != device
@@ -373,7 +368,7 @@ def triton_router_decide(
     if finish not in (None, *FINISHES):
         raise ValueError(f"finish must be one of {', '.join(FINISHES)}, got {finish!r}")
     check_blocks(block_g=(block_g, 16), block_m=(block_m, 16), block_k=(block_k, 16))
-    _check_counts(counts, x.device)
+    check_counts(counts, x.device)
     _check_margin(margin, counts)
     as_bool = as_bool and not margin  # (the margins are fp32)
     x = x.contiguous()
@@ -409,7 +404,7 @@ def triton_router_decide(
     return out.view(torch.bool) if as_bool else out
 
 
-def _checked_shares(shares, b_down, w_up, b_up, block_g: int, counts) -> tuple[int, int, int, int]:
+def checked_shares(shares, b_down, w_up, b_up, block_g: int, counts) -> tuple[int, int, int, int]:
     """``(S, M, R, G)`` of a decision from shares; an error where Triton is missing or they do not fit."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -425,8 +420,21 @@ def _checked_shares(shares, b_down, w_up, b_up, block_g: int, counts) -> tuple[i
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in fp32)
         raise ValueError(f"router tensors do not fit (shares, b_down, w_up, b_up): {shapes}")
     check_blocks(block_g=(block_g, 1))
-    _check_counts(counts, shares.device)
+    check_counts(counts, shares.device)
     return s, m, r, groups
+
+
+def check_norm_operands(m: int, x: torch.Tensor, delta: torch.Tensor, norm_w: torch.Tensor) -> None:
+    """The residual add and norm's operands fit ``m`` tokens: ``x, delta: [M, D]`` of one dtype, ``norm_w: [D]``."""
+    if (
+        x.dim() != 2
+        or x.shape[0] != m
+        or delta.shape != x.shape
+        or delta.dtype != x.dtype
+        or norm_w.shape != x.shape[1:]
+    ):
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, delta, norm_w))
+        raise ValueError(f"norm tensors do not fit {m} tokens' shares (x, delta, norm_w): {shapes}")
 
 
 def triton_router_decide_from_shares(
@@ -443,7 +451,7 @@ def triton_router_decide_from_shares(
     """Triton version of :func:`torch_router_decide_from_shares`, in one launch: program (token,
     ``block_g`` groups; a power of two). Made for decode sizes (each program reads all S shares of
     its token). ``margin`` and ``counts``: as :func:`triton_router_decide`'s."""
-    s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
+    s, m, r, groups = checked_shares(shares, b_down, w_up, b_up, block_g, counts)
     _check_margin(margin, counts)
     as_bool = as_bool and not margin  # (the margins are fp32)
     shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
@@ -475,17 +483,9 @@ def triton_router_norm_from_shares(
     groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``; or
     stores the margins, fp32, with ``margin``), one program a token adds and normalises its row. Made
     for decode sizes."""
-    s, m, r, groups = _checked_shares(shares, b_down, w_up, b_up, block_g, counts)
+    s, m, r, groups = checked_shares(shares, b_down, w_up, b_up, block_g, counts)
     _check_margin(margin, counts)
-    if (
-        x.dim() != 2
-        or x.shape[0] != m
-        or delta.shape != x.shape
-        or delta.dtype != x.dtype
-        or norm_w.shape != x.shape[1:]
-    ):
-        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, delta, norm_w))
-        raise ValueError(f"norm tensors do not fit {m} tokens' shares (x, delta, norm_w): {shapes}")
+    check_norm_operands(m, x, delta, norm_w)
     shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
     x, delta, norm_w = x.contiguous(), delta.contiguous(), norm_w.contiguous()
     d = x.shape[1]
