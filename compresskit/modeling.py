@@ -387,6 +387,20 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     return old
 
 
+def merge_lora(model: nn.Module) -> int:
+    """Fold every LoRA adapter (peft's ``LoraLayer``) into its base weight and put the plain layer back;
+    returns how many were merged."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            replace_module(model, name, module.get_base_layer())
+            merged += 1
+    return merged
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Llama-style causal LM (``model.model.layers``)."""
     inner = getattr(model, "model", model)

@@ -40,7 +40,7 @@ from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher
 from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
-from compresskit.modeling import memory_kind, peak_memory, replace_module, reset_peak_memory
+from compresskit.modeling import memory_kind, merge_lora, peak_memory, reset_peak_memory
 from compresskit.routing import Consensus, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
@@ -619,16 +619,6 @@ def _enable_adapters(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module.enable_adapters(enabled)
-
-
-def merge_lora(model: nn.Module) -> None:
-    """Fold every LoRA adapter into its base weight and put the plain layer back."""
-    from peft.tuners.lora import LoraLayer
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLayer):
-            module.merge()
-            replace_module(model, name, module.get_base_layer())
 
 
 def trainer_artifacts(stage: Any) -> bool:

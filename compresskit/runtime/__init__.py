@@ -15,7 +15,7 @@ from pathlib import Path
 
 from compresskit import artifacts, plugins
 from compresskit.interfaces import Executor
-from compresskit.modeling import load_model, resolve_model_source
+from compresskit.modeling import load_model, merge_lora, resolve_model_source
 from compresskit.runtime.llama import Runtime, StaticCache
 
 __all__ = ["Runtime", "StaticCache", "TextGenerator", "generator", "load_for_runtime", "runtime_for"]
@@ -68,10 +68,16 @@ class TextGenerator:
 
 def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", field: str = "model", progress=None):
     """``(model, tokenizer, pruner or None, base model)`` of a saved run's ``model/`` directory, an HF
-    directory or an alias; errors about ``path`` name it as ``field``."""
+    directory or an alias; errors about ``path`` name it as ``field``. For inference only: a run saved with
+    its LoRA adapters apart (a ``lora`` stage without ``merge: true``) comes with them folded into its
+    weights, as a merging stage would have saved it, so that a method's blocks read plain weights and the
+    runtime compiles them and replays them as CUDA graphs (unmerged, the layers run eagerly)."""
     folder = Path(path).expanduser()
     if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():
         model, tokenizer, pruner = artifacts.load(folder, device=device, dtype=dtype, progress=progress)
+        merged = merge_lora(model)
+        if merged and progress is not None:
+            progress.log(f"{path}: its LoRA adapters folded into the weights of {merged} projections for the runtime")
         return model, tokenizer, pruner, artifacts.read_manifest(folder)["base_model"]
     resolve_model_source(path, field=field)
     model, tokenizer = load_model(path, device=device, dtype=dtype, progress=progress, field=field)

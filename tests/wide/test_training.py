@@ -140,7 +140,7 @@ def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
     trainer.fit(model, pruner, data, ctx)
     ids = torch.randint(2, 300, (2, 16))
     merged = copy.deepcopy(model)
-    from compresskit.trainers import merge_lora
+    from compresskit.modeling import merge_lora
 
     merge_lora(merged)
     assert not any("lora_" in n for n, _ in merged.named_parameters())
@@ -156,6 +156,30 @@ def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
 
     assert all(k.startswith("merged.") for k in load_file(str(out / manifest["training"][0]["file"])))
     assert res.results["metrics"]["piqa"]["acc"] >= 0
+
+
+@pytest.mark.slow
+def test_a_run_with_its_lora_apart_runs_merged_on_the_runtime(tiny_model_dir, tmp_path):
+    """A run saved with its LoRA adapters apart (no ``merge: true``): the inference loader (``bench``,
+    ``generate``) folds them into the weights, so that WIDE's blocks run every layer (no eager fallback left to
+    explain), with the logits of the run as evaluation loads it; the saved files stay as they were."""
+    from compresskit.runtime import load_for_runtime, runtime_for
+
+    apply(recipe(tiny_model_dir, tmp_path, [stage("lora", r=4, alpha=8, steps=4, lr=1e-2)]))
+    out = tmp_path / "run" / "model"
+    saved = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    unmerged, _, unmerged_pruner = artifacts.load(out, dtype="float32", device="cpu")
+    assert any(p.abs().sum() > 0 for n, p in unmerged.named_parameters() if "lora_B" in n)  # the adapters moved
+    assert runtime_for(unmerged, unmerged_pruner).eager_reason.startswith("layer 0 carries LoRA adapters")
+    model, _, pruner, base = load_for_runtime(str(out), dtype="float32", device="cpu")
+    assert base == str(tiny_model_dir) and not any("lora_" in n for n, _ in model.named_parameters())
+    rt = runtime_for(model, pruner)
+    assert all(type(m).__name__ == "WideMLP" for _, m in rt.blocks) and rt.eager_reason is None
+    ids = torch.randint(2, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = rt.forward(ids, rt.new_cache(1, 12))
+        torch.testing.assert_close(got, unmerged(ids).logits, rtol=1e-4, atol=1e-4)
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == saved
 
 
 @pytest.mark.slow
