@@ -121,9 +121,9 @@ KERNEL_RANGES = (
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
 #   router_out: the decision, add and norm in the decode product's prologue (``gemm_out.py``), against the
-#   decision's own launch and then the product (benchmarks/bench_wide_kernels.py --only "in the prologue")
+#   decision's own launch and then the product (benchmarks/device_router_out.sh: kernel rows, then end to end)
 UNMEASURED = ("router_out",)
-OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router", *UNMEASURED)
+OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router", "router_out")
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 
