@@ -21,7 +21,7 @@ from compresskit import plugins
 from compresskit.errors import CompressKitError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
-from compresskit.modeling import device_name
+from compresskit.modeling import device_name, lora_merged
 from compresskit.routing import dense_view
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
@@ -631,7 +631,8 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     limit = getattr(model.config, "max_position_embeddings", None) or cfg.prompt + cfg.new_tokens
     prompt = max(1, min(cfg.prompt, limit - cfg.new_tokens))
     task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()
-    with task_cm as task:
+    # LoRA adapters kept apart are timed merged, as a served model would run (the model is left as it was)
+    with task_cm as task, lora_merged(model):
         rt = runtime_for(model, pruner)
         rt.reset_counts(pruner)
         ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)

@@ -401,6 +401,33 @@ def merge_lora(model: nn.Module) -> int:
     return merged
 
 
+@contextlib.contextmanager
+def lora_merged(model: nn.Module):
+    """``model`` with its LoRA adapters folded into its weights while the block runs (yields how many), then
+    exactly as it was: each adapted layer's weight kept on the CPU meanwhile and copied back, the adapter
+    layers back in place. For a timing on the runtime, whose blocks read plain weights, of a model that is
+    then evaluated or saved with its adapters apart."""
+    from peft.tuners.lora import LoraLayer
+
+    kept = [
+        (name, module, module.get_base_layer().weight.detach().to("cpu", copy=True))
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    ]
+    try:
+        for name, module, _ in kept:
+            module.merge()
+            replace_module(model, name, module.get_base_layer())
+        yield len(kept)
+    finally:
+        with torch.no_grad():
+            for name, module, weight in kept:
+                if module.merged:
+                    module.unmerge()  # (its flags; the exact weight is copied back next)
+                module.get_base_layer().weight.copy_(weight)
+                replace_module(model, name, module)
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Llama-style causal LM (``model.model.layers``)."""
     inner = getattr(model, "model", model)

@@ -136,8 +136,8 @@ def _eager_reason(layers, blocks) -> str:
             if any("lora_" in name for name, _ in layer.named_modules()):
                 return (
                     f"layer {i} carries LoRA adapters that are not merged, so its routed modules run as they are "
-                    "(merge them: training stage lora, merge: true; compresskit bench and generate of the saved run "
-                    "merge them as they load it)"
+                    "(merge them: training stage lora, merge: true, or modeling.lora_merged around the runtime's use; "
+                    "compresskit bench, generate and apply's speed columns do)"
                 )
             return f"layer {i}'s routed modules keep state between calls and its method gives no runtime block"
     return "a block keeps state between calls"

@@ -310,6 +310,49 @@ def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
     assert abs(got.ffn - want.ffn) < 1e-9 and abs(got.macs - want.macs) < 1e-9
 
 
+def test_lora_kept_apart_is_timed_merged_and_left_as_it_was(tiny_model_dir, monkeypatch):
+    """``apply``'s speed columns time a model whose LoRA adapters are apart with them merged (``lora_merged``):
+    WIDE's blocks run every layer (no eager fallback), on the logits of the adapted model; afterwards every
+    tensor, the adapter layers themselves and the logits are exactly what they were (the run is then evaluated
+    or saved with its adapters apart)."""
+    from peft import LoraConfig, get_peft_model
+
+    from compresskit import bench
+    from compresskit.modeling import lora_merged
+    from compresskit.recipe import SpeedSection
+    from compresskit.runtime import runtime_for
+    from compresskit_wide.blocks import WideMLP
+
+    model, pruner = _wide_model(tiny_model_dir)
+    targets = ["gate_proj", "up_proj", "down_proj.base_layer", "q_proj"]
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=targets)).base_model.model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    adapters = dict(model.named_modules())
+    ids = torch.randint(2, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        with lora_merged(model) as merged:
+            assert merged == 4 * len(model.model.layers)
+            rt = runtime_for(model, pruner)
+            assert all(isinstance(m, WideMLP) for _, m in rt.blocks) and rt.eager_reason is None
+            torch.testing.assert_close(rt.forward(ids, rt.new_cache(1, 9)), want, rtol=1e-4, atol=1e-4)
+        assert dict(model.named_modules()).keys() == adapters.keys()
+        assert all(model.get_submodule(n) is m for n, m in adapters.items() if n)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        assert torch.equal(model(ids).logits, want)
+    built = []
+    real = bench.runtime_for
+    monkeypatch.setattr(bench, "runtime_for", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    speed = bench.measure_speed(model, pruner, SpeedSection(measure=True, prompt=6, new_tokens=2, repeats=1),
+                                load_dense=None)  # fmt: skip
+    assert speed["measured"] and built[0].eager_reason is None
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
 def test_registered_ops_pass_opcheck():
     """The registered ops' fake implementations agree with the real ones (shapes, dtypes, no aliasing)."""
     from compresskit_wide.kernels import ops as registers  # noqa: F401
