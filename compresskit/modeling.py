@@ -17,6 +17,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -390,6 +391,8 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
 def merge_lora(model: nn.Module) -> int:
     """Fold every LoRA adapter (peft's ``LoraLayer``) into its base weight and put the plain layer back;
     returns how many were merged."""
+    if "peft" not in sys.modules:  # (no adapter exists before peft is imported: spare its import)
+        return 0
     from peft.tuners.lora import LoraLayer
 
     merged = 0
@@ -407,6 +410,9 @@ def lora_merged(model: nn.Module):
     exactly as it was: each adapted layer's weight kept on the CPU meanwhile and copied back, the adapter
     layers back in place. For a timing on the runtime, whose blocks read plain weights, of a model that is
     then evaluated or saved with its adapters apart."""
+    if "peft" not in sys.modules:  # (as in merge_lora)
+        yield 0
+        return
     from peft.tuners.lora import LoraLayer
 
     kept = [
