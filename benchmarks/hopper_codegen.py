@@ -4,8 +4,9 @@
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
     python benchmarks/hopper_codegen.py --out-tiles [--json FILE]
 
-Each of WIDE's decode products (the reductions also with the next router's shares in their epilogue; the tile
-reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
+Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm
+in their prologue, as their wrappers launch them; the reductions also with the next router's shares in their
+epilogue; the tile reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
 routed decode attention's split kernel, the routers' deciding launches and the consensus kernel (which run
 on the CUDA cores and need no pipeline; the consensus kernel with the arguments its wrapper passes) is compiled
 for sm_90 (the H200) at Llama-3.1-8B's shapes, one token (the prefill
