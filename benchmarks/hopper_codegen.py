@@ -4,15 +4,15 @@
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
     python benchmarks/hopper_codegen.py --out-tiles [--json FILE]
 
-Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm
-in their prologue, as their wrappers launch them; the reductions also with the next router's shares in their
-epilogue; the tile reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
-routed decode attention's split kernel, the routers' deciding launches and the consensus kernel (which run
-on the CUDA cores and need no pipeline; the consensus kernel with the arguments its wrapper passes) is compiled
-for sm_90 (the H200) at Llama-3.1-8B's shapes, one token (the prefill
-products: 4k), with a tile the H200's autotuner chose for it (``docs/results/wide-kernels/``), its integer
-arguments specialised as Triton's launcher specialises them (16-byte-aligned pointers, multiples of 16, a 1
-made a constant). The script reads the compiled kernel's TTGIR and reports, per kernel:
+Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm in
+their prologue, as their wrappers launch them; the reductions also with the next router's shares in their epilogue;
+the tile reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
+routed decode attention's split kernel, the routers' deciding launches and the consensus kernel (which run on the
+CUDA cores and need no pipeline; the consensus kernel with the arguments its wrapper passes) is compiled for sm_90
+(the H200) at Llama-3.1-8B's shapes, one token (the prefill products: 4k), with a tile the H200's autotuner chose
+for it (``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher specialises them
+(16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads the compiled kernel's TTGIR and
+reports, per kernel:
 - the MMA kind: "wgmma" (Hopper's warp-group MMA, ``warp_group_dot``), "mma" or "none";
 - the software pipeline: how many asynchronous global-to-shared copies stream the operands (0: the
   loads wait in registers each step, unpipelined), and how many of them are TMA copies;
