@@ -381,6 +381,7 @@ def test_dense_fallback_runs_stacked_gate_and_up_as_one_product():
         (16, 48, 64, 4, 0, True, 1),  # the fused SwiGLU, a full tile of tokens
         (5, 72, 64, 4, 16, False, 1),
         (7, 100, 48, 3, 0, True, 1),
+        (13, 1100, 32, 2, 16, False, 1),  # a row's statistics in several steps (ROW_K columns each)
     ],
 )
 @pytest.mark.parametrize(

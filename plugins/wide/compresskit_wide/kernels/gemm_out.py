@@ -232,12 +232,13 @@ if triton is not None:
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
         DECIDE: tl.constexpr = False, COUNT: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
-        BLOCK_R: tl.constexpr = 16,
+        BLOCK_R: tl.constexpr = 16, ROW_K: tl.constexpr = 16,
     ):  # fmt: skip
         # decode, program (g, n-block): BLOCK_N output channels of group g for every token (past the
         # G routed groups, dense rows: every token). DECIDE: the mask is not read but decided here from the
         # router's shares (each group's first program stores its column of it, and counts it with COUNT), the
-        # input is the RMSNorm (weight nw, eps) of x + dx, and the first program stores x + dx into xn
+        # input is the RMSNorm (weight nw, eps) of x + dx, and the first program stores x + dx into xn (ROW_K
+        # columns of every token a step: a row's statistics in few steps, not BLOCK_K's many)
         g = tl.program_id(0)
         g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the mask
         col0 = tl.program_id(1) * BLOCK_N
@@ -254,8 +255,8 @@ if triton is not None:
             else:
                 on = row_ok
             if g == 0 and tl.program_id(1) == 0:  # the residual, x + dx, rounded as the add rounds
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
+                for k0 in range(0, K, ROW_K):
+                    ks = k0 + tl.arange(0, ROW_K)
                     offs = rows[:, None] * stride_xm + ks[None, :]
                     ok = row_ok[:, None] & (ks < K)[None, :]
                     xa = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -280,8 +281,8 @@ if triton is not None:
                 tok_on = _packed(on, K_PACK, BLOCK_M)
                 # each token's 1 / rms of x + dx (rounded as the add rounds), in fp32
                 squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
+                for k0 in range(0, K, ROW_K):
+                    ks = k0 + tl.arange(0, ROW_K)
                     offs = rows[:, None] * stride_xm + ks[None, :]
                     ok = on[:, None] & (ks < K)[None, :]
                     xa = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -492,19 +493,32 @@ def triton_masked_out_gemm(
     )  # fmt: skip
 
 
-SHARES_AT_ONCE = 8192  # values of a token's shares the decision in the prologue loads at once (all, at 8B's width)
+# values the prologue's decision loads at once: a token's shares (all of them at Llama-3.1-8B's width), and a
+# step of its rows for the norm's statistics (all of K at SmolLM2's width and M <= 4)
+VALUES_AT_ONCE = 8192
+
+
+def _k_pack(m: int, fuse: bool, k_pack: int | None) -> int:
+    """The decode kernel's K chunks a product for ``m`` tokens: ``k_pack``, checked, or ``policy.out_k_pack``'s."""
+    k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
+    if k_pack < 1 or k_pack & (k_pack - 1):
+        raise ValueError(f"k_pack must be a power of two, got {k_pack}")
+    if m > policy.DECODE_MAX_M and k_pack != 1:
+        raise ValueError(f"k_pack={k_pack}: past {policy.DECODE_MAX_M} tokens the decode kernel does not pack K")
+    return k_pack
+
+
+def _decode_block_m(m: int, k_pack: int) -> int:
+    """The decode kernel's token tile: every token, and 16 or more MMA columns over the K chunks."""
+    return max(next_power_of_2(m), 16 // k_pack)
 
 
 def _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k, tuned) -> None:
     """Launch the decode kernel on ``args`` for ``m`` tokens: ``k_pack`` K chunks a product (default
     ``policy.out_k_pack``), the tile fixed (``block_n`` / ``block_k``, or small defaults) where ``tuned``
     (the autotuned kernels by packing) is None."""
-    k_pack = policy.out_k_pack(m, fuse) if k_pack is None else k_pack
-    if k_pack < 1 or k_pack & (k_pack - 1):
-        raise ValueError(f"k_pack must be a power of two, got {k_pack}")
-    if m > policy.DECODE_MAX_M and k_pack != 1:
-        raise ValueError(f"k_pack={k_pack}: past {policy.DECODE_MAX_M} tokens the decode kernel does not pack K")
-    common["BLOCK_M"] = max(next_power_of_2(m), 16 // k_pack)  # >= 16 MMA columns, every token in one tile
+    k_pack = _k_pack(m, fuse, k_pack)
+    common["BLOCK_M"] = _decode_block_m(m, k_pack)
     if tuned is None:
         bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
         if k_pack * bn < 16 or bk < 16:
@@ -577,13 +591,16 @@ def triton_router_norm_out_gemm(
     if m == 0:
         return out, execute.view(torch.bool), x_new
     block_r = max(16, next_power_of_2(r))
+    k_pack = _k_pack(m, fuse, k_pack)
     common = {
         "FUSE_SWIGLU": fuse,
         "DOT_PRECISION": dot_precision(x.dtype),
         "DECIDE": True,
         "COUNT": counts is not None,
-        "BLOCK_S": min(next_power_of_2(s), SHARES_AT_ONCE // block_r),  # a token's shares a load
+        "BLOCK_S": min(next_power_of_2(s), VALUES_AT_ONCE // block_r),  # a token's shares a load
         "BLOCK_R": block_r,
+        # the rows' columns a step of the norm's statistics: as many values at once as the shares
+        "ROW_K": max(16, min(next_power_of_2(k), VALUES_AT_ONCE // _decode_block_m(m, k_pack))),
     }
     args = (x, w, w_up, out, execute, m, n, k, gw, groups, x.stride(0), w.stride(0), out.stride(0), execute.stride(0))
     args += (shares, b_down, route_w, route_b, delta, norm_w, x_new, execute if counts is None else counts, s, r, eps)
