@@ -23,7 +23,7 @@ if [[ " $steps " == *" kernels "* ]]; then
 fi
 if [[ " $steps " == *" e2e "* ]]; then
   before=/tmp/router-out-before
-  rm -rf "$before" && mkdir -p "$before" && cp -r compresskit plugins pyproject.toml "$before" || exit 3
+  rm -rf "$before" && mkdir -p "$before" && cp -r compresskit plugins pyproject.toml README.md "$before" || exit 3
   python3 benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py router_out --max-m 16 || exit 3
   default="--shape smollm2-135m --prompt 512 --batch 1,4,16 --new-tokens 32 --repeats 5 --transformers off
 --shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 64 --repeats 5 --transformers off"
