@@ -2,19 +2,20 @@
 matrix, at several sparsities: where the kernel wins, what ``policy.KERNEL_RANGES`` should say.
 
     python benchmarks/bench_attention_matrix.py --out DIR            # H200, Llama-3.1-8B's attention shapes
+    python benchmarks/bench_attention_matrix.py --out DIR --shape smollm2-135m --contexts 512,2048 --batches 1,4,16
     python benchmarks/bench_attention_matrix.py --out DIR --sweep    # and the launch settings per cell
     python benchmarks/bench_attention_matrix.py --smoke              # CPU interpreter: correctness only
 
-One layer's decode attention a call, as the runtime runs it: the dense side is ``runtime.blocks.attend``
-(the batched-matmul form over the static cache) compiled with ``torch.compile(dynamic=False)``, the
-inactive heads then zeroed (o reads only the kept ones either way); the routed side is the Triton
-split-KV kernel, which skips the K/V reads of each sequence's inactive head groups (a group of 4 query
-heads is one KV head at these shapes). Masks: each sequence keeps exactly ``round((1 - s) * G)`` of its
-``G`` groups, drawn at random. Each cell is checked against the dense side first, then both are timed
-in CUDA graphs with the L2 flushed before each call (median of rounds). With ``--sweep`` the kernel is
-also timed at each KV split count (1 to 64, splits of at least 64 positions) and, at the best count,
-with 32/64/128 positions a step and 2/4/8 warps, at the highest sparsity; the best setting is then
-timed at every sparsity. Results: ``attention_matrix.md`` / ``.json`` in ``--out``.
+One layer's decode attention a call, as the runtime runs it: the dense side is ``runtime.blocks.attend`` (the
+batched-matmul form over the static cache) compiled with ``torch.compile(dynamic=False)``, the inactive heads
+then zeroed (o reads only the kept ones either way); the routed side is the Triton split-KV kernel, which skips
+the K/V reads of each sequence's inactive head groups (a group of query heads is one KV head: 4 of
+Llama-3.1-8B's 32, 3 of SmolLM2-135M's 9, ``--shape``). Masks: each sequence keeps exactly
+``round((1 - s) * G)`` of its ``G`` groups, drawn at random. Each cell is checked against the dense side first,
+then both are timed in CUDA graphs with the L2 flushed before each call (median of rounds). With ``--sweep``
+the kernel is also timed at each KV split count (1 to 64, splits of at least 64 positions) and, at the best
+count, with 32/64/128 positions a step and 2/4/8 warps, at the highest sparsity; the best setting is then timed
+at every sparsity. Results: ``attention_matrix.md`` / ``.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -37,18 +38,19 @@ from compresskit_wide.kernels.attention_decode import (  # noqa: E402
 )
 from compresskit_wide.kernels.common import zero_inactive_groups  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, GROUPS = 32, 8, 128, 8  # Llama-3.1-8B: groups of 4 query heads
+# (query heads, KV heads, head dim, groups): a group is the query heads of one KV head
+SHAPES = {"llama-3.1-8b": (32, 8, 128, 8), "smollm2-135m": (9, 3, 64, 3)}
 
 
 def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def exact_mask(batch: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
-    """Each sequence keeps exactly ``round((1 - sparsity) * GROUPS)`` groups, at random."""
-    keep = round(GROUPS * (1 - sparsity))
-    idx = torch.rand(batch, GROUPS, generator=gen).topk(keep, dim=1).indices
-    return torch.zeros(batch, GROUPS, dtype=torch.bool).scatter_(1, idx, True).to(device)
+def exact_mask(batch: int, groups: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
+    """Each sequence keeps exactly ``round((1 - sparsity) * groups)`` groups, at random."""
+    keep = round(groups * (1 - sparsity))
+    idx = torch.rand(batch, groups, generator=gen).topk(keep, dim=1).indices
+    return torch.zeros(batch, groups, dtype=torch.bool).scatter_(1, idx, True).to(device)
 
 
 def dense_attention(q, keys, values, step, scale):
@@ -68,15 +70,16 @@ def split_counts(context: int) -> list[int]:
     return [s for s in (1, 2, 4, 8, 16, 32, 64) if context // s >= 64]
 
 
-def run_cell(batch, context, sparsities, sweep, device, dtype, bench, gen) -> dict:
-    scale = HEAD_DIM**-0.5
-    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
-    keys = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=dtype)
-    values = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=dtype)
+def run_cell(batch, context, sparsities, sweep, device, dtype, bench, gen, shape=SHAPES["llama-3.1-8b"]) -> dict:
+    heads, kv_heads, head_dim, groups = shape
+    scale = head_dim**-0.5
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    keys = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
+    values = torch.randn(batch, kv_heads, context, head_dim, device=device, dtype=dtype)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     allowed = torch.ones(batch, 1, 1, context, dtype=torch.bool, device=device)
     step = Step(None, None, None, allowed, None, False)
-    masks = {s: exact_mask(batch, s, gen, device) for s in sparsities}
+    masks = {s: exact_mask(batch, groups, s, gen, device) for s in sparsities}
     cuda = device.type == "cuda"
     if cuda:
         torch._dynamo.reset()  # one compiled graph per shape, as the runtime's (dynamic=False)
@@ -98,7 +101,7 @@ def run_cell(batch, context, sparsities, sweep, device, dtype, bench, gen) -> di
         return row
     row["dense_us"] = bench(lambda: dense(q, keys, values, step, scale))
     default = {
-        "splits": policy.attention_decode_splits(context, batch, KV_HEADS),
+        "splits": policy.attention_decode_splits(context, batch, kv_heads),
         "block_n": policy.ATTN_DECODE_BLOCK,
         "warps": policy.ATTN_DECODE_WARPS,
     }
@@ -145,13 +148,15 @@ def table(rows: list[dict], sparsities: list[float], which: str) -> list[str]:
     return lines
 
 
-def write(out: str, rows: list[dict], sparsities: list[float], sweep: bool) -> str:
+def write(out: str, rows: list[dict], sparsities: list[float], sweep: bool, shape=SHAPES["llama-3.1-8b"]) -> str:
+    heads, kv_heads, head_dim, groups = shape
     lines = ["## The shipped launch settings (policy.py)", "", *table(rows, sparsities, "default")]
     if sweep:
         lines += ["", "## The best launch settings of the sweep", "", *table(rows, sparsities, "best")]
     facts = report.run_facts(
         True,
-        shape=f"{HEADS} query heads, {KV_HEADS} KV heads of {HEAD_DIM}, {GROUPS} groups of 4 heads, bf16; "
+        shape=f"{heads} query heads, {kv_heads} KV heads of {head_dim}, {groups} groups of {heads // groups} heads, "
+        "bf16; "
         "one layer's decode attention a call, the cache full",
     )
     title = "Routed decode attention over batch x context"
@@ -166,7 +171,9 @@ def main() -> int:
     parser.add_argument("--contexts", type=ints, default=[512, 2048, 8192, 16384, 32768])
     parser.add_argument("--sparsities", default="0,0.25,0.5", help="fractions of each sequence's groups skipped")
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch settings per cell")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b", help="the model's attention shapes")
     args = parser.parse_args()
+    shape = SHAPES[args.shape]
     where = report.gpu_or_smoke(args.smoke)
     if where is None:
         return 2
@@ -181,7 +188,7 @@ def main() -> int:
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            row = run_cell(batch, context, sparsities, args.sweep, device, dtype, bench, gen)
+            row = run_cell(batch, context, sparsities, args.sweep, device, dtype, bench, gen, shape)
             if cuda:
                 torch.cuda.empty_cache()  # the cell's cache, before the next one's
             rows.append(row)
@@ -196,14 +203,14 @@ def main() -> int:
                     )
             print(f"batch {batch} context {context}: {state} {timing}", flush=True)
             if cuda:  # written after every cell: a run stopped early keeps what it measured
-                write(args.out, rows, sparsities, args.sweep)
+                write(args.out, rows, sparsities, args.sweep, shape)
     if not all(r["correct"] for r in rows):
         print("MISMATCH: see above")
         return 1
     if not cuda:
         print("smoke: the routed decode attention matches the runtime's attention in every cell")
         return 0
-    print(write(args.out, rows, sparsities, args.sweep))
+    print(write(args.out, rows, sparsities, args.sweep, shape))
     return 0
 
 

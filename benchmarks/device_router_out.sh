@@ -7,11 +7,13 @@
 #   bash benchmarks/device_router_out.sh            # results in $OUT: kernel-tests.log, bench.{json,md},
 #                                                   # before_after.{md,json} (and each case's bench output)
 # CASES: as device_before_after.sh's; default SmolLM2-135M's shape at batch 1, 4 and 16 (512-token prompt) and
-# Llama-3.1-8B's at batch 1 and 8 (1k). STEPS: any of tests, kernels, e2e (default all three).
+# Llama-3.1-8B's at batch 1 and 8 (1k). STEPS: any of tests, kernels, attention, e2e (default all four); attention:
+# the routed decode attention against the runtime's at SmolLM2's attention shapes (its range was measured at 8B's),
+# into $OUT/attention-smollm2.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-steps=${STEPS:-"tests kernels e2e"}
+steps=${STEPS:-"tests kernels attention e2e"}
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ " $steps " == *" tests "* ]]; then
@@ -20,6 +22,10 @@ if [[ " $steps " == *" tests "* ]]; then
 fi
 if [[ " $steps " == *" kernels "* ]]; then
   python3 benchmarks/bench_wide_kernels.py --only prologue --out "$out" 2>&1 | tail -n 30
+fi
+if [[ " $steps " == *" attention "* ]]; then
+  python3 benchmarks/bench_attention_matrix.py --shape smollm2-135m --contexts 512,2048 --batches 1,4,16 \
+    --out "$out/attention-smollm2" 2>&1 | tail -n 8
 fi
 if [[ " $steps " == *" e2e "* ]]; then
   before=/tmp/router-out-before

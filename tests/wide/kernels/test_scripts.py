@@ -132,14 +132,16 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU interpreter's smoke (on a GPU the scripts time their kernels)")
 def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every
-    cell), ``bench_out_prefill.py --smoke --tiles`` (the prefill out-width products, autotuned and each tile) and
-    ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against their
-    references before it would time them. Their smoke runs on the CPU in the interpreter (the device's Triton 3.6
-    interpreter cannot take a program id as a loop bound under NumPy 2.4: a GPU machine skips this)."""
+    cell, at Llama-3.1-8B's and SmolLM2's attention shapes), ``bench_out_prefill.py --smoke --tiles`` (the
+    prefill out-width products, autotuned and each tile) and ``bench_shared_set.py --smoke`` with the tile
+    reduction at prefill: each checks its kernels against their references before it would time them. Their
+    smoke runs on the CPU in the interpreter (the device's Triton 3.6 interpreter cannot take a program id as a
+    loop bound under NumPy 2.4: a GPU machine skips this)."""
     interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = run_script("bench_attention_matrix.py", "--smoke", env=interpreted)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "matches the runtime's attention in every cell" in proc.stdout
+    for shape in ("llama-3.1-8b", "smollm2-135m"):
+        proc = run_script("bench_attention_matrix.py", "--smoke", "--shape", shape, env=interpreted)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "matches the runtime's attention in every cell" in proc.stdout
     proc = run_script("bench_out_prefill.py", "--smoke", "--tiles", "--out", str(tmp_path), env=interpreted)
     assert proc.returncode == 0 and "every kernel matches the reference" in proc.stdout, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
