@@ -3,9 +3,11 @@
 # its GPU tests, its kernel rows (bench_wide_kernels.py --only prologue), then end to end side by side: this tree as
 # it is ("before": auto runs the decision's launch, then the product) against the same tree with a range for
 # router_out up to 16 tokens ("after": the one launch; benchmarks/policy_range.py edits the device's copy only).
-# Through the device tool, from the repo root, carrying [".whl"]:
-#   bash benchmarks/device_router_out.sh            # results in $OUT: kernel-tests.log, bench.{json,md},
-#                                                   # before_after.{md,json} (and each case's bench output)
+# Through the device tool, from the repo root, carrying [".whl"]; all of it takes more than one call's 10 minutes,
+# so in two calls on the warm machine:
+#   STEPS="tests kernels attention" bash benchmarks/device_router_out.sh   # kernel-tests.log, bench.{json,md},
+#                                                                         # attention-smollm2/
+#   STEPS=e2e bash benchmarks/device_router_out.sh     # before_after.{md,json} (and each case's bench output)
 # CASES: as device_before_after.sh's; default SmolLM2-135M's shape at batch 1, 4 and 16 (512-token prompt) and
 # Llama-3.1-8B's at batch 1 and 8 (1k). STEPS: any of tests, kernels, attention, e2e (default all four); attention:
 # the routed decode attention against the runtime's at SmolLM2's attention shapes (its range was measured at 8B's),
