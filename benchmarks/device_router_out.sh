@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The decision in the first product's prologue (router_norm_out_gemm; policy.UNMEASURED) on the device, in one call:
+# The decision in the first product's prologue (router_norm_out_gemm; policy.UNMEASURED) measured on the device:
 # its GPU tests, its kernel rows (bench_wide_kernels.py --only prologue), then end to end side by side: this tree as
 # it is ("before": auto runs the decision's launch, then the product) against the same tree with a range for
 # router_out up to 16 tokens ("after": the one launch; benchmarks/policy_range.py edits the device's copy only).
