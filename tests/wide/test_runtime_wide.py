@@ -314,7 +314,7 @@ def test_lora_kept_apart_is_timed_merged_and_left_as_it_was(tiny_model_dir, monk
     """``apply``'s speed columns time a model whose LoRA adapters are apart with them merged (``lora_merged``):
     WIDE's blocks run every layer (no eager fallback), on the logits of the adapted model; afterwards every
     tensor, the adapter layers themselves and the logits are exactly what they were (the run is then evaluated
-    or saved with its adapters apart)."""
+    or saved with its adapters apart), an error inside the timing included."""
     from peft import LoraConfig, get_peft_model
 
     from compresskit import bench
@@ -344,6 +344,10 @@ def test_lora_kept_apart_is_timed_merged_and_left_as_it_was(tiny_model_dir, monk
         assert all(model.get_submodule(n) is m for n, m in adapters.items() if n)
         assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
         assert torch.equal(model(ids).logits, want)
+    with pytest.raises(RuntimeError, match="the timing failed"), lora_merged(model):  # (an error midway)
+        raise RuntimeError("the timing failed")
+    assert all(model.get_submodule(n) is m for n, m in adapters.items() if n)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     built = []
     real = bench.runtime_for
     monkeypatch.setattr(bench, "runtime_for", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
