@@ -388,20 +388,23 @@ def replace_module(model: nn.Module, fqn: str, new: nn.Module) -> nn.Module:
     return old
 
 
-def merge_lora(model: nn.Module) -> int:
-    """Fold every LoRA adapter (peft's ``LoraLayer``) into its base weight and put the plain layer back;
-    returns how many were merged."""
-    if "peft" not in sys.modules:  # (no adapter exists before peft is imported: spare its import)
-        return 0
+def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, layer)`` of each LoRA adapter layer (peft's ``LoraLayer``) of ``model``; none where peft was never
+    imported (no adapter can exist then: its import is spared)."""
+    if "peft" not in sys.modules:
+        return []
     from peft.tuners.lora import LoraLayer
 
-    merged = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoraLayer):
-            module.merge()
-            replace_module(model, name, module.get_base_layer())
-            merged += 1
-    return merged
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every LoRA adapter into its base weight and put the plain layer back; returns how many were merged."""
+    layers = _lora_layers(model)
+    for name, module in layers:
+        module.merge()
+        replace_module(model, name, module.get_base_layer())
+    return len(layers)
 
 
 @contextlib.contextmanager
@@ -410,21 +413,10 @@ def lora_merged(model: nn.Module):
     exactly as it was: each adapted layer's weight kept on the CPU meanwhile and copied back, the adapter
     layers back in place. For a timing on the runtime, whose blocks read plain weights, of a model that is
     then evaluated or saved with its adapters apart."""
-    if "peft" not in sys.modules:  # (as in merge_lora)
-        yield 0
-        return
-    from peft.tuners.lora import LoraLayer
-
-    kept = [
-        (name, module, module.get_base_layer().weight.detach().to("cpu", copy=True))
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLayer)
-    ]
+    kept = [(name, module, module.get_base_layer().weight.detach().to("cpu", copy=True)) for name, module in
+            _lora_layers(model)]  # fmt: skip
     try:
-        for name, module, _ in kept:
-            module.merge()
-            replace_module(model, name, module.get_base_layer())
-        yield len(kept)
+        yield merge_lora(model)
     finally:
         with torch.no_grad():
             for name, module, weight in kept:

@@ -329,8 +329,8 @@ def router_norm_out_gemm(
         return triton_router_norm_out_gemm(
             shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows=dense_rows, counts=counted
         )
-    decided = router_norm_from_shares(shares, b_down, route_w, route_b, x, delta, norm_w, eps, counts, count, backend)
-    execute, x_new, h = decided
+    router = (shares, b_down, route_w, route_b)
+    execute, x_new, h = router_norm_from_shares(*router, x, delta, norm_w, eps, counts, count, backend)
     return masked_out_gemm(h, w, execute, w_up, zero_inactive, backend, dense_rows), execute, x_new
 
 
