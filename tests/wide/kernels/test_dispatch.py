@@ -107,10 +107,10 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
 
 
 def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
-    """``router_norm_out_gemm`` runs its one launch under "triton" up to 16 tokens; under "auto" on CUDA tensors
-    (where ``policy`` has no measured range for it) and past 16 tokens under every backend, the decision's
-    operator and then the product's, as the blocks ran them before it. Every path gives the reference's
-    decision, residual and product, counted once (spied here on the CPU, the kernels in the interpreter)."""
+    """``router_norm_out_gemm`` runs its one launch under "triton" up to 16 tokens and under "auto" at one token
+    of a width up to SmolLM2's (the measured range); elsewhere, and past 16 tokens under every backend, the
+    decision's operator and then the product's. Every path gives the reference's decision, residual and
+    product, counted once (spied here on the CPU, the kernels in the interpreter)."""
     from compresskit_wide.kernels.gemm_out import torch_router_norm_out_gemm
 
     fused = []
@@ -118,9 +118,10 @@ def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
     monkeypatch.setattr(ops, "triton_router_norm_out_gemm", lambda *a, **k: fused.append(1) or real(*a, **k))
     monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: backend != "torch")
     monkeypatch.setattr(policy, "check_gpu", lambda device: None)
-    assert not any(policy.use_kernel("router_out", m) for m in (1, 16))  # (measured: add its range, drop this)
+    assert policy.use_kernel("router_out", 1, width=576)
+    assert not any(policy.use_kernel("router_out", m, width=w) for m, w in ((2, 576), (1, 577), (1, 4096), (1, 0)))
     w = torch.randn(48 + 16, 40, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    for m in (3, 20):
+    for m in (1, 3, 20):
         args = prologue_inputs(m, 40, 3, "ragged", seed=m)
         want, want_execute, want_x = torch_router_norm_out_gemm(*args, w, None, 16)
         want_counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
@@ -129,7 +130,8 @@ def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
             fused.clear()
             counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
             got, execute, x_new = ops.router_norm_out_gemm(*args, w, None, 16, True, counts, True, backend)
-            assert fused == ([1] if backend == "triton" and m <= policy.DECODE_MAX_M else []), (m, backend)
+            taken = (backend == "triton" and m <= policy.DECODE_MAX_M) or (backend == "auto" and m == 1)
+            assert fused == ([1] if taken else []), (m, backend)
             assert torch.equal(execute, want_execute) and torch.equal(x_new, want_x)
             assert torch.equal(counts, want_counts)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

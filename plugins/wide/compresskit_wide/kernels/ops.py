@@ -113,6 +113,7 @@ def _choose(
     groups: int = 0,
     zeroed: bool = False,
     shared: bool = False,
+    width: int = 0,
 ) -> str:
     """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
     measured faster), "dense" (the fallback under "auto" on CUDA) or "torch" (the reference)."""
@@ -121,7 +122,7 @@ def _choose(
     if backend == "triton":
         return "triton"
     policy.check_gpu(tensors[0].device)
-    chosen = policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed, shared=shared)
+    chosen = policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed, shared=shared, width=width)
     return "triton" if chosen else "dense"
 
 
@@ -324,7 +325,7 @@ def router_norm_out_gemm(
     ``gemm_out.py``); elsewhere, and under "auto" wherever it was not measured faster (``policy``), the two
     operators run one after the other."""
     m = x.shape[0]
-    if m <= policy.DECODE_MAX_M and _choose(backend, "router_out", m, x, w) == "triton":
+    if m <= policy.DECODE_MAX_M and _choose(backend, "router_out", m, x, w, width=x.shape[1]) == "triton":
         counted = counts if count else None
         return triton_router_norm_out_gemm(
             shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows=dense_rows, counts=counted

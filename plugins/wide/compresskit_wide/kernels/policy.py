@@ -36,12 +36,14 @@ class Range:
     max_groups: int | None = None
     zeroed: bool | None = None  # the reduction's input already zero in its inactive groups
     shared: bool | None = None  # every token runs the same groups (a batch's consensus set at decode)
+    max_width: int | None = None  # the product's input width (the model's hidden size)
     why: str = ""
 
-    def covers(self, m: int, context: int, groups: int, zeroed: bool, shared: bool) -> bool:
+    def covers(self, m: int, context: int, groups: int, zeroed: bool, shared: bool, width: int) -> bool:
         return (
             self.min_m <= m
             and (self.max_m is None or m <= self.max_m)
+            and (self.max_width is None or 0 < width <= self.max_width)
             and context >= self.min_context
             and (self.max_groups is None or 0 < groups <= self.max_groups)
             and (self.zeroed is None or zeroed == self.zeroed)
@@ -117,28 +119,42 @@ KERNEL_RANGES = (
     ),
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
+    Range(
+        "router_out",
+        max_m=1,
+        max_width=576,
+        why="the decision, add and norm in the first product's prologue at one token of SmolLM2's width: its "
+        "decode 1.05x faster than with the decision's own launch; slower at 4 and 16 tokens and at 8B's width "
+        "(docs/wide-kernels-h200.md)",
+    ),
 )
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
-#   router_out: the decision, add and norm in the decode product's prologue (``gemm_out.py``), against the
-#   decision's own launch and then the product (benchmarks/device_router_out.sh: kernel rows, then end to end)
-UNMEASURED = ("router_out",)
+UNMEASURED: tuple[str, ...] = ()
 OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router", "router_out")
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 
 def use_kernel(
-    op: str, m: int, *, context: int = 0, groups: int = 0, zeroed: bool = False, shared: bool = False
+    op: str,
+    m: int,
+    *,
+    context: int = 0,
+    groups: int = 0,
+    zeroed: bool = False,
+    shared: bool = False,
+    width: int = 0,
 ) -> bool:
     """Whether ``backend="auto"`` takes ``op``'s Triton kernel for ``m`` tokens (the batch, for
     ``attn_decode``), ``context`` cached positions, a reduction over ``groups`` input groups whose
     input is (``zeroed``) or is not yet zero in the inactive ones, tokens that all run the same groups
-    (``shared``) or not. False: the dense fallback."""
+    (``shared``) or not, a product over ``width`` input features (0: not given; a range bounded in width then
+    does not apply). False: the dense fallback."""
     ranges = _RANGES.get(op)
     if ranges is None:
         raise ValueError(f"unknown operator {op!r}; known: {', '.join(OPS)}")
     for r in ranges:
-        if r.covers(m, context, groups, zeroed, shared):
+        if r.covers(m, context, groups, zeroed, shared, width):
             return True
     return False
 
