@@ -227,6 +227,38 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         assert widths == [expected, qkv_rows]  # the prompt's product, then the decode step's
 
 
+def test_a_prefills_o_gets_its_skipped_heads_zeroed_in_the_block(tiny_model_dir, monkeypatch):
+    """Past the decode kernels' sizes, after the runtime's attention, the block zeroes the skipped heads itself
+    (in its compiled graph on a GPU) and tells o's reduction so, whose fallback is then the plain product; at
+    decode o gets the attention's output as it is. The logits stay the routed modules'."""
+    from compresskit.runtime import runtime_for
+    from compresskit_wide import blocks
+    from compresskit_wide.kernels.policy import DECODE_MAX_M
+
+    model, pruner = _wide_model(tiny_model_dir)
+    fast, ref = runtime_for(model, pruner), Runtime(model)
+    attn = fast.blocks[0][0]
+    seen = []  # (tokens, zeroed as told, exactly zero in the skipped heads) of the first block's o
+    real = blocks.masked_reduce_gemm
+
+    def recording(x, w, mask, zeroed, *rest):
+        if w is attn.wo:
+            skipped = ~mask.bool().repeat_interleave(x.shape[1] // mask.shape[1], dim=1)
+            seen.append((x.shape[0], zeroed, bool((x[skipped] == 0).all())))
+        return real(x, w, mask, zeroed, *rest)
+
+    monkeypatch.setattr(blocks, "masked_reduce_gemm", recording)
+    ids = torch.randint(2, 300, (2, 10), generator=torch.Generator().manual_seed(4))
+    caches = [rt.new_cache(2, 11) for rt in (fast, ref)]
+    with torch.no_grad():
+        got, want = (rt.forward(ids, c) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got, want = (rt.decode(torch.tensor([7, 8]), c) for rt, c in zip((fast, ref), caches, strict=True))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert 20 > DECODE_MAX_M and seen[0] == (20, True, True)
+    assert seen[1][:2] == (2, False)
+
+
 def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts (q, k and v through one

@@ -27,6 +27,7 @@ from torch import nn
 from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, stacked_linear, write_cache
 from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
+from compresskit_wide.kernels.common import zero_inactive_groups
 from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
@@ -272,8 +273,13 @@ class WideAttention(Attention, _Routing):
         else:  # all heads; o reads the kept ones
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
+        zeroed = routed
+        if self.wo is not None and not routed and t > 1 and b * t > DECODE_MAX_M:
+            # a prefill's o past the decode kernels' sizes runs the reduction's dense fallback, which would zero
+            # the skipped heads in a pass of its own: zeroed here, the select joins the block's graph
+            out, zeroed = zero_inactive_groups(out, execute), True
         if self.wo is not None:
-            y, shares = self.last_product(out, self.wo, execute, routed, x, shared)
+            y, shares = self.last_product(out, self.wo, execute, zeroed, x, shared)
         else:
             y, shares = self.o_proj(mask_input_groups(out, execute)), None
         return x, y.view(b, t, -1), shares
