@@ -594,7 +594,8 @@ def test_decode_attention_bench_checks_every_form_on_the_cpu():
 
 def test_before_after_script_pairs_the_rows_of_two_bench_runs(tmp_path):
     """``before_after.py``: each row of the later run beside the same (model, batch, prompt) row of the
-    earlier one, with after / before times; rows one side lacks are left out; no common row is an error."""
+    earlier one of the same case (two cases with the same rows stay apart), with after / before times; rows one
+    side lacks are left out; no common row is an error, as are unequal counts of folders."""
     import json
     import subprocess
     import sys
@@ -613,19 +614,24 @@ def test_before_after_script_pairs_the_rows_of_two_bench_runs(tmp_path):
 
     script = Path(__file__).parents[2] / "benchmarks" / "before_after.py"
     out = tmp_path / "out"
-    args = ["--before", bench_dir("b", 3.0), "--after", bench_dir("a", 3.3), "--out", str(out)]
+    args = ["--before", bench_dir("b", 3.0), bench_dir("b2", 2.0), "--after", bench_dir("a", 3.3),
+            bench_dir("a2", 1.0), "--out", str(out)]  # fmt: skip
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((out / "before_after.json").read_text())["rows"]
-    assert [(r["model"], r["tpot_after_over_before"]) for r in rows] == [("compressed", 1.1), ("dense", 1.0)]
+    got = [(r["case"], r["model"], r["tpot_after_over_before"]) for r in rows]
+    assert got == [(1, "compressed", 1.1), (1, "dense", 1.0), (2, "compressed", 0.5), (2, "dense", 1.0)]
     assert (
-        "| compressed | 1 | 1024 | 20.00 / 20.00 | 1.000 | 3.000 / 3.300 | 1.100 |"
+        "| 1 | compressed | 1 | 1024 | 20.00 / 20.00 | 1.000 | 3.000 / 3.300 | 1.100 |"
         in (out / "before_after.md").read_text()
     )
+    fewer = [*args[:5], *args[6:]]  # the second case's after missing
+    proc = subprocess.run([sys.executable, str(script), *fewer], capture_output=True, text=True)
+    assert proc.returncode == 2 and "2 --before folders and 1 --after" in proc.stderr
     other = tmp_path / "other"
     other.mkdir()
     (other / "bench.json").write_text(json.dumps({"meta": {}, "results": []}))
-    proc = subprocess.run([sys.executable, str(script), "--before", str(other), "--after", args[3], "--out", str(out)])
+    proc = subprocess.run([sys.executable, str(script), "--before", str(other), "--after", args[4], "--out", str(out)])
     assert proc.returncode == 1
 
 
