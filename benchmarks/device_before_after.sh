@@ -5,8 +5,8 @@
 # benchmarks/before_after.py's table. Through the device tool, from the repo root, carrying [".whl", DIR]:
 #   BEFORE=.baseline bash benchmarks/device_before_after.sh
 # CASES: bench arguments, one case a line (default: Llama-3.1-8B shapes at a 1k prompt, batch 1 and 8, and a 4k
-# prompt at batch 1); CASE_TIMEOUT bounds each run (300 s). Results: $OUT/{before,after}-N/bench.{json,md},
-# $OUT/before_after.{md,json}.
+# prompt at batch 1); CASE_TIMEOUT bounds each run (300 s). Results: $OUT/before_after.{md,json} and
+# $OUT/cases.tar.gz, each case's {before,after}-N/bench.{json,md} (packed: the device tool returns 8 files at most).
 set -uo pipefail
 : "${BEFORE:?BEFORE=DIR, the earlier tree}"
 source "$(dirname "$0")/device_env.sh"   # the wheels into /tmp/site, this tree into /tmp/ck
@@ -32,3 +32,6 @@ while IFS= read -r case; do
   befores+=("$out/before-$n") afters+=("$out/after-$n")
 done <<< "${CASES:-$default_cases}"
 python3 benchmarks/before_after.py --before "${befores[@]}" --after "${afters[@]}" --out "$out"
+status=$?
+(cd "$out" && tar -czf cases.tar.gz --exclude='*.png' before-* after-* && rm -rf before-* after-*)
+exit $status
