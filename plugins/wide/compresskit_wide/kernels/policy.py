@@ -130,8 +130,18 @@ KERNEL_RANGES = (
 )
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
-UNMEASURED: tuple[str, ...] = ()
-OPS = ("swiglu", "out", "reduce", "reduce_handoff", "attn_decode", "attn_prefill", "router", "router_out")
+UNMEASURED: tuple[str, ...] = ("router_consensus",)
+OPS = (
+    "swiglu",
+    "out",
+    "reduce",
+    "reduce_handoff",
+    "attn_decode",
+    "attn_prefill",
+    "router",
+    "router_out",
+    "router_consensus",
+)
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
 
