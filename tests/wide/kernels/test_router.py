@@ -317,8 +317,8 @@ def test_the_one_launch_consensus_validates_its_counter():
     for bad in (torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)):
         with pytest.raises(ValueError, match="arrivals must be an int32 \\[1\\]"):
             triton_router_norm_consensus(*args, 2, bad.to(DEVICE), cap=3, quorum=0.5, share_set=True)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="cap must be in 1..5"):
-        arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         triton_router_norm_consensus(*args, 2, arrivals, cap=6, quorum=0.5, share_set=True)
 
 

@@ -296,9 +296,8 @@ def router_norm_consensus(
     """``router_norm_from_shares`` giving its margins, then ``consensus_decide`` (the rule's arguments as
     there): ``(execute [M, G], x + delta, rms_norm(x + delta))``. The kernel does both in one launch up to
     ``policy.SHARED_MAX_M`` tokens (``kernels/consensus.py``; ``arrivals``: the caller's int32 ``[1]`` counter,
-    zero between launches);
-    elsewhere, and under "auto" wherever it was not measured faster (``policy``), the two operators run one
-    after the other."""
+    zero between launches); elsewhere, and under "auto" wherever it was not measured faster (``policy``), the
+    two operators run one after the other."""
     m = x.shape[0]
     rule = {"cap": cap, "quorum": quorum, "share_set": share_set, "valid": valid, "follow": follow}
     if m <= policy.SHARED_MAX_M and _choose(backend, "router_consensus", m, x) == "triton":
