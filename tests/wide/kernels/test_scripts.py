@@ -152,3 +152,30 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ops = {r["op"] for r in json.loads((tmp_path / "shared_set.json").read_text())["rows"]}
     assert {"down, split K", "o, split K", "down, tiles of 16", "o, tiles of 16"} <= ops
+
+
+def test_policy_range_gives_an_unmeasured_op_its_range_in_a_copy(tmp_path, monkeypatch):
+    """``benchmarks/policy_range.py`` (``device_policy_trial.sh``'s "after" tree): on a copy of ``policy.py``, the
+    op leaves ``UNMEASURED`` and ``auto`` takes its kernel up to the given token count, the rest of the policy as
+    it was; asked again (nothing left to edit), one line and exit 2."""
+    import importlib.util
+
+    from compresskit_wide.kernels import policy
+
+    copy = tmp_path / "policy.py"
+    copy.write_text(Path(policy.__file__).read_text())
+    proc = run_script("policy_range.py", str(copy), "router_consensus", "--max-m", "64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    spec = importlib.util.spec_from_file_location("policy_with_range", copy)
+    edited = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, edited)  # (its dataclass looks its module up)
+    spec.loader.exec_module(edited)
+    assert "router_consensus" in policy.UNMEASURED and not policy.use_kernel("router_consensus", 1)
+    assert "router_consensus" not in edited.UNMEASURED and set(edited.OPS) == set(policy.OPS)
+    assert set(edited.UNMEASURED) == set(policy.UNMEASURED) - {"router_consensus"}
+    assert edited.use_kernel("router_consensus", 64) and not edited.use_kernel("router_consensus", 65)
+    kept = [repr(r) for r in edited.KERNEL_RANGES if r.op != "router_consensus"]
+    assert kept == [repr(r) for r in policy.KERNEL_RANGES]
+    proc = run_script("policy_range.py", str(copy), "router_consensus", "--max-m", "64")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "'router_consensus' is not in UNMEASURED" in proc.stderr

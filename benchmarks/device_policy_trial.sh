@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# An op of policy.UNMEASURED measured on the device (H200) before `auto` takes it: its tests on the GPU, its
+# kernel rows, then end to end side by side: this tree as it is ("before": auto runs the op's fallback) against
+# the same tree with a range for OP up to MAX_M tokens ("after"; benchmarks/policy_range.py edits the device's
+# copy only). Through the device tool, from the repo root, carrying [".whl"]; the steps may take more than one
+# call's 10 minutes, so split them over calls on the warm machine:
+#   OP=router_consensus MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log,
+#                                                                                                # bench.{json,md}
+#   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
+# OP (required), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three); TESTS: the test
+# files and TESTS_K their -k (default, for router_consensus, its kernel, dispatch and race tests and the blocks
+# under consensus on the kernels; else tests/wide/kernels, every test); ONLY: bench_wide_kernels.py's --only
+# (default for router_consensus "consensus decided"; else OP); CASES: as device_before_after.sh's (default, for router_consensus, Llama-3.1-8B shapes
+# under `follow 1.25` and the capped majority at 8 x 1k, 32 x 2k and 64 x 2k; else 8B at batch 1 and 8, 1k;
+# where the cases pass one call's limit, give each call some of them).
+set -uo pipefail
+: "${OP:?OP=NAME, an op of policy.UNMEASURED}"
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+steps=${STEPS:-"tests kernels e2e"}
+if [ "$OP" = router_consensus ]; then
+  tests_default="tests/wide/kernels/test_router.py tests/wide/kernels/test_dispatch.py tests/wide/test_consensus.py"
+  k_default="one_launch or on_the_kernels"
+  only_default="consensus decided"
+  rules="--consensus quorum=0,follow=1.25 --consensus quorum=0.5,budget=0.5 --transformers off --bounds off"
+  cases_default="--shape llama-3.1-8b --prompt 1024 --batch 8 --new-tokens 32 --repeats 3 $rules
+--shape llama-3.1-8b --prompt 2048 --batch 32,64 --new-tokens 32 --repeats 3 --ttft-repeats 1 $rules"
+else
+  tests_default="tests/wide/kernels"
+  k_default=""
+  only_default="$OP"
+  cases_default="--shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 64 --repeats 5 --transformers off"
+fi
+source "$(dirname "$0")/device_env.sh"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [[ " $steps " == *" tests "* ]]; then
+  read -r -a tests <<<"${TESTS:-$tests_default}"
+  k=${TESTS_K-$k_default}
+  python3 -m pytest -q -p no:cacheprovider -rfEs "${tests[@]}" ${k:+-k "$k"} 2>&1 | tee "$out/kernel-tests.log" |
+    tail -n 5
+fi
+if [[ " $steps " == *" kernels "* ]]; then
+  python3 benchmarks/bench_wide_kernels.py --only "${ONLY:-$only_default}" --out "$out" 2>&1 | tail -n 30
+fi
+if [[ " $steps " == *" e2e "* ]]; then
+  before=/tmp/policy-trial-before
+  rm -rf "$before" && mkdir -p "$before" && cp -r compresskit plugins pyproject.toml README.md "$before" || exit 3
+  python3 benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py "$OP" --max-m "${MAX_M:-16}" ||
+    exit 3
+  BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash benchmarks/device_before_after.sh
+fi
