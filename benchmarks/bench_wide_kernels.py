@@ -406,6 +406,19 @@ def case_router(
     )
 
 
+def block_start(m, d, groups, dtype, device, rank=32) -> tuple:
+    """What a block's start at decode reads when the block before handed its router the shares of ``m`` tokens:
+    ``(shares, b_down, route_w, route_b, x, delta, norm_w, eps)`` (a router of ``groups`` groups and ``rank``)."""
+    from compresskit_wide.kernels.gemm_reduce import torch_router_shares
+
+    x, delta = torch.randn(m, d, device=device, dtype=dtype), torch.randn(m, d, device=device, dtype=dtype) / 4
+    norm_w = (1 + torch.randn(d, device=device) / 4).to(dtype)
+    route = (torch.zeros(rank, device=device), torch.randn(2 * groups, rank, device=device) / rank**0.5)
+    route += (torch.zeros(2 * groups, device=device),)
+    shares = torch_router_shares(x + delta, torch.randn(rank, d, device=device) / d**0.5)
+    return shares, *route, x, delta, norm_w, 1e-5
+
+
 def case_router_out(m, d, n, groups, dense_rows, fuse, dtype, device, gen, results, label):
     """A block's start at decode from the shares the block before handed on (``label``: the model and the
     product): the router's decision, the residual add and the RMSNorm in the first product's prologue, one
@@ -413,18 +426,12 @@ def case_router_out(m, d, n, groups, dense_rows, fuse, dtype, device, gen, resul
     product (what ``auto`` runs until ``policy`` gives the one launch a range). Counting, as the runtime's
     blocks count. The bound is 1: both skip the same groups, the one launch saves a launch and its wait."""
     from compresskit_wide.kernels.gemm_out import triton_router_norm_out_gemm
-    from compresskit_wide.kernels.gemm_reduce import torch_router_shares
     from compresskit_wide.kernels.router import triton_router_norm_from_shares
 
-    rank = 32
-    x, delta = torch.randn(m, d, device=device, dtype=dtype), torch.randn(m, d, device=device, dtype=dtype) / 4
-    norm_w = (1 + torch.randn(d, device=device) / 4).to(dtype)
+    shares, *route, x, delta, norm_w, eps = block_start(m, d, groups, dtype, device)
     w = (torch.randn(n + dense_rows, d, device=device) / d**0.5).to(dtype)
     w_up = (torch.randn(n, d, device=device) / d**0.5).to(dtype) if fuse else None
-    route = (torch.zeros(rank, device=device), torch.randn(2 * groups, rank, device=device) / rank**0.5)
-    route += (torch.zeros(2 * groups, device=device),)
-    shares = torch_router_shares(x + delta, torch.randn(rank, d, device=device) / d**0.5)
-    norm = (x, delta, norm_w, 1e-5)
+    norm = (x, delta, norm_w, eps)
     counts = torch.zeros(2, dtype=torch.float64, device=device)
 
     def ours():
@@ -460,16 +467,9 @@ def case_router_consensus(b, d, groups, dtype, device, gen, results):
     the consensus's (what ``auto`` runs until ``policy`` gives the one launch a range). Counting, as the
     runtime's blocks count. The bound is 1: the same decision, one launch fewer."""
     from compresskit_wide.kernels.consensus import triton_consensus, triton_router_norm_consensus
-    from compresskit_wide.kernels.gemm_reduce import torch_router_shares
     from compresskit_wide.kernels.router import triton_router_norm_from_shares
 
-    rank = 32
-    x, delta = torch.randn(b, d, device=device, dtype=dtype), torch.randn(b, d, device=device, dtype=dtype) / 4
-    norm_w = (1 + torch.randn(d, device=device) / 4).to(dtype)
-    route = (torch.zeros(rank, device=device), torch.randn(2 * groups, rank, device=device) / rank**0.5)
-    route += (torch.zeros(2 * groups, device=device),)
-    shares = torch_router_shares(x + delta, torch.randn(rank, d, device=device) / d**0.5)
-    start = (shares, *route, x, delta, norm_w, 1e-5)
+    start = block_start(b, d, groups, dtype, device)
     rule = {"cap": groups, "quorum": 0.0, "share_set": True, "follow": 1.25}
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     arrivals = torch.zeros(1, dtype=torch.int32, device=device)

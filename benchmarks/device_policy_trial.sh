@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # An op of policy.UNMEASURED measured on the device (H200) before `auto` takes it: its tests on the GPU, its
 # kernel rows, then end to end side by side: this tree as it is ("before": auto runs the op's fallback) against
-# the same tree with a range for OP up to MAX_M tokens ("after"; benchmarks/policy_range.py edits the device's
-# copy only). Through the device tool, from the repo root, carrying [".whl"]; the steps may take more than one
-# call's 10 minutes, so split them over calls on the warm machine:
+# the same tree with a range for OP up to MAX_M tokens ("after"; benchmarks/policy_range.py edits a copy in
+# /tmp, never this checkout). Through the device tool, from the repo root, carrying [".whl"]; the steps may take
+# more than one call's 10 minutes, so split them over calls on the warm machine:
 #   OP=router_consensus MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log,
 #                                                                                                # bench.{json,md}
 #   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
@@ -16,7 +16,7 @@
 set -uo pipefail
 : "${OP:?OP=NAME, an op of policy.UNMEASURED}"
 out=${OUT:-/tmp/out}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # (absolute: the end-to-end step runs in a copy of the tree)
 steps=${STEPS:-"tests kernels e2e"}
 if [ "$OP" = router_consensus ]; then
   tests_default="tests/wide/kernels/test_router.py tests/wide/kernels/test_dispatch.py tests/wide/test_consensus.py"
@@ -31,6 +31,16 @@ else
   only_default="$OP"
   cases_default="--shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 64 --repeats 5 --transformers off"
 fi
+if [[ " $steps " == *" e2e "* ]]; then
+  # both trees are copies (this checkout stays as it is): the "after" one with the range, made first so that an
+  # OP the policy does not list as unmeasured stops here
+  before=/tmp/policy-trial-before after=/tmp/policy-trial-after
+  for tree in "$before" "$after"; do
+    rm -rf "$tree" && mkdir -p "$tree" && cp -r compresskit plugins benchmarks pyproject.toml README.md "$tree" || exit 3
+  done
+  python3 benchmarks/policy_range.py "$after/plugins/wide/compresskit_wide/kernels/policy.py" "$OP" \
+    --max-m "${MAX_M:-16}" || exit 2
+fi
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ " $steps " == *" tests "* ]]; then
@@ -43,9 +53,5 @@ if [[ " $steps " == *" kernels "* ]]; then
   python3 benchmarks/bench_wide_kernels.py --only "${ONLY:-$only_default}" --out "$out" 2>&1 | tail -n 30
 fi
 if [[ " $steps " == *" e2e "* ]]; then
-  before=/tmp/policy-trial-before
-  rm -rf "$before" && mkdir -p "$before" && cp -r compresskit plugins pyproject.toml README.md "$before" || exit 3
-  python3 benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py "$OP" --max-m "${MAX_M:-16}" ||
-    exit 3
-  BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash benchmarks/device_before_after.sh
+  (cd "$after" && BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash benchmarks/device_before_after.sh)
 fi

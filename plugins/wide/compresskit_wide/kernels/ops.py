@@ -109,26 +109,16 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     return reason is None and all(t.is_cuda for t in tensors)  # auto
 
 
-def _choose(
-    backend: str,
-    op: str,
-    rows: int,
-    *tensors: torch.Tensor,
-    context: int = 0,
-    groups: int = 0,
-    zeroed: bool = False,
-    shared: bool = False,
-    width: int = 0,
-) -> str:
+def _choose(backend: str, op: str, rows: int, *tensors: torch.Tensor, **where) -> str:
     """Which implementation of ``op`` runs: "triton" (the kernel: asked for, or under "auto"
-    measured faster), "dense" (the fallback under "auto" on CUDA) or "torch" (the reference)."""
+    measured faster), "dense" (the fallback under "auto" on CUDA) or "torch" (the reference).
+    ``where``: the call's criteria, as ``policy.use_kernel`` takes them."""
     if not _use_triton(backend, *tensors):
         return "torch"
     if backend == "triton":
         return "triton"
     policy.check_gpu(tensors[0].device)
-    chosen = policy.use_kernel(op, rows, context=context, groups=groups, zeroed=zeroed, shared=shared, width=width)
-    return "triton" if chosen else "dense"
+    return "triton" if policy.use_kernel(op, rows, **where) else "dense"
 
 
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
