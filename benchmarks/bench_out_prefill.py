@@ -3,12 +3,18 @@
 
     python benchmarks/bench_out_prefill.py --out DIR            # on the H200
     python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
+    python benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024 --masks all,keep78.5 --out DIR
     python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
 
 Products at Llama-3.1-8B shapes: q with k and v stacked under it (6144 x 4096, 8 routed groups of 512 rows,
 2048 dense rows) and gate+up with the SwiGLU fused (14336 x 4096 each, 112 groups of 128). Masks: ``all``
 (every group on: the kernel's own efficiency at cuBLAS's work), ``iid50`` / ``iid25`` (each group off with
-probability 0.5 / 0.25, independently per token) and ``exact50`` (half of each token's groups). cuBLAS is the
+probability 0.5 / 0.25, independently per token), ``exact50`` (half of each token's groups) and ``keepP`` (each
+group active on exactly P% of the tokens, drawn per group: ``keep78.5`` holds 402 of 512 tokens a group, as the
+end-to-end bench's 25% row realised). With ``--tail-split 1,2`` the kernel runs with each ``TAIL_SPLIT`` on the
+tile the autotuner chose first (its last round of active items whole, or in two pieces where it fills at most
+half the programs), and each row gives the items and rounds the programs run (``gemm_out.persistent_rounds``).
+cuBLAS is the
 dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up: gate and up stacked in memory as the runtime
 stacks them, one product, then the SwiGLU and the select in one pass), the inactive groups of q left as computed;
 for gate+up also the fallback before (two products and the eager SwiGLU: ``eager us``). GPU time with the
@@ -33,7 +39,6 @@ from compresskit_wide.kernels.autotune import staged_tile_bytes  # noqa: E402
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     torch_masked_out_gemm,
-    triton_masked_out_gemm,
     triton_persistent_out_gemm,
 )
 
@@ -41,6 +46,10 @@ MASKS = {"all": None, "iid50": 0.5, "iid25": 0.25, "exact50": "exact"}
 
 
 def make_mask(m: int, groups: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind.startswith("keep"):  # each group active on exactly this share of the tokens
+        active = round(float(kind[4:]) / 100 * m)
+        ranks = torch.rand(m, groups, generator=gen).argsort(dim=0).argsort(dim=0)
+        return ranks < active
     off = MASKS[kind]
     if off is None:
         return torch.ones(m, groups, dtype=torch.bool)
@@ -67,6 +76,9 @@ def main() -> int:
     parser.add_argument("--tokens", default="1024,2048,4096,8192")
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
+    parser.add_argument(
+        "--tail-split", default=str(policy.OUT_TAIL_SPLIT), help="the kernel's TAIL_SPLIT values, side by side (1,2)"
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -88,8 +100,12 @@ def main() -> int:
     tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
+    splits = [int(v) for v in args.tail_split.split(",")]  # the first is the "kernel" column
+    more = splits[1:]
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS | eager us |"
-    lines = [header, "|---|---|---|---|---|---|---|"]
+    header += "".join(f" split {s} us | x split {splits[0]} |" for s in more)
+    header += " items, rounds |" if more else ""
+    lines = [header, "|---" * header.count(" |") + "|"]
     tile_lines = [
         "| product | tokens | mask | BLOCK_M x N x K, warps, stages, programs | us | x cuBLAS |",
         "|---|---|---|---|---|---|",
@@ -109,15 +125,18 @@ def main() -> int:
                     "cublas": functools.partial(
                         dense_masked_out_gemm, x, w, mask, w_up, zero_inactive=False, dense_rows=dense_rows
                     ),
-                    "kernel": functools.partial(
-                        triton_masked_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, **fixed
-                    ),
                 }
+                for i, split in enumerate(splits):  # the persistent kernel (M > 16) at each TAIL_SPLIT
+                    calls["kernel" if i == 0 else f"split{split}"] = functools.partial(
+                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split, **fixed
+                    )
                 if fused:  # the fallback before the one pass
                     calls["eager"] = functools.partial(eager_swiglu, x, w, w_up)
                 us = {}
                 for label, call in calls.items():
-                    if label == "kernel" or (label == "cublas" and fused):  # (q's fallback leaves inactive groups)
+                    if label.startswith(("kernel", "split")) or (
+                        label == "cublas" and fused
+                    ):  # (q's fallback: as computed)
                         good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
                         ok &= good
                         if not good:
@@ -127,10 +146,18 @@ def main() -> int:
                 best = getattr(gemm_out._tuned_prefill, "best_config", None) if gpu else None
                 if best is not None:  # the tile the autotuner chose for this row's shape
                     row["tile"] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
+                    programs = torch.cuda.get_device_properties(dev).multi_processor_count * best.kwargs["PER_SM"]
+                    tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], programs)
+                    row["plans"] = {s: gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, s) for s in splits}
                 rows.append(row)
                 c, ours = us["cublas"], us["kernel"]
                 eager = f"{us['eager']:.1f}" if "eager" in us else "-"
                 line = f"| {name} | {m} | {kind} | {c:.1f} | {ours:.1f} | {c / ours:.2f}x | {eager} |"
+                line += "".join(f" {us[f'split{s}']:.1f} | {ours / us[f'split{s}']:.2f}x |" for s in more)
+                if more:
+                    plans = row.get("plans", {})
+                    rounds = " / ".join(f"{plans[s]['rounds']:g}" for s in splits) if plans else "-"
+                    line += f" {plans[splits[0]]['items'] if plans else '-'}, {rounds} |"
                 lines.append(line)
                 print(line, flush=True)
                 if args.tiles and kind == "all":

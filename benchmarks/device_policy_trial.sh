@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
-# An op of policy.UNMEASURED measured on the device (H200) before `auto` takes it: its tests on the GPU, its
-# kernel rows, then end to end side by side: this tree as it is ("before": auto runs the op's fallback) against
-# the same tree with a range for OP up to MAX_M tokens ("after"; benchmarks/policy_range.py edits a copy in
-# /tmp, never this checkout). Through the device tool, from the repo root, carrying [".whl"]; the steps may take
-# more than one call's 10 minutes, so split them over calls on the warm machine:
+# A change to `auto` measured on the device (H200) before it lands: an op of policy.UNMEASURED (OP, given a range
+# up to MAX_M tokens), or a launch setting of the policy given another value (SET=NAME=VALUE). Its tests on the
+# GPU, its kernel rows, then end to end side by side: this tree as it is ("before": auto runs the op's fallback,
+# or the setting's value) against the same tree with the change ("after"; benchmarks/policy_range.py edits a copy
+# in /tmp, never this checkout). Through the device tool, from the repo root, carrying [".whl"]; the steps may
+# take more than one call's 10 minutes, so split them over calls on the warm machine:
 #   OP=router_consensus MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log,
 #                                                                                                # bench.{json,md}
 #   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
-# OP (required), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three); TESTS: the test
-# files and TESTS_K their -k (default, for router_consensus, its kernel, dispatch and race tests and the blocks
-# under consensus on the kernels; else tests/wide/kernels, every test); ONLY: bench_wide_kernels.py's --only
-# (default for router_consensus "consensus decided"; else OP); CASES: as device_before_after.sh's (default, for router_consensus, Llama-3.1-8B shapes
-# under `follow 1.25` and the capped majority at 8 x 1k, 32 x 2k and 64 x 2k; else 8B at batch 1 and 8, 1k;
-# where the cases pass one call's limit, give each call some of them).
+#   SET=OUT_TAIL_SPLIT=2 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # bench-out-prefill.{json,md}
+#   SET=OUT_TAIL_SPLIT=2 STEPS=e2e bash benchmarks/device_policy_trial.sh
+# OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three); TESTS: the
+# test files and TESTS_K their -k (default, for router_consensus, its kernel, dispatch and race tests and the
+# blocks under consensus on the kernels; for OUT_TAIL_SPLIT the persistent product's tests; else
+# tests/wide/kernels, every test); ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus
+# decided"; else OP); KERNELS: the kernel step's command instead (default for OUT_TAIL_SPLIT
+# bench_out_prefill.py at both values, 512-4k tokens, with the masks of the end-to-end rows); CASES: as
+# device_before_after.sh's (default, for router_consensus, Llama-3.1-8B shapes under `follow 1.25` and the capped
+# majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; else 8B at
+# batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
 set -uo pipefail
-: "${OP:?OP=NAME, an op of policy.UNMEASURED}"
+if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
+  echo "give OP=NAME (an op of policy.UNMEASURED) or SET=NAME=VALUE (a setting of the policy), one of them" >&2
+  exit 2
+fi
+OP=${OP:-} SET=${SET:-}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # (absolute: the end-to-end step runs in a copy of the tree)
 steps=${STEPS:-"tests kernels e2e"}
@@ -25,21 +35,33 @@ if [ "$OP" = router_consensus ]; then
   rules="--consensus quorum=0,follow=1.25 --consensus quorum=0.5,budget=0.5 --transformers off --bounds off"
   cases_default="--shape llama-3.1-8b --prompt 1024 --batch 8 --new-tokens 32 --repeats 3 $rules
 --shape llama-3.1-8b --prompt 2048 --batch 32,64 --new-tokens 32 --repeats 3 --ttft-repeats 1 $rules"
+elif [[ "$SET" == OUT_TAIL_SPLIT=* ]]; then
+  tests_default="tests/wide/kernels/test_gemm_out.py"
+  k_default="persistent"
+  kernels_default="python3 benchmarks/bench_out_prefill.py --tail-split 1,${SET#*=} --tokens 512,1024,2048,4096
+    --masks all,iid50,iid25,keep78.5"
+  ttft="--shape llama-3.1-8b --batch 1 --sparsity 0.25,0.375,0.5 --new-tokens 16 --repeats 3 --ttft-repeats 3"
+  cases_default="$ttft --prompt 512 --bounds off --transformers off
+$ttft --prompt 1024 --bounds off --transformers off"
 else
   tests_default="tests/wide/kernels"
   k_default=""
-  only_default="$OP"
+  only_default="${OP:-$SET}"
   cases_default="--shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 64 --repeats 5 --transformers off"
 fi
 if [[ " $steps " == *" e2e "* ]]; then
-  # both trees are copies (this checkout stays as it is): the "after" one with the range, made first so that an
-  # OP the policy does not list as unmeasured stops here
+  # both trees are copies (this checkout stays as it is): the "after" one with the change, made first so that an
+  # OP the policy does not list as unmeasured, or a SET that is no setting of it, stops here
   before=/tmp/policy-trial-before after=/tmp/policy-trial-after
   for tree in "$before" "$after"; do
     rm -rf "$tree" && mkdir -p "$tree" && cp -r compresskit plugins benchmarks pyproject.toml README.md "$tree" || exit 3
   done
-  python3 benchmarks/policy_range.py "$after/plugins/wide/compresskit_wide/kernels/policy.py" "$OP" \
-    --max-m "${MAX_M:-16}" || exit 2
+  if [ -n "$SET" ]; then
+    python3 benchmarks/policy_range.py "$after/plugins/wide/compresskit_wide/kernels/policy.py" --set "$SET" || exit 2
+  else
+    python3 benchmarks/policy_range.py "$after/plugins/wide/compresskit_wide/kernels/policy.py" "$OP" \
+      --max-m "${MAX_M:-16}" || exit 2
+  fi
 fi
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -50,7 +72,12 @@ if [[ " $steps " == *" tests "* ]]; then
     tail -n 5
 fi
 if [[ " $steps " == *" kernels "* ]]; then
-  python3 benchmarks/bench_wide_kernels.py --only "${ONLY:-$only_default}" --out "$out" 2>&1 | tail -n 30
+  kernels=${KERNELS:-${kernels_default:-}}
+  if [ -n "$kernels" ]; then
+    $kernels --out "$out" 2>&1 | tail -n 40
+  else
+    python3 benchmarks/bench_wide_kernels.py --only "${ONLY:-$only_default}" --out "$out" 2>&1 | tail -n 30
+  fi
 fi
 if [[ " $steps " == *" e2e "* ]]; then
   (cd "$after" && BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash benchmarks/device_before_after.sh)

@@ -1,8 +1,8 @@
 """What WIDE's kernels compile to on Hopper, checked on any machine: no GPU needed.
 
-    python benchmarks/hopper_codegen.py [--json FILE]
+    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
-    python benchmarks/hopper_codegen.py --out-tiles [--json FILE]
+    python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--json FILE]
 
 Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm in
 their prologue, as their wrappers launch them; the reductions also with the next router's shares in their epilogue;
@@ -28,6 +28,8 @@ groups a step), with its group list and without ("direct"), at o_proj's and down
 4 and 16 tokens, beside whether the autotuner hook (``autotune.packed_pruner``) keeps the tile.
 ``--out-tiles``: the same for the persistent prefill product's table (q, gate+up fused; groups of 512, 128
 and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
+``--tail-split``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last round in pieces, a
+second K loop; default ``policy.OUT_TAIL_SPLIT``).
 """
 
 from __future__ import annotations
@@ -147,13 +149,13 @@ def as_launched(module, kernel_name: str, call) -> tuple[object, dict, dict]:
     return kernel, runtime, {k: v for k, v in seen["kwargs"].items() if k in kernel.arg_names}
 
 
-def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
+def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
     heads of a KV head are a 16-row tile: the older MMA)."""
     import torch
 
-    from compresskit_wide.kernels import attention_decode, consensus, gemm_out, gemm_reduce, router
+    from compresskit_wide.kernels import attention_decode, consensus, gemm_out, gemm_reduce, policy, router
     from compresskit_wide.kernels.common import softmax_scale
 
     bf16, u8 = "*bf16", "*u8"
@@ -216,6 +218,10 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
     # the persistent prefill products at 4k tokens: q with k and v under it, gate+up fused (TMA weight tiles)
     desc = "tensordesc<bf16[128, 64]>"
     persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")
+    # the persistent products' tail pieces (their descriptors' block rows: gemm_out._tail_width)
+    split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split
+    tail_desc = f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': 128, 'TAIL_SPLIT': split})}, 64]>"
+    persistent.update(w_tail_desc=tail_desc, wu_tail_desc=tail_desc)
     persistent.update(M=4096, K=D, M_BUCKET=4096, stride_xm=D)
     q_prefill = {**persistent, "N": (HEADS + 2 * 8) * HEAD_DIM, "GW": ATTN_GROUP * HEAD_DIM, "G": HEADS // ATTN_GROUP}
     q_prefill.update(LAUNCHED=HEADS // ATTN_GROUP + 4, stride_om=(HEADS + 2 * 8) * HEAD_DIM)
@@ -230,7 +236,10 @@ def cases() -> list[tuple[str, object, dict, dict, int, int, str]]:
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
+    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = (
+        f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': 64, 'TAIL_SPLIT': split})}, 64]>"
+    )
+    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "TAIL_SPLIT": split}
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
     # the FFN router's margins, the set capped at one group and following the tokens' count, counted
     margin = torch.zeros(8, FFN // GROUP)
@@ -356,16 +365,16 @@ def reduce_tiles() -> list[dict]:
     return rows
 
 
-def out_tiles() -> list[dict]:
+def out_tiles(tail_split: int | None = None) -> list[dict]:
     """Every tile of the persistent prefill product's table, q alone and gate+up fused, at group widths of
     512, 128 and 32 channels, and any tile the autotuner hook (``autotune.prune_staged_tiles``) makes of its
     own (narrowed to a group, or with fewer stages): its shared memory compiled for sm_90, beside the
     hook's estimate and whether the hook keeps it."""
     import torch
 
-    from compresskit_wide.kernels import autotune, policy
+    from compresskit_wide.kernels import autotune, gemm_out, policy
 
-    named_cases = {c[0]: c for c in cases()}
+    named_cases = {c[0]: c for c in cases(tail_split)}
     table = autotune.configs(policy.OUT_PERSISTENT)
     compiled, rows = {}, []
     for fused in (False, True):
@@ -378,7 +387,10 @@ def out_tiles() -> list[dict]:
             for c in table + [c for c in kept if tile_key(c) not in {tile_key(t) for t in table}]:
                 if (fused, tile_key(c)) not in compiled:
                     desc = f"tensordesc<bf16[{c.kwargs['BLOCK_N']}, {c.kwargs['BLOCK_K']}]>"
-                    args = {**runtime, "w_desc": desc, "wu_desc": desc}
+                    tail = gemm_out._tail_width({**c.kwargs, "TAIL_SPLIT": constexprs["TAIL_SPLIT"]})
+                    tail_desc = f"tensordesc<bf16[{tail}, {c.kwargs['BLOCK_K']}]>"
+                    args = {**runtime, "w_desc": desc, "wu_desc": desc, "w_tail_desc": tail_desc}
+                    args["wu_tail_desc"] = tail_desc
                     got = compile_for_hopper(kernel, args, {**constexprs, **c.kwargs}, c.num_warps, c.num_stages)
                     compiled[fused, tile_key(c)] = got["shared"]
                 estimate = autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, fused)
@@ -393,17 +405,20 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--reduce-tiles", action="store_true", help="the packed reduction's tiles' shared memory")
     parser.add_argument("--out-tiles", action="store_true", help="the persistent prefill tiles' shared memory")
+    parser.add_argument(
+        "--tail-split", type=int, choices=(1, 2), help="the persistent products' TAIL_SPLIT (default: the policy's)"
+    )
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
     if args.reduce_tiles or args.out_tiles:
-        rows = reduce_tiles() if args.reduce_tiles else out_tiles()
+        rows = reduce_tiles() if args.reduce_tiles else out_tiles(args.tail_split)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0
     rows, failed = [], 0
-    for name, kernel, runtime, constexprs, warps, stages, mma in cases():
+    for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split):
         got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)
         problems = [
             what

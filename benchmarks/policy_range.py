@@ -1,14 +1,17 @@
-"""Give an op of ``policy.UNMEASURED`` a range in a copy of ``policy.py``, for a before/after on the device: the
-tree as it is runs the op's fallback under ``auto``, the copy with the range its kernel, so that the two trees side
-by side (``device_before_after.sh``, through ``device_policy_trial.sh``) measure what the range would change end to
-end. Edits the file in place (the device's copy of the tree; never commit the result unmeasured).
+"""Give an op of ``policy.UNMEASURED`` a range, or a launch setting of the policy another value, in a copy of
+``policy.py``, for a before/after on the device: the tree as it is runs the op's fallback (or the setting's
+measured value) under ``auto``, the copy the kernel (or the value under test), so that the two trees side by side
+(``device_before_after.sh``, through ``device_policy_trial.sh``) measure what the change would do end to end.
+Edits the file in place (the device's copy of the tree; never commit the result unmeasured).
 
     python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py router_consensus --max-m 64
+    python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py --set OUT_TAIL_SPLIT=2
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
@@ -32,18 +35,46 @@ def with_range(source: str, op: str, max_m: int) -> str:
     return source[:end] + added + source[end:]
 
 
+def with_setting(source: str, assignment: str) -> str:
+    """``policy.py``'s text with the one-line setting ``NAME=VALUE`` (an upper-case name assigned a number, a
+    string or a tuple of them on a line of its own, perhaps a comment after it) given ``VALUE``; a ValueError
+    where it is not such a setting or the value is no literal of the same type."""
+    name, sep, value = assignment.partition("=")
+    name = name.strip()
+    pattern = rf"^{re.escape(name)}(: [^=]+)? = ([^#\n]+?)(\s+#.*)?$"  # (a comment after the value)
+    line = re.search(pattern, source, flags=re.M) if name.isupper() else None
+    if not sep or line is None:
+        raise ValueError(f"{name!r} is not a one-line setting of the policy (NAME=VALUE)")
+    try:
+        old, new = ast.literal_eval(line.group(2)), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"{name}: {line.group(2)!r} or {value.strip()!r} is not a literal") from None
+    if type(old) is not type(new):
+        raise ValueError(f"{name}: {value.strip()!r} is a {type(new).__name__}, the policy's a {type(old).__name__}")
+    edited = f"{name}{line.group(1) or ''} = {new!r}  # under test: benchmarks/policy_range.py (was {old!r})"
+    return source[: line.start()] + edited + source[line.end() :]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("policy", type=Path)
-    parser.add_argument("op")
-    parser.add_argument("--max-m", type=int, required=True, help="the range's largest token count")
+    parser.add_argument("op", nargs="?", help="an op of UNMEASURED, given a range up to --max-m tokens")
+    parser.add_argument("--max-m", type=int, help="the range's largest token count")
+    parser.add_argument("--set", metavar="NAME=VALUE", help="a launch setting's value instead")
     args = parser.parse_args()
+    if (args.op is None) == (args.set is None) or (args.op is not None) != (args.max_m is not None):
+        parser.error("give an op and --max-m, or --set NAME=VALUE")
     try:
-        args.policy.write_text(with_range(args.policy.read_text(), args.op, args.max_m))
+        text = args.policy.read_text()
+        edited = with_setting(text, args.set) if args.set else with_range(text, args.op, args.max_m)
+        args.policy.write_text(edited)
     except (OSError, ValueError) as exc:
         print(f"error: {args.policy}: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.policy}: {args.op} runs its kernel up to {args.max_m} tokens under auto")
+    if args.set:
+        print(f"{args.policy}: {args.set.strip()} under auto")
+    else:
+        print(f"{args.policy}: {args.op} runs its kernel up to {args.max_m} tokens under auto")
     return 0
 
 

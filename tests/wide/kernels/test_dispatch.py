@@ -251,6 +251,15 @@ def test_autotune_hooks_keep_tiles_that_fit():
         {**nargs, "BLOCK_N": 128, "BLOCK_K": 64}
     )
     assert nargs["w_desc"].block_shape == [128, 64] and nargs["wu_desc"].block_shape == [128, 64]
+    # the split tail's descriptors: pieces of half the tile's channels where they hold 16 or more, else the tile's
+    from compresskit_wide.kernels import gemm_out
+
+    hook = gemm_out._tuned_prefill.configs[0].pre_hook
+    for block_n, split, rows in ((128, 2, 64), (32, 2, 16), (16, 2, 16), (128, 1, 128)):
+        tail = {name: TensorDescriptor.from_tensor(w, [16, 16]) for name in ("w_tail_desc", "wu_tail_desc")}
+        hook({**nargs, **tail, "BLOCK_N": block_n, "BLOCK_K": 64, "TAIL_SPLIT": split})
+        assert tail["w_tail_desc"].block_shape == tail["wu_tail_desc"].block_shape == [rows, 64]
+        assert nargs["w_desc"].block_shape == [block_n, 64]
 
 
 def test_l2_flush_buffer_is_writable_after_a_first_call_in_inference_mode():

@@ -10,6 +10,7 @@ from kernel_helpers import DEVICE, NEEDS_GPU, SPARSITIES, poisoned, prologue_inp
 from compresskit_wide.kernels.gemm_out import (  # noqa: E402
     dense_masked_out_gemm,
     out_kernel_takes,
+    persistent_rounds,
     stacked_rows,
     swiglu_zero,
     torch_masked_out_gemm,
@@ -88,6 +89,104 @@ def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsi
     assert torch.isnan(buf[m:]).all()
 
 
+@pytest.mark.parametrize(("m", "dense_rows", "fuse"), [(70, 0, False), (61, 0, True), (45, 64, False), (33, 0, True)])
+@pytest.mark.parametrize("sparsity", SPARSITIES)
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sparsity, block_n):
+    """A last round of active items that fills at most half the programs runs in two pieces of an item's
+    channels (groups of 48 channels: in two channel tiles of 32, pieces of 16, or one of 64, pieces of 32; a
+    piece, and the last dense group, partly or wholly past its channels): the reference's values, exact zeros
+    in inactive groups, every output element written, nothing after it; the programs chosen on the host's
+    item count."""
+    split, gw = 2, 48
+    x, w, w_up = inputs(m, 48, 3 * gw + dense_rows, fuse, seed=m + block_n)
+    mask = random_mask(m, 3, sparsity, seed=m * 11)
+    want = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
+    items = persistent_rounds(mask, gw, dense_rows, 16, block_n, 1)["items"]
+    # the most programs for which the last round fills at most 1 / split of them, after a round of whole items
+    # (none where too few items are active: all off, or nearly)
+    tails = [p for p in range(1, items) if 0 < (items % p) * split <= p]
+    programs = max(tails, default=2)
+    assert bool(persistent_rounds(mask, gw, dense_rows, 16, block_n, programs, split)["pieces"]) == bool(tails)
+    assert tails or sparsity > 0
+    buf = poisoned(m, 3 * gw + dense_rows)
+    got = triton_persistent_out_gemm(
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=block_n, block_k=16,
+        programs=programs, tail_split=split,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(got[:, : 3 * gw][~mask.repeat_interleave(gw, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's white-box check (on a GPU the tests above run)")
+@pytest.mark.parametrize("fuse", [False, True])
+def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse):
+    """Which items the split tail runs: the kernel launched with its tail descriptors over a zero weight gives
+    zeros in exactly the last round's items (the host's enumeration: group after group, a group's token tiles
+    in its sorted order, each over its channel tiles) and the reference everywhere else."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from compresskit_wide.kernels.gemm_out import triton_persistent_out_gemm_kernel
+    from compresskit_wide.kernels.layout import torch_routing_layout
+
+    m, k, gw, groups, bm, bn = 50, 32, 48, 3, 16, 32
+    x, w, w_up = inputs(m, k, groups * gw, fuse, seed=9)
+    w_up = w if w_up is None else w_up
+    mask = random_mask(m, groups, 0.4, seed=4)
+    order, counts = torch_routing_layout(mask)
+    plan = persistent_rounds(mask, gw, 0, bm, bn, 1)
+    programs = max(p for p in range(1, plan["items"]) if 0 < (plan["items"] % p) * 2 <= p)
+    plan = persistent_rounds(mask, gw, 0, bm, bn, programs, 2)
+    zero = torch.zeros_like(w)
+    descs = [TensorDescriptor.from_tensor(t, [rows, 16]) for rows, ts in ((bn, (w, w_up)), (bn // 2, (zero, zero)))
+             for t in ts]  # fmt: skip
+    out = torch.full((m, groups * gw), float("nan"))
+    triton_persistent_out_gemm_kernel[(programs,)](
+        x, *descs, out, order, counts, m, groups * gw, k, gw, groups, groups, 1, x.stride(0), out.stride(0),
+        FUSE_SWIGLU=fuse, DOT_PRECISION="ieee", GROUPS_P2=4, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, PER_SM=1,
+        TAIL_SPLIT=2,
+    )  # fmt: skip
+    want = torch_masked_out_gemm(x, w, mask, w_up if fuse else None)
+    tiles_n, item, tail = -(-gw // bn), 0, torch.zeros(m, groups * gw, dtype=torch.bool)
+    for g in range(groups):
+        for tm in range(-(-int(counts[g]) // bm)):
+            for tn in range(tiles_n):
+                if item >= plan["whole"]:  # an item of the split tail: its active rows, its channels in the group
+                    rows = order[g, tm * bm : min((tm + 1) * bm, int(counts[g]))].long()
+                    tail[rows, g * gw + tn * bn : g * gw + min((tn + 1) * bn, gw)] = True
+                item += 1
+    assert item == plan["items"] and plan["pieces"] == 2 * (item - plan["whole"]) > 0
+    assert torch.count_nonzero(out[tail]) == 0 and torch.count_nonzero(want[tail]) > 0
+    torch.testing.assert_close(out[~tail], want[~tail], rtol=1e-4, atol=1e-4)
+
+
+def test_persistent_rounds_counts_the_items_and_the_split_tail():
+    """The host's count of the kernel's items: 512 tokens over 112 groups of 128 channels in tiles of 128 x 128
+    (the tile the H200's autotuner chose for gate+up at 512 tokens), 132 programs. With 402 of each group's
+    tokens active (the realised 21.5% of the bench's 25% row) every group holds 4 tiles: 448 items, 4 rounds;
+    with 341 (37.5%) 3 tiles, 336 items, 3 rounds. Split in two, the 52 items of the fourth round take half a
+    round; a tail that fills more than half of the programs is not split, nor a tile narrower than 32
+    channels."""
+    groups = 112
+
+    def mask_with(active):
+        return torch.arange(512)[:, None].expand(512, groups) < active
+
+    assert persistent_rounds(mask_with(402), 128, 0, 128, 128, 132) == {
+        "items": 448, "whole": 448, "pieces": 0, "rounds": 4
+    }  # fmt: skip
+    assert persistent_rounds(mask_with(341), 128, 0, 128, 128, 132)["rounds"] == 3
+    assert persistent_rounds(mask_with(402), 128, 0, 128, 128, 132, 2) == {
+        "items": 448, "whole": 396, "pieces": 104, "rounds": 3.5
+    }  # fmt: skip
+    # 100 items of a last round over 132 programs: more than half, whole
+    assert persistent_rounds(mask_with(480), 128, 0, 128, 128, 116, 2)["pieces"] == 0
+    assert persistent_rounds(mask_with(402), 128, 0, 128, 16, 132, 2)["pieces"] == 0
+    with pytest.raises(ValueError, match="tail_split=4: 1 or 2"):
+        triton_persistent_out_gemm(*inputs(20, 32, 32, False, seed=1)[:2], random_mask(20, 2, 0.5), tail_split=4)
+
+
 def test_persistent_prefill_reads_a_weight_that_starts_unaligned():
     """A weight whose start is not 16-byte aligned (a view one element in, as a tensor mapped from a file
     may be) gives the reference's values, and ``auto`` would send it to cuBLAS."""
@@ -121,6 +220,33 @@ def test_bf16_persistent_prefill_with_autotuned_tiles(fuse, m):
     ref = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
     assert torch.count_nonzero(got[:, :2048][~mask.repeat_interleave(256, dim=-1)]) == 0
+    assert torch.isnan(buf[m:]).all()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=NEEDS_GPU)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_bf16_persistent_prefill_split_tail_on_the_h200s_tiles(fuse):
+    """The split tail in bf16 on the tiles the H200's autotuner chose (q: 64 x 256, its pieces 128 channels;
+    gate+up: 128 x 128, pieces of 64), the programs chosen so that the last round fills at most half of them:
+    the reference's values, zeros where inactive, nothing written past the rows."""
+    m, groups, gw = 600, 8 if not fuse else 28, 512 if not fuse else 128
+    dense_rows = 0 if fuse else 1024
+    bm, bn, warps, stages = (128, 128, 8, 4) if fuse else (64, 256, 8, 4)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(groups * gw + dense_rows, 1024, device="cuda", dtype=torch.bfloat16) / 4
+    w_up = torch.randn(groups * gw, 1024, device="cuda", dtype=torch.bfloat16) / 4 if fuse else None
+    mask = random_mask(m, groups, 0.25, seed=m)
+    items = persistent_rounds(mask, gw, dense_rows, bm, bn, 1)["items"]
+    programs = max(p for p in range(1, items) if 0 < (items % p) * 2 <= p)
+    assert persistent_rounds(mask, gw, dense_rows, bm, bn, programs, 2)["pieces"] > 0
+    buf = poisoned(m, groups * gw + dense_rows, torch.bfloat16)
+    got = triton_persistent_out_gemm(
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=bm, block_n=bn, block_k=64, warps=warps,
+        stages=stages, programs=programs, tail_split=2,
+    )  # fmt: skip
+    ref = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-1 if fuse else 2e-2 * 16)
+    assert torch.count_nonzero(got[:, : groups * gw][~mask.repeat_interleave(gw, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
 
 

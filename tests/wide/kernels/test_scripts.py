@@ -180,3 +180,33 @@ def test_policy_range_gives_an_unmeasured_op_its_range_in_a_copy(tmp_path, monke
     proc = run_script("policy_range.py", str(copy), "router_consensus", "--max-m", "64")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert "'router_consensus' is not in UNMEASURED" in proc.stderr
+
+
+def test_policy_range_sets_a_launch_setting_in_a_copy(tmp_path, monkeypatch):
+    """``policy_range.py --set NAME=VALUE`` (``device_policy_trial.sh SET=...``): on a copy of ``policy.py`` the
+    setting takes the value, the rest of the policy as it was, and the copy can be set again; a name that is no
+    setting, a value of another type or no literal: one line and exit 2, the copy untouched."""
+    import importlib.util
+
+    from compresskit_wide.kernels import policy
+
+    copy = tmp_path / "policy.py"
+    copy.write_text(Path(policy.__file__).read_text())
+    for value in (2, 1, 2):
+        proc = run_script("policy_range.py", str(copy), "--set", f"OUT_TAIL_SPLIT={value}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    spec = importlib.util.spec_from_file_location("policy_with_setting", copy)
+    edited = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, edited)
+    spec.loader.exec_module(edited)
+    assert edited.OUT_TAIL_SPLIT == 2 and policy.OUT_TAIL_SPLIT == 1
+    assert edited.SHARED_REDUCE_TILE == policy.SHARED_REDUCE_TILE and edited.UNMEASURED == policy.UNMEASURED
+    before = copy.read_text()
+    for bad, says in (
+        ("NOT_A_SETTING=2", "'NOT_A_SETTING' is not a one-line setting"),
+        ("OUT_TAIL_SPLIT=2.0", "'2.0' is a float, the policy's a int"),
+        ("OUT_TAIL_SPLIT=two", "is not a literal"),
+    ):
+        proc = run_script("policy_range.py", str(copy), "--set", bad)
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+    assert copy.read_text() == before

@@ -100,14 +100,15 @@ def autotuned(
     )(kernel)
 
 
-def descriptor_blocks(**blocks: tuple[str, ...]):
+def descriptor_blocks(**blocks: tuple):
     """Hook: set each named TMA descriptor's block shape from the tile, e.g.
     ``descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"))`` (a descriptor's block is part of the
-    compiled kernel, so it follows the tile the autotuner tries)."""
+    compiled kernel, so it follows the tile the autotuner tries); a dimension is a meta-parameter's
+    name or a function of the launch's arguments and meta-parameters."""
 
     def hook(nargs):
         for name, dims in blocks.items():
-            nargs[name].block_shape = [nargs[d] for d in dims]
+            nargs[name].block_shape = [d(nargs) if callable(d) else nargs[d] for d in dims]
 
     return hook
 

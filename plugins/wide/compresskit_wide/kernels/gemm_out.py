@@ -172,6 +172,35 @@ def dense_masked_out_gemm(
     return swiglu_zero(gate, up, mask)
 
 
+def persistent_rounds(
+    mask: torch.Tensor, gw: int, dense_rows: int, block_m: int, block_n: int, programs: int, tail_split: int = 1
+) -> dict:
+    """What the persistent prefill product's programs run for ``mask`` (``[M, G]``): its active items (every
+    group's tiles holding an active token x blocks of ``block_n`` of its ``gw`` channels; ``dense_rows`` in
+    groups of ``gw`` after them, every token active), the whole items and tail pieces a ``tail_split`` makes,
+    and the rounds over ``programs`` programs in items' time (a piece taking 1 / ``tail_split`` of one): the
+    kernel's time follows the rounds, not its multiply-adds (docs/wide-kernels-h200.md). Computed on the host,
+    as the kernel computes it from the routing layout's counts."""
+    m = mask.shape[0]
+    tiles_n = cdiv(gw, block_n)
+    counts = mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)
+    live = sum(cdiv(c, block_m) for c in counts) * tiles_n
+    whole, pieces = live, 0
+    split = tail_split if block_n >= 16 * tail_split else 1
+    if split > 1 and (live % programs) * split <= programs:
+        whole = live // programs * programs
+        pieces = (live - whole) * split
+    rounds = cdiv(whole, programs) + (1 / split if pieces else 0)
+    return {"items": live, "whole": whole, "pieces": pieces, "rounds": rounds}
+
+
+def _tail_width(meta: dict) -> int:
+    """The channels of a piece of the persistent prefill product's split tail (its tail descriptors' block rows):
+    ``BLOCK_N / TAIL_SPLIT`` where that is at least 16, else the item's whole ``BLOCK_N`` (not split)."""
+    split = meta["TAIL_SPLIT"]
+    return meta["BLOCK_N"] // split if meta["BLOCK_N"] >= 16 * split else meta["BLOCK_N"]
+
+
 if triton is not None:
 
     @triton.jit
@@ -329,18 +358,65 @@ if triton is not None:
         return g, first
 
     @triton.jit
+    def _live_item(
+        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, cum_live, lanes, tiles_n,
+        M, N, K, GW, G, stride_xm, stride_om,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # one active item (tile of a group's sorted tokens x block of BLOCK_N of its channels), or its
+        # ``part``-th piece of WIDTH channels (the descriptors' block WIDTH x BLOCK_K)
+        g, first = _group_of(item, cum_live, lanes)
+        routed = g < G
+        g_routed = tl.minimum(g, G - 1)
+        count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
+        tm = (item - first) // tiles_n
+        tn = (item - first) % tiles_n
+        slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        in_range = slots < M
+        rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)
+        rows = tl.where(routed, rows, slots).to(tl.int64)  # a prefill's M x N may pass 2**31
+        active = slots < count
+        c0 = tn * BLOCK_N + part * WIDTH  # the piece's first channel within its group
+        n0 = g * GW + c0
+        acc = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w_desc.load([n0, k0])), acc, input_precision=DOT_PRECISION)
+            if FUSE_SWIGLU:
+                acc_up = tl.dot(a, tl.trans(wu_desc.load([n0, k0])), acc_up, input_precision=DOT_PRECISION)
+        if FUSE_SWIGLU:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = tl.where(active[:, None], acc, 0.0)
+        cols_in = tl.arange(0, WIDTH)
+        cols = n0 + cols_in
+        col_ok = ((c0 + cols_in) < GW) & (cols < N)
+        tl.store(
+            out_ptr + rows[:, None] * stride_om + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=in_range[:, None] & col_ok[None, :],
+        )
+
+    @triton.jit
     def triton_persistent_out_gemm_kernel(
-        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr,
+        x_ptr, w_desc, wu_desc, w_tail_desc, wu_tail_desc, out_ptr, order_ptr, counts_ptr,
         M, N, K, GW, G, LAUNCHED, M_BUCKET,
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
+        TAIL_SPLIT: tl.constexpr,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
         # group's, then the items whose tokens are all inactive (zeros, no weight read). The weight
         # tiles come through TMA descriptors; the tokens, gathered by the routing layout, through
         # asynchronous copies. A group past the G routed ones (dense rows) takes every token in order.
+        # TAIL_SPLIT > 1: where the last round of active items fills at most 1 / TAIL_SPLIT of the
+        # programs, its items run in TAIL_SPLIT pieces of BLOCK_N / TAIL_SPLIT channels each (the tail
+        # descriptors' block; at least 16), a piece a program, so that the round takes a piece's time.
         # M_BUCKET is only the autotuning key.
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(GW, BLOCK_N)
@@ -352,39 +428,24 @@ if triton is not None:
         cum_zero = tl.cumsum(tl.where(lanes < LAUNCHED, tiles_m - live, 0) * tiles_n, axis=0)
         n_live = tl.max(cum_live, axis=0)
         n_zero = tl.max(cum_zero, axis=0)
+        programs = tl.num_programs(0)
+        whole = n_live  # the active items run whole
+        if TAIL_SPLIT > 1 and BLOCK_N >= 16 * TAIL_SPLIT:
+            rounds = n_live // programs * programs
+            whole = tl.where((n_live - rounds) * TAIL_SPLIT <= programs, rounds, n_live)
+        for item in tl.range(tl.program_id(0), whole, programs):
+            _live_item(
+                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, cum_live, lanes, tiles_n,
+                M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        if TAIL_SPLIT > 1 and BLOCK_N >= 16 * TAIL_SPLIT:
+            for piece in tl.range(tl.program_id(0), (n_live - whole) * TAIL_SPLIT, programs):
+                _live_item(
+                    x_ptr, w_tail_desc, wu_tail_desc, out_ptr, order_ptr, counts_ptr, whole + piece // TAIL_SPLIT,
+                    piece % TAIL_SPLIT, cum_live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU,
+                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
+                )  # fmt: skip
         cols_in = tl.arange(0, BLOCK_N)
-        for item in tl.range(tl.program_id(0), n_live, tl.num_programs(0)):
-            g, first = _group_of(item, cum_live, lanes)
-            routed = g < G
-            g_routed = tl.minimum(g, G - 1)
-            count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
-            tm = (item - first) // tiles_n
-            tn = (item - first) % tiles_n
-            slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-            in_range = slots < M
-            rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)
-            rows = tl.where(routed, rows, slots).to(tl.int64)  # a prefill's M x N may pass 2**31
-            active = slots < count
-            n0 = g * GW + tn * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            x_rows = x_ptr + rows[:, None] * stride_xm
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(x_rows + ks[None, :], mask=active[:, None] & (ks < K)[None, :], other=0.0)
-                acc = tl.dot(a, tl.trans(w_desc.load([n0, k0])), acc, input_precision=DOT_PRECISION)
-                if FUSE_SWIGLU:
-                    acc_up = tl.dot(a, tl.trans(wu_desc.load([n0, k0])), acc_up, input_precision=DOT_PRECISION)
-            if FUSE_SWIGLU:
-                acc = acc * tl.sigmoid(acc) * acc_up
-            acc = tl.where(active[:, None], acc, 0.0)
-            cols = n0 + cols_in
-            col_ok = ((tn * BLOCK_N + cols_in) < GW) & (cols < N)
-            tl.store(
-                out_ptr + rows[:, None] * stride_om + cols[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=in_range[:, None] & col_ok[None, :],
-            )
         for item in tl.range(tl.program_id(0), n_zero, tl.num_programs(0)):
             g, first = _group_of(item, cum_zero, lanes)
             live_g = tl.sum(tl.where(lanes == g, live, 0), axis=0)
@@ -407,7 +468,12 @@ if triton is not None:
         ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
         decode=False,
         prune=prune_staged_tiles("BLOCK_N"),
-        pre_hook=descriptor_blocks(w_desc=("BLOCK_N", "BLOCK_K"), wu_desc=("BLOCK_N", "BLOCK_K")),
+        pre_hook=descriptor_blocks(
+            w_desc=("BLOCK_N", "BLOCK_K"),
+            wu_desc=("BLOCK_N", "BLOCK_K"),
+            w_tail_desc=(_tail_width, "BLOCK_K"),
+            wu_tail_desc=(_tail_width, "BLOCK_K"),
+        ),
     )
     _decode_key = ["M", "N", "K", "GW", "FUSE_SWIGLU", "BLOCK_M"]
 
@@ -647,12 +713,15 @@ def triton_persistent_out_gemm(
     stages: int = 3,
     per_sm: int = 1,
     programs: int | None = None,
+    tail_split: int | None = None,
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned
     on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
-    ``warps``, ``stages`` and ``per_sm``."""
+    ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default ``policy.OUT_TAIL_SPLIT``): 2, a last round
+    of active items that fills at most half the programs runs in two pieces of each item's channels (where
+    a piece has at least 16); 1, whole items."""
     m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     if (k * w.element_size()) % 16:
         raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
@@ -662,17 +731,21 @@ def triton_persistent_out_gemm(
     w_up = _aligned(w_up.contiguous()) if fuse else w
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     order, counts = triton_routing_layout(mask)
+    tail_split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split
+    if tail_split not in (1, 2):
+        raise ValueError(f"tail_split={tail_split}: 1 or 2 pieces an item")
     fixed = block_n is not None or interpreted()
     bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-    wu_desc = TensorDescriptor.from_tensor(w_up, [bn, bk])
+    tail = _tail_width({"BLOCK_N": bn, "TAIL_SPLIT": tail_split})
+    descs = [TensorDescriptor.from_tensor(t, [rows, bk]) for rows in (bn, tail) for t in (w, w_up)]
     sms = 3 if interpreted() else _sm_count(x.device)
-    args = (x, w_desc, wu_desc, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
+    args = (x, *descs, out, order, counts, m, n, k, gw, groups, launched, m_bucket(m))
     args += (x.stride(0), out.stride(0))
     common = {
         "FUSE_SWIGLU": fuse,
         "DOT_PRECISION": dot_precision(x.dtype),
         "GROUPS_P2": max(2, next_power_of_2(launched)),
+        "TAIL_SPLIT": tail_split,
     }
 
     def grid(meta):

@@ -257,6 +257,10 @@ PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (H
 # the persistent output-width product at prefill: tiles, and the programs an SM runs (PER_SM: the grid is
 # that many per SM); tiles whose stages do not fit PACKED_SMEM_BUDGET are pruned (the fused SwiGLU stages
 # two weight tiles).
+# the persistent product's last round of active items, where it fills at most 1 / OUT_TAIL_SPLIT of the programs,
+# runs in that many pieces of an item's channels (1: whole items; 2 not measured yet, bench_out_prefill.py
+# --tail-split 1,2 measures both)
+OUT_TAIL_SPLIT = 1
 OUT_PERSISTENT = [
     ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
