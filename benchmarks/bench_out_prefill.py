@@ -5,6 +5,7 @@
     python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
     python benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024 --masks all,keep78.5 --out DIR
     python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
+    python benchmarks/bench_out_prefill.py --rounds RAW.json    # no GPU: a run's items and rounds (masks redrawn)
 
 Products at Llama-3.1-8B shapes: q with k and v stacked under it (6144 x 4096, 8 routed groups of 512 rows,
 2048 dense rows) and gate+up with the SwiGLU fused (14336 x 4096 each, 112 groups of 128). Masks: ``all``
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -71,7 +73,7 @@ def products(gpu: bool) -> dict:
     return {"q (+k, v dense)": (96, 64, 4, 32, False), "gate+up (SwiGLU)": (64, 48, 4, 0, True)}
 
 
-def main() -> int:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1024,2048,4096,8192")
     parser.add_argument("--masks", default=",".join(MASKS))
@@ -81,7 +83,52 @@ def main() -> int:
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--rounds", metavar="RAW", help="no timing: a raw file's items and rounds, its masks drawn again on the CPU"
+    )
+    parser.add_argument("--sms", type=int, default=132, help="with --rounds: the GPU's SMs (the H200's 132)")
+    return parser
+
+
+def replayed_rounds(raw: str, sms: int) -> list[dict]:
+    """Each kernel row of a raw file of this script (``--rounds``): the masks its run drew, drawn again on the CPU
+    (the same seed, shapes, token counts and masks, in the same order), and the items and rounds the persistent
+    kernel ran on the tile the autotuner chose (``gemm_out.persistent_rounds``, ``sms`` x its programs an SM)
+    beside the time it measured."""
+    data = json.loads(Path(raw).read_text())
+    run = arguments().parse_known_args(data["meta"]["command"].split()[1:])[0]
+    timed = {(r["product"], r["tokens"], r["mask"]): r for r in data["rows"] if "kernel_us" in r}
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, (n, d, groups, dense_rows, fused) in data["meta"]["shapes"].items():
+        torch.randn(2 * n if fused else n, d, generator=gen)  # the weights' draws
+        gw = (n - dense_rows) // groups
+        for m in (int(t) for t in run.tokens.split(",")):
+            torch.randn(m, d, generator=gen)
+            for kind in run.masks.split(","):
+                mask = make_mask(m, groups, kind, gen)
+                row = timed.get((name, m, kind))
+                if row is None or "tile" not in row:
+                    continue
+                tile = row["tile"]
+                plan = gemm_out.persistent_rounds(
+                    mask, gw, dense_rows, tile["BLOCK_M"], tile["BLOCK_N"], sms * tile["PER_SM"]
+                )
+                rows.append({**row, **plan, "us_per_round": row["kernel_us"] / plan["rounds"]})
+    return rows
+
+
+def main() -> int:
+    parser = arguments()
     args = parser.parse_args()
+    if args.rounds:
+        print("| product | tokens | mask | tile (M x N, an SM) | items | rounds | kernel us | us a round | x cuBLAS |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in replayed_rounds(args.rounds, args.sms):
+            tile = f"{r['tile']['BLOCK_M']} x {r['tile']['BLOCK_N']}, {r['tile']['PER_SM']}"
+            line = f"| {r['product']} | {r['tokens']} | {r['mask']} | {tile} | {r['items']} | {r['rounds']:g} | "
+            print(line + f"{r['kernel_us']:.1f} | {r['us_per_round']:.1f} | {r['cublas_us'] / r['kernel_us']:.2f}x |")
+        return 0
     where = report.gpu_or_smoke(args.smoke)
     if where is None:
         return 2

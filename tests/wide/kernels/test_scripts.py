@@ -210,3 +210,19 @@ def test_policy_range_sets_a_launch_setting_in_a_copy(tmp_path, monkeypatch):
         proc = run_script("policy_range.py", str(copy), "--set", bad)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
     assert copy.read_text() == before
+
+
+def test_out_prefill_rounds_of_a_committed_run():
+    """``bench_out_prefill.py --rounds RAW`` (no GPU): the short-prompt run's masks drawn again on the CPU give the
+    items and rounds its kernel ran; gate+up at 512 tokens: every group on, 448 items in 4 rounds; a quarter off,
+    396 items in 3 (the docs' "Rounds" table); every row's time is its rounds of about equal time."""
+    raw = BENCHMARKS.parent / "docs/results/wide-kernels/bench-out-prefill-short-h200-2026-12-04.json"
+    proc = run_script("bench_out_prefill.py", "--rounds", str(raw))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in proc.stdout.splitlines()[2:]]
+    assert len(rows) == 30
+    by = {(r[0], r[1], r[2]): r for r in rows}
+    assert by["gate+up (SwiGLU)", "512", "all"][4:6] == ["448", "4"]
+    assert by["gate+up (SwiGLU)", "512", "iid25"][4:6] == ["396", "3"]
+    per_round = [float(r[7]) for r in rows if r[0].startswith("gate") and int(r[1]) >= 512]
+    assert max(per_round) / min(per_round) < 1.05

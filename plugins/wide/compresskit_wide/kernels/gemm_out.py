@@ -178,12 +178,14 @@ def persistent_rounds(
     """What the persistent prefill product's programs run for ``mask`` (``[M, G]``): its active items (every
     group's tiles holding an active token x blocks of ``block_n`` of its ``gw`` channels; ``dense_rows`` in
     groups of ``gw`` after them, every token active), the whole items and tail pieces a ``tail_split`` makes,
-    and the rounds over ``programs`` programs in items' time (a piece taking 1 / ``tail_split`` of one): the
+    and the rounds over ``programs`` programs (the launcher's: SMs x ``PER_SM``, capped as its grid caps them) in
+    items' time (a piece taking 1 / ``tail_split`` of one): the
     kernel's time follows the rounds, not its multiply-adds (docs/wide-kernels-h200.md). Computed on the host,
     as the kernel computes it from the routing layout's counts."""
     m = mask.shape[0]
     tiles_n = cdiv(gw, block_n)
     counts = mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)
+    programs = min(programs, cdiv(m, block_m) * tiles_n * len(counts))  # as the launcher's grid caps them
     live = sum(cdiv(c, block_m) for c in counts) * tiles_n
     whole, pieces = live, 0
     split = tail_split if block_n >= 16 * tail_split else 1
