@@ -4,6 +4,7 @@
     python benchmarks/bench_out_prefill.py --out DIR            # on the H200
     python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
     python benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024 --masks all,keep78.5 --out DIR
+    python benchmarks/bench_out_prefill.py --chunk-tiles 0,16 --tokens 2048,4096,8192,16384 --out DIR
     python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
     python benchmarks/bench_out_prefill.py --rounds RAW.json    # no GPU: a run's items and rounds (masks redrawn)
 
@@ -12,9 +13,11 @@ Products at Llama-3.1-8B shapes: q with k and v stacked under it (6144 x 4096, 8
 (every group on: the kernel's own efficiency at cuBLAS's work), ``iid50`` / ``iid25`` (each group off with
 probability 0.5 / 0.25, independently per token), ``exact50`` (half of each token's groups) and ``keepP`` (each
 group active on exactly P% of the tokens, drawn per group: ``keep78.5`` holds 402 of 512 tokens a group, as the
-end-to-end bench's 25% row realised). With ``--tail-split 1,2`` the kernel runs with each ``TAIL_SPLIT`` on the
-tile the autotuner chose first (its last round of active items whole, or in two pieces where it fills at most
-half the programs), and each row gives the items and rounds the programs run (``gemm_out.persistent_rounds``).
+end-to-end bench's 25% row realised). With ``--tail-split 1,2`` and / or ``--chunk-tiles 0,16`` the kernel runs
+with each pair of ``TAIL_SPLIT`` (its last round of active items whole, or in two pieces where it fills at most half
+the programs) and ``CHUNK_TILES`` (its items group after group, or in chunks of that many token tiles) on the tile
+the autotuner chose for the first pair, and each row gives the items and rounds the programs run
+(``gemm_out.persistent_rounds``).
 cuBLAS is the
 dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up: gate and up stacked in memory as the runtime
 stacks them, one product, then the SwiGLU and the select in one pass), the inactive groups of q left as computed;
@@ -80,6 +83,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
     parser.add_argument(
         "--tail-split", default=str(policy.OUT_TAIL_SPLIT), help="the kernel's TAIL_SPLIT values, side by side (1,2)"
+    )
+    parser.add_argument(
+        "--chunk-tiles", default=str(policy.OUT_CHUNK_TILES), help="the kernel's CHUNK_TILES values, side by side"
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -147,10 +153,12 @@ def main() -> int:
     tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
-    splits = [int(v) for v in args.tail_split.split(",")]  # the first is the "kernel" column
-    more = splits[1:]
+    # (TAIL_SPLIT, CHUNK_TILES) pairs: the first is the "kernel" column
+    variants = [(int(s), int(c)) for s in args.tail_split.split(",") for c in args.chunk_tiles.split(",")]
+    more = variants[1:]
+    splits = sorted({s for s, _ in variants})
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS | eager us |"
-    header += "".join(f" split {s} us | x split {splits[0]} |" for s in more)
+    header += "".join(f" split {s}, chunks {c} us | x kernel |" for s, c in more)
     header += " items, rounds |" if more else ""
     lines = [header, "|---" * header.count(" |") + "|"]
     tile_lines = [
@@ -173,17 +181,17 @@ def main() -> int:
                         dense_masked_out_gemm, x, w, mask, w_up, zero_inactive=False, dense_rows=dense_rows
                     ),
                 }
-                for i, split in enumerate(splits):  # the persistent kernel (M > 16) at each TAIL_SPLIT
-                    calls["kernel" if i == 0 else f"split{split}"] = functools.partial(
-                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split, **fixed
-                    )
+                for i, (split, chunk) in enumerate(variants):  # the persistent kernel (M > 16) at each pair
+                    calls["kernel" if i == 0 else f"v{split},{chunk}"] = functools.partial(
+                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split,
+                        chunk_tiles=chunk, **fixed,
+                    )  # fmt: skip
                 if fused:  # the fallback before the one pass
                     calls["eager"] = functools.partial(eager_swiglu, x, w, w_up)
                 us = {}
                 for label, call in calls.items():
-                    if label.startswith(("kernel", "split")) or (
-                        label == "cublas" and fused
-                    ):  # (q's fallback: as computed)
+                    # (q's fallback leaves its inactive groups as computed: not compared)
+                    if label.startswith(("kernel", "v")) or (label == "cublas" and fused):
                         good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
                         ok &= good
                         if not good:
@@ -200,7 +208,7 @@ def main() -> int:
                 c, ours = us["cublas"], us["kernel"]
                 eager = f"{us['eager']:.1f}" if "eager" in us else "-"
                 line = f"| {name} | {m} | {kind} | {c:.1f} | {ours:.1f} | {c / ours:.2f}x | {eager} |"
-                line += "".join(f" {us[f'split{s}']:.1f} | {ours / us[f'split{s}']:.2f}x |" for s in more)
+                line += "".join(f" {us[f'v{s},{c}']:.1f} | {ours / us[f'v{s},{c}']:.2f}x |" for s, c in more)
                 if more:
                     plans = row.get("plans", {})
                     rounds = " / ".join(f"{plans[s]['rounds']:g}" for s in splits) if plans else "-"

@@ -10,14 +10,17 @@
 #   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
 #   SET=OUT_TAIL_SPLIT=2 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # bench-out-prefill.{json,md}
 #   SET=OUT_TAIL_SPLIT=2 STEPS=e2e bash benchmarks/device_policy_trial.sh
+#   SET=OUT_CHUNK_TILES=16 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # chunks 0 / 16 at 2k-16k
 # OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three); TESTS: the
 # test files and TESTS_K their -k (default, for router_consensus, its kernel, dispatch and race tests and the
-# blocks under consensus on the kernels; for OUT_TAIL_SPLIT the persistent product's tests; else
+# blocks under consensus on the kernels; for OUT_TAIL_SPLIT and OUT_CHUNK_TILES the persistent product's tests; else
 # tests/wide/kernels, every test); ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus
 # decided"; else OP); KERNELS: the kernel step's command instead (default for OUT_TAIL_SPLIT
-# bench_out_prefill.py at both values, 512-4k tokens, with the masks of the end-to-end rows); CASES: as
+# bench_out_prefill.py at both values, 512-4k tokens, with the masks of the end-to-end rows; for OUT_CHUNK_TILES
+# the same at 2k-16k); CASES: as
 # device_before_after.sh's (default, for router_consensus, Llama-3.1-8B shapes under `follow 1.25` and the capped
-# majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; else 8B at
+# majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; for
+# OUT_CHUNK_TILES at 4k, 8k and 16k at 25% and 50%; else 8B at
 # batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
@@ -43,6 +46,15 @@ elif [[ "$SET" == OUT_TAIL_SPLIT=* ]]; then
   ttft="--shape llama-3.1-8b --batch 1 --sparsity 0.25,0.375,0.5 --new-tokens 16 --repeats 3 --ttft-repeats 3"
   cases_default="$ttft --prompt 512 --bounds off --transformers off
 $ttft --prompt 1024 --bounds off --transformers off"
+elif [[ "$SET" == OUT_CHUNK_TILES=* ]]; then
+  tests_default="tests/wide/kernels/test_gemm_out.py"
+  k_default="persistent"
+  kernels_default="python3 benchmarks/bench_out_prefill.py --chunk-tiles 0,${SET#*=} --tokens 2048,4096,8192,16384
+    --masks all,iid50,iid25"
+  ttft="--shape llama-3.1-8b --batch 1 --sparsity 0.25,0.5 --new-tokens 8 --repeats 2 --ttft-repeats 3"
+  cases_default="$ttft --prompt 4096 --bounds off --transformers off
+$ttft --prompt 8192 --bounds off --transformers off
+$ttft --prompt 16384 --bounds off --transformers off"
 else
   tests_default="tests/wide/kernels"
   k_default=""

@@ -1,8 +1,8 @@
 """What WIDE's kernels compile to on Hopper, checked on any machine: no GPU needed.
 
-    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--json FILE]
+    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--chunk-tiles N] [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
-    python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--json FILE]
+    python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--chunk-tiles N] [--json FILE]
 
 Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm in
 their prologue, as their wrappers launch them; the reductions also with the next router's shares in their epilogue;
@@ -28,8 +28,9 @@ groups a step), with its group list and without ("direct"), at o_proj's and down
 4 and 16 tokens, beside whether the autotuner hook (``autotune.packed_pruner``) keeps the tile.
 ``--out-tiles``: the same for the persistent prefill product's table (q, gate+up fused; groups of 512, 128
 and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
-``--tail-split``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last round in pieces, a
-second K loop; default ``policy.OUT_TAIL_SPLIT``).
+``--tail-split``, ``--chunk-tiles``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last
+round in pieces, a second K loop) or ``CHUNK_TILES`` (their items in chunks of token tiles); default the policy's
+``OUT_TAIL_SPLIT`` and ``OUT_CHUNK_TILES``.
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ def as_launched(module, kernel_name: str, call) -> tuple[object, dict, dict]:
     return kernel, runtime, {k: v for k, v in seen["kwargs"].items() if k in kernel.arg_names}
 
 
-def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, int, int, str]]:
+def cases(
+    tail_split: int | None = None, chunk_tiles: int | None = None
+) -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
     heads of a KV head are a 16-row tile: the older MMA)."""
@@ -240,6 +243,7 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
         f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': 64, 'TAIL_SPLIT': split})}, 64]>"
     )
     p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "TAIL_SPLIT": split}
+    p_meta["CHUNK_TILES"] = policy.OUT_CHUNK_TILES if chunk_tiles is None else chunk_tiles
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
     # the FFN router's margins, the set capped at one group and following the tokens' count, counted
     margin = torch.zeros(8, FFN // GROUP)
@@ -365,7 +369,7 @@ def reduce_tiles() -> list[dict]:
     return rows
 
 
-def out_tiles(tail_split: int | None = None) -> list[dict]:
+def out_tiles(tail_split: int | None = None, chunk_tiles: int | None = None) -> list[dict]:
     """Every tile of the persistent prefill product's table, q alone and gate+up fused, at group widths of
     512, 128 and 32 channels, and any tile the autotuner hook (``autotune.prune_staged_tiles``) makes of its
     own (narrowed to a group, or with fewer stages): its shared memory compiled for sm_90, beside the
@@ -374,7 +378,7 @@ def out_tiles(tail_split: int | None = None) -> list[dict]:
 
     from compresskit_wide.kernels import autotune, gemm_out, policy
 
-    named_cases = {c[0]: c for c in cases(tail_split)}
+    named_cases = {c[0]: c for c in cases(tail_split, chunk_tiles)}
     table = autotune.configs(policy.OUT_PERSISTENT)
     compiled, rows = {}, []
     for fused in (False, True):
@@ -408,17 +412,18 @@ def main() -> int:
     parser.add_argument(
         "--tail-split", type=int, choices=(1, 2), help="the persistent products' TAIL_SPLIT (default: the policy's)"
     )
+    parser.add_argument("--chunk-tiles", type=int, help="the persistent products' CHUNK_TILES (default: the policy's)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
     if args.reduce_tiles or args.out_tiles:
-        rows = reduce_tiles() if args.reduce_tiles else out_tiles(args.tail_split)
+        rows = reduce_tiles() if args.reduce_tiles else out_tiles(args.tail_split, args.chunk_tiles)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0
     rows, failed = [], 0
-    for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split):
+    for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split, args.chunk_tiles):
         got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)
         problems = [
             what

@@ -134,10 +134,10 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every
     cell, at Llama-3.1-8B's and SmolLM2's attention shapes), ``bench_out_prefill.py --smoke --tiles`` (the
-    prefill out-width products, autotuned and each tile) and ``bench_shared_set.py --smoke`` with the tile
-    reduction at prefill: each checks its kernels against their references before it would time them. Their
-    smoke runs on the CPU in the interpreter (the device's Triton 3.6 interpreter cannot take a program id as a
-    loop bound under NumPy 2.4: a GPU machine skips this)."""
+    prefill out-width products, autotuned and each tile; and each pair of its split tail and chunked order) and
+    ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against their
+    references before it would time them. Their smoke runs on the CPU in the interpreter (the device's Triton 3.6
+    interpreter cannot take a program id as a loop bound under NumPy 2.4: a GPU machine skips this)."""
     interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
     for shape in ("llama-3.1-8b", "smollm2-135m"):
         proc = run_script("bench_attention_matrix.py", "--smoke", "--shape", shape, env=interpreted)
@@ -148,6 +148,11 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
     timed = {(r["product"], r["mask"]) for r in rows if "kernel_us" in r}
     assert len(timed) == 8 and sum(r.get("ok") is True for r in rows) == 2  # 2 products x 4 masks; a tile each
+    args = ("--smoke", "--out", str(tmp_path), "--tail-split", "1,2", "--chunk-tiles", "0,2", "--masks", "keep60")
+    proc = run_script("bench_out_prefill.py", *args, env=interpreted)
+    assert proc.returncode == 0 and "every kernel matches the reference" in proc.stdout, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
+    assert [sorted(k for k in r if k.startswith("v")) for r in rows] == [["v1,2_us", "v2,0_us", "v2,2_us"]] * 2
     args = ("--smoke", "--out", str(tmp_path), "--m", "3,20", "--prefill", "40", "--tile", "16")
     proc = run_script("bench_shared_set.py", *args, env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr

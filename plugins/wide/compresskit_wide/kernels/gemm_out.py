@@ -196,6 +196,24 @@ def persistent_rounds(
     return {"items": live, "whole": whole, "pieces": pieces, "rounds": rounds}
 
 
+def persistent_order(
+    mask: torch.Tensor, gw: int, dense_rows: int, block_m: int, block_n: int, chunk_tiles: int = 0
+) -> list[tuple[int, int, int]]:
+    """The persistent prefill product's active items for ``mask`` (``[M, G]``; ``dense_rows`` in groups of ``gw``
+    after the routed ones, every token active) in the order its programs take them, each as (group, tile of the
+    group's sorted tokens, tile of its channels): ``chunk_tiles`` 0, group after group; more, the token tiles in
+    chunks of that many, every group's tiles of a chunk before the next chunk's (the kernel's ``_item_tile``)."""
+    m = mask.shape[0]
+    live = [cdiv(c, block_m) for c in mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)]
+    tiles_n = cdiv(gw, block_n)
+    chunks = [range(max(live, default=0))] if chunk_tiles == 0 else [
+        range(c, c + chunk_tiles) for c in range(0, max(live, default=0), chunk_tiles)
+    ]  # fmt: skip
+    return [
+        (g, tm, tn) for tiles in chunks for g, n in enumerate(live) for tm in tiles if tm < n for tn in range(tiles_n)
+    ]
+
+
 def _tail_width(meta: dict) -> int:
     """The channels of a piece of the persistent prefill product's split tail (its tail descriptors' block rows):
     ``BLOCK_N / TAIL_SPLIT`` where that is at least 16, else the item's whole ``BLOCK_N`` (not split)."""
@@ -360,20 +378,40 @@ if triton is not None:
         return g, first
 
     @triton.jit
+    def _item_tile(item, live, lanes, tiles_n, CHUNK_TILES: tl.constexpr):
+        # the active item's (group, token tile, channel tile). CHUNK_TILES = 0: group after group, each group's
+        # token tiles in turn; > 0: the token tiles in chunks of CHUNK_TILES, every group's tiles of a chunk
+        # before the next chunk's (so that the programs at work read one chunk's token rows, which the L2 keeps)
+        if CHUNK_TILES == 0:
+            g, first = _group_of(item, tl.cumsum(live * tiles_n, axis=0), lanes)
+            tm = (item - first) // tiles_n
+        else:
+            chunk = 0
+            base = 0  # the items of the chunks before
+            size = tl.sum(tl.minimum(live, CHUNK_TILES) * tiles_n, axis=0)
+            while item >= base + size:
+                base += size
+                chunk += 1
+                size = tl.sum(tl.minimum(tl.maximum(live - chunk * CHUNK_TILES, 0), CHUNK_TILES) * tiles_n, axis=0)
+            in_chunk = tl.minimum(tl.maximum(live - chunk * CHUNK_TILES, 0), CHUNK_TILES) * tiles_n
+            g, first = _group_of(item - base, tl.cumsum(in_chunk, axis=0), lanes)
+            first += base
+            tm = chunk * CHUNK_TILES + (item - first) // tiles_n
+        return g, tm, (item - first) % tiles_n
+
+    @triton.jit
     def _live_item(
-        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, cum_live, lanes, tiles_n,
+        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, live, lanes, tiles_n,
         M, N, K, GW, G, stride_xm, stride_om,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, CHUNK_TILES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # one active item (tile of a group's sorted tokens x block of BLOCK_N of its channels), or its
         # ``part``-th piece of WIDTH channels (the descriptors' block WIDTH x BLOCK_K)
-        g, first = _group_of(item, cum_live, lanes)
+        g, tm, tn = _item_tile(item, live, lanes, tiles_n, CHUNK_TILES)
         routed = g < G
         g_routed = tl.minimum(g, G - 1)
         count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
-        tm = (item - first) // tiles_n
-        tn = (item - first) % tiles_n
         slots = tm * BLOCK_M + tl.arange(0, BLOCK_M)
         in_range = slots < M
         rows = tl.load(order_ptr + g_routed * M + slots, mask=in_range, other=0)
@@ -409,7 +447,7 @@ if triton is not None:
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
-        TAIL_SPLIT: tl.constexpr,
+        TAIL_SPLIT: tl.constexpr, CHUNK_TILES: tl.constexpr,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
@@ -419,6 +457,7 @@ if triton is not None:
         # TAIL_SPLIT > 1: where the last round of active items fills at most 1 / TAIL_SPLIT of the
         # programs, its items run in TAIL_SPLIT pieces of BLOCK_N / TAIL_SPLIT channels each (the tail
         # descriptors' block; at least 16), a piece a program, so that the round takes a piece's time.
+        # CHUNK_TILES > 0: the active items in chunks of that many token tiles (_item_tile).
         # M_BUCKET is only the autotuning key.
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(GW, BLOCK_N)
@@ -426,9 +465,8 @@ if triton is not None:
         counts = tl.load(counts_ptr + lanes, mask=lanes < G, other=0)
         counts = tl.where(lanes < G, counts, tl.where(lanes < LAUNCHED, M, 0))
         live = tl.cdiv(counts, BLOCK_M)  # a group's tiles holding an active token
-        cum_live = tl.cumsum(live * tiles_n, axis=0)
         cum_zero = tl.cumsum(tl.where(lanes < LAUNCHED, tiles_m - live, 0) * tiles_n, axis=0)
-        n_live = tl.max(cum_live, axis=0)
+        n_live = tl.sum(live * tiles_n, axis=0)
         n_zero = tl.max(cum_zero, axis=0)
         programs = tl.num_programs(0)
         whole = n_live  # the active items run whole
@@ -437,15 +475,15 @@ if triton is not None:
             whole = tl.where((n_live - rounds) * TAIL_SPLIT <= programs, rounds, n_live)
         for item in tl.range(tl.program_id(0), whole, programs):
             _live_item(
-                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, cum_live, lanes, tiles_n,
-                M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
+                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, live, lanes, tiles_n, M, N, K, GW, G,
+                stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if TAIL_SPLIT > 1 and BLOCK_N >= 16 * TAIL_SPLIT:
             for piece in tl.range(tl.program_id(0), (n_live - whole) * TAIL_SPLIT, programs):
                 _live_item(
                     x_ptr, w_tail_desc, wu_tail_desc, out_ptr, order_ptr, counts_ptr, whole + piece // TAIL_SPLIT,
-                    piece % TAIL_SPLIT, cum_live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU,
-                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
+                    piece % TAIL_SPLIT, live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU,
+                    DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
                 )  # fmt: skip
         cols_in = tl.arange(0, BLOCK_N)
         for item in tl.range(tl.program_id(0), n_zero, tl.num_programs(0)):
@@ -716,6 +754,7 @@ def triton_persistent_out_gemm(
     per_sm: int = 1,
     programs: int | None = None,
     tail_split: int | None = None,
+    chunk_tiles: int | None = None,
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
@@ -723,7 +762,8 @@ def triton_persistent_out_gemm(
     on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
     ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default ``policy.OUT_TAIL_SPLIT``): 2, a last round
     of active items that fills at most half the programs runs in two pieces of each item's channels (where
-    a piece has at least 16); 1, whole items."""
+    a piece has at least 16); 1, whole items. ``chunk_tiles`` (default ``policy.OUT_CHUNK_TILES``): the order of
+    the active items (:func:`persistent_order`): 0, group after group; more, in chunks of that many token tiles."""
     m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     if (k * w.element_size()) % 16:
         raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
@@ -736,6 +776,9 @@ def triton_persistent_out_gemm(
     tail_split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split
     if tail_split not in (1, 2):
         raise ValueError(f"tail_split={tail_split}: 1 or 2 pieces an item")
+    chunk_tiles = policy.OUT_CHUNK_TILES if chunk_tiles is None else chunk_tiles
+    if chunk_tiles < 0:
+        raise ValueError(f"chunk_tiles={chunk_tiles}: 0 (group after group) or more token tiles a chunk")
     fixed = block_n is not None or interpreted()
     bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
     tail = _tail_width({"BLOCK_N": bn, "TAIL_SPLIT": tail_split})
@@ -748,6 +791,7 @@ def triton_persistent_out_gemm(
         "DOT_PRECISION": dot_precision(x.dtype),
         "GROUPS_P2": max(2, next_power_of_2(launched)),
         "TAIL_SPLIT": tail_split,
+        "CHUNK_TILES": chunk_tiles,
     }
 
     def grid(meta):

@@ -261,6 +261,10 @@ PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (H
 # runs in that many pieces of an item's channels (1: whole items; 2 not measured yet, bench_out_prefill.py
 # --tail-split 1,2 measures both)
 OUT_TAIL_SPLIT = 1
+# the order of its active items: 0, group after group (a group's weights shared in L2 by the programs at work);
+# more, the token tiles in chunks of that many, every group's before the next chunk (the chunk's token rows shared
+# in L2 instead; not measured yet, bench_out_prefill.py --chunk-tiles 0,16 measures both)
+OUT_CHUNK_TILES = 0
 OUT_PERSISTENT = [
     ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
