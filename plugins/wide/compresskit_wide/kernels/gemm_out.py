@@ -378,12 +378,13 @@ if triton is not None:
         return g, first
 
     @triton.jit
-    def _item_tile(item, live, lanes, tiles_n, CHUNK_TILES: tl.constexpr):
+    def _item_tile(item, live, cum_live, lanes, tiles_n, CHUNK_TILES: tl.constexpr):
         # the active item's (group, token tile, channel tile). CHUNK_TILES = 0: group after group, each group's
         # token tiles in turn; > 0: the token tiles in chunks of CHUNK_TILES, every group's tiles of a chunk
-        # before the next chunk's (so that the programs at work read one chunk's token rows, which the L2 keeps)
+        # before the next chunk's (so that the programs at work read one chunk's token rows, which the L2 keeps).
+        # ``cum_live``: the groups' items' inclusive prefix sums
         if CHUNK_TILES == 0:
-            g, first = _group_of(item, tl.cumsum(live * tiles_n, axis=0), lanes)
+            g, first = _group_of(item, cum_live, lanes)
             tm = (item - first) // tiles_n
         else:
             chunk = 0
@@ -401,14 +402,14 @@ if triton is not None:
 
     @triton.jit
     def _live_item(
-        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, live, lanes, tiles_n,
+        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, live, cum_live, lanes, tiles_n,
         M, N, K, GW, G, stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, CHUNK_TILES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # one active item (tile of a group's sorted tokens x block of BLOCK_N of its channels), or its
         # ``part``-th piece of WIDTH channels (the descriptors' block WIDTH x BLOCK_K)
-        g, tm, tn = _item_tile(item, live, lanes, tiles_n, CHUNK_TILES)
+        g, tm, tn = _item_tile(item, live, cum_live, lanes, tiles_n, CHUNK_TILES)
         routed = g < G
         g_routed = tl.minimum(g, G - 1)
         count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
@@ -465,8 +466,9 @@ if triton is not None:
         counts = tl.load(counts_ptr + lanes, mask=lanes < G, other=0)
         counts = tl.where(lanes < G, counts, tl.where(lanes < LAUNCHED, M, 0))
         live = tl.cdiv(counts, BLOCK_M)  # a group's tiles holding an active token
+        cum_live = tl.cumsum(live * tiles_n, axis=0)
         cum_zero = tl.cumsum(tl.where(lanes < LAUNCHED, tiles_m - live, 0) * tiles_n, axis=0)
-        n_live = tl.sum(live * tiles_n, axis=0)
+        n_live = tl.max(cum_live, axis=0)
         n_zero = tl.max(cum_zero, axis=0)
         programs = tl.num_programs(0)
         whole = n_live  # the active items run whole
@@ -475,15 +477,16 @@ if triton is not None:
             whole = tl.where((n_live - rounds) * TAIL_SPLIT <= programs, rounds, n_live)
         for item in tl.range(tl.program_id(0), whole, programs):
             _live_item(
-                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, live, lanes, tiles_n, M, N, K, GW, G,
-                stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
+                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, live, cum_live, lanes, tiles_n,
+                M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES,
+                BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if TAIL_SPLIT > 1 and BLOCK_N >= 16 * TAIL_SPLIT:
             for piece in tl.range(tl.program_id(0), (n_live - whole) * TAIL_SPLIT, programs):
                 _live_item(
                     x_ptr, w_tail_desc, wu_tail_desc, out_ptr, order_ptr, counts_ptr, whole + piece // TAIL_SPLIT,
-                    piece % TAIL_SPLIT, live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU,
-                    DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
+                    piece % TAIL_SPLIT, live, cum_live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om,
+                    FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
                 )  # fmt: skip
         cols_in = tl.arange(0, BLOCK_N)
         for item in tl.range(tl.program_id(0), n_zero, tl.num_programs(0)):
