@@ -1,6 +1,6 @@
 """What WIDE's kernels compile to on Hopper, checked on any machine: no GPU needed.
 
-    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--chunk-tiles N] [--json FILE]
+    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--chunk-tiles N] [--pdl] [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
     python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--chunk-tiles N] [--json FILE]
 
@@ -30,7 +30,9 @@ groups a step), with its group list and without ("direct"), at o_proj's and down
 and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
 ``--tail-split``, ``--chunk-tiles``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last
 round in pieces, a second K loop) or ``CHUNK_TILES`` (their items in chunks of token tiles); default the policy's
-``OUT_TAIL_SPLIT`` and ``OUT_CHUNK_TILES``.
+``OUT_TAIL_SPLIT`` and ``OUT_CHUNK_TILES``. ``--pdl``: every kernel compiled for programmatic dependent launch
+(``PDL``, ``policy.PDL``), each checked to wait for the kernel before it (``griddepcontrol.wait``) and to let the
+next launch; without it, none may.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def compile_for_hopper(kernel, args: dict, constexprs: dict, num_warps: int, num
         "mma": mma,
         "async_copies": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
         "tma_copies": ttgir.count("async_tma_copy_global_to_local"),
+        "pdl": all(f"griddepcontrol.{op}" in out.asm["ptx"] for op in ("wait", "launch_dependents")),
         "shared": out.metadata.shared,
         **registers(out.asm["ptx"]),
     }
@@ -413,6 +416,7 @@ def main() -> int:
         "--tail-split", type=int, choices=(1, 2), help="the persistent products' TAIL_SPLIT (default: the policy's)"
     )
     parser.add_argument("--chunk-tiles", type=int, help="the persistent products' CHUNK_TILES (default: the policy's)")
+    parser.add_argument("--pdl", action="store_true", help="every kernel with PDL (programmatic dependent launch)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
@@ -424,7 +428,7 @@ def main() -> int:
         return 0
     rows, failed = [], 0
     for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split, args.chunk_tiles):
-        got = compile_for_hopper(kernel, runtime, constexprs, warps, stages)
+        got = compile_for_hopper(kernel, runtime, {**constexprs, "PDL": args.pdl}, warps, stages)
         problems = [
             what
             for what, bad in (
@@ -432,6 +436,7 @@ def main() -> int:
                 ("no software pipeline", got["async_copies"] == 0 and mma != "none"),  # (CUDA-core kernels: none)
                 ("over the H200's shared memory", got["shared"] > H200_SHARED),
                 ("registers spilled", got["spill_bytes"] > 0),
+                (f"programmatic dependent launch {'missing' if args.pdl else 'present'}", got["pdl"] != args.pdl),
             )
             if bad
         ]

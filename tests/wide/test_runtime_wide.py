@@ -584,3 +584,39 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
         token = torch.tensor(token, device="cuda")
         got, want = (rt.decode(token, c).clone() for rt, c in zip((fast, eager), caches, strict=True))
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_programmatic_dependent_launch_decodes_as_without_it(tiny_model_dir, monkeypatch, batch):
+    """``policy.PDL`` on (every WIDE kernel waits for the one before it, then lets the next launch) on the GPU in
+    fp32, every op on its Triton kernel: compiled decode steps replayed as CUDA graphs give the same greedy
+    tokens, logits and counts as with it off, over enough steps for a missing wait to show."""
+    from compresskit_wide.kernels import common, policy
+
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(ffn_group_size=16, router_rank=8))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0, device=torch.device("cuda")))
+    model = pruner.finalize(model).eval()
+    executor = plugins.load("executor", "wide-triton")
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7], [9, 8, 7, 6]][:batch]
+    runs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(policy, "PDL", pdl)
+        assert bool(common.pdl_launch(torch.device("cuda"))) == pdl
+        rt = Runtime(model, executor=executor(executor.Config(backend="triton")))
+        rt.reset_counts()
+        out = rt.generate(prompts, max_new_tokens=24)
+        runs.append((out.tokens, rt.counted_sparsity().macs))
+    assert runs[0][0] == runs[1][0] and abs(runs[0][1] - runs[1][1]) < 1e-9
+
+
+def test_programmatic_dependent_launch_only_on_a_gpu_that_has_it(monkeypatch):
+    """The kernels' launch arguments for programmatic dependent launch: none where ``policy.PDL`` is off, and none
+    on the CPU (or in the interpreter) where it is on."""
+    from compresskit_wide.kernels import common, policy
+
+    assert policy.PDL is False and common.pdl_launch(torch.device("cpu")) == {}
+    monkeypatch.setattr(policy, "PDL", True)
+    assert common.pdl_launch(torch.device("cpu")) == {}

@@ -107,7 +107,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     H200's shared memory and spill no registers; the routers' deciding launches and the consensus kernels (the
     router's margins and the consensus in one launch too; with the arguments their wrappers pass: an int 1
     becomes a constant, which a CPU run in the interpreter never sees) run on the CUDA cores, unpipelined,
-    without spills.
+    without spills; with ``--pdl`` every one of them waits for the kernel before it and lets the next launch.
     The check sees an unpipelined product (one stage) as one."""
 
     out = tmp_path / "codegen.json"
@@ -118,6 +118,10 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     assert all(not r["problems"] for r in rows)
     assert all(r["async_copies"] > 0 for r in rows if r["mma"] != "none")
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
+    assert not any(r["pdl"] for r in rows)  # (policy.PDL off)
+    proc = run_script("hopper_codegen.py", "--pdl", "--json", str(out), env=COMPILER_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(r["pdl"] and not r["problems"] for r in json.loads(out.read_text()))
     one_stage = (
         "import runpy, sys; g = runpy.run_path(sys.argv[1]); name, k, a, c, w, s, mma = g['cases']()[0]; "
         "print(g['compile_for_hopper'](k, a, c, w, 1)['async_copies'])"

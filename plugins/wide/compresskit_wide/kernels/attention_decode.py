@@ -26,6 +26,7 @@ from compresskit_wide.kernels.common import (
     interpreted,
     mask_bytes,
     next_power_of_2,
+    pdl_launch,
     softmax_scale,
     zero_inactive_groups,
 )
@@ -34,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.common import online_softmax_step
+    from compresskit_wide.kernels.common import online_softmax_step, pdl_enter
 except ImportError:
     triton = None
 
@@ -75,7 +76,9 @@ if triton is not None:
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_mb,
         HEADS_PER_GROUP, DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)  # a batch's cache may pass 2**31 elements
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -119,7 +122,9 @@ if triton is not None:
     def triton_attn_decode_merge_kernel(
         m_ptr, l_ptr, acc_ptr, mask_ptr, out_ptr, HQ, D, SPLITS, stride_ob, stride_oh, stride_mb, HEADS_PER_GROUP,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
+        pdl_enter(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         ds = tl.arange(0, BLOCK_D)
@@ -186,11 +191,11 @@ def triton_routed_attention_decode(
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
         DOT_PRECISION=dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps or policy.ATTN_DECODE_WARPS,
+        num_warps=warps or policy.ATTN_DECODE_WARPS, **pdl_launch(q.device),
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
         mask_u8.stride(0), hq // mask.shape[-1],
-        BLOCK_S=max(16, next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_S=max(16, next_power_of_2(splits)), BLOCK_D=block_d, **pdl_launch(q.device),
     )  # fmt: skip
     return out

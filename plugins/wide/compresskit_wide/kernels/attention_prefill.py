@@ -33,6 +33,7 @@ from compresskit_wide.kernels.common import (
     interpreted,
     m_bucket,
     next_power_of_2,
+    pdl_launch,
     softmax_scale,
     zero_inactive_heads,
 )
@@ -43,7 +44,7 @@ try:
     import triton.language as tl
 
     from compresskit_wide.kernels.autotune import autotuned, prune_heads_per_program
-    from compresskit_wide.kernels.common import online_softmax_step, online_softmax_step_all
+    from compresskit_wide.kernels.common import online_softmax_step, online_softmax_step_all, pdl_enter
 except ImportError:
     triton = None
 
@@ -88,11 +89,13 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         REP: tl.constexpr, A: tl.constexpr, HP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (b, head block, tile): HP query heads of one group and one KV head (they share the
         # token order and the keys) x BLOCK_M // HP of their sorted tokens, row r = (token r // HP,
         # head r % HP): the BLOCK_M rows span HP times fewer positions than one head's BLOCK_M
         # tokens, so fewer key blocks straddle the tile's causal diagonal
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)  # a batch's q, k, v may pass 2**31 elements
         h0 = tl.program_id(1) * HP
         g = h0 // A
@@ -190,7 +193,7 @@ def triton_routed_attention_prefill(
     )  # fmt: skip
     common = dict(
         DOT_PRECISION=dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
-        BLOCK_D=max(16, next_power_of_2(d)),
+        BLOCK_D=max(16, next_power_of_2(d)), **pdl_launch(q.device),
     )  # fmt: skip
     hp = heads_per_program
     if hp is not None and (math.gcd(common["REP"], common["A"]) % hp or hp not in (1, 2, 4)):

@@ -1,6 +1,6 @@
-"""Helpers the WIDE kernels share: their error type, host arithmetic for launches, output masking, and the
-``tl.jit`` building blocks used by more than one op (the K-packed product's diagonal, the
-online-softmax step of the routed attention, the counting of a decision)."""
+"""Helpers the WIDE kernels share: their error type, host arithmetic for launches, output masking, the
+programmatic dependent launch every kernel takes, and the ``tl.jit`` building blocks used by more than one op (the
+K-packed product's diagonal, the online-softmax step of the routed attention, the counting of a decision)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import math
 import os
 
 import torch
+
+from compresskit_wide.kernels import policy
 
 try:
     import triton
@@ -84,7 +86,26 @@ def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows.view(b, t, hq, d).transpose(1, 2)
 
 
+def pdl_launch(device: torch.device) -> dict:
+    """A kernel's launch arguments for programmatic dependent launch, where ``policy.PDL`` says so and ``device``
+    is a GPU of sm_90 or later (not in the interpreter): ``PDL`` (the kernel's constexpr: :func:`pdl_enter` first)
+    and Triton's ``launch_pdl`` (the launch lets the kernel start before the kernel before it ends); else none."""
+    if not policy.PDL or device.type != "cuda" or interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A kernel's first step under programmatic dependent launch (``PDL``): wait until the kernel before it
+        has finished and its writes are visible (before any load or store of this one), then let the kernel
+        after it launch, so that its start overlaps this one's end. Without ``PDL``: nothing."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
     @triton.jit
     def packed_diagonal(acc, K_PACK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):

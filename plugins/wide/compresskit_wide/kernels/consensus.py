@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from compresskit_wide.kernels.common import cdiv, next_power_of_2
+from compresskit_wide.kernels.common import cdiv, next_power_of_2, pdl_launch
 from compresskit_wide.kernels.router import (
     check_norm_operands,
     checked_shares,
@@ -41,6 +41,7 @@ try:
     import triton
     import triton.language as tl
 
+    from compresskit_wide.kernels.common import pdl_enter
     from compresskit_wide.kernels.router import add_norm_row, triton_router_shares_kernel
 except ImportError:
     triton = None
@@ -130,8 +131,10 @@ if triton is not None:
         mg_ptr, valid_ptr, out_ptr, cnt_ptr, B, T, G, cap, quorum, follow,
         HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program t: position t
+        pdl_enter(PDL)
         consensus_position(
             mg_ptr, valid_ptr, out_ptr, cnt_ptr, tl.program_id(0), B, T, G, cap, quorum, follow,
             HAS_VALID, FOLLOW, SHARE_SET, COUNT, BLOCK_B, BLOCK_G,
@@ -144,11 +147,13 @@ if triton is not None:
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_GC: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token m, j): j below the group blocks stores its token's margins for them, as the router's
         # decision from shares does, then arrives; the one that arrives last holds every margin and decides for
         # each position, then sets the arrivals back to zero for the next launch. The last j adds the token's
         # row to the residual and normalises it.
+        pdl_enter(PDL)
         deciders = M * tl.cdiv(G, BLOCK_G)
         if tl.program_id(1) < tl.cdiv(G, BLOCK_G):
             triton_router_shares_kernel(
@@ -195,7 +200,7 @@ def triton_consensus(
             margin, margin if valid is None else valid.contiguous().view(torch.uint8), out,
             out if counts is None else counts, batch, t, g, float(cap), float(quorum), float(follow),
             HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
-            BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)),
+            BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)), **pdl_launch(margin.device),
         )  # fmt: skip
     return out.view(torch.bool)
 
@@ -270,6 +275,7 @@ def triton_router_norm_consensus(
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
             HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
             BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_GC=max(2, next_power_of_2(groups)),
+            **pdl_launch(x.device),
         )  # fmt: skip
     return out.view(torch.bool), x_new, h
 

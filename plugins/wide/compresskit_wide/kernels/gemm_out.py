@@ -51,6 +51,7 @@ from compresskit_wide.kernels.common import (
     m_bucket,
     mask_bytes,
     next_power_of_2,
+    pdl_launch,
     zero_inactive_groups,
 )
 from compresskit_wide.kernels.layout import triton_routing_layout
@@ -68,7 +69,7 @@ try:
         prune_staged_tiles,
         prune_wider_than_group,
     )
-    from compresskit_wide.kernels.common import count_decision, packed_diagonal
+    from compresskit_wide.kernels.common import count_decision, packed_diagonal, pdl_enter
 except ImportError:
     triton = None
 
@@ -143,7 +144,7 @@ def swiglu_zero(gate: torch.Tensor, up: torch.Tensor, mask: torch.Tensor) -> tor
     grid = (m, cdiv(n, block_n))
     triton_swiglu_zero_kernel[grid](
         gate, up, mask_u8, out, n, n // groups, gate.stride(0), up.stride(0), mask_u8.stride(0), out.stride(0),
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, **pdl_launch(gate.device),
     )  # fmt: skip
     return out
 
@@ -227,8 +228,10 @@ if triton is not None:
     def triton_swiglu_zero_kernel(
         g_ptr, u_ptr, mask_ptr, out_ptr, N, GW, stride_gm, stride_um, stride_mm, stride_om,
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token m, block of channels): silu(gate) * up in fp32 where the channel's group is active
+        pdl_enter(PDL)
         m = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < N
@@ -282,12 +285,14 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
         DECIDE: tl.constexpr = False, COUNT: tl.constexpr = False, BLOCK_S: tl.constexpr = 1,
         BLOCK_R: tl.constexpr = 16, ROW_K: tl.constexpr = 16,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # decode, program (g, n-block): BLOCK_N output channels of group g for every token (past the
         # G routed groups, dense rows: every token). DECIDE: the mask is not read but decided here from the
         # router's shares (each group's first program stores its column of it, and counts it with COUNT), the
         # input is the RMSNorm (weight nw, eps) of x + dx, and the first program stores x + dx into xn (ROW_K
         # columns of every token a step: a row's statistics in few steps, not BLOCK_K's many)
+        pdl_enter(PDL)
         g = tl.program_id(0)
         g_routed = tl.minimum(g, G - 1)  # where a dense-rows group reads (and then ignores) the mask
         col0 = tl.program_id(1) * BLOCK_N
@@ -449,6 +454,7 @@ if triton is not None:
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
         TAIL_SPLIT: tl.constexpr, CHUNK_TILES: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
         # the active items (tile of a group's sorted tokens x block of its channels) in turn, every
@@ -460,6 +466,7 @@ if triton is not None:
         # descriptors' block; at least 16), a piece a program, so that the round takes a piece's time.
         # CHUNK_TILES > 0: the active items in chunks of that many token tiles (_item_tile).
         # M_BUCKET is only the autotuning key.
+        pdl_enter(PDL)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(GW, BLOCK_N)
         lanes = tl.arange(0, GROUPS_P2)
@@ -628,6 +635,7 @@ def _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k
     (the autotuned kernels by packing) is None."""
     k_pack = _k_pack(m, fuse, k_pack)
     common["BLOCK_M"] = _decode_block_m(m, k_pack)
+    common |= pdl_launch(args[0].device)
     if tuned is None:
         bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
         if k_pack * bn < 16 or bk < 16:
@@ -795,6 +803,7 @@ def triton_persistent_out_gemm(
         "GROUPS_P2": max(2, next_power_of_2(launched)),
         "TAIL_SPLIT": tail_split,
         "CHUNK_TILES": chunk_tiles,
+        **pdl_launch(x.device),
     }
 
     def grid(meta):

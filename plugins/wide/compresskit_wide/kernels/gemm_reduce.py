@@ -44,6 +44,7 @@ from compresskit_wide.kernels.common import (
     interpreted,
     mask_bytes,
     next_power_of_2,
+    pdl_launch,
     zero_inactive_groups,
 )
 
@@ -52,7 +53,7 @@ try:
     import triton.language as tl
 
     from compresskit_wide.kernels.autotune import autotuned, packed_pruner
-    from compresskit_wide.kernels.common import packed_diagonal
+    from compresskit_wide.kernels.common import packed_diagonal, pdl_enter
 except ImportError:
     triton = None
 
@@ -142,12 +143,14 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PACK: tl.constexpr,
         DIRECT: tl.constexpr, SHARES: tl.constexpr, SHARE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (n-block tn, token tile tm). MMA row c * BLOCK_N + j: output channel j against the
         # step's c-th group; MMA column c * BLOCK_M + m: token m's inputs of that group (zero where
         # it does not need it). DIRECT: the step's groups are consecutive ones, one flat loop over
         # (group step, K step) that the compiler pipelines as one stream; else the list's groups,
         # a group's K steps unrolled (GW is a compile-time constant).
+        pdl_enter(PDL)
         tn = tl.program_id(0)
         tm = tl.program_id(1)
         rows = tm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -238,11 +241,13 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SPLIT: tl.constexpr,
         ROW_MASKS: tl.constexpr, WIDE_ROWS: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (n-block tn, split sk, tile tt): the tile's rows (TILE consecutive rows of one sequence of SEQ)
         # by the union of their groups, each row's input read only in its own groups (ROW_MASKS; without, the
         # caller guarantees the rows agree); its share of the union's K steps. ONE_SPLIT: the sums go to out in
         # its dtype; else fp32 partial sums to slot sk of part [SPLIT_K, M, N]
+        pdl_enter(PDL)
         tn = tl.program_id(0)
         sk = tl.program_id(1)
         tt = tl.program_id(2)
@@ -288,8 +293,9 @@ if triton is not None:
             tl.store(part_ptr + (sk * M + rows64)[:, None] * N + cols[None, :], acc, mask=keep)
 
     @triton.jit
-    def triton_split_sum_kernel(part_ptr, out_ptr, SIZE, SPLIT_K, BLOCK: tl.constexpr):
+    def triton_split_sum_kernel(part_ptr, out_ptr, SIZE, SPLIT_K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """``out = sum(part, axis 0)`` rounded to the output's dtype; ``part: [SPLIT_K, SIZE]`` fp32."""
+        pdl_enter(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < SIZE
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -301,9 +307,11 @@ if triton is not None:
     def triton_split_sum_shares_kernel(
         part_ptr, out_ptr, res_ptr, sw_ptr, sh_ptr, M, N, R, SPLIT_K, stride_rm,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SHARE_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (n-block tn, row block tm): the partial sums ``part: [SPLIT_K, M, N]`` fp32 of its block added
         # and rounded into out, then the next router's shares of that block (store_next_shares)
+        pdl_enter(PDL)
         tn = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -432,7 +440,7 @@ def triton_masked_reduce_gemm(
     args += (shares if handing else x, m, n, gw, groups, r, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     args += (residual.stride(0) if handing else 0,)
     common = {"DOT_PRECISION": dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m, "DIRECT": direct}
-    common |= {"SHARES": handing, "SHARE_N": policy.SHARE_N, "BLOCK_R": next_power_of_2(r)}
+    common |= {"SHARES": handing, "SHARE_N": policy.SHARE_N, "BLOCK_R": next_power_of_2(r), **pdl_launch(x.device)}
     if fixed:
         grid = (cdiv(n, bn), cdiv(m, block_m))
         triton_masked_reduce_gemm_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
@@ -501,7 +509,7 @@ def triton_tile_reduce_gemm(
         tokens, tile, per_seq, DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g,
         BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=one_split, ROW_MASKS=not rows_agree,
         WIDE_ROWS=max(m * x.stride(0), splits * m * n) >= WIDE_OFFSETS,
-        num_warps=warps or tile_warps, num_stages=stages or tile_stages,
+        num_warps=warps or tile_warps, num_stages=stages or tile_stages, **pdl_launch(x.device),
     )  # fmt: skip
     if handing:
         residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
@@ -512,9 +520,10 @@ def triton_tile_reduce_gemm(
         triton_split_sum_shares_kernel[(cdiv(n, sum_n), cdiv(m, sum_m))](
             part, out, residual, share_w, shares, m, n, r, splits, residual.stride(0),
             BLOCK_M=sum_m, BLOCK_N=sum_n, SHARE_N=policy.SHARE_N, BLOCK_R=next_power_of_2(r), num_warps=sum_warps,
+            **pdl_launch(x.device),
         )  # fmt: skip
         return out, shares
     if splits > 1:
         size, block = m * n, 1024
-        triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block)
+        triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block, **pdl_launch(x.device))
     return out

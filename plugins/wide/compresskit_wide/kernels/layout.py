@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from compresskit_wide.kernels.common import mask_bytes, next_power_of_2
+from compresskit_wide.kernels.common import mask_bytes, next_power_of_2, pdl_launch
 
 try:
     import triton
     import triton.language as tl
+
+    from compresskit_wide.kernels.common import pdl_enter
 except ImportError:
     triton = None
 
@@ -38,11 +40,13 @@ if triton is not None:
 
     @triton.jit
     def triton_routing_layout_kernel(
-        mask_ptr, order_ptr, counts_ptr, M, G, stride_b, stride_m, BLOCK_M: tl.constexpr
+        mask_ptr, order_ptr, counts_ptr, M, G, stride_b, stride_m, BLOCK_M: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (group g, sequence b). A token's slot: among the active, the active tokens before
         # it; else the group's count plus the inactive tokens before it. Every token in one block
         # (M <= BLOCK_M): one pass; else a first pass counts and a second places each block.
+        pdl_enter(PDL)
         g = tl.program_id(0)
         b = tl.program_id(1)
         mask_ptr += b * stride_b
@@ -83,6 +87,15 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     counts = torch.empty((b, g), dtype=torch.int32, device=mask.device)
     block_m, warps = (1024, 4) if t > 8192 else (max(16, next_power_of_2(t)), max(4, next_power_of_2(t) // 512))
     triton_routing_layout_kernel[(g, b)](
-        mask_u8, order, counts, t, g, mask_u8.stride(0), mask_u8.stride(1), BLOCK_M=block_m, num_warps=warps
+        mask_u8,
+        order,
+        counts,
+        t,
+        g,
+        mask_u8.stride(0),
+        mask_u8.stride(1),
+        BLOCK_M=block_m,
+        num_warps=warps,
+        **pdl_launch(mask.device),
     )
     return (order, counts) if batched else (order[0], counts[0])

@@ -48,13 +48,13 @@ from __future__ import annotations
 import torch
 
 from compresskit_wide.kernels import policy
-from compresskit_wide.kernels.common import cdiv, check_blocks, interpreted, next_power_of_2
+from compresskit_wide.kernels.common import cdiv, check_blocks, interpreted, next_power_of_2, pdl_launch
 
 try:
     import triton
     import triton.language as tl
 
-    from compresskit_wide.kernels.common import count_decision
+    from compresskit_wide.kernels.common import count_decision, pdl_enter
 except ImportError:
     triton = None
 
@@ -195,8 +195,10 @@ if triton is not None:
     def triton_router_partial_kernel(
         x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token block, share s of D): its partial bottleneck into ws[s]
+        pdl_enter(PDL)
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         s = tl.program_id(1)
         z = _router_z(
@@ -210,9 +212,11 @@ if triton is not None:
         ws_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, M, R, G, stride_om, SPLIT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
         COUNT: tl.constexpr, MARGIN: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token block, group block): the partial bottlenecks summed in share order (unrolled:
         # the loads are independent and issued together), then the decision
+        pdl_enter(PDL)
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
@@ -228,9 +232,11 @@ if triton is not None:
         sh_ptr, bd_ptr, wu_ptr, bu_ptr, out_ptr, cnt_ptr, S, M, R, G, stride_om,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, COUNT: tl.constexpr,
         MARGIN: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token m, group block): the token's shares summed in one load (a tree over S), the
         # bottleneck's bias added, both logits of the block's groups on the CUDA cores in fp32, compared
+        pdl_enter(PDL)
         m = tl.program_id(0)
         ss = tl.arange(0, BLOCK_S)
         rs = tl.arange(0, BLOCK_R)
@@ -258,9 +264,11 @@ if triton is not None:
         S, M, R, G, D, stride_om, eps,
         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         COUNT: tl.constexpr, MARGIN: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
         # program (token m, j): j below the group blocks decides as triton_router_shares_kernel does;
         # the last j adds the token's row to the residual and normalises it
+        pdl_enter(PDL)
         m = tl.program_id(0)
         if tl.program_id(1) < tl.cdiv(G, BLOCK_G):
             triton_router_shares_kernel(
@@ -394,7 +402,7 @@ def triton_router_decide(
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, **pdl_launch(x.device),
     )  # fmt: skip
     if (finish or router_finish(m)) == "token":  # the decision from the workspace's shares, a program a token
         return triton_router_decide_from_shares(
@@ -404,7 +412,7 @@ def triton_router_decide(
     triton_router_finish_kernel[grid](
         ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-        MARGIN=margin,
+        MARGIN=margin, **pdl_launch(x.device),
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -465,7 +473,7 @@ def triton_router_decide_from_shares(
         triton_router_shares_kernel[(m, cdiv(groups, block_g))](
             shares, b_down, w_up, b_up, out, out if counts is None else counts, s, m, r, groups, out.stride(0),
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, COUNT=counts is not None,
-            MARGIN=margin,
+            MARGIN=margin, **pdl_launch(shares.device),
         )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -501,6 +509,6 @@ def triton_router_norm_from_shares(
             shares, b_down, w_up, b_up, out, out if counts is None else counts, x, delta, norm_w, x_new, h,
             s, m, r, groups, d, out.stride(0), eps,
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
-            COUNT=counts is not None, MARGIN=margin,
+            COUNT=counts is not None, MARGIN=margin, **pdl_launch(x.device),
         )  # fmt: skip
     return (out if margin else out.view(torch.bool)), x_new, h
