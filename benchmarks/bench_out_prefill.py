@@ -17,10 +17,9 @@ end-to-end bench's 25% row realised). With ``--tail-split 1,2`` and / or ``--chu
 with each pair of ``TAIL_SPLIT`` (its last round of active items whole, or in two pieces where it fills at most half
 the programs) and ``CHUNK_TILES`` (its items group after group, or in chunks of that many token tiles) on the tile
 the autotuner chose for the first pair, and each row gives the items and rounds the programs run
-(``gemm_out.persistent_rounds``).
-cuBLAS is the
-dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up: gate and up stacked in memory as the runtime
-stacks them, one product, then the SwiGLU and the select in one pass), the inactive groups of q left as computed;
+(``gemm_out.persistent_rounds``). cuBLAS is the dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up:
+gate and up stacked in memory as the runtime stacks them, one product, then the SwiGLU and the select in one
+pass), the inactive groups of q left as computed;
 for gate+up also the fallback before (two products and the eager SwiGLU: ``eager us``). GPU time with the
 L2 flushed, median of 30 calls; each kernel's call includes its routing layout. Every kernel's output is first
 checked against the reference (``torch_masked_out_gemm``)."""

@@ -179,10 +179,10 @@ def persistent_rounds(
     """What the persistent prefill product's programs run for ``mask`` (``[M, G]``): its active items (every
     group's tiles holding an active token x blocks of ``block_n`` of its ``gw`` channels; ``dense_rows`` in
     groups of ``gw`` after them, every token active), the whole items and tail pieces a ``tail_split`` makes,
-    and the rounds over ``programs`` programs (the launcher's: SMs x ``PER_SM``, capped as its grid caps them) in
-    items' time (a piece taking 1 / ``tail_split`` of one): the
-    kernel's time follows the rounds, not its multiply-adds (docs/wide-kernels-h200.md). Computed on the host,
-    as the kernel computes it from the routing layout's counts."""
+    and the rounds over ``programs`` programs (the launcher's: SMs x ``PER_SM``, capped as its grid caps them),
+    counted in items' time (a piece takes 1 / ``tail_split`` of one). The kernel's time follows the rounds, not
+    its multiply-adds (docs/wide-kernels-h200.md, "Rounds"). Computed on the host as the kernel computes it from
+    the routing layout's counts."""
     m = mask.shape[0]
     tiles_n = cdiv(gw, block_n)
     counts = mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)
