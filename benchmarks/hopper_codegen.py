@@ -31,8 +31,8 @@ and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
 ``--tail-split``, ``--chunk-tiles``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last
 round in pieces, a second K loop) or ``CHUNK_TILES`` (their items in chunks of token tiles); default the policy's
 ``OUT_TAIL_SPLIT`` and ``OUT_CHUNK_TILES``. ``--pdl``: every kernel compiled for programmatic dependent launch
-(``PDL``, ``policy.PDL``), each checked to wait for the kernel before it (``griddepcontrol.wait``) and to let the
-next launch; without it, none may.
+(``PDL``; ``policy.PDL_KERNELS``), each checked to wait for the kernel before it (``griddepcontrol.wait``) and to
+let the next launch; without it, none may.
 """
 
 from __future__ import annotations

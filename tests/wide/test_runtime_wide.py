@@ -3,6 +3,9 @@ blocks (routers and masked ops as registered operators, decisions as tensors) ag
 prefill and decode, padded or not, the same counts, compiled against eager, and on a GPU CUDA-graph
 replays against eager."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -589,10 +592,11 @@ def test_cuda_graph_decode_matches_eager_on_the_gpu(tiny_model_dir, method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3])
 def test_programmatic_dependent_launch_decodes_as_without_it(tiny_model_dir, monkeypatch, batch):
-    """``policy.PDL`` on (every WIDE kernel waits for the one before it, then lets the next launch) on the GPU in
-    fp32, every op on its Triton kernel: compiled decode steps replayed as CUDA graphs give the same greedy
-    tokens, logits and counts as with it off, over enough steps for a missing wait to show."""
-    from compresskit_wide.kernels import common, policy
+    """Every WIDE kernel launched with programmatic dependent launch (``policy.PDL_KERNELS = ("*",)``: each waits for
+    the kernel before it, then lets the next launch) on the GPU in fp32, every op on its Triton kernel: compiled
+    decode steps replayed as CUDA graphs give the same greedy tokens and counts as without it, over enough steps
+    for a missing wait to show."""
+    from compresskit_wide.kernels import common, gemm_out, policy
 
     model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cuda")
     cls = plugins.load("pruner", "wide")
@@ -602,9 +606,9 @@ def test_programmatic_dependent_launch_decodes_as_without_it(tiny_model_dir, mon
     executor = plugins.load("executor", "wide-triton")
     prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7], [9, 8, 7, 6]][:batch]
     runs = []
-    for pdl in (False, True):
-        monkeypatch.setattr(policy, "PDL", pdl)
-        assert bool(common.pdl_launch(torch.device("cuda"))) == pdl
+    for kernels in ((), ("*",)):
+        monkeypatch.setattr(policy, "PDL_KERNELS", kernels)
+        assert bool(common.pdl_launch(gemm_out.triton_masked_out_gemv_kernel, torch.device("cuda"))) == bool(kernels)
         rt = Runtime(model, executor=executor(executor.Config(backend="triton")))
         rt.reset_counts()
         out = rt.generate(prompts, max_new_tokens=24)
@@ -612,11 +616,22 @@ def test_programmatic_dependent_launch_decodes_as_without_it(tiny_model_dir, mon
     assert runs[0][0] == runs[1][0] and abs(runs[0][1] - runs[1][1]) < 1e-9
 
 
-def test_programmatic_dependent_launch_only_on_a_gpu_that_has_it(monkeypatch):
-    """The kernels' launch arguments for programmatic dependent launch: none where ``policy.PDL`` is off, and none
-    on the CPU (or in the interpreter) where it is on."""
-    from compresskit_wide.kernels import common, policy
+def test_programmatic_dependent_launch_where_the_policy_names_the_kernel(monkeypatch):
+    """The kernels' launch arguments for programmatic dependent launch: none while ``policy.PDL_KERNELS`` is empty,
+    none on the CPU (or in the interpreter) whatever it names; each name it may hold is a WIDE kernel's."""
+    from compresskit_wide.kernels import common, gemm_out, policy
 
-    assert policy.PDL is False and common.pdl_launch(torch.device("cpu")) == {}
-    monkeypatch.setattr(policy, "PDL", True)
-    assert common.pdl_launch(torch.device("cpu")) == {}
+    kernel = gemm_out.triton_persistent_out_gemm_kernel
+    assert policy.PDL_KERNELS == () and common.pdl_launch(kernel, torch.device("cpu")) == {}
+    monkeypatch.setattr(policy, "PDL_KERNELS", ("*",))
+    assert common.pdl_launch(kernel, torch.device("cpu")) == {}
+    sources = [p.read_text() for p in Path(common.__file__).parent.glob("*.py")]
+    names = {n for source in sources for n in re.findall(r"def (triton_\w+_kernel)\(", source)}
+    assert len(names) == 17
+    for source in sources:  # every kernel takes the constexpr PDL first thing, and every launch names a kernel
+        assert (
+            source.count("pdl_enter(PDL)")
+            == source.count("PDL: tl.constexpr = False")
+            == len(re.findall(r"def (triton_\w+_kernel)\(", source))
+        )
+        assert set(re.findall(r"(?<!def )pdl_launch\((\w+),", source)) <= names

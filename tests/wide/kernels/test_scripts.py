@@ -118,7 +118,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     assert all(not r["problems"] for r in rows)
     assert all(r["async_copies"] > 0 for r in rows if r["mma"] != "none")
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
-    assert not any(r["pdl"] for r in rows)  # (policy.PDL off)
+    assert not any(r["pdl"] for r in rows)  # (policy.PDL_KERNELS empty)
     proc = run_script("hopper_codegen.py", "--pdl", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(r["pdl"] and not r["problems"] for r in json.loads(out.read_text()))

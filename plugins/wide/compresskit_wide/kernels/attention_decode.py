@@ -191,11 +191,12 @@ def triton_routed_attention_decode(
         hq, hkv, s, d, splits, split_len, softmax_scale(d),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), mask_u8.stride(0), hq // mask.shape[-1],
         DOT_PRECISION=dot_precision(q.dtype), REP=rep, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=warps or policy.ATTN_DECODE_WARPS, **pdl_launch(q.device),
+        num_warps=warps or policy.ATTN_DECODE_WARPS, **pdl_launch(triton_attn_decode_split_kernel, q.device),
     )  # fmt: skip
     triton_attn_decode_merge_kernel[(b, hq)](
         m_ws, l_ws, acc_ws, mask_u8, out, hq, d, splits, out.stride(0), out.stride(1),
         mask_u8.stride(0), hq // mask.shape[-1],
-        BLOCK_S=max(16, next_power_of_2(splits)), BLOCK_D=block_d, **pdl_launch(q.device),
+        BLOCK_S=max(16, next_power_of_2(splits)), BLOCK_D=block_d,
+        **pdl_launch(triton_attn_decode_merge_kernel, q.device),
     )  # fmt: skip
     return out

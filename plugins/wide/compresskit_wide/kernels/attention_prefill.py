@@ -193,7 +193,7 @@ def triton_routed_attention_prefill(
     )  # fmt: skip
     common = dict(
         DOT_PRECISION=dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
-        BLOCK_D=max(16, next_power_of_2(d)), **pdl_launch(q.device),
+        BLOCK_D=max(16, next_power_of_2(d)), **pdl_launch(triton_attn_prefill_kernel, q.device),
     )  # fmt: skip
     hp = heads_per_program
     if hp is not None and (math.gcd(common["REP"], common["A"]) % hp or hp not in (1, 2, 4)):

@@ -86,11 +86,17 @@ def zero_inactive_heads(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows.view(b, t, hq, d).transpose(1, 2)
 
 
-def pdl_launch(device: torch.device) -> dict:
-    """A kernel's launch arguments for programmatic dependent launch, where ``policy.PDL`` says so and ``device``
-    is a GPU of sm_90 or later (not in the interpreter): ``PDL`` (the kernel's constexpr: :func:`pdl_enter` first)
-    and Triton's ``launch_pdl`` (the launch lets the kernel start before the kernel before it ends); else none."""
-    if not policy.PDL or device.type != "cuda" or interpreted() or torch.cuda.get_device_capability(device)[0] < 9:
+def pdl_launch(kernel, device: torch.device) -> dict:
+    """The launch arguments of ``kernel`` (a ``triton.jit`` function) for programmatic dependent launch, where
+    ``policy.PDL_KERNELS`` names it (or holds "*") and ``device`` is a GPU of sm_90 or later (not in the
+    interpreter): ``PDL`` (the kernel's constexpr: :func:`pdl_enter` first) and Triton's ``launch_pdl`` (the launch
+    lets the kernel start before the kernel before it ends); else none."""
+    if not policy.PDL_KERNELS or device.type != "cuda" or interpreted():
+        return {}
+    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+    if "*" not in policy.PDL_KERNELS and name not in policy.PDL_KERNELS:
+        return {}
+    if torch.cuda.get_device_capability(device)[0] < 9:
         return {}
     return {"PDL": True, "launch_pdl": True}
 

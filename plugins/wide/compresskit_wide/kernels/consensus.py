@@ -200,7 +200,8 @@ def triton_consensus(
             margin, margin if valid is None else valid.contiguous().view(torch.uint8), out,
             out if counts is None else counts, batch, t, g, float(cap), float(quorum), float(follow),
             HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
-            BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)), **pdl_launch(margin.device),
+            BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_G=max(2, next_power_of_2(g)),
+            **pdl_launch(triton_consensus_kernel, margin.device),
         )  # fmt: skip
     return out.view(torch.bool)
 
@@ -275,7 +276,7 @@ def triton_router_norm_consensus(
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
             HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
             BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_GC=max(2, next_power_of_2(groups)),
-            **pdl_launch(x.device),
+            **pdl_launch(triton_router_norm_consensus_kernel, x.device),
         )  # fmt: skip
     return out.view(torch.bool), x_new, h
 

@@ -144,7 +144,7 @@ def swiglu_zero(gate: torch.Tensor, up: torch.Tensor, mask: torch.Tensor) -> tor
     grid = (m, cdiv(n, block_n))
     triton_swiglu_zero_kernel[grid](
         gate, up, mask_u8, out, n, n // groups, gate.stride(0), up.stride(0), mask_u8.stride(0), out.stride(0),
-        BLOCK_N=block_n, **pdl_launch(gate.device),
+        BLOCK_N=block_n, **pdl_launch(triton_swiglu_zero_kernel, gate.device),
     )  # fmt: skip
     return out
 
@@ -635,7 +635,7 @@ def _decode_launch(args, common, m, launched, gw, fuse, k_pack, block_n, block_k
     (the autotuned kernels by packing) is None."""
     k_pack = _k_pack(m, fuse, k_pack)
     common["BLOCK_M"] = _decode_block_m(m, k_pack)
-    common |= pdl_launch(args[0].device)
+    common |= pdl_launch(triton_masked_out_gemv_kernel, args[0].device)
     if tuned is None:
         bn, bk = block_n or max(16 // k_pack, 1), block_k or 32
         if k_pack * bn < 16 or bk < 16:
@@ -803,7 +803,7 @@ def triton_persistent_out_gemm(
         "GROUPS_P2": max(2, next_power_of_2(launched)),
         "TAIL_SPLIT": tail_split,
         "CHUNK_TILES": chunk_tiles,
-        **pdl_launch(x.device),
+        **pdl_launch(triton_persistent_out_gemm_kernel, x.device),
     }
 
     def grid(meta):

@@ -440,7 +440,12 @@ def triton_masked_reduce_gemm(
     args += (shares if handing else x, m, n, gw, groups, r, x.stride(0), w.stride(0), mask_u8.stride(0), out.stride(0))
     args += (residual.stride(0) if handing else 0,)
     common = {"DOT_PRECISION": dot_precision(x.dtype), "BLOCK_G": block_g, "BLOCK_M": block_m, "DIRECT": direct}
-    common |= {"SHARES": handing, "SHARE_N": policy.SHARE_N, "BLOCK_R": next_power_of_2(r), **pdl_launch(x.device)}
+    common |= {
+        "SHARES": handing,
+        "SHARE_N": policy.SHARE_N,
+        "BLOCK_R": next_power_of_2(r),
+        **pdl_launch(triton_masked_reduce_gemm_kernel, x.device),
+    }
     if fixed:
         grid = (cdiv(n, bn), cdiv(m, block_m))
         triton_masked_reduce_gemm_kernel[grid](*args, **common, BLOCK_N=bn, BLOCK_K=bk, K_PACK=k_pack)
@@ -509,7 +514,8 @@ def triton_tile_reduce_gemm(
         tokens, tile, per_seq, DOT_PRECISION=dot_precision(x.dtype), BLOCK_G=block_g,
         BLOCK_M=max(16, next_power_of_2(tile)), BLOCK_N=bn, BLOCK_K=bk, ONE_SPLIT=one_split, ROW_MASKS=not rows_agree,
         WIDE_ROWS=max(m * x.stride(0), splits * m * n) >= WIDE_OFFSETS,
-        num_warps=warps or tile_warps, num_stages=stages or tile_stages, **pdl_launch(x.device),
+        num_warps=warps or tile_warps, num_stages=stages or tile_stages,
+        **pdl_launch(triton_tile_reduce_kernel, x.device),
     )  # fmt: skip
     if handing:
         residual, share_w, shares = _share_operands(m, n, residual, share_w, None)
@@ -520,10 +526,12 @@ def triton_tile_reduce_gemm(
         triton_split_sum_shares_kernel[(cdiv(n, sum_n), cdiv(m, sum_m))](
             part, out, residual, share_w, shares, m, n, r, splits, residual.stride(0),
             BLOCK_M=sum_m, BLOCK_N=sum_n, SHARE_N=policy.SHARE_N, BLOCK_R=next_power_of_2(r), num_warps=sum_warps,
-            **pdl_launch(x.device),
+            **pdl_launch(triton_split_sum_shares_kernel, x.device),
         )  # fmt: skip
         return out, shares
     if splits > 1:
         size, block = m * n, 1024
-        triton_split_sum_kernel[(cdiv(size, block),)](part, out, size, splits, BLOCK=block, **pdl_launch(x.device))
+        triton_split_sum_kernel[(cdiv(size, block),)](
+            part, out, size, splits, BLOCK=block, **pdl_launch(triton_split_sum_kernel, x.device)
+        )
     return out

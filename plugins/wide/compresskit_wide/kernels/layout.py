@@ -96,6 +96,6 @@ def triton_routing_layout(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         mask_u8.stride(1),
         BLOCK_M=block_m,
         num_warps=warps,
-        **pdl_launch(mask.device),
+        **pdl_launch(triton_routing_layout_kernel, mask.device),
     )
     return (order, counts) if batched else (order[0], counts[0])

@@ -192,11 +192,12 @@ def check_gpu(device: torch.device) -> None:
         )
 
 
-# every WIDE kernel launched with programmatic dependent launch on a GPU of sm_90 or later: it waits for the kernel
-# before it at its start and lets the next launch, so that where two of them follow each other (a block's
-# reduction, then the next block's router and product) the second's launch overlaps the first's end. Not measured
-# yet (the device's before / after: benchmarks/device_policy_trial.sh SET=PDL=True)
-PDL = False
+# the kernels launched with programmatic dependent launch on a GPU of sm_90 or later (their function names, or "*"
+# for every WIDE kernel): such a kernel waits for the kernel before it at its start and lets the next launch, so
+# that where two of them follow each other (a block's reduction, then the next block's router and product) the
+# second's launch overlaps the first's end. None until measured (the device's before / after:
+# benchmarks/device_policy_trial.sh SET='PDL_KERNELS=("*",)')
+PDL_KERNELS: tuple[str, ...] = ()
 # decode launch settings
 OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the fastest packing measured
 SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)

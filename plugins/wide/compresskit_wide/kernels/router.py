@@ -402,7 +402,8 @@ def triton_router_decide(
     ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
     triton_router_partial_kernel[(m_blocks, splits)](
         x, w_down, ws, m, d, r, chunk, x.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r, **pdl_launch(x.device),
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
+        **pdl_launch(triton_router_partial_kernel, x.device),
     )  # fmt: skip
     if (finish or router_finish(m)) == "token":  # the decision from the workspace's shares, a program a token
         return triton_router_decide_from_shares(
@@ -412,7 +413,7 @@ def triton_router_decide(
     triton_router_finish_kernel[grid](
         ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
         DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-        MARGIN=margin, **pdl_launch(x.device),
+        MARGIN=margin, **pdl_launch(triton_router_finish_kernel, x.device),
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -473,7 +474,7 @@ def triton_router_decide_from_shares(
         triton_router_shares_kernel[(m, cdiv(groups, block_g))](
             shares, b_down, w_up, b_up, out, out if counts is None else counts, s, m, r, groups, out.stride(0),
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, COUNT=counts is not None,
-            MARGIN=margin, **pdl_launch(shares.device),
+            MARGIN=margin, **pdl_launch(triton_router_shares_kernel, shares.device),
         )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
@@ -509,6 +510,6 @@ def triton_router_norm_from_shares(
             shares, b_down, w_up, b_up, out, out if counts is None else counts, x, delta, norm_w, x_new, h,
             s, m, r, groups, d, out.stride(0), eps,
             BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
-            COUNT=counts is not None, MARGIN=margin, **pdl_launch(x.device),
+            COUNT=counts is not None, MARGIN=margin, **pdl_launch(triton_router_norm_shares_kernel, x.device),
         )  # fmt: skip
     return (out if margin else out.view(torch.bool)), x_new, h
