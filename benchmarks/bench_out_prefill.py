@@ -15,8 +15,8 @@ probability 0.5 / 0.25, independently per token), ``exact50`` (half of each toke
 group active on exactly P% of the tokens, drawn per group: ``keep78.5`` holds 402 of 512 tokens a group, as the
 end-to-end bench's 25% row realised). With ``--tail-split 1,2`` and / or ``--chunk-tiles 0,16`` the kernel runs
 with each pair of ``TAIL_SPLIT`` (its last round of active items whole, or in two pieces where it fills at most half
-the programs) and ``CHUNK_TILES`` (its items group after group, or in chunks of that many token tiles) on the tile
-the autotuner chose for the first pair, and each row gives the items and rounds the programs run
+the programs) and ``CHUNK_TILES`` (its items group after group, or in chunks of that many token tiles), each pair
+on the tile the autotuner chose for it, and each row gives the items and each pair's rounds
 (``gemm_out.persistent_rounds``). cuBLAS is the dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up:
 gate and up stacked in memory as the runtime stacks them, one product, then the SwiGLU and the select in one
 pass), the inactive groups of q left as computed;
@@ -155,7 +155,7 @@ def main() -> int:
     # (TAIL_SPLIT, CHUNK_TILES) pairs: the first is the "kernel" column
     variants = [(int(s), int(c)) for s in args.tail_split.split(",") for c in args.chunk_tiles.split(",")]
     more = variants[1:]
-    splits = sorted({s for s, _ in variants})
+    labels = {("kernel" if i == 0 else f"v{sp},{ch}"): (sp, ch) for i, (sp, ch) in enumerate(variants)}
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS | eager us |"
     header += "".join(f" split {s}, chunks {c} us | x kernel |" for s, c in more)
     header += " items, rounds |" if more else ""
@@ -180,38 +180,40 @@ def main() -> int:
                         dense_masked_out_gemm, x, w, mask, w_up, zero_inactive=False, dense_rows=dense_rows
                     ),
                 }
-                for i, (split, chunk) in enumerate(variants):  # the persistent kernel (M > 16) at each pair
-                    calls["kernel" if i == 0 else f"v{split},{chunk}"] = functools.partial(
+                for label, (split, chunk) in labels.items():  # the persistent kernel (M > 16) at each pair
+                    calls[label] = functools.partial(
                         triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split,
                         chunk_tiles=chunk, **fixed,
                     )  # fmt: skip
                 if fused:  # the fallback before the one pass
                     calls["eager"] = functools.partial(eager_swiglu, x, w, w_up)
-                us = {}
+                us, chosen, plans = {}, {}, {}
                 for label, call in calls.items():
                     # (q's fallback leaves its inactive groups as computed: not compared)
-                    if label.startswith(("kernel", "v")) or (label == "cublas" and fused):
+                    kernel = label.startswith(("kernel", "v"))
+                    if kernel or (label == "cublas" and fused):
                         good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
                         ok &= good
                         if not good:
                             print(f"{name} {m} {kind} {label}: WRONG", flush=True)
                     us[label] = gpu_time(call)[0] * 1e3
+                    best = getattr(gemm_out._tuned_prefill, "best_config", None) if gpu and kernel else None
+                    if best is not None:  # the tile the autotuner chose for this variant at this row's shape
+                        chosen[label] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
+                        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                        tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], sms * best.kwargs["PER_SM"])
+                        plans[label] = gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, labels[label][0])
                 row = {"product": name, "tokens": m, "mask": kind, **{f"{k}_us": v for k, v in us.items()}}
-                best = getattr(gemm_out._tuned_prefill, "best_config", None) if gpu else None
-                if best is not None:  # the tile the autotuner chose for this row's shape
-                    row["tile"] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
-                    programs = torch.cuda.get_device_properties(dev).multi_processor_count * best.kwargs["PER_SM"]
-                    tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], programs)
-                    row["plans"] = {s: gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, s) for s in splits}
+                if chosen:
+                    row |= {"tile": chosen["kernel"], "tiles": chosen, "plans": plans}
                 rows.append(row)
                 c, ours = us["cublas"], us["kernel"]
                 eager = f"{us['eager']:.1f}" if "eager" in us else "-"
                 line = f"| {name} | {m} | {kind} | {c:.1f} | {ours:.1f} | {c / ours:.2f}x | {eager} |"
-                line += "".join(f" {us[f'v{s},{c}']:.1f} | {ours / us[f'v{s},{c}']:.2f}x |" for s, c in more)
+                line += "".join(f" {us[v]:.1f} | {ours / us[v]:.2f}x |" for v in list(labels)[1:])
                 if more:
-                    plans = row.get("plans", {})
-                    rounds = " / ".join(f"{plans[s]['rounds']:g}" for s in splits) if plans else "-"
-                    line += f" {plans[splits[0]]['items'] if plans else '-'}, {rounds} |"
+                    rounds = " / ".join(f"{plans[v]['rounds']:g}" for v in labels) if plans else "-"
+                    line += f" {plans['kernel']['items'] if plans else '-'}, {rounds} |"
                 lines.append(line)
                 print(line, flush=True)
                 if args.tiles and kind == "all":

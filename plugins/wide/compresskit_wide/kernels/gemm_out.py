@@ -515,7 +515,7 @@ if triton is not None:
     _tuned_prefill = autotuned(
         triton_persistent_out_gemm_kernel,
         policy.OUT_PERSISTENT,
-        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU"],
+        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "TAIL_SPLIT", "CHUNK_TILES"],  # (each option its own tile)
         decode=False,
         prune=prune_staged_tiles("BLOCK_N"),
         pre_hook=descriptor_blocks(
