@@ -12,18 +12,17 @@
 #   SET=OUT_TAIL_SPLIT=2 STEPS=e2e bash benchmarks/device_policy_trial.sh
 #   SET=OUT_CHUNK_TILES=16 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # chunks 0 / 16 at 2k-16k
 #   SET='PDL_KERNELS=("*",)' STEPS="tests e2e" bash benchmarks/device_policy_trial.sh  # SmolLM2's, 8B's shapes
-# OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three); TESTS: the
-# test files and TESTS_K their -k (default, for router_consensus, its kernel, dispatch and race tests and the
-# blocks under consensus on the kernels; for OUT_TAIL_SPLIT and OUT_CHUNK_TILES the persistent product's tests; for
-# PDL_KERNELS the runtime's decode with it on and off on the GPU; else
-# tests/wide/kernels, every test); ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus
-# decided"; else OP); KERNELS: the kernel step's command instead (default for OUT_TAIL_SPLIT
-# bench_out_prefill.py at both values, 512-4k tokens, with the masks of the end-to-end rows; for OUT_CHUNK_TILES
-# the same at 2k-16k); CASES: as
-# device_before_after.sh's (default, for router_consensus, Llama-3.1-8B shapes under `follow 1.25` and the capped
-# majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; for
-# OUT_CHUNK_TILES at 4k, 8k and 16k at 25% and 50%; for PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's at 1, 8; else 8B at
-# batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
+# OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three).
+# TESTS: the test files, TESTS_K their -k (defaults: for router_consensus its kernel, dispatch and race tests and
+# the blocks under consensus on the kernels; for OUT_TAIL_SPLIT and OUT_CHUNK_TILES the persistent product's
+# tests; for PDL_KERNELS the runtime's decode with it on and off; else tests/wide/kernels, every test).
+# ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus decided"; else OP).
+# KERNELS: the kernel step's command instead (defaults: for OUT_TAIL_SPLIT bench_out_prefill.py at both values,
+# 512-4k tokens, with the masks of the end-to-end rows; for OUT_CHUNK_TILES the same at 2k-16k).
+# CASES: as device_before_after.sh's (defaults: for router_consensus Llama-3.1-8B shapes under `follow 1.25` and
+# the capped majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%;
+# for OUT_CHUNK_TILES at 4k, 8k and 16k at 25% and 50%; for PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's
+# at 1, 8; else 8B at batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
   echo "give OP=NAME (an op of policy.UNMEASURED) or SET=NAME=VALUE (a setting of the policy), one of them" >&2
