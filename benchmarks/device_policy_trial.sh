@@ -59,7 +59,7 @@ $ttft --prompt 16384 --bounds off --transformers off"
 elif [[ "$SET" == PDL_KERNELS=* ]]; then
   tests_default="tests/wide/test_runtime_wide.py"
   k_default="programmatic or cuda_graph_decode"
-  kernels_default="echo (programmatic dependent launch acts between kernels: no kernel rows; the e2e step measures it)"
+  no_rows="programmatic dependent launch acts between kernels: no kernel rows (the e2e step measures it)"
   cases_default="--shape smollm2-135m --prompt 512 --batch 1,4,16 --new-tokens 32 --repeats 3 --transformers off
 --shape llama-3.1-8b --prompt 1024 --batch 1,8 --new-tokens 32 --repeats 3 --transformers off"
 else
@@ -92,7 +92,9 @@ if [[ " $steps " == *" tests "* ]]; then
 fi
 if [[ " $steps " == *" kernels "* ]]; then
   kernels=${KERNELS:-${kernels_default:-}}
-  if [ -n "$kernels" ]; then
+  if [ -z "${KERNELS:-}" ] && [ -n "${no_rows:-}" ]; then
+    echo "$no_rows"
+  elif [ -n "$kernels" ]; then
     $kernels --out "$out" 2>&1 | tail -n 40
   else
     python3 benchmarks/bench_wide_kernels.py --only "${ONLY:-$only_default}" --out "$out" 2>&1 | tail -n 30

@@ -22,6 +22,12 @@ from compresskit_wide.kernels.gemm_out import (  # noqa: E402
 pytestmark = pytest.mark.triton
 
 
+def split_tail_programs(items, split=2):
+    """The programs for which the last round of ``items`` fills at most 1 / ``split`` of them, after a round of
+    whole items (the most such; none where too few items are active: all off, or nearly)."""
+    return [p for p in range(1, items) if 0 < (items % p) * split <= p]
+
+
 def inputs(m, k, n, fuse, seed):
     gen = torch.Generator().manual_seed(seed)
     x, w = torch.randn(m, k, generator=gen).to(DEVICE), torch.randn(n, k, generator=gen).to(DEVICE)
@@ -105,9 +111,7 @@ def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sp
     mask = random_mask(m, 3, sparsity, seed=m * 11)
     want = torch_masked_out_gemm(x, w, mask, w_up, dense_rows)
     items = persistent_rounds(mask, gw, dense_rows, 16, block_n, 1)["items"]
-    # the most programs for which the last round fills at most 1 / split of them, after a round of whole items
-    # (none where too few items are active: all off, or nearly)
-    tails = [p for p in range(1, items) if 0 < (items % p) * split <= p]
+    tails = split_tail_programs(items, split)
     programs = max(tails, default=2)
     assert bool(persistent_rounds(mask, gw, dense_rows, 16, block_n, programs, split)["pieces"]) == bool(tails)
     assert tails or sparsity > 0
@@ -139,7 +143,7 @@ def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse, c
     mask = random_mask(m, groups, 0.4, seed=4)
     order, counts = torch_routing_layout(mask)
     plan = persistent_rounds(mask, gw, 0, bm, bn, 1)
-    programs = max(p for p in range(1, plan["items"]) if 0 < (plan["items"] % p) * 2 <= p)
+    programs = max(split_tail_programs(plan["items"]))
     plan = persistent_rounds(mask, gw, 0, bm, bn, programs, 2)
     zero = torch.zeros_like(w)
     descs = [TensorDescriptor.from_tensor(t, [rows, 16]) for rows, ts in ((bn, (w, w_up)), (bn // 2, (zero, zero)))
@@ -258,7 +262,7 @@ def test_bf16_persistent_prefill_split_tail_on_the_h200s_tiles(fuse):
     w_up = torch.randn(groups * gw, 1024, device="cuda", dtype=torch.bfloat16) / 4 if fuse else None
     mask = random_mask(m, groups, 0.25, seed=m)
     items = persistent_rounds(mask, gw, dense_rows, bm, bn, 1)["items"]
-    programs = max(p for p in range(1, items) if 0 < (items % p) * 2 <= p)
+    programs = max(split_tail_programs(items))
     assert persistent_rounds(mask, gw, dense_rows, bm, bn, programs, 2)["pieces"] > 0
     buf = poisoned(m, groups * gw + dense_rows, torch.bfloat16)
     got = triton_persistent_out_gemm(

@@ -173,6 +173,13 @@ def dense_masked_out_gemm(
     return swiglu_zero(gate, up, mask)
 
 
+def _live_tiles(mask: torch.Tensor, gw: int, dense_rows: int, block_m: int) -> list[int]:
+    """Each launched group's token tiles holding an active token (the routed groups', then the dense rows' in
+    groups of ``gw``, every token active), as the kernel counts them from the routing layout."""
+    m = mask.shape[0]
+    return [cdiv(c, block_m) for c in mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)]
+
+
 def persistent_rounds(
     mask: torch.Tensor, gw: int, dense_rows: int, block_m: int, block_n: int, programs: int, tail_split: int = 1
 ) -> dict:
@@ -183,13 +190,11 @@ def persistent_rounds(
     counted in items' time (a piece takes 1 / ``tail_split`` of one). The kernel's time follows the rounds, not
     its multiply-adds (docs/wide-kernels-h200.md, "Rounds"). Computed on the host as the kernel computes it from
     the routing layout's counts."""
-    m = mask.shape[0]
-    tiles_n = cdiv(gw, block_n)
-    counts = mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)
-    programs = min(programs, cdiv(m, block_m) * tiles_n * len(counts))  # as the launcher's grid caps them
-    live = sum(cdiv(c, block_m) for c in counts) * tiles_n
+    live_tiles, tiles_n = _live_tiles(mask, gw, dense_rows, block_m), cdiv(gw, block_n)
+    programs = min(programs, cdiv(mask.shape[0], block_m) * tiles_n * len(live_tiles))  # as the grid caps them
+    live = sum(live_tiles) * tiles_n
     whole, pieces = live, 0
-    split = tail_split if block_n >= 16 * tail_split else 1
+    split = block_n // _tail_width({"BLOCK_N": block_n, "TAIL_SPLIT": tail_split})
     if split > 1 and (live % programs) * split <= programs:
         whole = live // programs * programs
         pieces = (live - whole) * split
@@ -204,12 +209,9 @@ def persistent_order(
     after the routed ones, every token active) in the order its programs take them, each as (group, tile of the
     group's sorted tokens, tile of its channels): ``chunk_tiles`` 0, group after group; more, the token tiles in
     chunks of that many, every group's tiles of a chunk before the next chunk's (the kernel's ``_item_tile``)."""
-    m = mask.shape[0]
-    live = [cdiv(c, block_m) for c in mask.sum(0).tolist() + [m] * cdiv(dense_rows, gw)]
-    tiles_n = cdiv(gw, block_n)
-    chunks = [range(max(live, default=0))] if chunk_tiles == 0 else [
-        range(c, c + chunk_tiles) for c in range(0, max(live, default=0), chunk_tiles)
-    ]  # fmt: skip
+    live = _live_tiles(mask, gw, dense_rows, block_m)
+    tiles_n, most = cdiv(gw, block_n), max(live, default=0)
+    chunks = [range(most)] if chunk_tiles == 0 else [range(c, c + chunk_tiles) for c in range(0, most, chunk_tiles)]
     return [
         (g, tm, tn) for tiles in chunks for g, n in enumerate(live) for tm in tiles if tm < n for tn in range(tiles_n)
     ]
