@@ -153,6 +153,13 @@ def as_launched(module, kernel_name: str, call) -> tuple[object, dict, dict]:
     return kernel, runtime, {k: v for k, v in seen["kwargs"].items() if k in kernel.arg_names}
 
 
+def tail_descriptor(block_n: int, block_k: int, split: int) -> str:
+    """The persistent product's tail descriptor type for a tile (its block rows: ``gemm_out._tail_width``)."""
+    from compresskit_wide.kernels import gemm_out
+
+    return f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': block_n, 'TAIL_SPLIT': split})}, {block_k}]>"
+
+
 def cases(
     tail_split: int | None = None, chunk_tiles: int | None = None
 ) -> list[tuple[str, object, dict, dict, int, int, str]]:
@@ -224,10 +231,8 @@ def cases(
     # the persistent prefill products at 4k tokens: q with k and v under it, gate+up fused (TMA weight tiles)
     desc = "tensordesc<bf16[128, 64]>"
     persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")
-    # the persistent products' tail pieces (their descriptors' block rows: gemm_out._tail_width)
-    split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split
-    tail_desc = f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': 128, 'TAIL_SPLIT': split})}, 64]>"
-    persistent.update(w_tail_desc=tail_desc, wu_tail_desc=tail_desc)
+    split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split  # the tail's pieces
+    persistent.update(w_tail_desc=tail_descriptor(128, 64, split), wu_tail_desc=tail_descriptor(128, 64, split))
     persistent.update(M=4096, K=D, M_BUCKET=4096, stride_xm=D)
     q_prefill = {**persistent, "N": (HEADS + 2 * 8) * HEAD_DIM, "GW": ATTN_GROUP * HEAD_DIM, "G": HEADS // ATTN_GROUP}
     q_prefill.update(LAUNCHED=HEADS // ATTN_GROUP + 4, stride_om=(HEADS + 2 * 8) * HEAD_DIM)
@@ -242,9 +247,7 @@ def cases(
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = (
-        f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': 64, 'TAIL_SPLIT': split})}, 64]>"
-    )
+    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = tail_descriptor(64, 64, split)
     p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "TAIL_SPLIT": split}
     p_meta["CHUNK_TILES"] = policy.OUT_CHUNK_TILES if chunk_tiles is None else chunk_tiles
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
@@ -379,7 +382,7 @@ def out_tiles(tail_split: int | None = None, chunk_tiles: int | None = None) -> 
     hook's estimate and whether the hook keeps it."""
     import torch
 
-    from compresskit_wide.kernels import autotune, gemm_out, policy
+    from compresskit_wide.kernels import autotune, policy
 
     named_cases = {c[0]: c for c in cases(tail_split, chunk_tiles)}
     table = autotune.configs(policy.OUT_PERSISTENT)
@@ -394,10 +397,8 @@ def out_tiles(tail_split: int | None = None, chunk_tiles: int | None = None) -> 
             for c in table + [c for c in kept if tile_key(c) not in {tile_key(t) for t in table}]:
                 if (fused, tile_key(c)) not in compiled:
                     desc = f"tensordesc<bf16[{c.kwargs['BLOCK_N']}, {c.kwargs['BLOCK_K']}]>"
-                    tail = gemm_out._tail_width({**c.kwargs, "TAIL_SPLIT": constexprs["TAIL_SPLIT"]})
-                    tail_desc = f"tensordesc<bf16[{tail}, {c.kwargs['BLOCK_K']}]>"
-                    args = {**runtime, "w_desc": desc, "wu_desc": desc, "w_tail_desc": tail_desc}
-                    args["wu_tail_desc"] = tail_desc
+                    tail = tail_descriptor(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], constexprs["TAIL_SPLIT"])
+                    args = {**runtime, "w_desc": desc, "wu_desc": desc, "w_tail_desc": tail, "wu_tail_desc": tail}
                     got = compile_for_hopper(kernel, args, {**constexprs, **c.kwargs}, c.num_warps, c.num_stages)
                     compiled[fused, tile_key(c)] = got["shared"]
                 estimate = autotune.staged_tile_bytes(c.kwargs, c.num_stages, 2, fused)
