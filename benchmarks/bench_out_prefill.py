@@ -4,7 +4,6 @@
     python benchmarks/bench_out_prefill.py --out DIR            # on the H200
     python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
     python benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024 --masks all,keep78.5 --out DIR
-    python benchmarks/bench_out_prefill.py --chunk-tiles 0,16 --tokens 2048,4096,8192,16384 --out DIR
     python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
     python benchmarks/bench_out_prefill.py --rounds RAW.json    # no GPU: a run's items and rounds (masks redrawn)
 
@@ -13,10 +12,10 @@ Products at Llama-3.1-8B shapes: q with k and v stacked under it (6144 x 4096, 8
 (every group on: the kernel's own efficiency at cuBLAS's work), ``iid50`` / ``iid25`` (each group off with
 probability 0.5 / 0.25, independently per token), ``exact50`` (half of each token's groups) and ``keepP`` (each
 group active on exactly P% of the tokens, drawn per group: ``keep78.5`` holds 402 of 512 tokens a group, as the
-end-to-end bench's 25% row realised). With ``--tail-split 1,2`` and / or ``--chunk-tiles 0,16`` the kernel runs
-with each pair of ``TAIL_SPLIT`` (its last round of active items whole, or in two pieces where it fills at most half
-the programs) and ``CHUNK_TILES`` (its items group after group, or in chunks of that many token tiles), each pair
-on the tile the autotuner chose for it, and each row gives the items and each pair's rounds
+end-to-end bench's 25% row realised). The kernel runs with each product's ``TAIL_SPLIT`` of the policy
+(``policy.OUT_TAIL_SPLIT``); with ``--tail-split 1,2`` with each of these values instead (its last round of active
+items whole, or in two pieces where it fills at most half the programs), each on the tile the autotuner chose for
+it, the first as the "kernel" column, and each row gives the items and each value's rounds
 (``gemm_out.persistent_rounds``). cuBLAS is the dense fallback ``auto`` runs (``dense_masked_out_gemm``; gate+up:
 gate and up stacked in memory as the runtime stacks them, one product, then the SwiGLU and the select in one
 pass), the inactive groups of q left as computed;
@@ -81,10 +80,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
     parser.add_argument(
-        "--tail-split", default=str(policy.OUT_TAIL_SPLIT), help="the kernel's TAIL_SPLIT values, side by side (1,2)"
-    )
-    parser.add_argument(
-        "--chunk-tiles", default=str(policy.OUT_CHUNK_TILES), help="the kernel's CHUNK_TILES values, side by side"
+        "--tail-split", help="the kernel's TAIL_SPLIT values, side by side (1,2; default each product's in the policy)"
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -117,7 +113,7 @@ def replayed_rounds(raw: str, sms: int) -> list[dict]:
                     continue
                 tile = row["tile"]
                 plan = gemm_out.persistent_rounds(
-                    mask, gw, dense_rows, tile["BLOCK_M"], tile["BLOCK_N"], sms * tile["PER_SM"]
+                    mask, gw, dense_rows, tile["BLOCK_M"], tile["BLOCK_N"], sms * tile["PER_SM"], row.get("split", 1)
                 )
                 rows.append({**row, **plan, "us_per_round": row["kernel_us"] / plan["rounds"]})
     return rows
@@ -152,12 +148,11 @@ def main() -> int:
     tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
-    # (TAIL_SPLIT, CHUNK_TILES) pairs: the first is the "kernel" column
-    variants = [(int(s), int(c)) for s in args.tail_split.split(",") for c in args.chunk_tiles.split(",")]
-    more = variants[1:]
-    labels = {("kernel" if i == 0 else f"v{sp},{ch}"): (sp, ch) for i, (sp, ch) in enumerate(variants)}
+    # the TAIL_SPLIT values: the first is the "kernel" column (default: each product's in the policy)
+    splits = [int(s) for s in args.tail_split.split(",")] if args.tail_split else [None]
+    more = splits[1:]
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS | eager us |"
-    header += "".join(f" split {s}, chunks {c} us | x kernel |" for s, c in more)
+    header += "".join(f" split {s} us | x kernel |" for s in more)
     header += " items, rounds |" if more else ""
     lines = [header, "|---" * header.count(" |") + "|"]
     tile_lines = [
@@ -170,6 +165,8 @@ def main() -> int:
         both = (torch.randn(2 * n if fused else n, d, generator=gen) / d**0.5).to(dev, dt)
         w, w_up = both.split(n) if fused else (both, None)
         gw = (n - dense_rows) // groups
+        own = [policy.OUT_TAIL_SPLIT["swiglu" if fused else "plain"] if s is None else s for s in splits]
+        labels = {("kernel" if i == 0 else f"split{s}"): s for i, s in enumerate(own)}
         for m in tokens:
             x = torch.randn(m, d, generator=gen).to(dev, dt)
             for kind in args.masks.split(","):
@@ -180,17 +177,16 @@ def main() -> int:
                         dense_masked_out_gemm, x, w, mask, w_up, zero_inactive=False, dense_rows=dense_rows
                     ),
                 }
-                for label, (split, chunk) in labels.items():  # the persistent kernel (M > 16) at each pair
+                for label, split in labels.items():  # the persistent kernel (M > 16) at each TAIL_SPLIT
                     calls[label] = functools.partial(
-                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split,
-                        chunk_tiles=chunk, **fixed,
-                    )  # fmt: skip
+                        triton_persistent_out_gemm, x, w, mask, w_up, dense_rows=dense_rows, tail_split=split, **fixed
+                    )
                 if fused:  # the fallback before the one pass
                     calls["eager"] = functools.partial(eager_swiglu, x, w, w_up)
                 us, chosen, plans = {}, {}, {}
                 for label, call in calls.items():
                     # (q's fallback leaves its inactive groups as computed: not compared)
-                    kernel = label.startswith(("kernel", "v"))
+                    kernel = label.startswith(("kernel", "split"))
                     if kernel or (label == "cublas" and fused):
                         good = torch.allclose(call().float(), want, rtol=3e-2, atol=3e-2)
                         ok &= good
@@ -202,8 +198,9 @@ def main() -> int:
                         chosen[label] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
                         sms = torch.cuda.get_device_properties(dev).multi_processor_count
                         tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], sms * best.kwargs["PER_SM"])
-                        plans[label] = gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, labels[label][0])
-                row = {"product": name, "tokens": m, "mask": kind, **{f"{k}_us": v for k, v in us.items()}}
+                        plans[label] = gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, labels[label])
+                row = {"product": name, "tokens": m, "mask": kind, "split": own[0]}
+                row |= {f"{k}_us": v for k, v in us.items()}
                 if chosen:
                     row |= {"tile": chosen["kernel"], "tiles": chosen, "plans": plans}
                 rows.append(row)

@@ -8,20 +8,19 @@
 #   OP=router_consensus MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log,
 #                                                                                                # bench.{json,md}
 #   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
-#   SET=OUT_TAIL_SPLIT=2 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # bench-out-prefill.{json,md}
-#   SET=OUT_TAIL_SPLIT=2 STEPS=e2e bash benchmarks/device_policy_trial.sh
-#   SET=OUT_CHUNK_TILES=16 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # chunks 0 / 16 at 2k-16k
-#   SET='PDL_KERNELS=("*",)' STEPS="tests e2e" bash benchmarks/device_policy_trial.sh  # SmolLM2's, 8B's shapes
+#   SET='OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}' STEPS="tests kernels" bash benchmarks/device_policy_trial.sh
+#   SET='OUT_TAIL_SPLIT={"plain": 1, "swiglu": 1}' STEPS=e2e bash benchmarks/device_policy_trial.sh  # after: whole
+#   SET='PDL_KERNELS=()' STEPS="tests e2e" bash benchmarks/device_policy_trial.sh  # SmolLM2's, 8B's shapes
 # OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three).
 # TESTS: the test files, TESTS_K their -k (defaults: for router_consensus its kernel, dispatch and race tests and
-# the blocks under consensus on the kernels; for OUT_TAIL_SPLIT and OUT_CHUNK_TILES the persistent product's
-# tests; for PDL_KERNELS the runtime's decode with it on and off; else tests/wide/kernels, every test).
+# the blocks under consensus on the kernels; for OUT_TAIL_SPLIT the persistent product's tests; for PDL_KERNELS
+# the runtime's decode with it on and off; else tests/wide/kernels, every test).
 # ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus decided"; else OP).
-# KERNELS: the kernel step's command instead (defaults: for OUT_TAIL_SPLIT bench_out_prefill.py at both values,
-# 512-4k tokens, with the masks of the end-to-end rows; for OUT_CHUNK_TILES the same at 2k-16k).
+# KERNELS: the kernel step's command instead (default for OUT_TAIL_SPLIT: bench_out_prefill.py with whole items
+# and with pieces, 512-4k tokens, with the masks of the end-to-end rows).
 # CASES: as device_before_after.sh's (defaults: for router_consensus Llama-3.1-8B shapes under `follow 1.25` and
 # the capped majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%;
-# for OUT_CHUNK_TILES at 4k, 8k and 16k at 25% and 50%; for PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's
+# for PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's
 # at 1, 8; else 8B at batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
@@ -42,20 +41,11 @@ if [ "$OP" = router_consensus ]; then
 elif [[ "$SET" == OUT_TAIL_SPLIT=* ]]; then
   tests_default="tests/wide/kernels/test_gemm_out.py"
   k_default="persistent"
-  kernels_default="python3 benchmarks/bench_out_prefill.py --tail-split 1,${SET#*=} --tokens 512,1024,2048,4096
+  kernels_default="python3 benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024,2048,4096
     --masks all,iid50,iid25,keep78.5"
   ttft="--shape llama-3.1-8b --batch 1 --sparsity 0.25,0.375,0.5 --new-tokens 16 --repeats 3 --ttft-repeats 3"
   cases_default="$ttft --prompt 512 --bounds off --transformers off
 $ttft --prompt 1024 --bounds off --transformers off"
-elif [[ "$SET" == OUT_CHUNK_TILES=* ]]; then
-  tests_default="tests/wide/kernels/test_gemm_out.py"
-  k_default="persistent"
-  kernels_default="python3 benchmarks/bench_out_prefill.py --chunk-tiles 0,${SET#*=} --tokens 2048,4096,8192,16384
-    --masks all,iid50,iid25"
-  ttft="--shape llama-3.1-8b --batch 1 --sparsity 0.25,0.5 --new-tokens 8 --repeats 2 --ttft-repeats 3"
-  cases_default="$ttft --prompt 4096 --bounds off --transformers off
-$ttft --prompt 8192 --bounds off --transformers off
-$ttft --prompt 16384 --bounds off --transformers off"
 elif [[ "$SET" == PDL_KERNELS=* ]]; then
   tests_default="tests/wide/test_runtime_wide.py"
   k_default="programmatic or cuda_graph_decode"

@@ -1,8 +1,8 @@
 """What WIDE's kernels compile to on Hopper, checked on any machine: no GPU needed.
 
-    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--chunk-tiles N] [--pdl] [--json FILE]
+    python benchmarks/hopper_codegen.py [--tail-split 1|2] [--pdl] [--json FILE]
     python benchmarks/hopper_codegen.py --reduce-tiles [--json FILE]
-    python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--chunk-tiles N] [--json FILE]
+    python benchmarks/hopper_codegen.py --out-tiles [--tail-split 1|2] [--json FILE]
 
 Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm in
 their prologue, as their wrappers launch them; the reductions also with the next router's shares in their epilogue;
@@ -28,11 +28,10 @@ groups a step), with its group list and without ("direct"), at o_proj's and down
 4 and 16 tokens, beside whether the autotuner hook (``autotune.packed_pruner``) keeps the tile.
 ``--out-tiles``: the same for the persistent prefill product's table (q, gate+up fused; groups of 512, 128
 and 32 channels), beside the hook's estimate (``autotune.prune_staged_tiles``).
-``--tail-split``, ``--chunk-tiles``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last
-round in pieces, a second K loop) or ``CHUNK_TILES`` (their items in chunks of token tiles); default the policy's
-``OUT_TAIL_SPLIT`` and ``OUT_CHUNK_TILES``. ``--pdl``: every kernel compiled for programmatic dependent launch
-(``PDL``; ``policy.PDL_KERNELS``), each checked to wait for the kernel before it (``griddepcontrol.wait``) and to
-let the next launch; without it, none may.
+``--tail-split``: the persistent products compiled with that ``TAIL_SPLIT`` (2: their last round in pieces, a
+second K loop); default each product's in the policy (``OUT_TAIL_SPLIT``). ``--pdl``: every kernel compiled for
+programmatic dependent launch (``PDL``; ``policy.PDL_KERNELS``), each checked to wait for the kernel before it
+(``griddepcontrol.wait``) and to let the next launch; without it, none may.
 """
 
 from __future__ import annotations
@@ -160,9 +159,7 @@ def tail_descriptor(block_n: int, block_k: int, split: int) -> str:
     return f"tensordesc<bf16[{gemm_out._tail_width({'BLOCK_N': block_n, 'TAIL_SPLIT': split})}, {block_k}]>"
 
 
-def cases(
-    tail_split: int | None = None, chunk_tiles: int | None = None
-) -> list[tuple[str, object, dict, dict, int, int, str]]:
+def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, int, int, str]]:
     """(name, kernel, runtime args, constexprs, warps, stages, expected MMA kind): the decode defaults
     at M = 1, and the routed decode attention's split kernel at 8k positions, batch 1 (its 4 query
     heads of a KV head are a 16-row tile: the older MMA)."""
@@ -231,8 +228,10 @@ def cases(
     # the persistent prefill products at 4k tokens: q with k and v under it, gate+up fused (TMA weight tiles)
     desc = "tensordesc<bf16[128, 64]>"
     persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")
-    split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split  # the tail's pieces
-    persistent.update(w_tail_desc=tail_descriptor(128, 64, split), wu_tail_desc=tail_descriptor(128, 64, split))
+    # the tail's pieces, each product's
+    split = {kind: policy.OUT_TAIL_SPLIT[kind] if tail_split is None else tail_split for kind in ("plain", "swiglu")}
+    q_tail = tail_descriptor(128, 64, split["plain"])
+    persistent.update(w_tail_desc=q_tail, wu_tail_desc=q_tail)
     persistent.update(M=4096, K=D, M_BUCKET=4096, stride_xm=D)
     q_prefill = {**persistent, "N": (HEADS + 2 * 8) * HEAD_DIM, "GW": ATTN_GROUP * HEAD_DIM, "G": HEADS // ATTN_GROUP}
     q_prefill.update(LAUNCHED=HEADS // ATTN_GROUP + 4, stride_om=(HEADS + 2 * 8) * HEAD_DIM)
@@ -247,9 +246,8 @@ def cases(
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = tail_descriptor(64, 64, split)
-    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1, "TAIL_SPLIT": split}
-    p_meta["CHUNK_TILES"] = policy.OUT_CHUNK_TILES if chunk_tiles is None else chunk_tiles
+    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = tail_descriptor(64, 64, split["swiglu"])
+    p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
     # the FFN router's margins, the set capped at one group and following the tokens' count, counted
     margin = torch.zeros(8, FFN // GROUP)
@@ -313,9 +311,10 @@ def cases(
         ("down, 4k prefill in tiles of 64, own groups", gemm_reduce.triton_tile_reduce_kernel, prefill,
          {**tile_meta, "GW": GROUP, "BLOCK_G": 128, "ONE_SPLIT": True, "ROW_MASKS": True}, 4, 4, "wgmma"),
         ("q prefill, 4k, persistent (TMA weight)", gemm_out.triton_persistent_out_gemm_kernel, q_prefill,
-         {**p_meta, "FUSE_SWIGLU": False, "GROUPS_P2": 16}, 8, 4, "wgmma"),
+         {**p_meta, "FUSE_SWIGLU": False, "GROUPS_P2": 16, "TAIL_SPLIT": split["plain"]}, 8, 4, "wgmma"),
         ("gate+up prefill, 4k, persistent (TMA weights)", gemm_out.triton_persistent_out_gemm_kernel, gu_prefill,
-         {**p_meta, "FUSE_SWIGLU": True, "BLOCK_N": 64, "GROUPS_P2": 128}, 8, 4, "wgmma"),
+         {**p_meta, "FUSE_SWIGLU": True, "BLOCK_N": 64, "GROUPS_P2": 128, "TAIL_SPLIT": split["swiglu"]}, 8, 4,
+         "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),
         ("router: decision from shares, counting", router.triton_router_shares_kernel, shares, shares_meta, 4, 1,
@@ -375,7 +374,7 @@ def reduce_tiles() -> list[dict]:
     return rows
 
 
-def out_tiles(tail_split: int | None = None, chunk_tiles: int | None = None) -> list[dict]:
+def out_tiles(tail_split: int | None = None) -> list[dict]:
     """Every tile of the persistent prefill product's table, q alone and gate+up fused, at group widths of
     512, 128 and 32 channels, and any tile the autotuner hook (``autotune.prune_staged_tiles``) makes of its
     own (narrowed to a group, or with fewer stages): its shared memory compiled for sm_90, beside the
@@ -384,7 +383,7 @@ def out_tiles(tail_split: int | None = None, chunk_tiles: int | None = None) -> 
 
     from compresskit_wide.kernels import autotune, policy
 
-    named_cases = {c[0]: c for c in cases(tail_split, chunk_tiles)}
+    named_cases = {c[0]: c for c in cases(tail_split)}
     table = autotune.configs(policy.OUT_PERSISTENT)
     compiled, rows = {}, []
     for fused in (False, True):
@@ -416,19 +415,18 @@ def main() -> int:
     parser.add_argument(
         "--tail-split", type=int, choices=(1, 2), help="the persistent products' TAIL_SPLIT (default: the policy's)"
     )
-    parser.add_argument("--chunk-tiles", type=int, help="the persistent products' CHUNK_TILES (default: the policy's)")
     parser.add_argument("--pdl", action="store_true", help="every kernel with PDL (programmatic dependent launch)")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("error: TRITON_INTERPRET=1 replaces Triton's compiler; run without it", file=sys.stderr)
         return 2
     if args.reduce_tiles or args.out_tiles:
-        rows = reduce_tiles() if args.reduce_tiles else out_tiles(args.tail_split, args.chunk_tiles)
+        rows = reduce_tiles() if args.reduce_tiles else out_tiles(args.tail_split)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
         return 0
     rows, failed = [], 0
-    for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split, args.chunk_tiles):
+    for name, kernel, runtime, constexprs, warps, stages, mma in cases(args.tail_split):
         got = compile_for_hopper(kernel, runtime, {**constexprs, "PDL": args.pdl}, warps, stages)
         problems = [
             what

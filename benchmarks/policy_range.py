@@ -37,8 +37,8 @@ def with_range(source: str, op: str, max_m: int) -> str:
 
 def with_setting(source: str, assignment: str) -> str:
     """``policy.py``'s text with the one-line setting ``NAME=VALUE`` (an upper-case name assigned a number, a
-    string or a tuple of them on a line of its own, perhaps a comment after it) given ``VALUE``; a ValueError
-    where it is not such a setting or the value is no literal of the same type."""
+    string, or a tuple or dict of them on a line of its own, perhaps a comment after it) given ``VALUE``; a
+    ValueError where it is not such a setting or the value is no literal of the same type (a dict: the same keys)."""
     name, sep, value = assignment.partition("=")
     name = name.strip()
     pattern = rf"^{re.escape(name)}(: [^=]+)? = ([^#\n]+?)(\s+#.*)?$"  # (a comment after the value)
@@ -51,6 +51,8 @@ def with_setting(source: str, assignment: str) -> str:
         raise ValueError(f"{name}: {line.group(2)!r} or {value.strip()!r} is not a literal") from None
     if type(old) is not type(new):
         raise ValueError(f"{name}: {value.strip()!r} is a {type(new).__name__}, the policy's a {type(old).__name__}")
+    if isinstance(old, dict) and set(new) != set(old):
+        raise ValueError(f"{name}: keys {sorted(new)}, the policy's {sorted(old)}")
     edited = f"{name}{line.group(1) or ''} = {new!r}  # under test: benchmarks/policy_range.py (was {old!r})"
     return source[: line.start()] + edited + source[line.end() :]
 

@@ -181,7 +181,7 @@ def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anythin
     policy = root / "plugins/wide/compresskit_wide/kernels/policy.py"
     before = policy.read_text()
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for extra in ({}, {"OP": "router_consensus", "SET": "OUT_TAIL_SPLIT=2"}):
+    for extra in ({}, {"OP": "router_consensus", "SET": "PDL_KERNELS=()"}):
         res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, env={**env, **extra},
                              capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 2 and res.stderr.strip() == (

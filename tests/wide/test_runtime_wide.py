@@ -617,14 +617,24 @@ def test_programmatic_dependent_launch_decodes_as_without_it(tiny_model_dir, mon
 
 
 def test_programmatic_dependent_launch_where_the_policy_names_the_kernel(monkeypatch):
-    """The kernels' launch arguments for programmatic dependent launch: none while ``policy.PDL_KERNELS`` is empty,
-    none on the CPU (or in the interpreter) whatever it names; each name it may hold is a WIDE kernel's."""
+    """The kernels' launch arguments for programmatic dependent launch: none on the CPU (or in the interpreter)
+    whatever ``policy.PDL_KERNELS`` names, none on a GPU for a kernel it does not name (a GPU's capability
+    stands in); each name it may hold is a WIDE kernel's."""
     from compresskit_wide.kernels import common, gemm_out, policy
 
     kernel = gemm_out.triton_persistent_out_gemm_kernel
-    assert policy.PDL_KERNELS == () and common.pdl_launch(kernel, torch.device("cpu")) == {}
+    assert policy.PDL_KERNELS == ("*",) and common.pdl_launch(kernel, torch.device("cpu")) == {}
+    monkeypatch.setattr(common, "interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    on = {"PDL": True, "launch_pdl": True}
+    for named, want in (((), {}), (("triton_persistent_out_gemm_kernel",), on), (("triton_router_finish_kernel",), {})):
+        monkeypatch.setattr(policy, "PDL_KERNELS", named)
+        assert common.pdl_launch(kernel, gpu) == want, named
     monkeypatch.setattr(policy, "PDL_KERNELS", ("*",))
-    assert common.pdl_launch(kernel, torch.device("cpu")) == {}
+    assert common.pdl_launch(kernel, gpu) == on
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert common.pdl_launch(kernel, gpu) == {}
     sources = [p.read_text() for p in Path(common.__file__).parent.glob("*.py")]
     names = {n for source in sources for n in re.findall(r"def (triton_\w+_kernel)\(", source)}
     assert len(names) == 17

@@ -77,21 +77,19 @@ def test_prefill_over_several_token_tiles_with_dense_rows(m, dense_rows, sparsit
 )
 @pytest.mark.parametrize("sparsity", SPARSITIES)
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("chunk", [0, 2])
-def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsity, fuse, chunk):
+def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsity, fuse):
     """The persistent prefill kernel (TMA weight tiles, programs over the active tiles, then the
-    zero tiles): the reference's values with 3 routed groups over several token and channel tiles,
-    dense rows after them, K no multiple of the K step, fewer programs than tiles, the items group after
-    group or in chunks of 2 token tiles; every output element written, nothing after it."""
+    zero tiles; each product's split tail of the policy): the reference's values with 3 routed groups over
+    several token and channel tiles, dense rows after them, K no multiple of the K step, fewer programs than
+    tiles; every output element written, nothing after it."""
     if fuse and dense_rows:
         pytest.skip("dense rows are the plain product's")
     x, w, w_up = inputs(m, k, 96 + dense_rows, fuse, seed=m + k)
     mask = random_mask(m, 3, sparsity, seed=m * 3)
     buf = poisoned(m, 96 + dense_rows)
     got = triton_persistent_out_gemm(
-        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16, programs=programs,
-        chunk_tiles=chunk,
-    )  # fmt: skip
+        x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=16, block_k=16, programs=programs
+    )
     torch.testing.assert_close(got, torch_masked_out_gemm(x, w, mask, w_up, dense_rows), rtol=1e-4, atol=1e-4)
     assert torch.count_nonzero(got[:, :96][~mask.repeat_interleave(32, dim=-1)]) == 0
     assert torch.isnan(buf[m:]).all()
@@ -99,13 +97,13 @@ def test_persistent_prefill_matches_reference(m, k, dense_rows, programs, sparsi
 
 @pytest.mark.parametrize(("m", "dense_rows", "fuse"), [(70, 0, False), (61, 0, True), (45, 64, False), (33, 0, True)])
 @pytest.mark.parametrize("sparsity", SPARSITIES)
-@pytest.mark.parametrize(("block_n", "chunk"), [(32, 0), (64, 0), (32, 3)])
-def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sparsity, block_n, chunk):
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sparsity, block_n):
     """A last round of active items that fills at most half the programs runs in two pieces of an item's
     channels (groups of 48 channels: in two channel tiles of 32, pieces of 16, or one of 64, pieces of 32; a
     piece, and the last dense group, partly or wholly past its channels): the reference's values, exact zeros
     in inactive groups, every output element written, nothing after it; the programs chosen on the host's
-    item count; the items also in chunks of 3 token tiles."""
+    item count."""
     split, gw = 2, 48
     x, w, w_up = inputs(m, 48, 3 * gw + dense_rows, fuse, seed=m + block_n)
     mask = random_mask(m, 3, sparsity, seed=m * 11)
@@ -118,7 +116,7 @@ def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sp
     buf = poisoned(m, 3 * gw + dense_rows)
     got = triton_persistent_out_gemm(
         x, w, mask, w_up, dense_rows=dense_rows, out=buf[:m], block_m=16, block_n=block_n, block_k=16,
-        programs=programs, tail_split=split, chunk_tiles=chunk,
+        programs=programs, tail_split=split,
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.count_nonzero(got[:, : 3 * gw][~mask.repeat_interleave(gw, dim=-1)]) == 0
@@ -127,11 +125,10 @@ def test_persistent_prefill_split_tail_matches_reference(m, dense_rows, fuse, sp
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's white-box check (on a GPU the tests above run)")
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("chunk", [0, 2])
-def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse, chunk):
+def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse):
     """Which items the split tail runs: the kernel launched with its tail descriptors over a zero weight gives
-    zeros in exactly the last round's items in the host's order (``persistent_order``: group after group, or the
-    token tiles in chunks of 2) and the reference everywhere else."""
+    zeros in exactly the last round's items in the host's order (``persistent_order``) and the reference
+    everywhere else."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from compresskit_wide.kernels.gemm_out import persistent_order, triton_persistent_out_gemm_kernel
@@ -152,10 +149,10 @@ def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse, c
     triton_persistent_out_gemm_kernel[(programs,)](
         x, *descs, out, order, counts, m, groups * gw, k, gw, groups, groups, 1, x.stride(0), out.stride(0),
         FUSE_SWIGLU=fuse, DOT_PRECISION="ieee", GROUPS_P2=4, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, PER_SM=1,
-        TAIL_SPLIT=2, CHUNK_TILES=chunk,
+        TAIL_SPLIT=2,
     )  # fmt: skip
     want = torch_masked_out_gemm(x, w, mask, w_up if fuse else None)
-    items = persistent_order(mask, gw, 0, bm, bn, chunk)
+    items = persistent_order(mask, gw, 0, bm, bn)
     tail = torch.zeros(m, groups * gw, dtype=torch.bool)
     for g, tm, tn in items[plan["whole"] :]:  # an item of the split tail: its active rows, its channels in the group
         rows = order[g, tm * bm : min((tm + 1) * bm, int(counts[g]))].long()
@@ -165,25 +162,16 @@ def test_persistent_prefill_runs_exactly_the_last_rounds_items_in_pieces(fuse, c
     torch.testing.assert_close(out[~tail], want[~tail], rtol=1e-4, atol=1e-4)
 
 
-def test_persistent_order_group_after_group_or_in_chunks():
+def test_persistent_order_group_after_group():
     """The items' order: 2 groups holding 3 and 1 token tiles (and a dense group of 3) over 2 channel tiles,
-    group after group, or in chunks of 2 token tiles (each chunk's tiles of every group, then the next chunk):
-    the same items either way."""
+    group after group, each group's token tiles in turn, as many as the host counts."""
     from compresskit_wide.kernels.gemm_out import persistent_order
 
     mask = torch.zeros(40, 2, dtype=torch.bool)
     mask[:33, 0] = mask[5:9, 1] = True  # 33 active: 3 tiles of 16; 4 active: 1 tile
     by_group = persistent_order(mask, 32, 32, 16, 16)
     assert by_group == [(g, tm, tn) for g, n in ((0, 3), (1, 1), (2, 3)) for tm in range(n) for tn in (0, 1)]
-    chunked = persistent_order(mask, 32, 32, 16, 16, chunk_tiles=2)
-    first = [(g, tm, tn) for g, n in ((0, 2), (1, 1), (2, 2)) for tm in range(n) for tn in (0, 1)]
-    assert chunked == first + [(g, 2, tn) for g in (0, 2) for tn in (0, 1)]
-    assert (
-        persistent_order(mask, 32, 32, 16, 16, chunk_tiles=3) == by_group == persistent_order(mask, 32, 32, 16, 16, 8)
-    )
-    assert sorted(chunked) == sorted(by_group) and len(by_group) == persistent_rounds(mask, 32, 32, 16, 16, 1)["items"]
-    with pytest.raises(ValueError, match="chunk_tiles=-1: 0"):
-        triton_persistent_out_gemm(*inputs(20, 32, 32, False, seed=1)[:2], random_mask(20, 2, 0.5), chunk_tiles=-1)
+    assert len(by_group) == persistent_rounds(mask, 32, 32, 16, 16, 1)["items"]
 
 
 def test_persistent_rounds_counts_the_items_and_the_split_tail():

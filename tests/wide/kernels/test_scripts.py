@@ -118,7 +118,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     assert all(not r["problems"] for r in rows)
     assert all(r["async_copies"] > 0 for r in rows if r["mma"] != "none")
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
-    assert not any(r["pdl"] for r in rows)  # (policy.PDL_KERNELS empty)
+    assert not any(r["pdl"] for r in rows)  # (without --pdl, whatever policy.PDL_KERNELS holds)
     proc = run_script("hopper_codegen.py", "--pdl", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert all(r["pdl"] and not r["problems"] for r in json.loads(out.read_text()))
@@ -138,7 +138,7 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
 def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     """``bench_attention_matrix.py --smoke`` (the routed decode attention against the runtime's attention, every
     cell, at Llama-3.1-8B's and SmolLM2's attention shapes), ``bench_out_prefill.py --smoke --tiles`` (the
-    prefill out-width products, autotuned and each tile; and each pair of its split tail and chunked order) and
+    prefill out-width products, autotuned and each tile; and with whole items and a split tail) and
     ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against their
     references before it would time them. Their smoke runs on the CPU in the interpreter (the device's Triton 3.6
     interpreter cannot take a program id as a loop bound under NumPy 2.4: a GPU machine skips this)."""
@@ -152,11 +152,14 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
     timed = {(r["product"], r["mask"]) for r in rows if "kernel_us" in r}
     assert len(timed) == 8 and sum(r.get("ok") is True for r in rows) == 2  # 2 products x 4 masks; a tile each
-    args = ("--smoke", "--out", str(tmp_path), "--tail-split", "1,2", "--chunk-tiles", "0,2", "--masks", "keep60")
+    assert [r["split"] for r in rows if "kernel_us" in r] == [1] * 4 + [2] * 4  # (each product's in the policy)
+    args = ("--smoke", "--out", str(tmp_path), "--tail-split", "1,2", "--masks", "keep60")
     proc = run_script("bench_out_prefill.py", *args, env=interpreted)
     assert proc.returncode == 0 and "every kernel matches the reference" in proc.stdout, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
-    assert [sorted(k for k in r if k.startswith("v")) for r in rows] == [["v1,2_us", "v2,0_us", "v2,2_us"]] * 2
+    assert [(r["split"], sorted(k for k in r if k.startswith("split") and k != "split")) for r in rows] == [
+        (1, ["split2_us"])
+    ] * 2
     args = ("--smoke", "--out", str(tmp_path), "--m", "3,20", "--prefill", "40", "--tile", "16")
     proc = run_script("bench_shared_set.py", *args, env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -201,20 +204,24 @@ def test_policy_range_sets_a_launch_setting_in_a_copy(tmp_path, monkeypatch):
 
     copy = tmp_path / "policy.py"
     copy.write_text(Path(policy.__file__).read_text())
-    for value in (2, 1, 2):
-        proc = run_script("policy_range.py", str(copy), "--set", f"OUT_TAIL_SPLIT={value}")
+    splits = ('OUT_TAIL_SPLIT={"plain": 2, "swiglu": 1}', 'OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}')
+    for setting in (splits[0], "PDL_KERNELS=()", splits[1]):
+        proc = run_script("policy_range.py", str(copy), "--set", setting)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     spec = importlib.util.spec_from_file_location("policy_with_setting", copy)
     edited = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, edited)
     spec.loader.exec_module(edited)
-    assert edited.OUT_TAIL_SPLIT == 2 and policy.OUT_TAIL_SPLIT == 1
+    assert edited.OUT_TAIL_SPLIT == {"plain": 2, "swiglu": 2} and edited.PDL_KERNELS == ()
+    assert policy.OUT_TAIL_SPLIT == {"plain": 1, "swiglu": 2} and policy.PDL_KERNELS == ("*",)
     assert edited.SHARED_REDUCE_TILE == policy.SHARED_REDUCE_TILE and edited.UNMEASURED == policy.UNMEASURED
     before = copy.read_text()
     for bad, says in (
         ("NOT_A_SETTING=2", "'NOT_A_SETTING' is not a one-line setting"),
-        ("OUT_TAIL_SPLIT=2.0", "'2.0' is a float, the policy's a int"),
-        ("OUT_TAIL_SPLIT=two", "is not a literal"),
+        ("ROUTER_TOKEN_FINISH_MAX_M=2.0", "'2.0' is a float, the policy's a int"),
+        ("OUT_TAIL_SPLIT=2", "'2' is a int, the policy's a dict"),
+        ('OUT_TAIL_SPLIT={"q": 2, "swiglu": 2}', "keys ['q', 'swiglu'], the policy's ['plain', 'swiglu']"),
+        ("ROUTER_TOKEN_FINISH_MAX_M=two", "is not a literal"),
     ):
         proc = run_script("policy_range.py", str(copy), "--set", bad)
         assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr

@@ -203,18 +203,14 @@ def persistent_rounds(
 
 
 def persistent_order(
-    mask: torch.Tensor, gw: int, dense_rows: int, block_m: int, block_n: int, chunk_tiles: int = 0
+    mask: torch.Tensor, gw: int, dense_rows: int, block_m: int, block_n: int
 ) -> list[tuple[int, int, int]]:
     """The persistent prefill product's active items for ``mask`` (``[M, G]``; ``dense_rows`` in groups of ``gw``
     after the routed ones, every token active) in the order its programs take them, each as (group, tile of the
-    group's sorted tokens, tile of its channels): ``chunk_tiles`` 0, group after group; more, the token tiles in
-    chunks of that many, every group's tiles of a chunk before the next chunk's (the kernel's ``_item_tile``)."""
+    group's sorted tokens, tile of its channels): group after group, each group's token tiles in turn."""
+    tiles_n = cdiv(gw, block_n)
     live = _live_tiles(mask, gw, dense_rows, block_m)
-    tiles_n, most = cdiv(gw, block_n), max(live, default=0)
-    chunks = [range(most)] if chunk_tiles == 0 else [range(c, c + chunk_tiles) for c in range(0, most, chunk_tiles)]
-    return [
-        (g, tm, tn) for tiles in chunks for g, n in enumerate(live) for tm in tiles if tm < n for tn in range(tiles_n)
-    ]
+    return [(g, tm, tn) for g, n in enumerate(live) for tm in range(n) for tn in range(tiles_n)]
 
 
 def _tail_width(meta: dict) -> int:
@@ -385,38 +381,17 @@ if triton is not None:
         return g, first
 
     @triton.jit
-    def _item_tile(item, live, cum_live, lanes, tiles_n, CHUNK_TILES: tl.constexpr):
-        # the active item's (group, token tile, channel tile). CHUNK_TILES = 0: group after group, each group's
-        # token tiles in turn; > 0: the token tiles in chunks of CHUNK_TILES, every group's tiles of a chunk
-        # before the next chunk's (so that the programs at work read one chunk's token rows, which the L2 keeps).
-        # ``cum_live``: the groups' items' inclusive prefix sums
-        if CHUNK_TILES == 0:
-            g, first = _group_of(item, cum_live, lanes)
-            tm = (item - first) // tiles_n
-        else:
-            chunk = 0
-            base = 0  # the items of the chunks before
-            size = tl.sum(tl.minimum(live, CHUNK_TILES) * tiles_n, axis=0)
-            while item >= base + size:
-                base += size
-                chunk += 1
-                size = tl.sum(tl.minimum(tl.maximum(live - chunk * CHUNK_TILES, 0), CHUNK_TILES) * tiles_n, axis=0)
-            in_chunk = tl.minimum(tl.maximum(live - chunk * CHUNK_TILES, 0), CHUNK_TILES) * tiles_n
-            g, first = _group_of(item - base, tl.cumsum(in_chunk, axis=0), lanes)
-            first += base
-            tm = chunk * CHUNK_TILES + (item - first) // tiles_n
-        return g, tm, (item - first) % tiles_n
-
-    @triton.jit
     def _live_item(
-        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, live, cum_live, lanes, tiles_n,
+        x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, part, cum_live, lanes, tiles_n,
         M, N, K, GW, G, stride_xm, stride_om,
-        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, CHUNK_TILES: tl.constexpr,
+        FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # one active item (tile of a group's sorted tokens x block of BLOCK_N of its channels), or its
         # ``part``-th piece of WIDTH channels (the descriptors' block WIDTH x BLOCK_K)
-        g, tm, tn = _item_tile(item, live, cum_live, lanes, tiles_n, CHUNK_TILES)
+        g, first = _group_of(item, cum_live, lanes)  # (group after group, each group's token tiles in turn)
+        tm = (item - first) // tiles_n
+        tn = (item - first) % tiles_n
         routed = g < G
         g_routed = tl.minimum(g, G - 1)
         count = tl.where(routed, tl.load(counts_ptr + g_routed), M)
@@ -455,7 +430,7 @@ if triton is not None:
         stride_xm, stride_om,
         FUSE_SWIGLU: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUPS_P2: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
-        TAIL_SPLIT: tl.constexpr, CHUNK_TILES: tl.constexpr,
+        TAIL_SPLIT: tl.constexpr,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
         # prefill, persistent (PER_SM programs an SM: read by the launcher's grid): the programs take
@@ -466,7 +441,6 @@ if triton is not None:
         # TAIL_SPLIT > 1: where the last round of active items fills at most 1 / TAIL_SPLIT of the
         # programs, its items run in TAIL_SPLIT pieces of BLOCK_N / TAIL_SPLIT channels each (the tail
         # descriptors' block; at least 16), a piece a program, so that the round takes a piece's time.
-        # CHUNK_TILES > 0: the active items in chunks of that many token tiles (_item_tile).
         # M_BUCKET is only the autotuning key.
         pdl_enter(PDL)
         tiles_m = tl.cdiv(M, BLOCK_M)
@@ -486,16 +460,15 @@ if triton is not None:
             whole = tl.where((n_live - rounds) * TAIL_SPLIT <= programs, rounds, n_live)
         for item in tl.range(tl.program_id(0), whole, programs):
             _live_item(
-                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, live, cum_live, lanes, tiles_n,
-                M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES,
-                BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
+                x_ptr, w_desc, wu_desc, out_ptr, order_ptr, counts_ptr, item, 0, cum_live, lanes, tiles_n,
+                M, N, K, GW, G, stride_xm, stride_om, FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if TAIL_SPLIT > 1 and BLOCK_N >= 16 * TAIL_SPLIT:
             for piece in tl.range(tl.program_id(0), (n_live - whole) * TAIL_SPLIT, programs):
                 _live_item(
                     x_ptr, w_tail_desc, wu_tail_desc, out_ptr, order_ptr, counts_ptr, whole + piece // TAIL_SPLIT,
-                    piece % TAIL_SPLIT, live, cum_live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om,
-                    FUSE_SWIGLU, DOT_PRECISION, CHUNK_TILES, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
+                    piece % TAIL_SPLIT, cum_live, lanes, tiles_n, M, N, K, GW, G, stride_xm, stride_om,
+                    FUSE_SWIGLU, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_N // TAIL_SPLIT, BLOCK_K,
                 )  # fmt: skip
         cols_in = tl.arange(0, BLOCK_N)
         for item in tl.range(tl.program_id(0), n_zero, tl.num_programs(0)):
@@ -517,7 +490,7 @@ if triton is not None:
     _tuned_prefill = autotuned(
         triton_persistent_out_gemm_kernel,
         policy.OUT_PERSISTENT,
-        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "TAIL_SPLIT", "CHUNK_TILES"],  # (each option its own tile)
+        ["M_BUCKET", "N", "K", "GW", "FUSE_SWIGLU", "TAIL_SPLIT"],  # (each TAIL_SPLIT its own tile)
         decode=False,
         prune=prune_staged_tiles("BLOCK_N"),
         pre_hook=descriptor_blocks(
@@ -767,16 +740,14 @@ def triton_persistent_out_gemm(
     per_sm: int = 1,
     programs: int | None = None,
     tail_split: int | None = None,
-    chunk_tiles: int | None = None,
 ) -> torch.Tensor:
     """The prefill product of :func:`triton_masked_out_gemm`: persistent programs (the tile's
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned
     on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
-    ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default ``policy.OUT_TAIL_SPLIT``): 2, a last round
-    of active items that fills at most half the programs runs in two pieces of each item's channels (where
-    a piece has at least 16); 1, whole items. ``chunk_tiles`` (default ``policy.OUT_CHUNK_TILES``): the order of
-    the active items (:func:`persistent_order`): 0, group after group; more, in chunks of that many token tiles."""
+    ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default the product's in ``policy.OUT_TAIL_SPLIT``):
+    2, a last round of active items that fills at most half the programs runs in two pieces of each item's
+    channels (where a piece has at least 16); 1, whole items."""
     m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
     if (k * w.element_size()) % 16:
         raise ValueError(f"K={k}: a TMA descriptor needs rows of a multiple of 16 bytes ({w.dtype})")
@@ -786,12 +757,9 @@ def triton_persistent_out_gemm(
     w_up = _aligned(w_up.contiguous()) if fuse else w
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     order, counts = triton_routing_layout(mask)
-    tail_split = policy.OUT_TAIL_SPLIT if tail_split is None else tail_split
+    tail_split = policy.OUT_TAIL_SPLIT["swiglu" if fuse else "plain"] if tail_split is None else tail_split
     if tail_split not in (1, 2):
         raise ValueError(f"tail_split={tail_split}: 1 or 2 pieces an item")
-    chunk_tiles = policy.OUT_CHUNK_TILES if chunk_tiles is None else chunk_tiles
-    if chunk_tiles < 0:
-        raise ValueError(f"chunk_tiles={chunk_tiles}: 0 (group after group) or more token tiles a chunk")
     fixed = block_n is not None or interpreted()
     bm, bn, bk = block_m or 16, block_n or 32, block_k or 32
     tail = _tail_width({"BLOCK_N": bn, "TAIL_SPLIT": tail_split})
@@ -804,7 +772,6 @@ def triton_persistent_out_gemm(
         "DOT_PRECISION": dot_precision(x.dtype),
         "GROUPS_P2": max(2, next_power_of_2(launched)),
         "TAIL_SPLIT": tail_split,
-        "CHUNK_TILES": chunk_tiles,
         **pdl_launch(triton_persistent_out_gemm_kernel, x.device),
     }
 

@@ -195,9 +195,9 @@ def check_gpu(device: torch.device) -> None:
 # the kernels launched with programmatic dependent launch on a GPU of sm_90 or later (their function names, or "*"
 # for every WIDE kernel): such a kernel waits for the kernel before it at its start and lets the next launch, so
 # that where two of them follow each other (a block's reduction, then the next block's router and product) the
-# second's launch overlaps the first's end. None until measured (the device's before / after:
-# benchmarks/device_policy_trial.sh SET='PDL_KERNELS=("*",)')
-PDL_KERNELS: tuple[str, ...] = ()
+# second's launch overlaps the first's end. Every kernel: measured faster at SmolLM2's decode, its prefill
+# unchanged (docs/runtime-h200.md, "Programmatic dependent launch")
+PDL_KERNELS: tuple[str, ...] = ("*",)
 # decode launch settings
 OUT_K_PACK = ((4, 4), (16, 2))  # q: (up to M tokens, K chunks a product); the fastest packing measured
 SWIGLU_K_PACK = 1  # gate+up: packing K was slower (it has twice the weight rows already)
@@ -264,13 +264,10 @@ PACKED_SMEM_BUDGET = 200 * 1024  # bytes of operand tiles a program may stage (H
 # that many per SM); tiles whose stages do not fit PACKED_SMEM_BUDGET are pruned (the fused SwiGLU stages
 # two weight tiles).
 # the persistent product's last round of active items, where it fills at most 1 / OUT_TAIL_SPLIT of the programs,
-# runs in that many pieces of an item's channels (1: whole items; 2 not measured yet, bench_out_prefill.py
-# --tail-split 1,2 measures both)
-OUT_TAIL_SPLIT = 1
-# the order of its active items: 0, group after group (a group's weights shared in L2 by the programs at work);
-# more, the token tiles in chunks of that many, every group's before the next chunk (the chunk's token rows shared
-# in L2 instead; not measured yet, bench_out_prefill.py --chunk-tiles 0,16 measures both)
-OUT_CHUNK_TILES = 0
+# runs in that many pieces of an item's channels (1: whole items), by product: q ("plain") and gate+up ("swiglu").
+# Measured: gate+up's pieces never slower and faster where they cut a round; with them q's autotuner picked another
+# tile at 1k tokens, slower with half the groups off (docs/wide-kernels-h200.md, "The last round in pieces")
+OUT_TAIL_SPLIT = {"plain": 1, "swiglu": 2}
 OUT_PERSISTENT = [
     ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PER_SM": 1}, 8, 3),
     ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}, 8, 4),
