@@ -112,9 +112,9 @@ def replayed_rounds(raw: str, sms: int) -> list[dict]:
                 if row is None or "tile" not in row:
                     continue
                 tile = row["tile"]
-                plan = gemm_out.persistent_rounds(
-                    mask, gw, dense_rows, tile["BLOCK_M"], tile["BLOCK_N"], sms * tile["PER_SM"], row.get("split", 1)
-                )
+                programs, split = sms * tile["PER_SM"], row.get("tail_split", 1)  # (older files: whole items)
+                bm, bn = tile["BLOCK_M"], tile["BLOCK_N"]
+                plan = gemm_out.persistent_rounds(mask, gw, dense_rows, bm, bn, programs, split)
                 rows.append({**row, **plan, "us_per_round": row["kernel_us"] / plan["rounds"]})
     return rows
 
@@ -165,7 +165,7 @@ def main() -> int:
         both = (torch.randn(2 * n if fused else n, d, generator=gen) / d**0.5).to(dev, dt)
         w, w_up = both.split(n) if fused else (both, None)
         gw = (n - dense_rows) // groups
-        own = [policy.OUT_TAIL_SPLIT["swiglu" if fused else "plain"] if s is None else s for s in splits]
+        own = [policy.out_tail_split(fused) if s is None else s for s in splits]
         labels = {("kernel" if i == 0 else f"split{s}"): s for i, s in enumerate(own)}
         for m in tokens:
             x = torch.randn(m, d, generator=gen).to(dev, dt)
@@ -199,7 +199,7 @@ def main() -> int:
                         sms = torch.cuda.get_device_properties(dev).multi_processor_count
                         tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], sms * best.kwargs["PER_SM"])
                         plans[label] = gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, labels[label])
-                row = {"product": name, "tokens": m, "mask": kind, "split": own[0]}
+                row = {"product": name, "tokens": m, "mask": kind, "tail_split": own[0]}
                 row |= {f"{k}_us": v for k, v in us.items()}
                 if chosen:
                     row |= {"tile": chosen["kernel"], "tiles": chosen, "plans": plans}

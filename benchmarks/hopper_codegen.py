@@ -229,8 +229,8 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
     desc = "tensordesc<bf16[128, 64]>"
     persistent = dict(x_ptr=bf16, w_desc=desc, wu_desc=desc, out_ptr=bf16, order_ptr="*i32", counts_ptr="*i32")
     # the tail's pieces, each product's
-    split = {kind: policy.OUT_TAIL_SPLIT[kind] if tail_split is None else tail_split for kind in ("plain", "swiglu")}
-    q_tail = tail_descriptor(128, 64, split["plain"])
+    split = {fused: tail_split or policy.out_tail_split(fused) for fused in (False, True)}
+    q_tail = tail_descriptor(128, 64, split[False])
     persistent.update(w_tail_desc=q_tail, wu_tail_desc=q_tail)
     persistent.update(M=4096, K=D, M_BUCKET=4096, stride_xm=D)
     q_prefill = {**persistent, "N": (HEADS + 2 * 8) * HEAD_DIM, "GW": ATTN_GROUP * HEAD_DIM, "G": HEADS // ATTN_GROUP}
@@ -246,7 +246,7 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
         "LAUNCHED": FFN // GROUP,
         "stride_om": FFN,
     }
-    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = tail_descriptor(64, 64, split["swiglu"])
+    gu_prefill["w_tail_desc"] = gu_prefill["wu_tail_desc"] = tail_descriptor(64, 64, split[True])
     p_meta = {**tf32, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PER_SM": 1}
     # the consensus kernel as its wrapper launches it: a decode step of 8 sequences (one position, so T is 1),
     # the FFN router's margins, the set capped at one group and following the tokens' count, counted
@@ -311,9 +311,9 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
         ("down, 4k prefill in tiles of 64, own groups", gemm_reduce.triton_tile_reduce_kernel, prefill,
          {**tile_meta, "GW": GROUP, "BLOCK_G": 128, "ONE_SPLIT": True, "ROW_MASKS": True}, 4, 4, "wgmma"),
         ("q prefill, 4k, persistent (TMA weight)", gemm_out.triton_persistent_out_gemm_kernel, q_prefill,
-         {**p_meta, "FUSE_SWIGLU": False, "GROUPS_P2": 16, "TAIL_SPLIT": split["plain"]}, 8, 4, "wgmma"),
+         {**p_meta, "FUSE_SWIGLU": False, "GROUPS_P2": 16, "TAIL_SPLIT": split[False]}, 8, 4, "wgmma"),
         ("gate+up prefill, 4k, persistent (TMA weights)", gemm_out.triton_persistent_out_gemm_kernel, gu_prefill,
-         {**p_meta, "FUSE_SWIGLU": True, "BLOCK_N": 64, "GROUPS_P2": 128, "TAIL_SPLIT": split["swiglu"]}, 8, 4,
+         {**p_meta, "FUSE_SWIGLU": True, "BLOCK_N": 64, "GROUPS_P2": 128, "TAIL_SPLIT": split[True]}, 8, 4,
          "wgmma"),
         ("attention decode split, 8k, batch 1 (defaults)", attention_decode.triton_attn_decode_split_kernel, attn,
          attn_meta, 4, 3, "mma"),

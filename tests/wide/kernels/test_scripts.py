@@ -152,14 +152,12 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
     timed = {(r["product"], r["mask"]) for r in rows if "kernel_us" in r}
     assert len(timed) == 8 and sum(r.get("ok") is True for r in rows) == 2  # 2 products x 4 masks; a tile each
-    assert [r["split"] for r in rows if "kernel_us" in r] == [1] * 4 + [2] * 4  # (each product's in the policy)
+    assert [r["tail_split"] for r in rows if "kernel_us" in r] == [1] * 4 + [2] * 4  # (each product's in the policy)
     args = ("--smoke", "--out", str(tmp_path), "--tail-split", "1,2", "--masks", "keep60")
     proc = run_script("bench_out_prefill.py", *args, env=interpreted)
     assert proc.returncode == 0 and "every kernel matches the reference" in proc.stdout, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "bench-out-prefill.json").read_text())["rows"]
-    assert [(r["split"], sorted(k for k in r if k.startswith("split") and k != "split")) for r in rows] == [
-        (1, ["split2_us"])
-    ] * 2
+    assert [(r["tail_split"], sorted(k for k in r if k.startswith("split"))) for r in rows] == [(1, ["split2_us"])] * 2
     args = ("--smoke", "--out", str(tmp_path), "--m", "3,20", "--prefill", "40", "--tile", "16")
     proc = run_script("bench_shared_set.py", *args, env=KERNEL_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -93,8 +93,7 @@ def pdl_launch(kernel, device: torch.device) -> dict:
     lets the kernel start before the kernel before it ends); else none."""
     if not policy.PDL_KERNELS or device.type != "cuda" or interpreted():
         return {}
-    name = getattr(kernel, "__name__", None) or kernel.fn.__name__
-    if "*" not in policy.PDL_KERNELS and name not in policy.PDL_KERNELS:
+    if "*" not in policy.PDL_KERNELS and kernel.__name__ not in policy.PDL_KERNELS:
         return {}
     if torch.cuda.get_device_capability(device)[0] < 9:
         return {}

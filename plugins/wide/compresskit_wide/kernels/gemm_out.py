@@ -745,7 +745,7 @@ def triton_persistent_out_gemm(
     ``PER_SM`` an SM on a GPU; ``programs`` fixes their number) over the active tiles first, the weight
     through TMA descriptors (``K`` x the element size must be a multiple of 16 bytes). Tiles are autotuned
     on a GPU (``policy.OUT_PERSISTENT``); ``block_*`` fix them (and do in the CPU interpreter), with
-    ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default the product's in ``policy.OUT_TAIL_SPLIT``):
+    ``warps``, ``stages`` and ``per_sm``. ``tail_split`` (default the product's, ``policy.out_tail_split``):
     2, a last round of active items that fills at most half the programs runs in two pieces of each item's
     channels (where a piece has at least 16); 1, whole items."""
     m, k, n, groups, gw, launched = _operands(x, w, mask, w_up, dense_rows)
@@ -757,7 +757,7 @@ def triton_persistent_out_gemm(
     w_up = _aligned(w_up.contiguous()) if fuse else w
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     order, counts = triton_routing_layout(mask)
-    tail_split = policy.OUT_TAIL_SPLIT["swiglu" if fuse else "plain"] if tail_split is None else tail_split
+    tail_split = policy.out_tail_split(fuse) if tail_split is None else tail_split
     if tail_split not in (1, 2):
         raise ValueError(f"tail_split={tail_split}: 1 or 2 pieces an item")
     fixed = block_n is not None or interpreted()

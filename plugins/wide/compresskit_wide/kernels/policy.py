@@ -306,6 +306,12 @@ def out_k_pack(m: int, fused: bool) -> int:
     return next((pack for max_m, pack in OUT_K_PACK if m <= max_m), 1)
 
 
+def out_tail_split(fused: bool) -> int:
+    """The pieces of an item in the persistent prefill product's last round (``OUT_TAIL_SPLIT``): gate+up's
+    (``fused``, the SwiGLU) or q's."""
+    return OUT_TAIL_SPLIT["swiglu" if fused else "plain"]
+
+
 def shared_reduce_splits(n_blocks: int, k_steps: int) -> int:
     """Programs an output block's K steps are split among in the shared set's reduction: about
     ``SHARED_REDUCE_PROGRAMS`` programs in all, at most one a K step of every group (the set is at most
