@@ -4,6 +4,7 @@
     python benchmarks/bench_out_prefill.py --out DIR            # on the H200
     python benchmarks/bench_out_prefill.py --tiles --out DIR    # also each tile of the persistent kernel, fixed
     python benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024 --masks all,keep78.5 --out DIR
+    python benchmarks/bench_out_prefill.py --retune ...        # each row's mask autotunes (default: a shape's first)
     python benchmarks/bench_out_prefill.py --smoke --out DIR    # tiny shapes, TRITON_INTERPRET=1
     python benchmarks/bench_out_prefill.py --rounds RAW.json    # no GPU: a run's items and rounds (masks redrawn)
 
@@ -20,8 +21,9 @@ it, the first as the "kernel" column, and each row gives the items and each valu
 gate and up stacked in memory as the runtime stacks them, one product, then the SwiGLU and the select in one
 pass), the inactive groups of q left as computed;
 for gate+up also the fallback before (two products and the eager SwiGLU: ``eager us``). GPU time with the
-L2 flushed, median of 30 calls; each kernel's call includes its routing layout. Every kernel's output is first
-checked against the reference (``torch_masked_out_gemm``)."""
+L2 flushed, median of 30 calls, a row's columns interleaved (each round runs every column once, starting one column
+further along; ``bench_wide_kernels.gpu_times``); each kernel's call includes its routing layout. Every kernel's
+output is first checked against the reference (``torch_masked_out_gemm``)."""
 
 from __future__ import annotations
 
@@ -82,6 +84,12 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tail-split", help="the kernel's TAIL_SPLIT values, side by side (1,2; default each product's in the policy)"
     )
+    parser.add_argument(
+        "--retune",
+        action="store_true",
+        help="autotune the kernel on each row's mask (default: once a shape, on its first row's mask, as a model's "
+        "first call with its own masks does)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument(
@@ -136,12 +144,15 @@ def main() -> int:
     dev, dt = where
     gpu = dev.type == "cuda"
     if gpu:
-        from bench_wide_kernels import gpu_time
+        from bench_wide_kernels import gpu_time, gpu_times
     else:
 
         def gpu_time(fn):
             fn()
             return float("nan"), {}
+
+        def gpu_times(calls):
+            return {label: gpu_time(fn) for label, fn in calls.items()}
 
     tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
     fixed = {"block_m": 16, "block_n": 16, "block_k": 16} if not gpu else {}
@@ -171,6 +182,8 @@ def main() -> int:
             x = torch.randn(m, d, generator=gen).to(dev, dt)
             for kind in args.masks.split(","):
                 mask = make_mask(m, groups, kind, gen).to(dev)
+                if args.retune and gpu:  # this row's mask picks the tile (the autotuner's choices forgotten)
+                    gemm_out._tuned_prefill.cache.clear()
                 want = torch_masked_out_gemm(x, w, mask, w_up, dense_rows).float()
                 calls = {
                     "cublas": functools.partial(
@@ -183,7 +196,7 @@ def main() -> int:
                     )
                 if fused:  # the fallback before the one pass
                     calls["eager"] = functools.partial(eager_swiglu, x, w, w_up)
-                us, chosen, plans = {}, {}, {}
+                chosen, plans = {}, {}
                 for label, call in calls.items():
                     # (q's fallback leaves its inactive groups as computed: not compared)
                     kernel = label.startswith(("kernel", "split"))
@@ -192,13 +205,13 @@ def main() -> int:
                         ok &= good
                         if not good:
                             print(f"{name} {m} {kind} {label}: WRONG", flush=True)
-                    us[label] = gpu_time(call)[0] * 1e3
                     best = getattr(gemm_out._tuned_prefill, "best_config", None) if gpu and kernel else None
                     if best is not None:  # the tile the autotuner chose for this variant at this row's shape
                         chosen[label] = {**best.kwargs, "warps": best.num_warps, "stages": best.num_stages}
                         sms = torch.cuda.get_device_properties(dev).multi_processor_count
                         tile = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], sms * best.kwargs["PER_SM"])
                         plans[label] = gemm_out.persistent_rounds(mask, gw, dense_rows, *tile, labels[label])
+                us = {label: ms * 1e3 for label, (ms, _) in gpu_times(calls).items()}  # side by side, interleaved
                 row = {"product": name, "tokens": m, "mask": kind, "tail_split": own[0]}
                 row |= {f"{k}_us": v for k, v in us.items()}
                 if chosen:

@@ -78,36 +78,66 @@ def gpu_time(fn, iters: int = 30) -> tuple[float, dict]:
     durations of the CUDA kernels it launches (CUPTI through torch.profiler; launch gaps and host
     cost excluded: the "kernel only" figure). Returns (median ms per call, {kernel: mean us per
     call}), the second being the profile that says where a call's time goes."""
+    return gpu_times({"call": fn}, iters)["call"]
+
+
+def gpu_times(calls: dict, iters: int = 30) -> dict[str, tuple[float, dict]]:
+    """``gpu_time`` of several calls measured side by side: each of the ``iters`` rounds runs every call once (the L2
+    flushed before each), starting one call further along the list each round, so that no call always runs first or
+    after the same neighbour and a drift of the GPU's clock over the run falls on all of them alike. Returns
+    {label: (median ms per call, {kernel: mean us per call})}."""
     from torch.profiler import ProfilerActivity, profile
 
+    labels = list(calls)
     buf = l2_flush_buffer()  # flushed by a bitwise-not, the kernel recognised below
-    fn()
+    for fn in calls.values():  # compiled and autotuned before the profile
+        fn()
     torch.cuda.synchronize()
+    order: list[str] = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            buf.bitwise_not_()
-            fn()
+        for i in range(iters):
+            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                order.append(label)
+                buf.bitwise_not_()
+                calls[label]()
         torch.cuda.synchronize()
     kernels = sorted(
         (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0),
         key=lambda e: e.time_range.start,
     )
-    calls: list[float] = []
-    per_kernel: dict[str, float] = {}
-    for e in kernels:
+    return calls_of_profile(order, [(e.name, e.time_range.elapsed_us()) for e in kernels])
+
+
+def calls_of_profile(order: list[str], kernels: list[tuple[str, float]]) -> dict[str, tuple[float, dict]]:
+    """The calls' GPU times from a profile: ``kernels`` (name, us) in the order they ran, each call of ``order`` after
+    its flush. Returns {label: (median ms, {kernel: mean us per call})}; NaN for every label where the flushes do not
+    match the calls."""
+    spans: list[tuple[float, dict]] = []  # each call's GPU time and its kernels, in the order they ran
+    for kernel, us in kernels:
         # the flush: the one bitwise-not long enough to have swept 256 MiB (a call of ours may
         # itself invert a small mask, which must not be taken for a flush)
-        if "bitwise_not" in e.name and e.time_range.elapsed_us() > 20:
-            calls.append(0.0)
+        if "bitwise_not" in kernel and us > 20:
+            spans.append((0.0, {}))
             continue
-        if not calls:  # before the first flush (none expected)
+        if not spans:  # before the first flush (none expected)
             continue
-        calls[-1] += e.time_range.elapsed_us()
-        name = re.sub(r"\(.*", "", e.name)[:60]
-        per_kernel[name] = per_kernel.get(name, 0.0) + e.time_range.elapsed_us()
-    if len(calls) != iters:  # the calls could not be told apart: no number rather than a wrong one
-        return float("nan"), {}
-    return statistics.median(calls) / 1e3, {k: round(v / len(calls), 2) for k, v in per_kernel.items()}
+        name = re.sub(r"\(.*", "", kernel)[:60]
+        total, parts = spans[-1]
+        parts[name] = parts.get(name, 0.0) + us
+        spans[-1] = (total + us, parts)
+    labels = list(dict.fromkeys(order))
+    if len(spans) != len(order):  # the calls could not be told apart: no number rather than a wrong one
+        return {label: (float("nan"), {}) for label in labels}
+    out = {}
+    for label in labels:
+        mine = [span for who, span in zip(order, spans, strict=True) if who == label]
+        per_kernel: dict[str, float] = {}
+        for _, parts in mine:
+            for k, v in parts.items():
+                per_kernel[k] = per_kernel.get(k, 0.0) + v
+        median = statistics.median(total for total, _ in mine) / 1e3
+        out[label] = (median, {k: round(v / len(mine), 2) for k, v in per_kernel.items()})
+    return out
 
 
 def seed_case(label: str, gen: torch.Generator) -> None:

@@ -240,3 +240,31 @@ def test_out_prefill_rounds_of_a_committed_run():
     assert by["gate+up (SwiGLU)", "512", "iid25"][4:6] == ["396", "3"]
     per_round = [float(r[7]) for r in rows if r[0].startswith("gate") and int(r[1]) >= 512]
     assert max(per_round) / min(per_round) < 1.05
+
+
+def test_gpu_times_tell_the_interleaved_calls_apart(monkeypatch):
+    """``bench_wide_kernels.calls_of_profile`` (how ``gpu_times`` reads its profile): each flush opens a call, the
+    kernels after it are that call's, and each label's median is over its own calls wherever it ran in a round; a
+    short bitwise-not is a call's own kernel, not a flush; flushes that do not match the calls give no number."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from bench_wide_kernels import calls_of_profile
+
+    flush = ("at::native::bitwise_not_kernel(...)", 300.0)
+    order = ["a", "b", "b", "a", "a", "b"]  # three rounds, the start rotated
+    a, b = [10.0, 12.0, 30.0], [5.0, 7.0, 6.0]
+    profile = [
+        ("stray before the first flush", 99.0),
+        flush, ("ka(int)", a[0]),
+        flush, ("kb", b[0] - 1.0), ("bitwise_not small mask", 1.0),
+        flush, ("kb", b[1]),
+        flush, ("ka(int)", a[1]),
+        flush, ("ka(int)", a[2]),
+        flush, ("kb", b[2]),
+    ]  # fmt: skip
+    got = calls_of_profile(order, profile)
+    assert list(got) == ["a", "b"]
+    assert got["a"][0] == pytest.approx(12.0 / 1e3) and got["b"][0] == pytest.approx(6.0 / 1e3)
+    assert got["a"][1] == {"ka": round(52.0 / 3, 2)}
+    assert got["b"][1]["bitwise_not small mask"] == round(1.0 / 3, 2)
+    lost = calls_of_profile(order, profile[:-2])  # a flush missing: the calls cannot be told apart
+    assert all(ms != ms and parts == {} for ms, parts in lost.values())
