@@ -76,13 +76,26 @@ def products(gpu: bool) -> dict:
     return {"q (+k, v dense)": (96, 64, 4, 32, False), "gate+up (SwiGLU)": (64, 48, 4, 0, True)}
 
 
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of positive integers (argparse's type: anything else is one line and exit 2)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas, e.g. 1,2")
+    return values
+
+
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", default="1024,2048,4096,8192")
+    parser.add_argument("--tokens", type=positive_ints, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
     parser.add_argument(
-        "--tail-split", help="the kernel's TAIL_SPLIT values, side by side (1,2; default each product's in the policy)"
+        "--tail-split",
+        type=positive_ints,
+        help="the kernel's TAIL_SPLIT values, side by side (1,2; default each product's in the policy)",
     )
     parser.add_argument(
         "--retune",
@@ -112,7 +125,7 @@ def replayed_rounds(raw: str, sms: int) -> list[dict]:
     for name, (n, d, groups, dense_rows, fused) in data["meta"]["shapes"].items():
         torch.randn(2 * n if fused else n, d, generator=gen)  # the weights' draws
         gw = (n - dense_rows) // groups
-        for m in (int(t) for t in run.tokens.split(",")):
+        for m in run.tokens:
             torch.randn(m, d, generator=gen)
             for kind in run.masks.split(","):
                 mask = make_mask(m, groups, kind, gen)
@@ -154,13 +167,13 @@ def main() -> int:
         def gpu_times(calls):
             return {label: gpu_time(fn) for label, fn in calls.items()}
 
-    tokens = [int(t) for t in args.tokens.split(",")] if gpu else [40]
+    tokens = args.tokens if gpu else [40]
     fixed = {"block_m": 16, "block_n": 16, "block_k": 16} if not gpu else {}
     tiles = policy.OUT_PERSISTENT if gpu else [({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PER_SM": 1}, 4, 2)]
     gen = torch.Generator().manual_seed(0)
     rows, ok = [], True
     # the TAIL_SPLIT values: the first is the "kernel" column (default: each product's in the policy)
-    splits = [int(s) for s in args.tail_split.split(",")] if args.tail_split else [None]
+    splits = args.tail_split or [None]
     more = splits[1:]
     header = "| product | tokens | mask | cuBLAS us | kernel us | x cuBLAS | eager us |"
     header += "".join(f" split {s} us | x kernel |" for s in more)
