@@ -900,8 +900,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="prefill_graphs",
         default="auto",
         choices=["auto", "on", "off"],
-        help="capture a prompt's prefill as a CUDA graph too, one per length rounded up to 256 tokens "
-        "(auto: wherever decode is graphed)",
+        help="capture a prompt's prefill as a CUDA graph too, one per length rounded up to a multiple of 256 "
+        "tokens (up to 128 tokens: to a power of two from 16; auto: wherever decode is graphed)",
     )
     p.add_argument(
         "--transformers",

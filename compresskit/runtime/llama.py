@@ -31,6 +31,7 @@ from compresskit.tokens import token_mask
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 KEPT_CACHES = 4  # caches (with their decode graphs) a runtime keeps for reuse, by batch and size
 PREFILL_BUCKET = 256  # a captured prefill serves prompts of its length rounded up to a multiple of this
+SHORT_PREFILL_BUCKET = 16  # shorter prompts: rounded up to a power of two from this (prefill_bucket)
 KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently used)
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
@@ -143,6 +144,15 @@ def _eager_reason(layers, blocks) -> str:
     return "a block keeps state between calls"
 
 
+def prefill_bucket(tokens: int) -> int:
+    """The length of the captured prefill that serves a prompt of ``tokens``: rounded up to a multiple of
+    ``PREFILL_BUCKET``, below it to a power of two (at least ``SHORT_PREFILL_BUCKET``), so that a short prompt
+    runs at most twice its rows and a long one at most ``PREFILL_BUCKET - 1`` more."""
+    if tokens > PREFILL_BUCKET // 2:
+        return -(-tokens // PREFILL_BUCKET) * PREFILL_BUCKET
+    return max(SHORT_PREFILL_BUCKET, 1 << (tokens - 1).bit_length())
+
+
 class Runtime:
     """The runtime over a loaded Llama-family ``model``: its weights are used where they are.
 
@@ -152,8 +162,8 @@ class Runtime:
     decode steps compiled with ``torch.compile`` / replayed as CUDA graphs ("auto": on a GPU, when
     every block allows it; a compiled runtime compiles the prompt's prefill too, with symbolic shapes).
     ``prefill_graphs``: with CUDA graphs, a fresh unpadded prompt's prefill is captured too, once per
-    length rounded up to ``PREFILL_BUCKET`` (the host then launches one graph instead of every kernel;
-    "auto": wherever decode steps are graphed)."""
+    ``prefill_bucket`` of its length (the host then launches one graph instead of every kernel; "auto": wherever
+    decode steps are graphed)."""
 
     def __init__(
         self,
@@ -316,7 +326,7 @@ class Runtime:
         b, t = ids.shape
         cache.check_room(t)
         if self.prefill_graphs and last_only and not cache.end and not cache.padded and new_valid is None:
-            bucket = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
+            bucket = prefill_bucket(t)
             if bucket <= cache.size:
                 return self._prefill_replay(cache, ids, bucket)
         start, stop = cache.end, cache.end + t

@@ -11,7 +11,7 @@ from compresskit.errors import CompressKitError
 from compresskit.modeling import load_model
 from compresskit.runtime import Runtime
 from compresskit.runtime.blocks import MLP, Attention, Block
-from compresskit.runtime.llama import _pick
+from compresskit.runtime.llama import PREFILL_BUCKET, _pick, prefill_bucket
 
 
 @pytest.fixture
@@ -832,3 +832,14 @@ def test_profile_script_profiles_a_consensus_rule(tmp_path):
     assert bad.returncode == 2 and "--members 'dense,nope': allowed names are 'compressed'" in bad.stderr
     bad = subprocess.run([*argv, "--consensus", "budget=2"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--consensus budget=2: budget" in bad.stderr
+
+
+def test_a_prompt_is_captured_in_a_bucket_at_most_twice_its_length():
+    """``prefill_bucket``: a prompt of up to half ``PREFILL_BUCKET`` tokens runs the next power of two of rows (at
+    least 16), longer ones the next multiple of ``PREFILL_BUCKET``; every bucket holds its prompt."""
+    assert [prefill_bucket(t) for t in (1, 16, 17, 100, 128, 129, 256, 257, 1000, 1024)] == [
+        16, 16, 32, 128, 128, 256, 256, 512, 1024, 1024,
+    ]  # fmt: skip
+    for t in range(1, 3 * PREFILL_BUCKET):
+        bucket = prefill_bucket(t)
+        assert t <= bucket and (bucket < 2 * t or bucket == 16 if t <= PREFILL_BUCKET // 2 else bucket - t < 256)
