@@ -31,7 +31,7 @@ from compresskit.tokens import token_mask
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 KEPT_CACHES = 4  # caches (with their decode graphs) a runtime keeps for reuse, by batch and size
 PREFILL_BUCKET = 256  # a captured prefill serves prompts of its length rounded up to a multiple of this
-SHORT_PREFILL_BUCKET = 16  # shorter prompts: rounded up to a power of two from this (prefill_bucket)
+SHORT_PREFILL_BUCKET = 16  # the least rows a captured prefill runs (prefill_bucket)
 KEPT_PREFILL_GRAPHS = 2  # captured prefills a cache keeps (the most recently used)
 # compilations torch.compile keeps per block class: one per model width, batch, cache size and padding seen
 # (dense and a pruned model share the dense block classes); past this the blocks would run eagerly
@@ -146,8 +146,9 @@ def _eager_reason(layers, blocks) -> str:
 
 def prefill_bucket(tokens: int) -> int:
     """The length of the captured prefill that serves a prompt of ``tokens``: rounded up to a multiple of
-    ``PREFILL_BUCKET``, below it to a power of two (at least ``SHORT_PREFILL_BUCKET``), so that a short prompt
-    runs at most twice its rows and a long one at most ``PREFILL_BUCKET - 1`` more."""
+    ``PREFILL_BUCKET``; a prompt of up to half of it to the next power of two (at least ``SHORT_PREFILL_BUCKET``),
+    so that a short prompt runs fewer than twice its rows (or the least) and a long one at most ``PREFILL_BUCKET - 1``
+    more."""
     if tokens > PREFILL_BUCKET // 2:
         return -(-tokens // PREFILL_BUCKET) * PREFILL_BUCKET
     return max(SHORT_PREFILL_BUCKET, 1 << (tokens - 1).bit_length())
