@@ -10,7 +10,9 @@ Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members`
 ``--context`` tokens; its decode steps run compiled but not graph-replayed (the same kernels a graph
 replays, each visible to the profiler), ``--steps`` of them under ``torch.profiler``. The kernels'
 device time per step is summed by kind: cuBLAS / CUTLASS products, WIDE's Triton kernels, attention,
-inductor's fused elementwise and reduction kernels, copies, the rest. This is the profile the runtime
+inductor's fused elementwise and reduction kernels, copies, the rest; and the kernels a step launches are
+counted (a CUDA graph replays them one after another, so that a graphed step's time exceeds its GPU time by about a
+launch's gap a kernel: the count says what a method's extra launches cost). This is the profile the runtime
 issue asks for where a target is missed: it separates what routing costs (WIDE against the ideal
 half-width model) from what the runtime costs (both against the weight-read floor). Results: a table on
 stdout and ``profile.json`` / ``profile.md`` (the top kernels of each member too).
@@ -96,7 +98,7 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
         if cuda and getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
             continue
         per_kind[kind(ev.key)] = per_kind.get(kind(ev.key), 0.0) + us
-        kernels.append((ev.key, us, ev.count // steps))
+        kernels.append((ev.key, us, ev.count / steps))
     kernels.sort(key=lambda k: -k[1])
     host = sorted(
         ((ev.key, ev.self_cpu_time_total / steps, ev.count // steps) for ev in prof.key_averages()),
@@ -125,8 +127,12 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
         "python_top_by_own_time": python_top,
         "us_per_step": {k: round(v, 1) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
         "total_us_per_step": round(sum(per_kind.values()), 1),
+        # every kernel launched a step: in a CUDA graph each still starts after the one before it ends, so a method
+        # that launches more pays per launch what the GPU time above does not show
+        "launches_per_step": round(sum(c for _, _, c in kernels), 1),
         "top_kernels": [
-            {"name": n[:120], "us_per_step": round(us, 1), "launches_per_step": c} for n, us, c in kernels[:15]
+            {"name": n[:120], "us_per_step": round(us, 1), "launches_per_step": round(c, 1)}
+            for n, us, c in kernels[:15]
         ],
         "top_host_ops": [
             {"name": n[:120], "self_cpu_us_per_step": round(us, 1), "calls_per_step": c} for n, us, c in host[:12]
@@ -227,14 +233,13 @@ def main() -> int:
         facts["gpu"] = "none (smoke: CPU time of aten ops, meaningless)"
     kinds = sorted({k for r in results.values() for k in r["us_per_step"]})
     lines = [
-        "| member, phase | wall us/step | GPU us/step | " + " | ".join(kinds) + " |",
+        "| member, phase | wall us/step | GPU us/step | kernels/step | " + " | ".join(kinds) + " |",
     ]
-    lines.append("|---|---|---|" + "---|" * len(kinds))
+    lines.append("|---|---|---|---|" + "---|" * len(kinds))
     for name, r in results.items():
         cells = [f"{r['us_per_step'].get(k, 0.0):.0f}" for k in kinds]
-        lines.append(
-            f"| {name} | {r['wall_us_per_step']:.0f} | {r['total_us_per_step']:.0f} | " + " | ".join(cells) + " |"
-        )
+        head = f"| {name} | {r['wall_us_per_step']:.0f} | {r['total_us_per_step']:.0f} | {r['launches_per_step']:g} | "
+        lines.append(head + " | ".join(cells) + " |")
     for name, r in results.items():
         lines += ["", f"## {name}: top kernels", "", "| kernel | us/step | launches/step |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['us_per_step']} | {k['launches_per_step']} |" for k in r["top_kernels"]]

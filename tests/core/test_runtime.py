@@ -567,6 +567,9 @@ def test_profile_script_runs_its_smoke_path(tmp_path):
     ]
     assert all(m["total_us_per_step"] > 0 and m["top_kernels"] and m["wall_us_per_step"] > 0 for m in members.values())
     assert all(bool(m["python_top_by_own_time"]) == k.endswith("prefill") for k, m in members.items())
+    # the ops (a GPU: kernels) a step launches, counted: the routed model's routers launch more than dense
+    for phase in ("decode", "prefill"):
+        assert members[f"compressed {phase}"]["launches_per_step"] > members[f"dense {phase}"]["launches_per_step"] > 0
 
 
 def test_bench_times_transformers_with_a_static_cache_too(capsys, tiny_model_dir, tmp_path):
