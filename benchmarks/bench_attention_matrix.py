@@ -42,10 +42,6 @@ from compresskit_wide.kernels.common import zero_inactive_groups  # noqa: E402
 SHAPES = {"llama-3.1-8b": (32, 8, 128, 8), "smollm2-135m": (9, 3, 64, 3)}
 
 
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
-
-
 def exact_mask(batch: int, groups: int, sparsity: float, gen: torch.Generator, device) -> torch.Tensor:
     """Each sequence keeps exactly ``round((1 - sparsity) * groups)`` groups, at random."""
     keep = round(groups * (1 - sparsity))
@@ -167,8 +163,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (interpreter): correctness only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--batches", type=ints, default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--contexts", type=ints, default=[512, 2048, 8192, 16384, 32768])
+    parser.add_argument("--batches", type=report.int_list, default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--contexts", type=report.int_list, default=[512, 2048, 8192, 16384, 32768])
     parser.add_argument("--sparsities", default="0,0.25,0.5", help="fractions of each sequence's groups skipped")
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch settings per cell")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b", help="the model's attention shapes")

@@ -76,25 +76,14 @@ def products(gpu: bool) -> dict:
     return {"q (+k, v dense)": (96, 64, 4, 32, False), "gate+up (SwiGLU)": (64, 48, 4, 0, True)}
 
 
-def positive_ints(text: str) -> list[int]:
-    """A comma-separated list of positive integers (argparse's type: anything else is one line and exit 2)."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers separated by commas, e.g. 1,2")
-    return values
-
-
 def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=positive_ints, default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--tokens", type=report.int_list, default=[1024, 2048, 4096, 8192])
     parser.add_argument("--masks", default=",".join(MASKS))
     parser.add_argument("--tiles", action="store_true", help="also each tile of the persistent kernel, fixed")
     parser.add_argument(
         "--tail-split",
-        type=positive_ints,
+        type=report.int_list,
         help="the kernel's TAIL_SPLIT values, side by side (1,2; default each product's in the policy)",
     )
     parser.add_argument(

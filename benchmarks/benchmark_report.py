@@ -4,12 +4,25 @@ the tables) and ``<stem>.json``."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import sys
 from pathlib import Path
 
 import torch
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of positive integers, read as the CLI reads its lists
+    (``compresskit.cli._int_list``); anything else is argparse's one line naming the flag, and exit 2."""
+    from compresskit.cli import _int_list
+    from compresskit.errors import CompressKitError
+
+    try:
+        return _int_list(text, "list")
+    except CompressKitError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("list: ")) from None
 
 
 def gpu_or_smoke(smoke: bool) -> tuple[torch.device, torch.dtype] | None:

@@ -268,3 +268,18 @@ def test_gpu_times_tell_the_interleaved_calls_apart(monkeypatch):
     assert got["b"][1]["bitwise_not small mask"] == round(1.0 / 3, 2)
     lost = calls_of_profile(order, profile[:-2])  # a flush missing: the calls cannot be told apart
     assert all(ms != ms and parts == {} for ms, parts in lost.values())
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "says"),
+    [
+        ("bench_out_prefill.py", ("--tail-split", "x"), "argument --tail-split: 'x' is not a comma-separated list"),
+        ("bench_out_prefill.py", ("--tokens", "512,0"), "argument --tokens: '512,0': give integers of 1 or more"),
+        ("bench_attention_matrix.py", ("--batches", "1,b"), "argument --batches: '1,b' is not a comma-separated"),
+    ],
+)
+def test_benchmark_lists_of_integers_are_checked(script, args, says):
+    """A bench's list of integers (``benchmark_report.int_list``, the CLI's reading): a bad one is argparse's
+    error naming the flag and the value, and exit 2, before anything runs."""
+    proc = run_script(script, *args)
+    assert proc.returncode == 2 and says in proc.stderr.strip().splitlines()[-1], proc.stderr[-1000:]
