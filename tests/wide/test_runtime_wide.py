@@ -98,13 +98,15 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     """WIDE's runtime blocks (routers, masked products and routed attention as registered operators, decisions
     as tensors) give the logits of the model's own routed modules, with padding and without: q, k and v
     are one routed product, each block adds the residual itself, every router but the first decides
-    from the shares the block before it handed on, and that decision's operator adds the residual, applies
-    the norm and runs the block's first product too (up to 16 tokens: every forward here)."""
+    from the shares the block before it handed on, the first from the shares its own first launch wrote
+    (``router_shares``), and that decision's operator adds the residual, applies the norm and runs the
+    block's first product too (up to 16 tokens: every forward here)."""
     from compresskit_wide import blocks
     from compresskit_wide.blocks import WideAttention, WideMLP
 
-    from_shares, with_norm, with_product = [], [], []
+    own, from_shares, with_norm, with_product = [], [], [], []
     for name, seen in (
+        ("router_shares", own),
         ("router_decide_from_shares", from_shares),
         ("router_norm_from_shares", with_norm),
         ("router_norm_out_gemm", with_product),
@@ -143,9 +145,9 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
             token = torch.randint(2, 300, (b,), generator=gen)
             got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # each forward (two prompts, six steps) decides every router but the first from shares, with the
-    # norm and the first product in that operator (the runtime hands the blocks the residual's delta)
-    assert len(with_product) == 8 * (len(order) - 1) and not from_shares and not with_norm
+    # each forward (two prompts, six steps) decides every router from shares (the first block's its own), with
+    # the norm and the first product in that operator (the runtime hands the blocks the residual's delta)
+    assert len(own) == 8 and len(with_product) == 8 * len(order) and not from_shares and not with_norm
 
 
 def test_on_the_cpu_auto_runs_the_cheapest_path(tiny_model_dir, monkeypatch):
@@ -418,6 +420,7 @@ def test_registered_ops_pass_opcheck():
         torch.library.opcheck(ops.router_decide_from_shares, args)
     args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
     torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
+    torch.library.opcheck(ops.router_shares, (x, torch.randn(m, d, generator=gen), r[0], "torch"))
     # a block's start and its first product: gate+up fused; q with k and v rows under it
     torch.library.opcheck(ops.router_norm_out_gemm, (*args, w, wu, 0, True, counts, True, "torch"))
     qkv = torch.randn(n + 8, d, generator=gen)

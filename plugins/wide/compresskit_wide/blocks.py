@@ -16,7 +16,9 @@ A block whose last product runs the reduction kernel (o, down at decode sizes) c
 WIDE block (the runtime's ``carry``, ``compresskit.runtime.blocks``) the shares of its router's first
 product, written by that kernel's programs; the next block's router then runs only its decision's
 launch, which also adds the residual and applies the norm (``router_norm_from_shares``). The executor
-links each block to the next (:func:`link`).
+links each block to the next (:func:`link`). Where no shares came (a prefill past the reduction kernel's sizes,
+the first block), the router's first launch writes them itself (``router_shares``, on ``x + delta``) where
+``policy`` takes it, and the decision's launch adds and normalises as before.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_ker
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
+router_shares = _ops.router_shares.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
 router_norm_from_shares = _ops.router_norm_from_shares.default
 router_norm_out_gemm = _ops.router_norm_out_gemm.default
@@ -81,6 +84,18 @@ class _Routing(Counting):
         dev = proj.base_layer.weight.device
         self.register_buffer("consensus_arrivals", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
 
+    def own_shares(self, x: torch.Tensor, delta: torch.Tensor, shares: torch.Tensor | None) -> torch.Tensor | None:
+        """The shares the router decides from: those the block before handed on; where none came, the router's
+        first launch on its own (``router_shares``, on ``x + delta``) where the decision's launch can take the
+        add and the norm and (under ``auto``, on a GPU) ``policy`` takes it, so that the block starts with two
+        launches where it ran three; else None (the router runs whole, after the add)."""
+        if shares is not None or not self.norm_in_router or self.norm.weight.dtype != x.dtype:
+            return shares
+        m = x.shape[0] * x.shape[1]
+        if self.backend == "auto" and not (x.device.type == "cuda" and use_kernel("router_shares", m)):
+            return None
+        return router_shares(x.reshape(m, -1), delta.reshape(m, -1), self.router_down.weight, self.backend)
+
     def _norm_from_shares(self, shares: torch.Tensor | None, x: torch.Tensor) -> bool:
         """Whether the decision's launch takes the residual add and the norm too: the shares came, and the
         norm is Llama's RMSNorm in ``x``'s dtype (else torch would promote)."""
@@ -104,6 +119,7 @@ class _Routing(Counting):
         (``router_norm_out_gemm``: the decision in the product's prologue where ``policy`` takes it)."""
         b, t, dim = x.shape
         agree = self.rule is not None and self.rule.applies(b, t)
+        shares = self.own_shares(x, delta, shares)
         if self._norm_from_shares(shares, x) and not agree and b * t <= DECODE_MAX_M:
             count = self.counting and valid is None
             out, execute, x2 = router_norm_out_gemm(
@@ -122,6 +138,7 @@ class _Routing(Counting):
         ``delta`` added and ``h`` its norm; the decision, the add and the norm in one launch where the
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
         b, t, dim = x.shape
+        shares = self.own_shares(x, delta, shares)
         if self._norm_from_shares(shares, x):
             agree = self.rule is not None and self.rule.applies(b, t)
             if agree and self.rule.over == "batch":  # the margins and the batch's decision: one operator

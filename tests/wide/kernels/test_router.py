@@ -242,6 +242,50 @@ def test_the_decision_with_the_norm_validates_its_tensors():
         triton_router_norm_from_shares(shares, bd[:3], wu, bu, x, x, torch.zeros(8), 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (17, 300, 7, 8), (130, 256, 130, 5)])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_the_routers_own_shares(dtype, m, d, groups, rank, with_delta):
+    """``router_shares``: the first launch alone writes the shares of ``x + delta`` (the add rounded as the
+    residual add rounds it), one a ``policy.ROUTER_SHARE_COLUMNS`` columns (D no multiple of them, one token and
+    a partial token block, a rank below ``tl.dot``'s 16); the decision from them, with the add and the norm, is
+    the router's on ``x + delta``. (bf16 on the GPU only: the interpreter rounds it by truncation.)"""
+    if dtype == torch.bfloat16 and str(DEVICE) == "cpu":
+        pytest.skip("bf16 rounding differs in Triton's interpreter")
+    from compresskit_wide.kernels import policy
+    from compresskit_wide.kernels.router import router_share_count, triton_router_norm_from_shares, triton_router_shares
+
+    torch.manual_seed(m + d + rank)
+    router = GroupRouter(d, groups, rank).to(DEVICE)
+    x, delta = (torch.randn(m, d, device=DEVICE).to(dtype) for _ in range(2))
+    summed = x + delta if with_delta else x
+    w_down = router.down.weight.detach()
+    got = triton_router_shares(x, w_down, delta if with_delta else None)
+    want = torch_router_shares(summed, w_down, policy.ROUTER_SHARE_COLUMNS)
+    assert got.shape == want.shape == (router_share_count(d), m, rank) == (-(-d // 128), m, rank)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = decide(router(summed.float()), sample=False, tau=1.0).bool()
+    norm_w = torch.ones(d, device=DEVICE, dtype=dtype)
+    args = (router.down.bias, router.up.weight, router.up.bias, x, delta, norm_w, 1e-5)
+    execute, x_new, _ = triton_router_norm_from_shares(got, *args)
+    assert torch.equal(execute, ref) and torch.equal(x_new, x + delta)
+
+
+def test_the_routers_own_shares_validate_their_tensors():
+    from compresskit_wide.kernels.router import triton_router_shares
+
+    x, w = torch.zeros(3, 64, device=DEVICE), torch.zeros(8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"router shares' tensors do not fit \(x, w_down\[, delta\]\)"):
+        triton_router_shares(x, w, x[:, :32])
+    with pytest.raises(ValueError, match="router shares' tensors do not fit"):
+        triton_router_shares(x, w[:, :32])
+    with pytest.raises(ValueError, match="router shares' tensors do not fit"):
+        triton_router_shares(x, w.half())
+    with pytest.raises(ValueError, match=r"block_k must divide policy.ROUTER_SHARE_COLUMNS \(128\), got 256"):
+        triton_router_shares(x, w, block_k=256)
+    assert triton_router_shares(x[:0], w).shape == (1, 0, 8)  # no token: no launch
+
+
 @pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (5, 100, 7, 8), (40, 64, 130, 5)])
 def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
     """With ``margin`` the deciding launches store each group's execute-minus-skip logit (fp32, the

@@ -77,13 +77,13 @@ def share_slots(n: int) -> int:
     return cdiv(n, policy.SHARE_N)
 
 
-def torch_router_shares(x_next: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def torch_router_shares(x_next: torch.Tensor, w_down: torch.Tensor, columns: int = policy.SHARE_N) -> torch.Tensor:
     """Reference: the shares ``[S, M, R]`` of ``x_next @ w_down.T`` (``x_next: [M, N]``, ``w_down:
-    [R, N]`` fp32) over slices of ``policy.SHARE_N`` columns, in fp32."""
+    [R, N]`` fp32) over slices of ``columns`` columns (default ``policy.SHARE_N``), in fp32."""
     m, n = x_next.shape
-    pad = share_slots(n) * policy.SHARE_N - n
-    x = torch.nn.functional.pad(x_next.float(), (0, pad)).unflatten(-1, (-1, policy.SHARE_N))  # [M, S, SHARE_N]
-    w = torch.nn.functional.pad(w_down, (0, pad)).unflatten(-1, (-1, policy.SHARE_N))  # [R, S, SHARE_N]
+    pad = cdiv(n, columns) * columns - n
+    x = torch.nn.functional.pad(x_next.float(), (0, pad)).unflatten(-1, (-1, columns))  # [M, S, columns]
+    w = torch.nn.functional.pad(w_down, (0, pad)).unflatten(-1, (-1, columns))  # [R, S, columns]
     return torch.einsum("msk,rsk->smr", x, w)
 
 

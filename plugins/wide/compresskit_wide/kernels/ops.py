@@ -58,6 +58,7 @@ from compresskit_wide.kernels.gemm_reduce import (
     triton_tile_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
+    router_share_count,
     torch_count,
     torch_router_decide,
     torch_router_decide_from_shares,
@@ -65,6 +66,7 @@ from compresskit_wide.kernels.router import (
     triton_router_decide,
     triton_router_decide_from_shares,
     triton_router_norm_from_shares,
+    triton_router_shares,
 )
 
 BACKENDS = ("auto", "torch", "triton")
@@ -161,6 +163,20 @@ def router_decide(
     execute = torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, margin=margin)
     torch_count(execute, counts)
     return execute
+
+
+def _fake_shares(x, delta, w_down, backend="auto"):
+    return x.new_empty(router_share_count(x.shape[1]), x.shape[0], w_down.shape[0], dtype=torch.float32)
+
+
+@_operator(_fake_shares)
+def router_shares(x: torch.Tensor, delta: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``x, delta: [M, D]`` -> the router bottleneck's shares ``[S, M, R]`` (fp32) of ``(x + delta) @ w_down.T``
+    (the sum rounded as the residual add rounds it), one a ``policy.ROUTER_SHARE_COLUMNS`` columns of D: what a
+    block whose shares were not handed on decides from with ``router_norm_from_shares``."""
+    if _choose(backend, "router_shares", x.shape[0], x) == "triton":
+        return triton_router_shares(x, w_down, delta)
+    return torch_router_shares(x + delta, w_down, policy.ROUTER_SHARE_COLUMNS)  # the reference is the dense path
 
 
 def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto", margin=False):

@@ -23,6 +23,10 @@ SHAPES = "Llama-3.1-8B shapes (hidden 4096, FFN 14336 in groups of 128, 32 heads
 DECODE_MAX_M = 16  # up to this many tokens: the decode kernels (all tokens in one 16-row tile, no sort)
 SHARED_MAX_M = 64  # a batch's shared set (consensus, every token the set): the out-width decode kernels, one tile
 FEW_GROUPS = 8  # a reduction over this many input groups or fewer reads them without a group list
+# up to this many tokens the router's deciding launch runs a program a token (router.router_finish), where a
+# program a 64-token block sums up to 64 shares of D alone; the token shape measured faster up to 512 tokens and
+# not beyond (docs/wide-kernels-h200.md, "Below 1k")
+ROUTER_TOKEN_FINISH_MAX_M = 512
 
 
 @dataclass(frozen=True)
@@ -130,7 +134,7 @@ KERNEL_RANGES = (
 )
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
-UNMEASURED: tuple[str, ...] = ("router_consensus",)
+UNMEASURED: tuple[str, ...] = ("router_consensus", "router_shares")
 OPS = (
     "swiglu",
     "out",
@@ -139,6 +143,7 @@ OPS = (
     "attn_decode",
     "attn_prefill",
     "router",
+    "router_shares",
     "router_out",
     "router_consensus",
 )
@@ -225,10 +230,9 @@ ROUTER_PREFILL_PROGRAMS = 256  # from 64 token blocks: shares of D so that about
 # the router's tile past decode sizes: (tokens, columns of D) a step; measured at 4k tokens and 112 groups:
 # 2.9x faster than (32, 128) and the fastest of the six pairs of 32-128 tokens and 64-128 columns (GPU time)
 ROUTER_PREFILL_TILE = (64, 64)
-# up to this many tokens the router's deciding launch runs a program a token (router.router_finish), where a
-# program a 64-token block sums up to 64 shares of D alone; the token shape measured faster up to 512 tokens and
-# not beyond (docs/wide-kernels-h200.md, "Below 1k")
-ROUTER_TOKEN_FINISH_MAX_M = 512
+# the router's first launch on its own (router.triton_router_shares, a block with no shares handed on): a share a
+# this many columns of D, so that the shares' count depends on D only
+ROUTER_SHARE_COLUMNS = 128
 
 # tile tables: (meta-parameters, num_warps, num_stages)
 # the K-packed decode product (weights as the MMA's rows): (MMA rows, BLOCK_K, warps, stages); a program

@@ -27,6 +27,9 @@ to compile); this one loads a token's shares at once and sums them as a tree.
 
     shares: [S, M, R]   fp32 partial bottlenecks over S column slices of D (zero where a slice is empty)
 
+A block whose shares were not handed on may write them itself (``router_shares``: the first launch alone,
+on ``x + delta``, its add done on the fly), and then decide from them as one that was handed them does.
+
 The decision from shares may also take over the block's residual add and RMSNorm
 (``router_norm_from_shares``): programs beside the deciding ones add the block before's output to
 the residual and normalise each token's row, so that the block runs one launch before its first
@@ -151,16 +154,22 @@ if triton is not None:
 
     @triton.jit
     def _router_z(
-        x_ptr, wd_ptr, rows, row_ok, rs, r_ok, k_begin, k_end, D, stride_xm,
+        x_ptr, dx_ptr, wd_ptr, rows, row_ok, rs, r_ok, k_begin, k_end, D, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
     ):  # fmt: skip
-        # x[rows, k_begin:k_end] @ w_down[:, k_begin:k_end].T in fp32, BLOCK_K columns a step
+        # x[rows, k_begin:k_end] @ w_down[:, k_begin:k_end].T in fp32, BLOCK_K columns a step (HAS_DELTA:
+        # of x + delta, the sum rounded to x's dtype as the residual add rounds it)
         z = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = (ks < k_end) & (ks < D)
             x_mask = row_ok[:, None] & k_ok[None, :]
-            a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+            at = rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+            a = tl.load(x_ptr + at, mask=x_mask, other=0.0)
+            if HAS_DELTA:
+                da = tl.load(dx_ptr + at, mask=x_mask, other=0.0)
+                a = (a.to(tl.float32) + da.to(tl.float32)).to(x_ptr.dtype.element_ty)
             w = tl.load(wd_ptr + rs[:, None] * D + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             z = tl.dot(a.to(tl.float32), tl.trans(w), z, input_precision=DOT_PRECISION)
         return z
@@ -193,17 +202,18 @@ if triton is not None:
 
     @triton.jit
     def triton_router_partial_kernel(
-        x_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
+        x_ptr, dx_ptr, wd_ptr, ws_ptr, M, D, R, CHUNK, stride_xm,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+        HAS_DELTA: tl.constexpr = False,
         PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # program (token block, share s of D): its partial bottleneck into ws[s]
+        # program (token block, share s of D): its partial bottleneck (of x + delta with HAS_DELTA) into ws[s]
         pdl_enter(PDL)
         rows, row_ok, rs, r_ok = _router_tile(M, R, BLOCK_M, BLOCK_R)
         s = tl.program_id(1)
         z = _router_z(
-            x_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
-            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R,
+            x_ptr, dx_ptr, wd_ptr, rows, row_ok, rs, r_ok, s * CHUNK, s * CHUNK + CHUNK, D, stride_xm,
+            DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_R, HAS_DELTA,
         )  # fmt: skip
         tl.store(ws_ptr + (s * M + rows)[:, None] * R + rs[None, :], z, mask=row_ok[:, None] & r_ok[None, :])
 
@@ -337,6 +347,78 @@ def router_precision(m: int) -> str:
     return "ieee" if m <= policy.DECODE_MAX_M else "tf32x3"
 
 
+def _partial_tile(m: int, block_m: int | None, block_k: int | None) -> tuple[int, int]:
+    """``(block_m, block_k)`` of the bottleneck's launch for ``m`` tokens, where not given: 16 and 128 at
+    decode sizes, else ``policy.ROUTER_PREFILL_TILE`` (16 and 32 in the interpreter)."""
+    if interpreted():
+        tile_m, tile_k = 16, 32
+    else:
+        tile_m, tile_k = (16, 128) if m <= policy.DECODE_MAX_M else policy.ROUTER_PREFILL_TILE
+    return block_m or tile_m, block_k or tile_k
+
+
+def _launch_partial(
+    x: torch.Tensor, delta: torch.Tensor | None, w_down: torch.Tensor, chunk: int, block_m: int, block_k: int
+) -> torch.Tensor:
+    """The bottleneck's launch: ``[cdiv(D, chunk), M, R]`` fp32 shares of ``(x + delta) @ w_down.T`` (``x``
+    alone where ``delta`` is None; contiguous operands), a program a ``block_m`` tokens and ``chunk`` columns."""
+    m, d = x.shape
+    r = w_down.shape[0]
+    splits = cdiv(d, chunk)
+    ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
+    if m:
+        triton_router_partial_kernel[(cdiv(m, block_m), splits)](
+            x, x if delta is None else delta, w_down, ws, m, d, r, chunk, x.stride(0),
+            DOT_PRECISION=router_precision(m), BLOCK_M=block_m, BLOCK_K=block_k,
+            BLOCK_R=max(16, next_power_of_2(r)), HAS_DELTA=delta is not None,
+            **pdl_launch(triton_router_partial_kernel, x.device),
+        )  # fmt: skip
+    return ws
+
+
+def router_share_count(d: int) -> int:
+    """The shares of D that the router's own first launch writes (:func:`triton_router_shares`): one a
+    ``policy.ROUTER_SHARE_COLUMNS`` columns."""
+    return cdiv(d, policy.ROUTER_SHARE_COLUMNS)
+
+
+def triton_router_shares(
+    x: torch.Tensor,
+    w_down: torch.Tensor,
+    delta: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_k: int | None = None,
+) -> torch.Tensor:
+    """The router's first launch on its own: the shares ``[router_share_count(D), M, R]`` (fp32) of
+    ``(x + delta) @ w_down.T`` (``x: [M, D]``; ``delta`` as ``x`` or None; the sum rounded to the dtype as
+    the residual add rounds it), what :func:`triton_router_norm_from_shares` decides from while it adds
+    and normalises, so that a block with no shares handed on runs two launches before its first product
+    (this, then the decision with the add and the norm) where it ran three (the add and norm, and the
+    router's two). ``block_m`` / ``block_k``: as :func:`triton_router_decide`'s (``block_k`` dividing
+    ``policy.ROUTER_SHARE_COLUMNS``)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    m, d = x.shape if x.dim() == 2 else (0, 0)
+    if (
+        x.dim() != 2
+        or w_down.dim() != 2
+        or w_down.shape[1] != d
+        or w_down.dtype != torch.float32
+        or (delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype))
+    ):
+        shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, w_down, *([] if delta is None else [delta])))
+        raise ValueError(f"router shares' tensors do not fit (x, w_down[, delta]): {shapes}")
+    check_blocks(block_m=(block_m, 16), block_k=(block_k, 16))
+    block_m, block_k = _partial_tile(m, block_m, block_k)
+    chunk = policy.ROUTER_SHARE_COLUMNS
+    if chunk % block_k:
+        raise ValueError(f"block_k must divide policy.ROUTER_SHARE_COLUMNS ({chunk}), got {block_k}")
+    return _launch_partial(
+        x.contiguous(), None if delta is None else delta.contiguous(), w_down.contiguous(), chunk, block_m, block_k
+    )
+
+
 def triton_router_decide(
     x: torch.Tensor,
     w_down: torch.Tensor,
@@ -384,27 +466,15 @@ def triton_router_decide(
     check_counts(counts, x.device)
     _check_margin(margin, counts)
     as_bool = as_bool and not margin  # (the margins are fp32)
-    x = x.contiguous()
     w_down, b_down, w_up, b_up = (t.contiguous() for t in fp32)
-    if interpreted():
-        tile_m, tile_k = 16, 32
-    else:
-        tile_m, tile_k = (16, 128) if m <= policy.DECODE_MAX_M else policy.ROUTER_PREFILL_TILE
-    block_m, block_k = block_m or tile_m, block_k or tile_k
-    block_r = max(16, next_power_of_2(r))
+    block_m, block_k = _partial_tile(m, block_m, block_k)
     splits = router_split(m, d, block_m, block_k) if split is None else split
     chunk = cdiv(cdiv(d, splits), block_k) * block_k  # whole K steps per share
     splits = cdiv(d, chunk)  # no empty share
     block_g = block_g or min(32, max(16, next_power_of_2(groups)))
-    m_blocks = cdiv(m, block_m)
-    grid = (m_blocks, cdiv(groups, block_g))
+    grid = (cdiv(m, block_m), cdiv(groups, block_g))
     precision = router_precision(m)
-    ws = torch.empty((splits, m, r), dtype=torch.float32, device=x.device)
-    triton_router_partial_kernel[(m_blocks, splits)](
-        x, w_down, ws, m, d, r, chunk, x.stride(0),
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_R=block_r,
-        **pdl_launch(triton_router_partial_kernel, x.device),
-    )  # fmt: skip
+    ws = _launch_partial(x.contiguous(), None, w_down, chunk, block_m, block_k)
     if (finish or router_finish(m)) == "token":  # the decision from the workspace's shares, a program a token
         return triton_router_decide_from_shares(
             ws, b_down, w_up, b_up, block_g=block_g, as_bool=as_bool, margin=margin, counts=counts
@@ -412,8 +482,8 @@ def triton_router_decide(
     out = torch.empty((m, groups), dtype=torch.uint8 if as_bool else torch.float32, device=x.device)
     triton_router_finish_kernel[grid](
         ws, b_down, w_up, b_up, out, out if counts is None else counts, m, r, groups, out.stride(0), splits,
-        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_G=block_g, COUNT=counts is not None,
-        MARGIN=margin, **pdl_launch(triton_router_finish_kernel, x.device),
+        DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=max(16, next_power_of_2(r)), BLOCK_G=block_g,
+        COUNT=counts is not None, MARGIN=margin, **pdl_launch(triton_router_finish_kernel, x.device),
     )  # fmt: skip
     return out.view(torch.bool) if as_bool else out
 
