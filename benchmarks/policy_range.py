@@ -41,7 +41,7 @@ def with_setting(source: str, assignment: str) -> str:
     ValueError where it is not such a setting or the value is no literal of the same type (a dict: the same keys)."""
     name, sep, value = assignment.partition("=")
     name = name.strip()
-    pattern = rf"^{re.escape(name)}(: [^=]+)? = ([^#\n]+?)(\s+#.*)?$"  # (a comment after the value)
+    pattern = rf"^{re.escape(name)}(: [^=\n]+)? = ([^#\n]+?)([ \t]+#.*)?$"  # (a comment after the value, same line)
     line = re.search(pattern, source, flags=re.M) if name.isupper() else None
     if not sep or line is None:
         raise ValueError(f"{name!r} is not a one-line setting of the policy (NAME=VALUE)")

@@ -420,7 +420,8 @@ def test_registered_ops_pass_opcheck():
         torch.library.opcheck(ops.router_decide_from_shares, args)
     args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
     torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
-    torch.library.opcheck(ops.router_shares, (x, torch.randn(m, d, generator=gen), r[0], "torch"))
+    for columns in (16, 48):  # the shares' count from the columns given (D = 16: one share, or one partly filled)
+        torch.library.opcheck(ops.router_shares, (x, torch.randn(m, d, generator=gen), r[0], columns, "torch"))
     # a block's start and its first product: gate+up fused; q with k and v rows under it
     torch.library.opcheck(ops.router_norm_out_gemm, (*args, w, wu, 0, True, counts, True, "torch"))
     qkv = torch.randn(n + 8, d, generator=gen)

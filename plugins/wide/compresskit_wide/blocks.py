@@ -28,7 +28,10 @@ from torch import nn
 
 from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, stacked_linear, write_cache
-from compresskit_wide.kernels import ops  # noqa: F401  (registers the operators)
+from compresskit_wide.kernels import (
+    ops,  # noqa: F401  (registers the operators)
+    policy,
+)
 from compresskit_wide.kernels.common import zero_inactive_groups
 from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_kernel
 
@@ -94,7 +97,8 @@ class _Routing(Counting):
         m = x.shape[0] * x.shape[1]
         if self.backend == "auto" and not (x.device.type == "cuda" and use_kernel("router_shares", m)):
             return None
-        return router_shares(x.reshape(m, -1), delta.reshape(m, -1), self.router_down.weight, self.backend)
+        w_down, columns = self.router_down.weight, policy.ROUTER_SHARE_COLUMNS
+        return router_shares(x.reshape(m, -1), delta.reshape(m, -1), w_down, columns, self.backend)
 
     def _norm_from_shares(self, shares: torch.Tensor | None, x: torch.Tensor) -> bool:
         """Whether the decision's launch takes the residual add and the norm too: the shares came, and the

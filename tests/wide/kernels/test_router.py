@@ -244,25 +244,27 @@ def test_the_decision_with_the_norm_validates_its_tensors():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (17, 300, 7, 8), (130, 256, 130, 5)])
-@pytest.mark.parametrize("with_delta", [True, False])
-def test_the_routers_own_shares(dtype, m, d, groups, rank, with_delta):
+@pytest.mark.parametrize(("with_delta", "columns"), [(True, None), (False, None), (True, 48)])
+def test_the_routers_own_shares(dtype, m, d, groups, rank, with_delta, columns):
     """``router_shares``: the first launch alone writes the shares of ``x + delta`` (the add rounded as the
-    residual add rounds it), one a ``policy.ROUTER_SHARE_COLUMNS`` columns (D no multiple of them, one token and
-    a partial token block, a rank below ``tl.dot``'s 16); the decision from them, with the add and the norm, is
-    the router's on ``x + delta``. (bf16 on the GPU only: the interpreter rounds it by truncation.)"""
+    residual add rounds it), one a ``policy.ROUTER_SHARE_COLUMNS`` columns or the given ones (D no multiple of
+    them; a share that is no whole number of K steps), for one token and a partial token block, a rank below
+    ``tl.dot``'s 16; the decision from them, with the add and the norm, is the router's on ``x + delta``. (bf16
+    on the GPU only: the interpreter rounds it by truncation.)"""
     if dtype == torch.bfloat16 and str(DEVICE) == "cpu":
         pytest.skip("bf16 rounding differs in Triton's interpreter")
     from compresskit_wide.kernels import policy
-    from compresskit_wide.kernels.router import router_share_count, triton_router_norm_from_shares, triton_router_shares
+    from compresskit_wide.kernels.router import triton_router_norm_from_shares, triton_router_shares
 
     torch.manual_seed(m + d + rank)
     router = GroupRouter(d, groups, rank).to(DEVICE)
     x, delta = (torch.randn(m, d, device=DEVICE).to(dtype) for _ in range(2))
     summed = x + delta if with_delta else x
     w_down = router.down.weight.detach()
-    got = triton_router_shares(x, w_down, delta if with_delta else None)
-    want = torch_router_shares(summed, w_down, policy.ROUTER_SHARE_COLUMNS)
-    assert got.shape == want.shape == (router_share_count(d), m, rank) == (-(-d // 128), m, rank)
+    got = triton_router_shares(x, w_down, delta if with_delta else None, columns=columns)
+    width = columns or policy.ROUTER_SHARE_COLUMNS
+    want = torch_router_shares(summed, w_down, width)
+    assert got.shape == want.shape == (-(-d // width), m, rank)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     ref = decide(router(summed.float()), sample=False, tau=1.0).bool()
     norm_w = torch.ones(d, device=DEVICE, dtype=dtype)
@@ -281,8 +283,13 @@ def test_the_routers_own_shares_validate_their_tensors():
         triton_router_shares(x, w[:, :32])
     with pytest.raises(ValueError, match="router shares' tensors do not fit"):
         triton_router_shares(x, w.half())
-    with pytest.raises(ValueError, match=r"block_k must divide policy.ROUTER_SHARE_COLUMNS \(128\), got 256"):
+    with pytest.raises(ValueError, match="block_k must divide the share's 128 columns, got 256"):
         triton_router_shares(x, w, block_k=256)
+    with pytest.raises(ValueError, match="block_k must divide the share's 48 columns, got 32"):
+        triton_router_shares(x, w, columns=48, block_k=32)
+    for columns in (0, 40):
+        with pytest.raises(ValueError, match=f"columns must be a positive multiple of 16, got {columns}"):
+            triton_router_shares(x, w, columns=columns)
     assert triton_router_shares(x[:0], w).shape == (1, 0, 8)  # no token: no launch
 
 

@@ -213,6 +213,13 @@ def test_policy_range_sets_a_launch_setting_in_a_copy(tmp_path, monkeypatch):
     assert edited.OUT_TAIL_SPLIT == {"plain": 2, "swiglu": 2} and edited.PDL_KERNELS == ()
     assert policy.OUT_TAIL_SPLIT == {"plain": 1, "swiglu": 2} and policy.PDL_KERNELS == ("*",)
     assert edited.SHARED_REDUCE_TILE == policy.SHARED_REDUCE_TILE and edited.UNMEASURED == policy.UNMEASURED
+    # a setting with no comment after it: the lines after it stay (the comment is looked for on its line only)
+    text = copy.read_text()
+    proc = run_script("policy_range.py", str(copy), "--set", "ROUTER_SHARE_COLUMNS=64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = [line for line in text.splitlines() if not line.startswith("ROUTER_SHARE_COLUMNS =")]
+    assert [line for line in copy.read_text().splitlines() if not line.startswith("ROUTER_SHARE_COLUMNS =")] == kept
+    copy.write_text(text)
     before = copy.read_text()
     for bad, says in (
         ("NOT_A_SETTING=2", "'NOT_A_SETTING' is not a one-line setting"),

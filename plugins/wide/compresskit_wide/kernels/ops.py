@@ -34,7 +34,7 @@ from compresskit_wide.kernels.attention_prefill import (
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
-from compresskit_wide.kernels.common import KernelUnavailableError, interpreted
+from compresskit_wide.kernels.common import KernelUnavailableError, cdiv, interpreted
 from compresskit_wide.kernels.consensus import (
     check_consensus,
     torch_consensus,
@@ -58,7 +58,6 @@ from compresskit_wide.kernels.gemm_reduce import (
     triton_tile_reduce_gemm,
 )
 from compresskit_wide.kernels.router import (
-    router_share_count,
     torch_count,
     torch_router_decide,
     torch_router_decide_from_shares,
@@ -165,18 +164,22 @@ def router_decide(
     return execute
 
 
-def _fake_shares(x, delta, w_down, backend="auto"):
-    return x.new_empty(router_share_count(x.shape[1]), x.shape[0], w_down.shape[0], dtype=torch.float32)
+def _fake_shares(x, delta, w_down, columns, backend="auto"):
+    return x.new_empty(cdiv(x.shape[1], columns), x.shape[0], w_down.shape[0], dtype=torch.float32)
 
 
 @_operator(_fake_shares)
-def router_shares(x: torch.Tensor, delta: torch.Tensor, w_down: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def router_shares(
+    x: torch.Tensor, delta: torch.Tensor, w_down: torch.Tensor, columns: int, backend: str = "auto"
+) -> torch.Tensor:
     """``x, delta: [M, D]`` -> the router bottleneck's shares ``[S, M, R]`` (fp32) of ``(x + delta) @ w_down.T``
-    (the sum rounded as the residual add rounds it), one a ``policy.ROUTER_SHARE_COLUMNS`` columns of D: what a
-    block whose shares were not handed on decides from with ``router_norm_from_shares``."""
+    (the sum rounded as the residual add rounds it), one a ``columns`` columns of D (the kernel's:
+    ``policy.ROUTER_SHARE_COLUMNS``; an argument so that a compiled graph, cached across runs, holds the shares'
+    count it was traced with): what a block whose shares were not handed on decides from with
+    ``router_norm_from_shares``."""
     if _choose(backend, "router_shares", x.shape[0], x) == "triton":
-        return triton_router_shares(x, w_down, delta)
-    return torch_router_shares(x + delta, w_down, policy.ROUTER_SHARE_COLUMNS)  # the reference is the dense path
+        return triton_router_shares(x, w_down, delta, columns=columns)
+    return torch_router_shares(x + delta, w_down, columns)  # the reference is the dense path
 
 
 def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto", margin=False):

@@ -124,6 +124,12 @@ KERNEL_RANGES = (
     Range("attn_prefill", min_m=1024, why="active queries only, from 1k new tokens; at 512 SDPA was faster"),
     Range("router", why="bottleneck, logits and decision in two launches instead of the module's five or six"),
     Range(
+        "router_shares",
+        max_m=ROUTER_TOKEN_FINISH_MAX_M,
+        why="a block with no shares handed on writes its own, then decides with the add and the norm: TTFT 0.9-1.4% "
+        "shorter at 128 and 512 tokens, 32 x 1k decode 2.2% faster (H100; docs/wide-kernels-h200.md, 'Below 1k')",
+    ),
+    Range(
         "router_out",
         max_m=1,
         max_width=576,
@@ -134,7 +140,7 @@ KERNEL_RANGES = (
 )
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
-UNMEASURED: tuple[str, ...] = ("router_consensus", "router_shares")
+UNMEASURED: tuple[str, ...] = ("router_consensus",)
 OPS = (
     "swiglu",
     "out",

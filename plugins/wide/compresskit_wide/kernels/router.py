@@ -376,27 +376,22 @@ def _launch_partial(
     return ws
 
 
-def router_share_count(d: int) -> int:
-    """The shares of D that the router's own first launch writes (:func:`triton_router_shares`): one a
-    ``policy.ROUTER_SHARE_COLUMNS`` columns."""
-    return cdiv(d, policy.ROUTER_SHARE_COLUMNS)
-
-
 def triton_router_shares(
     x: torch.Tensor,
     w_down: torch.Tensor,
     delta: torch.Tensor | None = None,
     *,
+    columns: int | None = None,
     block_m: int | None = None,
     block_k: int | None = None,
 ) -> torch.Tensor:
-    """The router's first launch on its own: the shares ``[router_share_count(D), M, R]`` (fp32) of
+    """The router's first launch on its own: the shares ``[cdiv(D, columns), M, R]`` (fp32) of
     ``(x + delta) @ w_down.T`` (``x: [M, D]``; ``delta`` as ``x`` or None; the sum rounded to the dtype as
-    the residual add rounds it), what :func:`triton_router_norm_from_shares` decides from while it adds
-    and normalises, so that a block with no shares handed on runs two launches before its first product
-    (this, then the decision with the add and the norm) where it ran three (the add and norm, and the
-    router's two). ``block_m`` / ``block_k``: as :func:`triton_router_decide`'s (``block_k`` dividing
-    ``policy.ROUTER_SHARE_COLUMNS``)."""
+    the residual add rounds it), a share a ``columns`` columns of D (default ``policy.ROUTER_SHARE_COLUMNS``;
+    a multiple of 16), what :func:`triton_router_norm_from_shares` decides from while it adds and
+    normalises, so that a block with no shares handed on runs two launches before its first product (this,
+    then the decision with the add and the norm) where it ran three (the add and norm, and the router's
+    two). ``block_m`` / ``block_k``: as :func:`triton_router_decide`'s (``block_k`` dividing ``columns``)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     m, d = x.shape if x.dim() == 2 else (0, 0)
@@ -410,12 +405,19 @@ def triton_router_shares(
         shapes = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in (x, w_down, *([] if delta is None else [delta])))
         raise ValueError(f"router shares' tensors do not fit (x, w_down[, delta]): {shapes}")
     check_blocks(block_m=(block_m, 16), block_k=(block_k, 16))
-    block_m, block_k = _partial_tile(m, block_m, block_k)
-    chunk = policy.ROUTER_SHARE_COLUMNS
-    if chunk % block_k:
-        raise ValueError(f"block_k must divide policy.ROUTER_SHARE_COLUMNS ({chunk}), got {block_k}")
+    chunk = policy.ROUTER_SHARE_COLUMNS if columns is None else columns
+    if chunk < 16 or chunk % 16:
+        raise ValueError(f"columns must be a positive multiple of 16, got {chunk}")
+    if block_k is not None and chunk % block_k:
+        raise ValueError(f"block_k must divide the share's {chunk} columns, got {block_k}")
+    block_m, tile_k = _partial_tile(m, block_m, block_k)
     return _launch_partial(
-        x.contiguous(), None if delta is None else delta.contiguous(), w_down.contiguous(), chunk, block_m, block_k
+        x.contiguous(),
+        None if delta is None else delta.contiguous(),
+        w_down.contiguous(),
+        chunk,
+        block_m,
+        min(tile_k, chunk),
     )
 
 
