@@ -25,8 +25,10 @@ while IFS= read -r case; do
   for side in before after; do
     site=/tmp/ck; [ "$side" = before ] && site=/tmp/ckb
     echo "== $side $n: compresskit bench $case"
-    # (from /tmp: python -m puts the working folder first on sys.path, which would import this tree's core)
-    (cd /tmp && PYTHONPATH=$site:/tmp/site timeout "${CASE_TIMEOUT:-300}" python3 -m compresskit bench $case \
+    # (from /tmp: python -m puts the working folder first on sys.path, which would import this tree's core; each
+    # side its own inductor and Triton caches: a graph compiled by one tree is never replayed by the other)
+    (cd /tmp && PYTHONPATH=$site:/tmp/site TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$side \
+      TRITON_CACHE_DIR=/tmp/triton-$side timeout "${CASE_TIMEOUT:-300}" python3 -m compresskit bench $case \
       --output "$out/$side-$n" 2>&1 | tail -4)
   done
   befores+=("$out/before-$n") afters+=("$out/after-$n")
