@@ -264,19 +264,25 @@ def test_a_prefills_o_gets_its_skipped_heads_zeroed_in_the_block(tiny_model_dir,
     assert seen[1][:2] == (2, False)
 
 
-def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
+def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch):
     """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
     logits of the routed modules at a prompt and at decode, and the counts (q, k and v through one
     routed kernel, o's and down's kernels handing the next router its shares, the router kernels
-    counting, the decision's kernel adding the residual and applying the norm)."""
+    counting, the decision's kernel adding the residual and applying the norm). The prompt is 24 rows, past
+    the decode kernels' 16, and the first block's router writes its own shares (``router_shares``)."""
+    from compresskit_wide import blocks
+
+    rows = []
+    real_shares = blocks.router_shares
+    monkeypatch.setattr(blocks, "router_shares", lambda x, *a: rows.append(x.shape[0]) or real_shares(x, *a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
     cls = plugins.load("executor", "wide-triton")
     fast = Runtime(model, executor=cls(cls.Config(backend="triton")), compile=False, graphs=False)
     ref = Runtime(model)
-    caches = [rt.new_cache(2, 12) for rt in (fast, ref)]
-    ids = torch.randint(2, 300, (2, 7), generator=torch.Generator().manual_seed(2)).to(device)
+    caches = [rt.new_cache(2, 16) for rt in (fast, ref)]
+    ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(2)).to(device)
     pruner.reset_sparsity(model)
     got, want = (rt.forward(ids, c) for rt, c in zip((fast, ref), caches, strict=True))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -285,7 +291,10 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir):
         got, want = (rt.decode(token, c) for rt, c in zip((fast, ref), caches, strict=True))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     counts = fast.counted_sparsity()
-    assert counts.tokens == 2 * 7 + 2 * 2 and 0.2 < counts.macs < 0.8
+    assert counts.tokens == 2 * 12 + 2 * 2 and 0.2 < counts.macs < 0.8
+    # the first block's router wrote its own shares at the prompt and at each step (the kernels hand the others
+    # theirs under "triton"; under "auto" on a GPU past 16 rows each router writes its own)
+    assert rows == [24, 2, 2]
 
 
 @pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9], [5, 6]], [[5, 6, 7, 8, 9]]])
