@@ -490,6 +490,49 @@ def case_router_out(m, d, n, groups, dense_rows, fuse, dtype, device, gen, resul
     )
 
 
+def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=None, block_m=None):
+    """A block's start where no shares were handed on (``label``'s sizes; a prefill of 17-512 tokens, a decode step
+    past 16, the first block): the router's first launch alone on ``x + delta`` (``router_shares``, ``columns`` a
+    share and ``block_m`` tokens a program other than their defaults for the sweep), then the decision with the
+    residual add and the norm (``router_norm_from_shares``), against what ran before it: the add, the two-launch
+    router, the norm (eagerly here: the runtime's graph fuses the add and the norm into one kernel). Counting, as the
+    runtime's blocks count. The bound is 1: the same decision, fewer launches."""
+    from compresskit_wide.kernels.router import triton_router_decide, triton_router_norm_from_shares
+    from compresskit_wide.kernels.router import triton_router_shares as own_shares
+
+    shares, *route, x, delta, norm_w, eps = block_start(m, d, groups, dtype, device)
+    w_down = torch.randn(route[1].shape[1], d, device=device) / d**0.5
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    tiles = {"columns": columns, "block_m": block_m}
+    tiles = {k: v for k, v in tiles.items() if v is not None}
+
+    def ours():
+        mine = own_shares(x, w_down, delta, **tiles)
+        return triton_router_norm_from_shares(mine, *route, x, delta, norm_w, eps, counts=counts)
+
+    def before():
+        x_new = x + delta
+        execute = triton_router_decide(x_new, w_down, *route, as_bool=True, counts=counts)
+        h = x_new.float()
+        h = (norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)).to(dtype)
+        return execute, x_new, h
+
+    (execute, x_new, _), (ref_execute, ref_x, _) = ours(), before()
+    flips = (execute != ref_execute).float().mean().item()  # fp32 near-ties decided by another summation order
+    add_row(
+        results,
+        f"router own shares G={groups}" + "".join(f" {k}={v}" for k, v in tiles.items()),
+        m,
+        "router",
+        torch.ones_like(ref_execute),
+        ours,
+        {"add, two-launch router, norm": before},
+        flips <= 1e-3 and torch.equal(x_new, ref_x),
+        flips,
+        m <= 16,
+    )
+
+
 def case_router_consensus(b, d, groups, dtype, device, gen, results):
     """A block's start at decode under batch consensus (``follow 1.25``, quorum 0, every token the set), from the
     shares the block before handed on: the router's margins and the batch's decision in one launch
@@ -816,6 +859,20 @@ def main() -> int:
                         ),
                     )
                 )
+    # a block's start with no shares handed on: the router's own first launch, its share's columns and token block
+    for m in [3] if args.smoke else [16, 32, 128, 512]:
+        for columns, block_m in [(None, None), (64, None), (256, None), (None, 16), (None, 32)]:
+            if args.smoke and (columns or 0) > d:
+                continue
+            tag = "".join(f" {k}={v}" for k, v in (("columns", columns), ("block_m", block_m)) if v)
+            cases.append(
+                (
+                    f"router own shares M={m} G={ffn // group}{tag}",
+                    lambda m=m, c=columns, bm=block_m: case_router_own_shares(
+                        m, d, ffn // group, dtype, device, gen, results, columns=c, block_m=bm
+                    ),
+                )
+            )
     # a narrow model's prefill router (SmolLM2-135M: D = 576, 12 FFN groups of 128 channels), where the
     # token blocks are few: tokens a program, and the default shares of D against one
     narrow_d = 64 if args.smoke else 576
