@@ -568,7 +568,8 @@ def triton_router_norm_from_shares(
     """Triton version of :func:`torch_router_norm_from_shares`, in one launch: program (token, ``block_g``
     groups) decides as :func:`triton_router_decide_from_shares` does (and counts into ``counts``; or
     stores the margins, fp32, with ``margin``), one program a token adds and normalises its row. Made
-    for decode sizes."""
+    for decode sizes, and run up to ``policy.ROUTER_TOKEN_FINISH_MAX_M`` tokens on a router's own shares
+    (:func:`triton_router_shares`), where a program a token is the faster deciding shape."""
     s, m, r, groups = checked_shares(shares, b_down, w_up, b_up, block_g, counts)
     _check_margin(margin, counts)
     check_norm_operands(m, x, delta, norm_w)
