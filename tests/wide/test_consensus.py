@@ -217,8 +217,9 @@ def test_consensus_counts_what_ran(tiny_model_dir):
 def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_share, monkeypatch):
     """The same on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
     give margins, the consensus kernel decides, the products run the shared sets (with ``attention_share:
-    own`` the attention blocks each token's own choices within the set); up to 16 tokens each router after the
-    first decides from the shares handed on and under the consensus in one launch, the prompt's positions too."""
+    own`` the attention blocks each token's own choices within the set); up to 16 tokens each router decides from
+    shares (handed on, the first router's its own: ``router_shares``) and under the consensus in one launch, the
+    prompt's positions too."""
     from compresskit_wide.kernels import ops
 
     one_launch = []
@@ -233,7 +234,7 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_sh
     ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
     cache = fast.new_cache(3, 7)
     got = [fast.forward(ids, cache)]
-    handed = 2 * model.config.num_hidden_layers - 1  # every router but the first's (15 tokens: decode sizes)
+    handed = 2 * model.config.num_hidden_layers  # every router's (15 tokens: decode sizes)
     assert len(one_launch) == handed
     got.append(fast.decode(torch.tensor([7, 8, 9], device=device), cache))
     assert len(one_launch) == 2 * handed
