@@ -497,7 +497,7 @@ def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=No
     residual add and the norm (``router_norm_from_shares``), against what ran before it: the add, the two-launch
     router, the norm (eagerly here: the runtime's graph fuses the add and the norm into one kernel). Counting, as the
     runtime's blocks count. The bound is 1: the same decision, fewer launches."""
-    from compresskit_wide.kernels.router import triton_router_decide, triton_router_norm_from_shares
+    from compresskit_wide.kernels.router import torch_rms_norm, triton_router_decide, triton_router_norm_from_shares
     from compresskit_wide.kernels.router import triton_router_shares as own_shares
 
     shares, *route, x, delta, norm_w, eps = block_start(m, d, groups, dtype, device)
@@ -513,9 +513,7 @@ def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=No
     def before():
         x_new = x + delta
         execute = triton_router_decide(x_new, w_down, *route, as_bool=True, counts=counts)
-        h = x_new.float()
-        h = (norm_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)).to(dtype)
-        return execute, x_new, h
+        return execute, x_new, torch_rms_norm(x_new, norm_w, eps)
 
     (execute, x_new, _), (ref_execute, ref_x, _) = ours(), before()
     flips = (execute != ref_execute).float().mean().item()  # fp32 near-ties decided by another summation order

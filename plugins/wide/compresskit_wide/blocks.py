@@ -92,7 +92,7 @@ class _Routing(Counting):
         first launch on its own (``router_shares``, on ``x + delta``) where the decision's launch can take the
         add and the norm and (under ``auto``, on a GPU) ``policy`` takes it, so that the block starts with two
         launches where it ran three; else None (the router runs whole, after the add)."""
-        if shares is not None or not self.norm_in_router or self.norm.weight.dtype != x.dtype:
+        if shares is not None or not self._norm_fits(x):
             return shares
         m = x.shape[0] * x.shape[1]
         if self.backend == "auto" and not (x.device.type == "cuda" and use_kernel("router_shares", m)):
@@ -100,10 +100,15 @@ class _Routing(Counting):
         w_down, columns = self.router_down.weight, policy.ROUTER_SHARE_COLUMNS
         return router_shares(x.reshape(m, -1), delta.reshape(m, -1), w_down, columns, self.backend)
 
+    def _norm_fits(self, x: torch.Tensor) -> bool:
+        """Whether the decision's launch can take the block's norm: Llama's RMSNorm in ``x``'s dtype (else torch
+        would promote)."""
+        return self.norm_in_router and self.norm.weight.dtype == x.dtype
+
     def _norm_from_shares(self, shares: torch.Tensor | None, x: torch.Tensor) -> bool:
         """Whether the decision's launch takes the residual add and the norm too: the shares came, and the
-        norm is Llama's RMSNorm in ``x``'s dtype (else torch would promote)."""
-        return shares is not None and self.norm_in_router and self.norm.weight.dtype == x.dtype
+        norm fits it (:meth:`_norm_fits`)."""
+        return shares is not None and self._norm_fits(x)
 
     def enter_product(
         self,
@@ -132,7 +137,7 @@ class _Routing(Counting):
                 zero_inactive, self.stat_counts, count, self.backend,
             )  # fmt: skip
             return self._counted(execute, b, t, valid, False, count), x2.view(b, t, dim), out
-        execute, x, h = self.enter(x, delta, valid, shares)
+        execute, x, h = self._start(x, delta, valid, shares)
         return execute, x, masked_out_gemm(h, w, execute, w_up, zero_inactive, self.backend, dense_rows, shared)
 
     def enter(
@@ -141,8 +146,13 @@ class _Routing(Counting):
         """The block's start: ``(execute [B * T, G], x, h [B * T, D])``, ``x`` the residual with
         ``delta`` added and ``h`` its norm; the decision, the add and the norm in one launch where the
         shares came (and the norm is Llama's RMSNorm in ``x``'s dtype), else as three steps."""
+        return self._start(x, delta, valid, self.own_shares(x, delta, shares))
+
+    def _start(
+        self, x: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`enter` from the shares as :meth:`own_shares` resolved them."""
         b, t, dim = x.shape
-        shares = self.own_shares(x, delta, shares)
         if self._norm_from_shares(shares, x):
             agree = self.rule is not None and self.rule.applies(b, t)
             if agree and self.rule.over == "batch":  # the margins and the batch's decision: one operator

@@ -77,10 +77,11 @@ def share_slots(n: int) -> int:
     return cdiv(n, policy.SHARE_N)
 
 
-def torch_router_shares(x_next: torch.Tensor, w_down: torch.Tensor, columns: int = policy.SHARE_N) -> torch.Tensor:
+def torch_router_shares(x_next: torch.Tensor, w_down: torch.Tensor, columns: int | None = None) -> torch.Tensor:
     """Reference: the shares ``[S, M, R]`` of ``x_next @ w_down.T`` (``x_next: [M, N]``, ``w_down:
     [R, N]`` fp32) over slices of ``columns`` columns (default ``policy.SHARE_N``), in fp32."""
     m, n = x_next.shape
+    columns = columns or policy.SHARE_N
     pad = cdiv(n, columns) * columns - n
     x = torch.nn.functional.pad(x_next.float(), (0, pad)).unflatten(-1, (-1, columns))  # [M, S, columns]
     w = torch.nn.functional.pad(w_down, (0, pad)).unflatten(-1, (-1, columns))  # [R, S, columns]
