@@ -48,6 +48,8 @@ numbers in fp64: exact in any order), which saves the block its own counting lau
 
 from __future__ import annotations
 
+from math import gcd
+
 import torch
 
 from compresskit_wide.kernels import policy
@@ -417,7 +419,7 @@ def triton_router_shares(
         w_down.contiguous(),
         chunk,
         block_m,
-        min(tile_k, chunk),
+        gcd(tile_k, chunk),  # a power of two dividing the share: a step never straddles two shares
     )
 
 
