@@ -273,6 +273,23 @@ def test_the_routers_own_shares(dtype, m, d, groups, rank, with_delta, columns):
     assert torch.equal(execute, ref) and torch.equal(x_new, x + delta)
 
 
+@pytest.mark.parametrize("m", [3, 17, 300])
+def test_the_routers_own_shares_step_a_power_of_two(monkeypatch, m):
+    """With the GPU's tiles (not the interpreter's), the first launch's K step is a power of two that divides
+    the share, whatever its width (Triton compiles no other ``tl.arange`` on the GPU)."""
+    from compresskit_wide.kernels import router
+
+    steps = []
+    monkeypatch.setattr(router, "interpreted", lambda: False)
+    monkeypatch.setattr(router, "_launch_partial", lambda x, delta, w, chunk, bm, bk: steps.append((chunk, bk)))
+    x, w = torch.zeros(m, 512), torch.zeros(8, 512)
+    for columns in (16, 48, 80, 96, 128, 256, 512):
+        router.triton_router_shares(x, w, columns=columns)
+    assert [c for c, _ in steps] == [16, 48, 80, 96, 128, 256, 512]
+    for columns, step in steps:
+        assert step >= 16 and step & (step - 1) == 0 and columns % step == 0, (columns, step)
+
+
 def test_the_routers_own_shares_validate_their_tensors():
     from compresskit_wide.kernels.router import triton_router_shares
 
