@@ -490,6 +490,11 @@ def case_router_out(m, d, n, groups, dense_rows, fuse, dtype, device, gen, resul
     )
 
 
+def tiles_tag(tiles: dict) -> str:
+    """A case's launch settings other than their defaults, as its label's suffix (`` columns=64``)."""
+    return "".join(f" {k}={v}" for k, v in tiles.items() if v is not None)
+
+
 def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=None, block_m=None):
     """A block's start where no shares were handed on (``label``'s sizes; a prefill of 17-512 tokens, a decode step
     past 16, the first block): the router's first launch alone on ``x + delta`` (``router_shares``, ``columns`` a
@@ -503,8 +508,7 @@ def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=No
     shares, *route, x, delta, norm_w, eps = block_start(m, d, groups, dtype, device)
     w_down = torch.randn(route[1].shape[1], d, device=device) / d**0.5
     counts = torch.zeros(2, dtype=torch.float64, device=device)
-    tiles = {"columns": columns, "block_m": block_m}
-    tiles = {k: v for k, v in tiles.items() if v is not None}
+    tiles = {k: v for k, v in {"columns": columns, "block_m": block_m}.items() if v is not None}
 
     def ours():
         mine = own_shares(x, w_down, delta, **tiles)
@@ -519,7 +523,7 @@ def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=No
     flips = (execute != ref_execute).float().mean().item()  # fp32 near-ties decided by another summation order
     add_row(
         results,
-        f"router own shares G={groups}" + "".join(f" {k}={v}" for k, v in tiles.items()),
+        f"router own shares G={groups}" + tiles_tag(tiles),
         m,
         "router",
         torch.ones_like(ref_execute),
@@ -862,7 +866,7 @@ def main() -> int:
         for columns, block_m in [(None, None), (64, None), (256, None), (None, 16), (None, 32)]:
             if args.smoke and (columns or 0) > d:
                 continue
-            tag = "".join(f" {k}={v}" for k, v in (("columns", columns), ("block_m", block_m)) if v)
+            tag = tiles_tag({"columns": columns, "block_m": block_m})
             cases.append(
                 (
                     f"router own shares M={m} G={ffn // group}{tag}",
