@@ -33,13 +33,12 @@
 #                     majority8}.yaml and recipes/study/wide-smollm2-50-follow8.yaml side by side, then scored with 6
 #                     workers: each run per token and under its own rule (the per-token run: follow 1.25) at
 #                     consensus batches 4, 8, 16 and 32
-#   caps-start        tighter caps than follow 1.25 trained in the loop: the per-token two-stage run beside
-#                     recipes/study/wide-smollm2-50-lora-follow8-110.yaml (follow 1.1 in the LoRA stage's loop, the
-#                     routers frozen) and recipes/study/wide-smollm2-50-follow8-{100,110}.yaml (follow 1.0 / 1.1 in
-#                     both stages' loops), scored with 6 workers: the per-token run per token, under follow 1.1
-#                     and under follow 1.25 with the attention routers' tokens keeping their own choices
-#                     within the set (attention_share own: each sequence's attention reads only its own heads'
-#                     K/V), each trained run per token and under its own rule, at consensus batches 4-32
+#   caps-start        tighter caps than follow 1.25 trained in the loop: for each cap C of CAPS (default 100;
+#                     110 and 100 are the recipes there), the per-token two-stage run beside
+#                     recipes/study/wide-smollm2-50-lora-follow8-C.yaml (follow C/100 in the LoRA stage's loop, the
+#                     routers frozen) and recipes/study/wide-smollm2-50-follow8-C.yaml (in both stages' loops),
+#                     scored with WORKERS processes (default 5): the per-token run per token, each trained run per
+#                     token and under its own rule at the consensus batches of BATCHES (default 8, the target's)
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
@@ -158,14 +157,16 @@ case "$step" in
       --only follow-trained=follow125 --workers 6 | launch
     ;;
   caps-start)
-    base=recipes/wide-smollm2-50.yaml runs_job \
-      recipes/study/wide-smollm2-50-lora-follow8-110.yaml:lorafollow110:lora-follow110-trained \
-      recipes/study/wide-smollm2-50-follow8-100.yaml:follow100:follow100-trained \
-      recipes/study/wide-smollm2-50-follow8-110.yaml:follow110:follow110-trained -- \
-      --rule follow10=quorum=0,follow=1.0 --rule follow11=quorum=0,follow=1.1 \
-      --rule follow125att=quorum=0,follow=1.25,attention_share=own --batches 4,8,16,32 \
-      --only per-token=follow11,follow125att --only lora-follow110-trained=follow11 --only follow100-trained=follow10 \
-      --only follow110-trained=follow11 --workers 6 | launch
+    runs=() rules=() only=(--only per-token=)
+    for cap in ${CAPS:-100}; do
+      [ -f "recipes/study/wide-smollm2-50-follow8-$cap.yaml" ] || { echo "CAPS: no recipe for the cap $cap"; exit 2; }
+      runs+=("recipes/study/wide-smollm2-50-lora-follow8-$cap.yaml:lorafollow$cap:lora-follow$cap-trained"
+        "recipes/study/wide-smollm2-50-follow8-$cap.yaml:follow$cap:follow$cap-trained")
+      rules+=(--rule "follow$cap=quorum=0,follow=$((cap / 100)).$((cap % 100 / 10))$((cap % 10))")
+      only+=(--only "lora-follow$cap-trained=follow$cap" --only "follow$cap-trained=follow$cap")
+    done
+    base=recipes/wide-smollm2-50.yaml runs_job "${runs[@]}" -- "${rules[@]}" "${only[@]}" \
+      --batches "${BATCHES:-8}" --workers "${WORKERS:-5}" | launch
     ;;
   *)
     echo "unknown step $step"

@@ -158,19 +158,24 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     )  # fmt: skip
     assert f"--run lora-follow-trained={cq}/lorafollow8/model" in job and "--only lora-majority-trained=majority" in job
     assert f"--run follow-trained={cq}/follow8/model" in job and "--only follow-trained=follow125" in job
-    # caps-start: the tighter caps, each run scored under its own rule, the per-token run under follow 1.1
+    # caps-start: for each cap of CAPS, the rule in the LoRA stage's loop and in both stages', each trained run
+    # scored under its own rule at BATCHES, the per-token run per token only
+    env["CAPS"], env["BATCHES"] = "100 110", "4,8"
     job = two_stage_job(
         "caps-start",
-        [("wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"), ("wide-smollm2-50-follow8-100.yaml", "follow100"),
-         ("wide-smollm2-50-follow8-110.yaml", "follow110")],
+        [("wide-smollm2-50-lora-follow8-100.yaml", "lorafollow100"), ("wide-smollm2-50-follow8-100.yaml", "follow100"),
+         ("wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"), ("wide-smollm2-50-follow8-110.yaml", "follow110")],
     )  # fmt: skip
     only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
-    assert only == {"per-token": "follow11,follow125att", "lora-follow110-trained": "follow11",
-                    "follow100-trained": "follow10", "follow110-trained": "follow11"}  # fmt: skip
+    assert only == {"per-token": "", "lora-follow100-trained": "follow100", "follow100-trained": "follow100",
+                    "lora-follow110-trained": "follow110", "follow110-trained": "follow110"}  # fmt: skip
     rules = dict(r.split("=", 1) for r in re.findall(r"--rule (\S+)", job))
-    assert rules == {"follow10": "quorum=0,follow=1.0", "follow11": "quorum=0,follow=1.1",
-                     "follow125att": "quorum=0,follow=1.25,attention_share=own"}  # fmt: skip
-    assert "--batches 4,8,16,32" in job
+    assert rules == {"follow100": "quorum=0,follow=1.00", "follow110": "quorum=0,follow=1.10"}
+    assert "--batches 4,8 " in job
+    # a cap with no recipe: one line, exit 2
+    caps = {**env, "CAPS": "105"}
+    res = subprocess.run(["bash", str(script), "caps-start"], env=caps, capture_output=True, text=True)
+    assert (res.returncode, res.stdout.strip()) == (2, "CAPS: no recipe for the cap 105")
 
 
 def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anything(tmp_path):
