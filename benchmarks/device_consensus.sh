@@ -38,7 +38,9 @@
 #                     recipes/study/wide-smollm2-50-lora-follow8-C.yaml (follow C/100 in the LoRA stage's loop, the
 #                     routers frozen) and recipes/study/wide-smollm2-50-follow8-C.yaml (in both stages' loops),
 #                     scored with WORKERS processes (default 5): the per-token run per token, each trained run per
-#                     token and under its own rule at the consensus batches of BATCHES (default 8, the target's)
+#                     token and under its own rule at the consensus batches of BATCHES (default 8, the target's).
+#                     STAGES=lora or both trains only that one of the two; LIMIT=N scores N items of each
+#                     zero-shot task (a pilot: the perplexities whole while their documents number at most N)
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
 # CQ: the job's folder (default /tmp/cq). DRY_RUN=1: a *-start step prints its job instead of installing and
 # starting it.
@@ -160,13 +162,19 @@ case "$step" in
     runs=() rules=() only=(--only per-token=)
     for cap in ${CAPS:-100}; do
       [ -f "recipes/study/wide-smollm2-50-follow8-$cap.yaml" ] || { echo "CAPS: no recipe for the cap $cap"; exit 2; }
-      runs+=("recipes/study/wide-smollm2-50-lora-follow8-$cap.yaml:lorafollow$cap:lora-follow$cap-trained"
-        "recipes/study/wide-smollm2-50-follow8-$cap.yaml:follow$cap:follow$cap-trained")
       rules+=(--rule "follow$cap=quorum=0,follow=$((cap / 100)).$((cap % 100 / 10))$((cap % 10))")
-      only+=(--only "lora-follow$cap-trained=follow$cap" --only "follow$cap-trained=follow$cap")
+      for stages in ${STAGES:-lora both}; do
+        case $stages in
+          lora) name=lora-follow8-$cap ;;
+          both) name=follow8-$cap ;;
+          *) echo "STAGES: $stages is none of lora, both"; exit 2 ;;
+        esac
+        runs+=("recipes/study/wide-smollm2-50-$name.yaml:${name/8-/}:${name/8-/}-trained")
+        only+=(--only "${name/8-/}-trained=follow$cap")
+      done
     done
     base=recipes/wide-smollm2-50.yaml runs_job "${runs[@]}" -- "${rules[@]}" "${only[@]}" \
-      --batches "${BATCHES:-8}" --workers "${WORKERS:-5}" | launch
+      --batches "${BATCHES:-8}" --workers "${WORKERS:-5}" ${LIMIT:+--limit "$LIMIT"} | launch
     ;;
   *)
     echo "unknown step $step"

@@ -163,15 +163,20 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     env["CAPS"], env["BATCHES"] = "100 110", "4,8"
     job = two_stage_job(
         "caps-start",
-        [("wide-smollm2-50-lora-follow8-100.yaml", "lorafollow100"), ("wide-smollm2-50-follow8-100.yaml", "follow100"),
-         ("wide-smollm2-50-lora-follow8-110.yaml", "lorafollow110"), ("wide-smollm2-50-follow8-110.yaml", "follow110")],
+        [(f"wide-smollm2-50-{stages}follow8-{cap}.yaml", f"{stages}follow{cap}")
+         for cap in (100, 110) for stages in ("lora-", "")],
     )  # fmt: skip
     only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
     assert only == {"per-token": "", "lora-follow100-trained": "follow100", "follow100-trained": "follow100",
                     "lora-follow110-trained": "follow110", "follow110-trained": "follow110"}  # fmt: skip
     rules = dict(r.split("=", 1) for r in re.findall(r"--rule (\S+)", job))
     assert rules == {"follow100": "quorum=0,follow=1.00", "follow110": "quorum=0,follow=1.10"}
-    assert "--batches 4,8 " in job
+    assert "--batches 4,8 " in job and "--limit" not in job
+    # STAGES=lora: the LoRA-stage run alone; LIMIT: a pilot's item count
+    env["CAPS"], env["STAGES"], env["LIMIT"] = "100", "lora", "300"
+    job = two_stage_job("caps-start", [("wide-smollm2-50-lora-follow8-100.yaml", "lora-follow100")])
+    assert "--limit 300 " in job
+    del env["STAGES"], env["LIMIT"]
     # a cap with no recipe: one line, exit 2
     caps = {**env, "CAPS": "105"}
     res = subprocess.run(["bash", str(script), "caps-start"], env=caps, capture_output=True, text=True)
