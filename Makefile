@@ -38,7 +38,7 @@ test: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -n 2
 
 # the suite without the tests marked slow (the real model, the larger interpreter grids, several processes):
-# every module still runs, in under 5 minutes on 2 cores
+# every module still runs, in about 5 minutes on 2 cores
 test-fast: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Llama checkpoint on disk (random init, built from a config) and a
-fresh working directory per test. Markers: ``slow`` (uses the real embedded model), ``gpu``.
+fresh working directory per test. Markers: ``slow`` (left out by ``make test-fast``; pyproject.toml says
+which), ``gpu``.
 
 The tests leave the user's environment and caches as they found them:
 

@@ -9,6 +9,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_wide_smollm2.sh"
 
 
@@ -48,6 +50,7 @@ def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
     assert res.returncode == 0 and "ended: exit 0" in res.stdout
 
 
+@pytest.mark.slow
 def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     """``benchmarks/device_serving_matrix.sh wait``: the prompts finished so far merged into one matrix
     there, each prompt's own files packed in one archive (a device call brings back 8 files)."""

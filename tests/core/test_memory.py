@@ -142,6 +142,7 @@ def test_the_evaluation_row_follows_the_logits_budget(recipe, tiny_model_dir):
     assert whole.trainable_params == whole.trainable_state == 0
 
 
+@pytest.mark.slow
 def test_memory_benchmark_script_runs_its_smoke_path(tmp_path):
     """``benchmarks/bench_train_memory.py --smoke``: the estimate and a training step on the CPU (the GPU
     run measures the peaks)."""

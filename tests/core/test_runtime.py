@@ -711,6 +711,7 @@ def test_bench_times_several_sparsities_beside_one_dense_model(tmp_path, capsys)
         assert expect in err and "Traceback" not in err and err.count("error:") == 1
 
 
+@pytest.mark.slow
 def test_merge_bench_puts_several_runs_in_one_matrix(tmp_path):
     """``merge_bench.py``: the records of several bench runs (and of an earlier merge) in one matrix, a cell
     no input has marked not measured, every input's facts kept; a cell two inputs both have is refused."""
@@ -792,6 +793,7 @@ def test_profile_script_counts_every_wide_kernel_by_its_role():
     assert mod.kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "products (cuBLAS/CUTLASS)"
 
 
+@pytest.mark.slow
 def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
     """``profile_runtime.py --context 128,512``: a row per member, phase and context (the smoke's shapes
     stand in for the lengths)."""
@@ -810,6 +812,7 @@ def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
     assert bad.returncode == 2 and "--context: '128,x' is not a comma-separated list" in bad.stderr
 
 
+@pytest.mark.slow
 def test_profile_script_profiles_a_consensus_rule(tmp_path):
     """``profile_runtime.py --consensus RULE``: WIDE under the rule is a member of its own, named as the bench
     names its row (a name with commas, which ``--members`` takes whole); a name that is no member, or a bad

@@ -246,6 +246,7 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_sh
     set_consensus(model, None)
 
 
+@pytest.mark.slow
 def test_a_decode_batch_past_16_runs_its_shared_set_on_the_decode_kernels(tiny_model_dir, monkeypatch):
     """At decode a batch of 20 under ``share: set`` runs the out-width products on the decode kernels' one
     tile and the reductions (down, o) on the split-K one (a shared set, up to 64 tokens), each but the last
@@ -362,6 +363,7 @@ def _saved_wide_run(tiny_model_dir, tmp_path, training=(), progress=None):
     return run
 
 
+@pytest.mark.slow
 def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsys):
     """``compresskit eval RUN --consensus RULE``: each evaluation batch decides together (the teacher-forced
     simulation), the rule is recorded, and a unanimous quorum skips more than per-token routing."""
@@ -400,6 +402,7 @@ def test_the_rule_a_run_was_trained_under_is_its_last_stage_s():
         assert _consensus_rule(spec) == rule, spec
 
 
+@pytest.mark.slow
 def test_a_run_trained_under_a_rule_says_so_where_it_is_scored_per_token(tiny_model_dir, tmp_path, capsys):
     """A run whose last training stage ran a rule in its loop, scored per token (by its own evaluation, or by
     ``compresskit eval`` without ``--consensus``), says so in one line with the ``--consensus`` value that
@@ -475,6 +478,7 @@ def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_
     assert all(p.consensus is None and p.consensus_gradient == "own" for _, p in routed_projections(model))
 
 
+@pytest.mark.slow
 def test_a_lora_stage_learns_under_consensus_with_the_routers_frozen(tiny_model_dir, tmp_path):
     """``recipes/study/wide-smollm2-50-lora-*.yaml``: routers trained per token, then a LoRA stage with the rule
     in its loop and ``train_pruner_params: false``. The routers come out as the router stage left them, the

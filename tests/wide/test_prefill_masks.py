@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "analyze_prefill_masks.py"
@@ -32,6 +33,7 @@ def test_union_of_alternating_masks_halves_once_sorted():
     assert abs(mod.independent_union(mask, 2) - 0.75) < 1e-6  # every group at 1/2: 1 - (1/2)^2
 
 
+@pytest.mark.slow
 def test_smoke_path_writes_its_table(tmp_path):
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True

@@ -89,6 +89,7 @@ def test_router_stage_drives_sparsity_to_the_target(tiny_model_dir):
     assert results[0.8] == pytest.approx(0.8, abs=0.12)
 
 
+@pytest.mark.slow
 def test_two_stages_save_and_reload_with_identical_logits(tiny_model_dir, tmp_path):
     res = apply(recipe(tiny_model_dir, tmp_path, [stage("router"), stage("lora", r=4, alpha=8)]))
     out = tmp_path / "run"

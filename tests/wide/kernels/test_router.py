@@ -24,7 +24,9 @@ pytestmark = pytest.mark.triton
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 40])
-@pytest.mark.parametrize(("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), (64, 5, 130)])
+@pytest.mark.parametrize(
+    ("d", "rank", "groups"), [(200, 8, 3), (96, 32, 8), pytest.param(64, 5, 130, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("bias", [0.0, 50.0, -50.0])
 @pytest.mark.parametrize(("split", "block_g"), [(None, None), (1, None), (3, 16), (3, 128)])
 def test_matches_the_router_and_decide(m, d, rank, groups, bias, split, block_g):
@@ -243,7 +245,10 @@ def test_the_decision_with_the_norm_validates_its_tensors():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (17, 300, 7, 8), (130, 256, 130, 5)])
+@pytest.mark.parametrize(
+    ("m", "d", "groups", "rank"),
+    [(1, 72, 40, 8), (17, 300, 7, 8), pytest.param(130, 256, 130, 5, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize(("with_delta", "columns"), [(True, None), (False, None), (True, 48)])
 def test_the_routers_own_shares(dtype, m, d, groups, rank, with_delta, columns):
     """``router_shares``: the first launch alone writes the shares of ``x + delta`` (the add rounded as the
@@ -310,7 +315,9 @@ def test_the_routers_own_shares_validate_their_tensors():
     assert triton_router_shares(x[:0], w).shape == (1, 0, 8)  # no token: no launch
 
 
-@pytest.mark.parametrize(("m", "d", "groups", "rank"), [(1, 72, 40, 8), (5, 100, 7, 8), (40, 64, 130, 5)])
+@pytest.mark.parametrize(
+    ("m", "d", "groups", "rank"), [(1, 72, 40, 8), (5, 100, 7, 8), pytest.param(40, 64, 130, 5, marks=pytest.mark.slow)]
+)
 def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
     """With ``margin`` the deciding launches store each group's execute-minus-skip logit (fp32, the
     sign the decision's), uncounted: the router, the decision from shares, and that with the norm."""
@@ -345,7 +352,10 @@ def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
         triton_router_decide(*args, margin=True, counts=torch.zeros(2, dtype=torch.float64, device=DEVICE))
 
 
-@pytest.mark.parametrize(("b", "t", "g", "d"), [(2, 1, 5, 40), (5, 1, 33, 72), (3, 2, 7, 100), (8, 1, 112, 256)])
+@pytest.mark.parametrize(
+    ("b", "t", "g", "d"),
+    [(2, 1, 5, 40), (5, 1, 33, 72), (3, 2, 7, 100), pytest.param(8, 1, 112, 256, marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("decided", ["ragged", "all on", "all off"])
 def test_the_decision_and_the_consensus_in_one_launch(b, t, g, d, decided):
     """``router_norm_consensus``: the router's margins from the shares and the batch's consensus in one launch (the
