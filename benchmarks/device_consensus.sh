@@ -34,7 +34,7 @@
 #                     workers: each run per token and under its own rule (the per-token run: follow 1.25) at
 #                     consensus batches 4, 8, 16 and 32
 #   caps-start        tighter caps than follow 1.25 trained in the loop: for each cap C of CAPS (default 100;
-#                     110 and 100 are the recipes there), the per-token two-stage run beside
+#                     recipes exist for 100 and 110), the per-token two-stage run beside
 #                     recipes/study/wide-smollm2-50-lora-follow8-C.yaml (follow C/100 in the LoRA stage's loop, the
 #                     routers frozen) and recipes/study/wide-smollm2-50-follow8-C.yaml (in both stages' loops),
 #                     scored with WORKERS processes (default 5): the per-token run per token, each trained run per
