@@ -37,8 +37,9 @@
 #                     recipes exist for 100 and 110), the per-token two-stage run beside
 #                     recipes/study/wide-smollm2-50-lora-follow8-C.yaml (follow C/100 in the LoRA stage's loop, the
 #                     routers frozen) and recipes/study/wide-smollm2-50-follow8-C.yaml (in both stages' loops),
-#                     scored with WORKERS processes (default 5): the per-token run per token, each trained run per
-#                     token and under its own rule at the consensus batches of BATCHES (default 8, the target's).
+#                     scored with WORKERS processes (default 6): each run per token, each trained run under its
+#                     own rule and the per-token run under each cap's, at the consensus batches of BATCHES
+#                     (default 8, the target's).
 #                     STAGES=lora or both trains only that one of the two; LIMIT=N scores N items of each
 #                     zero-shot task (a pilot: the perplexities whole while their documents number at most N)
 #   quality-wait [S]  wait up to S seconds (default 540) for it; its files to $OUT/quality (rc 4: still running)
@@ -159,10 +160,11 @@ case "$step" in
       --only follow-trained=follow125 --workers 6 | launch
     ;;
   caps-start)
-    runs=() rules=() only=(--only per-token=)
+    runs=() rules=() only=() own=()
     for cap in ${CAPS:-100}; do
       [ -f "recipes/study/wide-smollm2-50-follow8-$cap.yaml" ] || { echo "CAPS: no recipe for the cap $cap"; exit 2; }
       rules+=(--rule "follow$cap=quorum=0,follow=$((cap / 100)).$((cap % 100 / 10))$((cap % 10))")
+      own+=("follow$cap")
       for stages in ${STAGES:-lora both}; do
         case $stages in
           lora) name=lora-follow8-$cap ;;
@@ -174,7 +176,8 @@ case "$step" in
       done
     done
     base=recipes/wide-smollm2-50.yaml runs_job "${runs[@]}" -- "${rules[@]}" "${only[@]}" \
-      --batches "${BATCHES:-8}" --workers "${WORKERS:-5}" ${LIMIT:+--limit "$LIMIT"} | launch
+      --only "per-token=$(IFS=,; echo "${own[*]}")" --batches "${BATCHES:-8}" --workers "${WORKERS:-6}" \
+      ${LIMIT:+--limit "$LIMIT"} | launch
     ;;
   *)
     echo "unknown step $step"

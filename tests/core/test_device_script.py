@@ -162,7 +162,7 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     assert f"--run lora-follow-trained={cq}/lorafollow8/model" in job and "--only lora-majority-trained=majority" in job
     assert f"--run follow-trained={cq}/follow8/model" in job and "--only follow-trained=follow125" in job
     # caps-start: for each cap of CAPS, the rule in the LoRA stage's loop and in both stages', each trained run
-    # scored under its own rule at BATCHES, the per-token run per token only
+    # scored under its own rule at BATCHES, the per-token run under each cap's
     env["CAPS"], env["BATCHES"] = "100 110", "4,8"
     job = two_stage_job(
         "caps-start",
@@ -170,8 +170,9 @@ if args[:3] == ["-m", "compresskit", "apply"]:
          for cap in (100, 110) for stages in ("lora-", "")],
     )  # fmt: skip
     only = dict(o.split("=") for o in re.findall(r"--only (\S+)", job))
-    assert only == {"per-token": "", "lora-follow100-trained": "follow100", "follow100-trained": "follow100",
-                    "lora-follow110-trained": "follow110", "follow110-trained": "follow110"}  # fmt: skip
+    assert only == {"per-token": "follow100,follow110", "lora-follow100-trained": "follow100",
+                    "follow100-trained": "follow100", "lora-follow110-trained": "follow110",
+                    "follow110-trained": "follow110"}  # fmt: skip
     rules = dict(r.split("=", 1) for r in re.findall(r"--rule (\S+)", job))
     assert rules == {"follow100": "quorum=0,follow=1.00", "follow110": "quorum=0,follow=1.10"}
     assert "--batches 4,8 " in job and "--limit" not in job
