@@ -160,23 +160,25 @@ case "$step" in
       --only follow-trained=follow125 --workers 6 | launch
     ;;
   caps-start)
-    runs=() rules=() only=() own=()
+    runs=() rules=() only=() cap_rules=""
     for cap in ${CAPS:-100}; do
-      [ -f "recipes/study/wide-smollm2-50-follow8-$cap.yaml" ] || { echo "CAPS: no recipe for the cap $cap"; exit 2; }
-      rules+=(--rule "follow$cap=quorum=0,follow=$((cap / 100)).$((cap % 100 / 10))$((cap % 10))")
-      own+=("follow$cap")
+      rule=follow$cap
+      rules+=(--rule "$rule=quorum=0,follow=$(printf '%d.%02d' $((cap / 100)) $((cap % 100)))")
+      cap_rules+=${cap_rules:+,}$rule
       for stages in ${STAGES:-lora both}; do
         case $stages in
-          lora) name=lora-follow8-$cap ;;
-          both) name=follow8-$cap ;;
+          lora) recipe=lora-follow8-$cap run=lora-follow$cap ;;
+          both) recipe=follow8-$cap run=follow$cap ;;
           *) echo "STAGES: $stages is none of lora, both"; exit 2 ;;
         esac
-        runs+=("recipes/study/wide-smollm2-50-$name.yaml:${name/8-/}:${name/8-/}-trained")
-        only+=(--only "${name/8-/}-trained=follow$cap")
+        recipe=recipes/study/wide-smollm2-50-$recipe.yaml
+        [ -f "$recipe" ] || { echo "CAPS: no recipe for the cap $cap ($recipe)"; exit 2; }
+        runs+=("$recipe:$run:$run-trained")
+        only+=(--only "$run-trained=$rule")
       done
     done
     base=recipes/wide-smollm2-50.yaml runs_job "${runs[@]}" -- "${rules[@]}" "${only[@]}" \
-      --only "per-token=$(IFS=,; echo "${own[*]}")" --batches "${BATCHES:-8}" --workers "${WORKERS:-6}" \
+      --only "per-token=$cap_rules" --batches "${BATCHES:-8}" --workers "${WORKERS:-6}" \
       ${LIMIT:+--limit "$LIMIT"} | launch
     ;;
   *)

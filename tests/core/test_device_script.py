@@ -184,7 +184,10 @@ if args[:3] == ["-m", "compresskit", "apply"]:
     # a cap with no recipe: one line, exit 2
     caps = {**env, "CAPS": "105"}
     res = subprocess.run(["bash", str(script), "caps-start"], env=caps, capture_output=True, text=True)
-    assert (res.returncode, res.stdout.strip()) == (2, "CAPS: no recipe for the cap 105")
+    assert (res.returncode, res.stdout.strip()) == (
+        2,
+        "CAPS: no recipe for the cap 105 (recipes/study/wide-smollm2-50-lora-follow8-105.yaml)",
+    )
 
 
 def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anything(tmp_path):
