@@ -535,43 +535,6 @@ def case_router_own_shares(m, d, groups, dtype, device, gen, results, columns=No
     )
 
 
-def case_router_consensus(b, d, groups, dtype, device, gen, results):
-    """A block's start at decode under batch consensus (``follow 1.25``, quorum 0, every token the set), from the
-    shares the block before handed on: the router's margins and the batch's decision in one launch
-    (``router_norm_consensus``: the last deciding program to arrive decides) against the margins' launch then
-    the consensus's (what ``auto`` runs until ``policy`` gives the one launch a range). Counting, as the
-    runtime's blocks count. The bound is 1: the same decision, one launch fewer."""
-    from compresskit_wide.kernels.consensus import triton_consensus, triton_router_norm_consensus
-    from compresskit_wide.kernels.router import triton_router_norm_from_shares
-
-    start = block_start(b, d, groups, dtype, device)
-    rule = {"cap": groups, "quorum": 0.0, "share_set": True, "follow": 1.25}
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-
-    def ours():
-        return triton_router_norm_consensus(*start, b, arrivals, counts=counts, **rule)
-
-    def separate():
-        margin, x_new, h = triton_router_norm_from_shares(*start, margin=True)
-        return triton_consensus(margin, b, counts=counts, **rule), x_new, h
-
-    got, ref = ours(), separate()
-    ok = all(torch.equal(u, v) for u, v in zip(got, ref, strict=True)) and arrivals.item() == 0
-    add_row(
-        results,
-        f"consensus decided in the router's launch G={groups}",
-        b,
-        "router",
-        torch.ones_like(ref[0]),
-        ours,
-        {"margins' launch, then the consensus's": separate},
-        ok,
-        0.0,
-        True,
-    )
-
-
 def sdpa_variants(q, k, v, causal: bool) -> dict:
     """The dense attention baselines PyTorch offers here, each with native GQA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -766,14 +729,6 @@ def main() -> int:
                     lambda m=m, a=(width, n, groups, dense_rows, fuse), label=label: case_router_out(
                         m, *a, dtype, device, gen, results, label
                     ),
-                )
-            )
-    for b in [2, 3] if args.smoke else [2, 8, 16, 32, 64]:  # a decode batch's consensus: attention's and FFN's routers
-        for groups in (heads // attn_group, ffn // group):
-            cases.append(
-                (
-                    f"consensus decided in the router's launch G={groups} B={b}",
-                    lambda b=b, g=groups: case_router_consensus(b, d, g, dtype, device, gen, results),
                 )
             )
     for m in prefill_m:  # every group on: what the prefill kernel costs against cuBLAS at equal work

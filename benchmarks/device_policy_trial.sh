@@ -5,23 +5,21 @@
 # or the setting's value) against the same tree with the change ("after"; benchmarks/policy_range.py edits a copy
 # in /tmp, never this checkout). Through the device tool, from the repo root, carrying [".whl"]; the steps may
 # take more than one call's 10 minutes, so split them over calls on the warm machine:
-#   OP=router_consensus MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log,
-#                                                                                                # bench.{json,md}
-#   OP=router_consensus MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh   # before_after.{md,json}
+#   OP=NAME MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log, bench.{json,md}
+#   OP=NAME MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh              # before_after.{md,json}
 #   SET='OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}' STEPS="tests kernels" bash benchmarks/device_policy_trial.sh
 #   SET='OUT_TAIL_SPLIT={"plain": 1, "swiglu": 1}' STEPS=e2e bash benchmarks/device_policy_trial.sh  # after: whole
 #   SET='PDL_KERNELS=()' STEPS="tests e2e" bash benchmarks/device_policy_trial.sh  # SmolLM2's, 8B's shapes
 # OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three).
-# TESTS: the test files, TESTS_K their -k (defaults: for router_consensus its kernel, dispatch and race tests and
-# the blocks under consensus on the kernels; for OUT_TAIL_SPLIT the persistent product's tests; for PDL_KERNELS
-# the runtime's decode with it on and off; else tests/wide/kernels, every test).
-# ONLY: bench_wide_kernels.py's --only (default for router_consensus "consensus decided"; else OP).
+# TESTS: the test files, TESTS_K their -k (defaults: for OUT_TAIL_SPLIT the persistent product's tests; for
+# PDL_KERNELS the runtime's decode with it on and off; else tests/wide/kernels, every test).
+# ONLY: bench_wide_kernels.py's --only (default: OP).
 # KERNELS: the kernel step's command instead (default for OUT_TAIL_SPLIT: bench_out_prefill.py with whole items
 # and with pieces, 512-4k tokens, with the masks of the end-to-end rows).
-# CASES: as device_before_after.sh's (defaults: for router_consensus Llama-3.1-8B shapes under `follow 1.25` and
-# the capped majority at 8 x 1k, 32 x 2k and 64 x 2k; for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%;
-# for PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's
-# at 1, 8; else 8B at batch 1 and 8, 1k; where the cases pass one call's limit, give each call some of them).
+# CASES: as device_before_after.sh's (defaults: for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; for
+# PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's at 1, 8; else 8B at batch 1 and 8, 1k; where the cases
+# pass one call's limit, give each call some of them; for a consensus op, --consensus rules as `compresskit bench`
+# takes them).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
   echo "give OP=NAME (an op of policy.UNMEASURED) or SET=NAME=VALUE (a setting of the policy), one of them" >&2
@@ -31,14 +29,7 @@ OP=${OP:-} SET=${SET:-}
 out=${OUT:-/tmp/out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # (absolute: the end-to-end step runs in a copy of the tree)
 steps=${STEPS:-"tests kernels e2e"}
-if [ "$OP" = router_consensus ]; then
-  tests_default="tests/wide/kernels/test_router.py tests/wide/kernels/test_dispatch.py tests/wide/test_consensus.py"
-  k_default="one_launch or on_the_kernels"
-  only_default="consensus decided"
-  rules="--consensus quorum=0,follow=1.25 --consensus quorum=0.5,budget=0.5 --transformers off --bounds off"
-  cases_default="--shape llama-3.1-8b --prompt 1024 --batch 8 --new-tokens 32 --repeats 3 $rules
---shape llama-3.1-8b --prompt 2048 --batch 32,64 --new-tokens 32 --repeats 3 --ttft-repeats 1 $rules"
-elif [[ "$SET" == OUT_TAIL_SPLIT=* ]]; then
+if [[ "$SET" == OUT_TAIL_SPLIT=* ]]; then
   tests_default="tests/wide/kernels/test_gemm_out.py"
   k_default="persistent"
   kernels_default="python3 benchmarks/bench_out_prefill.py --tail-split 1,2 --tokens 512,1024,2048,4096

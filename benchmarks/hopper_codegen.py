@@ -7,8 +7,8 @@
 Each of WIDE's decode products (q and gate+up also with the router's decision, the residual add and the norm in
 their prologue, as their wrappers launch them; the reductions also with the next router's shares in their epilogue;
 the tile reduction for a shared set and for prefill tiles), the persistent prefill products (TMA weight tiles), the
-routed decode attention's split kernel, the routers' deciding launches and the consensus kernels (which run on the
-CUDA cores and need no pipeline; the consensus kernels with the arguments their wrappers pass) is compiled for sm_90
+routed decode attention's split kernel, the routers' deciding launches and the consensus kernel (which run on the
+CUDA cores and need no pipeline; the consensus kernel with the arguments its wrapper passes) is compiled for sm_90
 (the H200) at Llama-3.1-8B's shapes, one token (the prefill products: 4k), with a tile the H200's autotuner chose
 for it (``docs/results/wide-kernels/``), its integer arguments specialised as Triton's launcher specialises them
 (16-byte-aligned pointers, multiples of 16, a 1 made a constant). The script reads the compiled kernel's TTGIR and
@@ -265,28 +265,6 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
             follow=1.25,
         ),
     )
-    # the router's margins and the consensus in one launch (the last program to arrive decides), as its wrapper
-    # launches it: the FFN router from 256 shares with the add and norm, 8 sequences, following, counted
-    one_launch = as_launched(
-        consensus,
-        "triton_router_norm_consensus_kernel",
-        lambda: consensus.triton_router_norm_consensus(
-            torch.empty(D // 16, 8, 32),
-            torch.empty(32),
-            torch.empty(2 * groups, 32),
-            torch.empty(2 * groups),
-            *(torch.empty(8, D, dtype=torch.bfloat16) for _ in range(2)),
-            torch.empty(D, dtype=torch.bfloat16),
-            1e-5,
-            8,
-            torch.zeros(1, dtype=torch.int32),
-            cap=groups,
-            quorum=0.0,
-            share_set=True,
-            counts=torch.zeros(2, dtype=torch.float64),
-            follow=1.25,
-        ),
-    )
     return [
         ("q, K packed 4", *out_kernels["q"], 4, 4, "wgmma"),
         ("gate+up fused, weight rows", *out_kernels["gate_up"], 4, 4, "wgmma"),
@@ -324,7 +302,6 @@ def cases(tail_split: int | None = None) -> list[tuple[str, object, dict, dict, 
         ("router: second launch, counting", router.triton_router_finish_kernel, {**finish, "ws_ptr": f32},
          finish_meta, 4, 1, "none"),
         ("consensus: 8 sequences, a cap of 1 group, following", *agree, 4, 1, "none"),
-        ("router and consensus in one launch: 8 sequences, following", *one_launch, 4, 1, "none"),
     ]  # fmt: skip
 
 

@@ -4,7 +4,7 @@ measured value) under ``auto``, the copy the kernel (or the value under test), s
 (``device_before_after.sh``, through ``device_policy_trial.sh``) measure what the change would do end to end.
 Edits the file in place (the device's copy of the tree; never commit the result unmeasured).
 
-    python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py router_consensus --max-m 64
+    python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py NEW_OP --max-m 64
     python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py --set OUT_TAIL_SPLIT=2
 """
 

@@ -192,13 +192,14 @@ if args[:3] == ["-m", "compresskit", "apply"]:
 
 def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anything(tmp_path):
     """``benchmarks/device_policy_trial.sh`` on this machine: neither OP nor SET, or both, is one line and exit 2;
-    a SET that is no setting of the policy stops at the edit of the "after" copy, exit 2, before the step that
-    installs the trees (``device_env.sh``, which would print the GPU's name) and with this checkout untouched."""
+    a SET that is no setting of the policy, or an OP that is not unmeasured (``router``: measured), stops at the
+    edit of the "after" copy, exit 2, before the step that installs the trees (``device_env.sh``, which would
+    print the GPU's name) and with this checkout untouched."""
     root = SCRIPT.parents[1]
     policy = root / "plugins/wide/compresskit_wide/kernels/policy.py"
     before = policy.read_text()
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for extra in ({}, {"OP": "router_consensus", "SET": "PDL_KERNELS=()"}):
+    for extra in ({}, {"OP": "router", "SET": "PDL_KERNELS=()"}):
         res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, env={**env, **extra},
                              capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 2 and res.stderr.strip() == (
@@ -207,6 +208,10 @@ def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anythin
     res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
                          env={**env, "SET": "NOT_A_SETTING=1", "STEPS": "e2e"})  # fmt: skip
     assert res.returncode == 2 and "'NOT_A_SETTING' is not a one-line setting of the policy" in res.stderr
+    assert "nvidia-smi" not in res.stdout + res.stderr and policy.read_text() == before
+    res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
+                         env={**env, "OP": "router", "STEPS": "e2e"})  # fmt: skip
+    assert res.returncode == 2 and "'router' is not in UNMEASURED" in res.stderr
     assert "nvidia-smi" not in res.stdout + res.stderr and policy.read_text() == before
     shutil.rmtree("/tmp/policy-trial-before", ignore_errors=True)
     shutil.rmtree("/tmp/policy-trial-after", ignore_errors=True)

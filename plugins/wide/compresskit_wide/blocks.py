@@ -41,7 +41,6 @@ router_shares = _ops.router_shares.default
 router_decide_from_shares = _ops.router_decide_from_shares.default
 router_norm_from_shares = _ops.router_norm_from_shares.default
 router_norm_out_gemm = _ops.router_norm_out_gemm.default
-router_norm_consensus = _ops.router_norm_consensus.default
 masked_reduce_gemm_shares = _ops.masked_reduce_gemm_shares.default
 masked_out_gemm = _ops.masked_out_gemm.default
 masked_reduce_gemm = _ops.masked_reduce_gemm.default
@@ -83,9 +82,6 @@ class _Routing(Counting):
             else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set", consensus.follow or 0.0)
         )
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
-        # the one-launch consensus's arrival counter (router_norm_consensus), zero between its launches
-        dev = proj.base_layer.weight.device
-        self.register_buffer("consensus_arrivals", torch.zeros(1, dtype=torch.int32, device=dev), persistent=False)
 
     def own_shares(self, x: torch.Tensor, delta: torch.Tensor, shares: torch.Tensor | None) -> torch.Tensor | None:
         """The shares the router decides from: those the block before handed on; where none came, the router's
@@ -155,15 +151,6 @@ class _Routing(Counting):
         b, t, dim = x.shape
         if self._norm_from_shares(shares, x):
             agree = self.rule is not None and self.rule.applies(b, t)
-            if agree and self.rule.over == "batch":  # the margins and the batch's decision: one operator
-                cap, quorum, share_set, follow = self.consensus
-                real = None if valid is None else valid.reshape(-1).bool()
-                execute, x2, h = router_norm_consensus(
-                    shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
-                    delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, real, b, cap, quorum,
-                    share_set, follow, self.consensus_arrivals, self.stat_counts, self.counting, self.backend,
-                )  # fmt: skip
-                return execute, x2.view(b, t, dim), h
             count = self.counting and valid is None and not agree
             execute, x2, h = router_norm_from_shares(
                 shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),

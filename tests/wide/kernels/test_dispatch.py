@@ -137,30 +137,6 @@ def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_one_launch_consensus_runs_where_asked(monkeypatch):
-    """``router_norm_consensus`` runs its one launch under "triton" up to a shared set's 64 tokens; under "auto"
-    nowhere until it is measured (``policy.UNMEASURED``), and past 64 tokens under every backend, the router's
-    margins then the consensus's decision. Every path gives the same decision, residual and counts."""
-    fused = []
-    real = ops.triton_router_norm_consensus
-    monkeypatch.setattr(ops, "triton_router_norm_consensus", lambda *a, **k: fused.append(1) or real(*a, **k))
-    monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: backend != "torch")
-    monkeypatch.setattr(policy, "check_gpu", lambda device: None)
-    assert "router_consensus" in policy.UNMEASURED
-    for b, t in ((4, 1), (2, 3), (66, 1)):
-        args = prologue_inputs(b * t, 40, 9, "ragged", seed=b + t)
-        rule = (None, b, 6, 0.0, False, 1.25)  # valid, batch, cap, quorum, share_set, follow
-        wanted = None
-        for backend in ("torch", "auto", "triton"):
-            fused.clear()
-            counts, arrivals = torch.zeros(2, dtype=torch.float64, device=DEVICE), torch.zeros(1, dtype=torch.int32)
-            execute, x_new, _ = ops.router_norm_consensus(*args, *rule, arrivals.to(DEVICE), counts, True, backend)
-            assert fused == ([1] if backend == "triton" and b * t <= policy.SHARED_MAX_M else []), (b, t, backend)
-            got = (execute, x_new, counts)
-            wanted = wanted or got
-            assert all(torch.equal(u, v) for u, v in zip(got, wanted, strict=True)), (b, t, backend)
-
-
 def test_policy_is_data_with_a_reason_for_every_range():
     assert {r.op for r in policy.KERNEL_RANGES} == set(policy.OPS) - set(policy.UNMEASURED)
     assert all(len(r.why) > 20 for r in policy.KERNEL_RANGES)

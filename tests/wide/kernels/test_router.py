@@ -1,15 +1,11 @@
-"""The fused routing decision against ``decide(GroupRouter(x))``; the decision and the batch's consensus in
-one launch against the two launches."""
-
-import itertools
-import math
+"""The fused routing decision against ``decide(GroupRouter(x))``."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kernel_helpers import DEVICE, prologue_inputs  # noqa: E402
+from kernel_helpers import DEVICE  # noqa: E402
 
 from compresskit.routing import GroupRouter, decide  # noqa: E402
 from compresskit_wide.kernels.gemm_reduce import torch_router_shares  # noqa: E402
@@ -350,81 +346,3 @@ def test_each_launch_gives_the_margins_the_consensus_reads(m, d, groups, rank):
         assert torch.equal((margin >= 0)[sure], decided[sure])
     with pytest.raises(ValueError, match="counts must be None"):
         triton_router_decide(*args, margin=True, counts=torch.zeros(2, dtype=torch.float64, device=DEVICE))
-
-
-@pytest.mark.parametrize(
-    ("b", "t", "g", "d"),
-    [(2, 1, 5, 40), (5, 1, 33, 72), (3, 2, 7, 100), pytest.param(8, 1, 112, 256, marks=pytest.mark.slow)],
-)
-@pytest.mark.parametrize("decided", ["ragged", "all on", "all off"])
-def test_the_decision_and_the_consensus_in_one_launch(b, t, g, d, decided):
-    """``router_norm_consensus``: the router's margins from the shares and the batch's consensus in one launch (the
-    last deciding program to arrive decides for every position) give what the two launches give, the add and the
-    norm as the router's launch gives them, the same counts; its arrival counter is zero again after each launch
-    (a second launch decides the same). One group block and several; ragged real tokens."""
-    from compresskit_wide.kernels.consensus import (
-        torch_router_norm_consensus,
-        triton_consensus,
-        triton_router_norm_consensus,
-    )
-    from compresskit_wide.kernels.router import triton_router_norm_from_shares
-
-    args = prologue_inputs(b * t, d, g, decided, seed=b + t + g)
-    valid = (torch.rand(b * t, generator=torch.Generator().manual_seed(g)) > 0.3).to(DEVICE)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    margin, want_x, want_h = triton_router_norm_from_shares(*args, margin=True)
-    rules = [(1.0, 0.5, True, 0.0), (0.5, 0.0, False, 0.0), (1.0, 0.0, True, 1.25), (0.2, 1.0, False, 1.0)]
-    for (budget, quorum, share_set, follow), real in itertools.product(rules, [None, valid]):
-        kw = {"cap": max(1, math.ceil(budget * g)), "quorum": quorum, "share_set": share_set, "follow": follow}
-        want_counts, counts = (torch.zeros(2, dtype=torch.float64, device=DEVICE) for _ in range(2))
-        want = triton_consensus(margin, b, valid=real, counts=want_counts, **kw)
-        for _ in range(2):
-            counts.zero_()
-            got, x_new, h = triton_router_norm_consensus(*args, b, arrivals, valid=real, counts=counts, **kw)
-            assert got.dtype == torch.bool and torch.equal(got, want), (budget, quorum, share_set, follow)
-            assert torch.equal(counts, want_counts) and arrivals.item() == 0
-        assert torch.equal(x_new, want_x) and torch.equal(h, want_h)
-        ref, ref_x, _ = torch_router_norm_consensus(*args, b, valid=real, **kw)
-        assert torch.equal(ref, want) and torch.equal(ref_x, want_x)
-
-
-def test_the_one_launch_consensus_validates_its_counter():
-    from compresskit_wide.kernels.consensus import triton_router_norm_consensus
-
-    args = prologue_inputs(4, 40, 5, "ragged")
-    for bad in (torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="arrivals must be an int32 \\[1\\]"):
-            triton_router_norm_consensus(*args, 2, bad.to(DEVICE), cap=3, quorum=0.5, share_set=True)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="cap must be in 1..5"):
-        triton_router_norm_consensus(*args, 2, arrivals, cap=6, quorum=0.5, share_set=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="the programs run concurrently only on a GPU")
-@pytest.mark.parametrize("b", [8, 33, 64])
-def test_the_one_launch_consensus_under_many_launches_and_graph_replays(b):
-    """On the GPU the deciding programs run concurrently and the last one to arrive reads the others' margins:
-    a race would show as a decision that differs from the two launches' now and then. Llama-3.1-8B's FFN router
-    (4,096 wide, 112 groups), hundreds of launches, eagerly and replayed in a CUDA graph, each against the two
-    launches' decision and counts; the counter zero after each."""
-    from compresskit_wide.kernels import ops
-
-    args = prologue_inputs(b, 4096, 112, "ragged", dtype=torch.bfloat16, seed=b)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    rule = (None, b, 70, 0.0, True, 1.25)  # valid, batch, cap, quorum, share_set, follow
-    counts, want_counts = (torch.zeros(2, dtype=torch.float64, device=DEVICE) for _ in range(2))
-    margin, want_x, want_h = ops.router_norm_from_shares(*args, want_counts, False, "triton", True)
-    want = ops.consensus_decide(margin, None, b, 70, 0.0, True, want_counts, True, "triton", 1.25)
-    for _ in range(300):
-        got, x_new, h = ops.router_norm_consensus(*args, *rule, arrivals, counts, True, "triton")
-        assert torch.equal(got, want) and arrivals.item() == 0
-    assert torch.equal(x_new, want_x) and torch.equal(h, want_h) and torch.equal(counts, want_counts * 300)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, _, _ = ops.router_norm_consensus(*args, *rule, arrivals, counts, False, "triton")
-    for _ in range(300):
-        captured.zero_()
-        graph.replay()
-        assert torch.equal(captured, want)
-    assert arrivals.item() == 0

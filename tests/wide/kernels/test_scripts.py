@@ -104,17 +104,17 @@ def test_decode_kernels_compile_for_hopper(tmp_path):
     reductions also with the next router's shares in their epilogue; the tile reduction for a shared
     set of 64 tokens, down and o, and for a 4k prefill in tiles of 64; the persistent prefill q and
     gate+up, their weights through TMA), stream their operands through a software pipeline, fit the
-    H200's shared memory and spill no registers; the routers' deciding launches and the consensus kernels (the
-    router's margins and the consensus in one launch too; with the arguments their wrappers pass: an int 1
-    becomes a constant, which a CPU run in the interpreter never sees) run on the CUDA cores, unpipelined,
-    without spills; with ``--pdl`` every one of them waits for the kernel before it and lets the next launch.
+    H200's shared memory and spill no registers; the routers' deciding launches and the consensus kernel (with
+    the arguments its wrapper passes: an int 1 becomes a constant, which a CPU run in the interpreter never
+    sees) run on the CUDA cores, unpipelined, without spills; with ``--pdl`` every one of them waits for the
+    kernel before it and lets the next launch.
     The check sees an unpipelined product (one stage) as one."""
 
     out = tmp_path / "codegen.json"
     proc = run_script("hopper_codegen.py", "--json", str(out), env=COMPILER_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [r["mma"] for r in rows] == ["wgmma"] * 14 + ["mma"] + ["none"] * 5
+    assert [r["mma"] for r in rows] == ["wgmma"] * 14 + ["mma"] + ["none"] * 4
     assert all(not r["problems"] for r in rows)
     assert all(r["async_copies"] > 0 for r in rows if r["mma"] != "none")
     assert all(r["spill_bytes"] == 0 and 0 < r["registers"] <= 255 for r in rows)
@@ -166,30 +166,39 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
 
 
 def test_policy_range_gives_an_unmeasured_op_its_range_in_a_copy(tmp_path, monkeypatch):
-    """``benchmarks/policy_range.py`` (``device_policy_trial.sh``'s "after" tree): on a copy of ``policy.py``, the
-    op leaves ``UNMEASURED`` and ``auto`` takes its kernel up to the given token count, the rest of the policy as
-    it was; asked again (nothing left to edit), one line and exit 2."""
+    """``benchmarks/policy_range.py`` (``device_policy_trial.sh``'s "after" tree): on a copy of ``policy.py`` whose
+    ``UNMEASURED`` holds an op (a new kernel's, as its commit lists it), the op leaves ``UNMEASURED`` and ``auto``
+    takes its kernel up to the given token count, the rest of the policy as it was; asked again (nothing left to
+    edit), one line and exit 2."""
     import importlib.util
 
     from compresskit_wide.kernels import policy
 
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, copy)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclass looks its module up)
+        spec.loader.exec_module(module)
+        return module
+
     copy = tmp_path / "policy.py"
-    copy.write_text(Path(policy.__file__).read_text())
-    proc = run_script("policy_range.py", str(copy), "router_consensus", "--max-m", "64")
+    text = Path(policy.__file__).read_text()
+    unmeasured = "UNMEASURED: tuple[str, ...] = ()"
+    assert text.count(unmeasured) == 1 and text.count("OPS = (\n") == 1
+    text = text.replace(unmeasured, 'UNMEASURED: tuple[str, ...] = ("new_op",)')
+    copy.write_text(text.replace("OPS = (\n", 'OPS = (\n    "new_op",\n'))
+    before = load("policy_before_range")
+    assert before.UNMEASURED == ("new_op",) and not before.use_kernel("new_op", 1)
+    proc = run_script("policy_range.py", str(copy), "new_op", "--max-m", "64")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    spec = importlib.util.spec_from_file_location("policy_with_range", copy)
-    edited = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, edited)  # (its dataclass looks its module up)
-    spec.loader.exec_module(edited)
-    assert "router_consensus" in policy.UNMEASURED and not policy.use_kernel("router_consensus", 1)
-    assert "router_consensus" not in edited.UNMEASURED and set(edited.OPS) == set(policy.OPS)
-    assert set(edited.UNMEASURED) == set(policy.UNMEASURED) - {"router_consensus"}
-    assert edited.use_kernel("router_consensus", 64) and not edited.use_kernel("router_consensus", 65)
-    kept = [repr(r) for r in edited.KERNEL_RANGES if r.op != "router_consensus"]
+    edited = load("policy_with_range")
+    assert edited.UNMEASURED == () and set(edited.OPS) == set(policy.OPS) | {"new_op"}
+    assert edited.use_kernel("new_op", 64) and not edited.use_kernel("new_op", 65)
+    kept = [repr(r) for r in edited.KERNEL_RANGES if r.op != "new_op"]
     assert kept == [repr(r) for r in policy.KERNEL_RANGES]
-    proc = run_script("policy_range.py", str(copy), "router_consensus", "--max-m", "64")
+    proc = run_script("policy_range.py", str(copy), "new_op", "--max-m", "64")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
-    assert "'router_consensus' is not in UNMEASURED" in proc.stderr
+    assert "'new_op' is not in UNMEASURED" in proc.stderr
 
 
 def test_policy_range_sets_a_launch_setting_in_a_copy(tmp_path, monkeypatch):

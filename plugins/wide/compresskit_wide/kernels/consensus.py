@@ -16,33 +16,19 @@ than two real tokens keeps each token's own decision (a batch of one is per-toke
 One program a position holds its B x G margins (``B`` and ``G`` padded to powers of two) and ranks the G
 groups against each other (a G x G comparison): made for a decode batch, up to a few hundred tokens and
 groups. It may also count what runs (``counts``: fp64 ``[2]``, real tokens and the groups they run).
-
-At decode the router's margins come from the launch that decides from the shares the block before handed on
-(``router.py``'s ``router_norm_from_shares``). ``router_norm_consensus`` does both in that one launch: its
-deciding programs store the margins, then arrive on a counter (``arrivals``: int32 ``[1]``, zero between
-launches); the program that arrives last reads every margin (each store before its program's arrival, the
-arrival a release and acquire at GPU scope, the margins read again from L2) and decides for each position,
-then sets the counter back to zero. One launch a router instead of two; the counter is the caller's (a block
-owns one, and its launches follow each other on one stream).
 """
 
 from __future__ import annotations
 
 import torch
 
-from compresskit_wide.kernels.common import cdiv, next_power_of_2, pdl_launch
-from compresskit_wide.kernels.router import (
-    check_norm_operands,
-    checked_shares,
-    torch_router_norm_from_shares,
-)
+from compresskit_wide.kernels.common import next_power_of_2, pdl_launch
 
 try:
     import triton
     import triton.language as tl
 
     from compresskit_wide.kernels.common import pdl_enter
-    from compresskit_wide.kernels.router import add_norm_row, triton_router_shares_kernel
 except ImportError:
     triton = None
 
@@ -87,15 +73,14 @@ if triton is not None:
         HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
     ):  # fmt: skip
-        # position t's tokens (rows b * T + t) and every group. The margins are read from L2 (".cg"), past
-        # this SM's L1: in the fused launch below other programs wrote them during this launch
+        # position t's tokens (rows b * T + t) and every group
         bs = tl.arange(0, BLOCK_B)
         gs = tl.arange(0, BLOCK_G)
         b_ok = bs < B
         g_ok = gs < G
         rows = bs * T + t
         tile = b_ok[:, None] & g_ok[None, :]
-        margin = tl.load(mg_ptr + rows[:, None] * G + gs[None, :], mask=tile, other=-1.0, cache_modifier=".cg")
+        margin = tl.load(mg_ptr + rows[:, None] * G + gs[None, :], mask=tile, other=-1.0)
         real = b_ok
         if HAS_VALID:
             real = real & (tl.load(valid_ptr + rows, mask=b_ok, other=0) != 0)
@@ -140,38 +125,6 @@ if triton is not None:
             HAS_VALID, FOLLOW, SHARE_SET, COUNT, BLOCK_B, BLOCK_G,
         )  # fmt: skip
 
-    @triton.jit
-    def triton_router_norm_consensus_kernel(
-        sh_ptr, bd_ptr, wu_ptr, bu_ptr, mg_ptr, x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr,
-        valid_ptr, out_ptr, cnt_ptr, arr_ptr, S, M, R, G, D, eps, B, T, cap, quorum, follow,
-        BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_GC: tl.constexpr,
-        PDL: tl.constexpr = False,
-    ):  # fmt: skip
-        # program (token m, j): j below the group blocks stores its token's margins for them, as the router's
-        # decision from shares does, then arrives; the one that arrives last holds every margin and decides for
-        # each position, then sets the arrivals back to zero for the next launch. The last j adds the token's
-        # row to the residual and normalises it.
-        pdl_enter(PDL)
-        deciders = M * tl.cdiv(G, BLOCK_G)
-        if tl.program_id(1) < tl.cdiv(G, BLOCK_G):
-            triton_router_shares_kernel(
-                sh_ptr, bd_ptr, wu_ptr, bu_ptr, mg_ptr, mg_ptr, S, M, R, G, G, BLOCK_S, BLOCK_R, BLOCK_G, False, True
-            )  # fmt: skip
-            tl.debug_barrier()  # every thread's margins stored before the arrival (a release at GPU scope)
-            arrived = tl.atomic_add(arr_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == deciders - 1:
-                tl.debug_barrier()
-                for t in range(T):
-                    consensus_position(
-                        mg_ptr, valid_ptr, out_ptr, cnt_ptr, t, B, T, G, cap, quorum, follow,
-                        HAS_VALID, FOLLOW, SHARE_SET, COUNT, BLOCK_B, BLOCK_GC,
-                    )  # fmt: skip
-                tl.atomic_xchg(arr_ptr, 0, sem="relaxed", scope="gpu")
-        else:
-            add_norm_row(tl.program_id(0), x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr, D, eps, BLOCK_D)
-
 
 def triton_consensus(
     margin: torch.Tensor,
@@ -204,81 +157,6 @@ def triton_consensus(
             **pdl_launch(triton_consensus_kernel, margin.device),
         )  # fmt: skip
     return out.view(torch.bool)
-
-
-def torch_router_norm_consensus(
-    shares: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-    batch: int,
-    *,
-    cap: int,
-    quorum: float,
-    share_set: bool,
-    valid: torch.Tensor | None = None,
-    follow: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference: ``(execute [M, G] bool, x + delta, its RMSNorm)``, the router's margins from ``shares`` (as
-    ``router.torch_router_norm_from_shares`` gives them) under the batch's consensus (:func:`torch_consensus`)."""
-    margin, x_new, h = torch_router_norm_from_shares(shares, b_down, w_up, b_up, x, delta, norm_w, eps, margin=True)
-    rule = {"cap": cap, "quorum": quorum, "share_set": share_set, "valid": valid, "follow": follow}
-    return torch_consensus(margin, batch, **rule), x_new, h
-
-
-def triton_router_norm_consensus(
-    shares: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-    batch: int,
-    arrivals: torch.Tensor,
-    *,
-    cap: int,
-    quorum: float,
-    share_set: bool,
-    valid: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
-    follow: float = 0.0,
-    block_g: int = 32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`torch_router_norm_consensus` in one launch (module docstring): program
-    (token, ``block_g`` groups) stores its margins and arrives on ``arrivals`` (int32 ``[1]``, zero; zero
-    again after the launch), the last to arrive decides for every position; one program a token adds and
-    normalises its row. ``counts``: as :func:`triton_consensus`'s. Made for decode sizes."""
-    s, m, r, groups = checked_shares(shares, b_down, w_up, b_up, block_g, counts)
-    check_norm_operands(m, x, delta, norm_w)
-    if arrivals.shape != (1,) or arrivals.dtype != torch.int32 or arrivals.device != shares.device:
-        raise ValueError(
-            f"arrivals must be an int32 [1] on {shares.device}, got {tuple(arrivals.shape)} {arrivals.dtype} "
-            f"on {arrivals.device}"
-        )
-    margin = torch.empty((m, groups), dtype=torch.float32, device=shares.device)
-    check_consensus(margin, batch, cap, quorum, valid)
-    shares, b_down, w_up, b_up = (t.contiguous() for t in (shares, b_down, w_up, b_up))
-    x, delta, norm_w = x.contiguous(), delta.contiguous(), norm_w.contiguous()
-    out = torch.empty((m, groups), dtype=torch.uint8, device=shares.device)
-    x_new, h = torch.empty_like(x), torch.empty_like(x)
-    if m:
-        d = x.shape[1]
-        triton_router_norm_consensus_kernel[(m, cdiv(groups, block_g) + 1)](
-            shares, b_down, w_up, b_up, margin, x, delta, norm_w, x_new, h,
-            out if valid is None else valid.contiguous().view(torch.uint8), out, out if counts is None else counts,
-            arrivals, s, m, r, groups, d, eps, batch, m // batch, float(cap), float(quorum), float(follow),
-            BLOCK_S=next_power_of_2(s), BLOCK_R=next_power_of_2(r), BLOCK_G=block_g, BLOCK_D=next_power_of_2(d),
-            HAS_VALID=valid is not None, FOLLOW=follow > 0, SHARE_SET=share_set, COUNT=counts is not None,
-            BLOCK_B=max(2, next_power_of_2(batch)), BLOCK_GC=max(2, next_power_of_2(groups)),
-            **pdl_launch(triton_router_norm_consensus_kernel, x.device),
-        )  # fmt: skip
-    return out.view(torch.bool), x_new, h
 
 
 def check_consensus(margin: torch.Tensor, batch: int, cap: int, quorum: float, valid: torch.Tensor | None) -> None:

@@ -39,7 +39,6 @@ from compresskit_wide.kernels.consensus import (
     check_consensus,
     torch_consensus,
     triton_consensus,
-    triton_router_norm_consensus,
 )
 from compresskit_wide.kernels.gemm_out import (
     dense_masked_out_gemm,
@@ -272,51 +271,6 @@ def consensus_decide(
     execute = torch_consensus(margin, batch, **rule)
     torch_count(execute, counts, valid)
     return execute
-
-
-def _fake_router_consensus(
-    shares, b_down, w_up, b_up, x, delta, norm_w, eps, valid, batch, cap, quorum, share_set, follow, arrivals,
-    counts, count, backend="auto",
-):  # fmt: skip
-    return _decision(shares[0], w_up, False), torch.empty_like(x), torch.empty_like(x)
-
-
-@_operator(_fake_router_consensus, mutates=("arrivals", "counts"))
-def router_norm_consensus(
-    shares: torch.Tensor,
-    b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
-    x: torch.Tensor,
-    delta: torch.Tensor,
-    norm_w: torch.Tensor,
-    eps: float,
-    valid: torch.Tensor | None,
-    batch: int,
-    cap: int,
-    quorum: float,
-    share_set: bool,
-    follow: float,
-    arrivals: torch.Tensor,
-    counts: torch.Tensor,
-    count: bool,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``router_norm_from_shares`` giving its margins, then ``consensus_decide`` (the rule's arguments as
-    there): ``(execute [M, G], x + delta, rms_norm(x + delta))``. The kernel does both in one launch up to
-    ``policy.SHARED_MAX_M`` tokens (``kernels/consensus.py``; ``arrivals``: the caller's int32 ``[1]`` counter,
-    zero between launches); elsewhere, and under "auto" wherever it was not measured faster (``policy``), the
-    two operators run one after the other."""
-    m = x.shape[0]
-    rule = {"cap": cap, "quorum": quorum, "share_set": share_set, "valid": valid, "follow": follow}
-    if m <= policy.SHARED_MAX_M and _choose(backend, "router_consensus", m, x) == "triton":
-        return triton_router_norm_consensus(
-            shares, b_down, w_up, b_up, x, delta, norm_w, eps, batch, arrivals, counts=counts if count else None, **rule
-        )
-    margin, x_new, h = router_norm_from_shares(
-        shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts, False, backend, True
-    )
-    return consensus_decide(margin, valid, batch, cap, quorum, share_set, counts, count, backend, follow), x_new, h
 
 
 def _fake_out(x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0, shared=False):

@@ -140,7 +140,7 @@ KERNEL_RANGES = (
 )
 # ops whose kernel has not yet been measured against its fallback on the GPU: ``auto`` runs the fallback
 # everywhere until a measured range is added above (``backend="triton"`` runs the kernel)
-UNMEASURED: tuple[str, ...] = ("router_consensus",)
+UNMEASURED: tuple[str, ...] = ()
 OPS = (
     "swiglu",
     "out",
@@ -151,7 +151,6 @@ OPS = (
     "router",
     "router_shares",
     "router_out",
-    "router_consensus",
 )
 _RANGES = {op: tuple(r for r in KERNEL_RANGES if r.op == op) for op in OPS}  # looked up on every call
 
