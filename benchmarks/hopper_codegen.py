@@ -122,13 +122,7 @@ def registers(ptx: str) -> dict:
     return {"registers": int(used.group(1)), "spill_bytes": sum(spills)}
 
 
-POINTER_TYPES = {
-    "torch.float32": "*fp32",
-    "torch.float64": "*fp64",
-    "torch.bfloat16": "*bf16",
-    "torch.uint8": "*u8",
-    "torch.int32": "*i32",
-}
+POINTER_TYPES = {"torch.float32": "*fp32", "torch.float64": "*fp64", "torch.bfloat16": "*bf16", "torch.uint8": "*u8"}
 
 
 def as_launched(module, kernel_name: str, call) -> tuple[object, dict, dict]:

@@ -68,12 +68,15 @@ def torch_consensus(
 if triton is not None:
 
     @triton.jit
-    def consensus_position(
-        mg_ptr, valid_ptr, out_ptr, cnt_ptr, t, B, T, G, cap, quorum, follow,
+    def triton_consensus_kernel(
+        mg_ptr, valid_ptr, out_ptr, cnt_ptr, B, T, G, cap, quorum, follow,
         HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
         BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):  # fmt: skip
-        # position t's tokens (rows b * T + t) and every group
+        # program t: position t's tokens (rows b * T + t) and every group
+        pdl_enter(PDL)
+        t = tl.program_id(0)
         bs = tl.arange(0, BLOCK_B)
         gs = tl.arange(0, BLOCK_G)
         b_ok = bs < B
@@ -110,20 +113,6 @@ if triton is not None:
             executed = tl.sum(tl.sum(tl.where(run & voters, 1.0, 0.0), axis=1), axis=0)
             tl.atomic_add(cnt_ptr + 1, executed.to(tl.float64))
             tl.atomic_add(cnt_ptr, n.to(tl.float64))
-
-    @triton.jit
-    def triton_consensus_kernel(
-        mg_ptr, valid_ptr, out_ptr, cnt_ptr, B, T, G, cap, quorum, follow,
-        HAS_VALID: tl.constexpr, FOLLOW: tl.constexpr, SHARE_SET: tl.constexpr, COUNT: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_G: tl.constexpr,
-        PDL: tl.constexpr = False,
-    ):  # fmt: skip
-        # program t: position t
-        pdl_enter(PDL)
-        consensus_position(
-            mg_ptr, valid_ptr, out_ptr, cnt_ptr, tl.program_id(0), B, T, G, cap, quorum, follow,
-            HAS_VALID, FOLLOW, SHARE_SET, COUNT, BLOCK_B, BLOCK_G,
-        )  # fmt: skip
 
 
 def triton_consensus(

@@ -288,22 +288,18 @@ if triton is not None:
                 COUNT, MARGIN,
             )  # fmt: skip
         else:
-            add_norm_row(m, x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr, D, eps, BLOCK_D)
-
-    @triton.jit
-    def add_norm_row(m, x_ptr, dx_ptr, nw_ptr, xn_ptr, h_ptr, D, eps, BLOCK_D: tl.constexpr):
-        # token m's row: x + delta into xn, its RMSNorm times the weight into h
-        ds = tl.arange(0, BLOCK_D)
-        d_ok = ds < D
-        a = tl.load(x_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
-        b = tl.load(dx_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
-        x_new = (a + b).to(xn_ptr.dtype.element_ty)
-        tl.store(xn_ptr + m * D + ds, x_new, mask=d_ok)
-        xf = x_new.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        w = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)
-        normed = (xf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(h_ptr + m * D + ds, (w * normed).to(h_ptr.dtype.element_ty), mask=d_ok)
+            # token m's row: x + delta into xn, its RMSNorm times the weight into h
+            ds = tl.arange(0, BLOCK_D)
+            d_ok = ds < D
+            a = tl.load(x_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+            b = tl.load(dx_ptr + m * D + ds, mask=d_ok, other=0.0).to(tl.float32)
+            x_new = (a + b).to(xn_ptr.dtype.element_ty)
+            tl.store(xn_ptr + m * D + ds, x_new, mask=d_ok)
+            xf = x_new.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            w = tl.load(nw_ptr + ds, mask=d_ok, other=0.0).to(tl.float32)
+            normed = (xf * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(h_ptr + m * D + ds, (w * normed).to(h_ptr.dtype.element_ty), mask=d_ok)
 
 
 def check_counts(counts: torch.Tensor | None, device: torch.device) -> None:
