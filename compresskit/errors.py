@@ -14,7 +14,7 @@ from collections.abc import Iterable
 def did_you_mean(given: str, allowed: Iterable[str], *, what: str = "value") -> str:
     """Format "'x' is not a known <what>. Did you mean: y? Available: a, b, c"."""
     allowed = sorted(set(allowed))
-    close = difflib.get_close_matches(given, allowed, n=3, cutoff=0.5)
+    close = difflib.get_close_matches(given, allowed, n=3, cutoff=0.6)
     msg = f"unknown {what} {given!r}."
     if close:
         msg += f" Did you mean: {', '.join(close)}?"

@@ -24,6 +24,12 @@ def test_unknown_name_did_you_mean():
     assert "torch" in msg.split("Available: ")[1].split(", ")
 
 
+def test_unknown_name_unlike_any_suggests_nothing():
+    with pytest.raises(PluginNotFoundError) as exc:
+        plugins.load("executor", "nosuch")
+    assert str(exc.value).startswith("unknown executor 'nosuch'. Available: ")
+
+
 def test_third_party_plugin_is_discovered():
     cls = plugins.load("pruner", "toy-magnitude")
     assert cls.__module__ == "ck_toy_pruner"
