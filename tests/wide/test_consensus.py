@@ -214,10 +214,16 @@ def test_consensus_counts_what_ran(tiny_model_dir):
 
 
 @pytest.mark.parametrize("attention_share", [None, "own"])
-def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_share):
+def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_share, monkeypatch):
     """The same on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
-    give margins, the consensus kernel decides, the products run the shared sets (with ``attention_share:
-    own`` the attention blocks each token's own choices within the set)."""
+    give margins, the consensus kernel decides for every router, the prompt's positions and the decode step's,
+    the products run the shared sets (with ``attention_share: own`` the attention blocks each token's own
+    choices within the set)."""
+    from compresskit_wide.kernels import ops
+
+    decided = []
+    real = ops.triton_consensus
+    monkeypatch.setattr(ops, "triton_consensus", lambda *a, **k: decided.append(1) or real(*a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -226,7 +232,11 @@ def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_sh
     fast = Runtime(model, executor=executor, compile=False, graphs=False)
     ids = torch.randint(2, 300, (3, 5), generator=torch.Generator().manual_seed(2)).to(device)
     cache = fast.new_cache(3, 7)
-    got = [fast.forward(ids, cache), fast.decode(torch.tensor([7, 8, 9], device=device), cache)]
+    got = [fast.forward(ids, cache)]
+    routers = 2 * model.config.num_hidden_layers  # attention's and the FFN's in every layer
+    assert len(decided) == routers
+    got.append(fast.decode(torch.tensor([7, 8, 9], device=device), cache))
+    assert len(decided) == 2 * routers
     executor.convert(model)
     with torch.no_grad():
         full = model(torch.cat([ids, torch.tensor([[7], [8], [9]], device=device)], 1)).logits
