@@ -25,7 +25,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from compresskit import artifacts
+from compresskit import files
 
 TASKS = ["perplexity", "code_perplexity", "legal_perplexity", "piqa", "next_sentence"]
 
@@ -178,7 +178,7 @@ def main() -> None:
     if args.replot:
         path, table = replot_source(args.replot, ap.error)
         plot(table["rows"], path.with_name("quality.png"))
-        artifacts.write_text(path.with_name("quality.md"), markdown(table["rows"], table["meta"]))
+        files.write_text(path.with_name("quality.md"), markdown(table["rows"], table["meta"]))
         print(f"table and plot beside {path}")
         return
     if not args.run or not args.out:
@@ -211,8 +211,8 @@ def main() -> None:
         + "".join(f" --only {o}" for o in args.only)
         + f" --workers {args.workers}",
     }
-    artifacts.write_json(out / "quality.json", {"meta": meta, "rows": rows})
-    artifacts.write_text(out / "quality.md", markdown(rows, meta))
+    files.write_json(out / "quality.json", {"meta": meta, "rows": rows})
+    files.write_text(out / "quality.md", markdown(rows, meta))
     plot(rows, out / "quality.png")
     print(markdown(rows, meta))
 

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from compresskit import artifacts
+from compresskit import files
 from compresskit.bench import matrix_markdown, model_matrix_markdown
 from compresskit.plot import speedup_heatmap
 
@@ -60,9 +60,9 @@ def main() -> int:
         model_matrix_markdown(records, "ttft", missing="-"),
         model_matrix_markdown(records, "tpot", missing="-"),
     ]
-    with artifacts.staged_dir(args.out) as tmp:
-        artifacts.write_json(tmp / "bench.json", {"meta": {"parts": [p["meta"] for p in parts]}, "results": records})
-        artifacts.write_text(tmp / "bench.md", "\n".join(lines))
+    with files.staged_dir(args.out) as tmp:
+        files.write_json(tmp / "bench.json", {"meta": {"parts": [p["meta"] for p in parts]}, "results": records})
+        files.write_text(tmp / "bench.md", "\n".join(lines))
         speedup_heatmap(records, tmp / "bench-heatmap.png")
     print(f"{args.out / 'bench.md'}")
     return 0

@@ -8,9 +8,11 @@ interrupted run resumes) and moved into ``output.dir`` only when everything succ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import errno
 import hashlib
 import json
 import shutil
@@ -20,14 +22,15 @@ from typing import Any
 
 import torch
 
-from compresskit import artifacts, distributed, plugins
+from compresskit import artifacts, crashpoints, distributed, files, locking, plugins
 from compresskit.bench import consensus_executor, measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, held_out_documents, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
-from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
+from compresskit.errors import CompressKitError, DiskFullError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
 from compresskit.generation import write_generated
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
+from compresskit.interrupts import deferred
 from compresskit.modeling import (
     cache_dir,
     count_parameters,
@@ -45,6 +48,7 @@ from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks, check_task_data
 
 RESULTS_VERSION = 1
+EVAL_FILES = ("results.json", "results.md")  # what eval --output writes
 
 
 @dataclass
@@ -63,7 +67,7 @@ def check_output_dir(resolved: ResolvedRecipe) -> tuple[Path, dict[str, Any] | N
     that differs from it in ``evaluation.speed`` alone (and ``output.overwrite`` is off), that run's
     results. Raises when the directory cannot be created or holds something a run would silently destroy."""
     out = Path(resolved.recipe.output.dir)
-    artifacts.check_creatable(out, "output.dir")
+    files.check_creatable(out, "output.dir")
     if out.is_dir() and any(out.iterdir()):
         results = out / "results.json"
         previous = None
@@ -162,9 +166,9 @@ def _retime(resolved: ResolvedRecipe, out: Path, results: dict[str, Any], progre
         "recipe": resolved.to_dict(),
         "overrides": resolved.overrides,
     }
-    with artifacts.staged_files(out) as tmp:
-        artifacts.write_json(tmp / "results.json", results)
-        artifacts.write_text(tmp / "results.md", results_markdown(results))
+    with files.staged_files(out) as tmp:
+        files.write_json(tmp / "results.json", results)
+        files.write_text(tmp / "results.md", results_markdown(results))
     return results
 
 
@@ -207,7 +211,7 @@ def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule
             model, tokenizer, data, rec.evaluation, progress=progress, allow_download=rec.model.allow_download
         )
     out = {"metrics": ev.metrics(), "zero_shot_average": ev.zero_shot_average(), "key": key_src}
-    artifacts.write_json(path, out)
+    files.write_json(path, out)
     return out
 
 
@@ -223,6 +227,9 @@ def apply(
         recipe: a resolved recipe, a YAML path or a mapping.
         overrides: ``["key.path=value", ...]`` or ``{"key.path": value}``; they win over the recipe.
         progress: where long steps report (the CLI passes a rich one).
+
+    The run holds the lock of its ``output.dir`` (:mod:`compresskit.locking`) from before it reads the
+    folder to the end: another run on the same folder stops at once with one line.
     """
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else load_recipe(recipe, overrides)
@@ -236,44 +243,114 @@ def apply(
         if ranks is not None and unshardable:
             raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
         out, finished = check_output_dir(resolved)
-        staging = out.with_name(out.name + ".partial")
-        if finished is not None:  # reused whatever became of its data since (its speed timed again if need be)
-            if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
-                shutil.rmtree(staging)
-            retimed = main and _needs_timing(finished, resolved)
-            if retimed:
-                finished = _retime(resolved, out, finished, progress)
-            return RunResult(out, finished, reused=True, retimed=retimed, rank=ranks.rank if ranks else 0)
-        resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-        check_source(rec.data)
-        check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
-        recipe_hash = resolved.hash()
-
-        marker = staging / "recipe.json"
-        if main:
-            if staging.is_dir():
-                try:
-                    same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
-                except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-                    same = False
-                if same:
-                    progress.log(f"resuming the interrupted run in {staging}")
-                else:
-                    shutil.rmtree(staging)
-            staging.mkdir(parents=True, exist_ok=True)
-            artifacts.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
-        distributed.barrier()
-
-        try:
-            with deterministic_algorithms(rec.deterministic):
-                return _run_staged(resolved, staging, out, progress, ranks)
-        except CompressKitError:
-            if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
+        if finished is None:
+            _check_inputs(rec)
+        lock = locking.hold(out, field="output.dir", progress=progress) if main else contextlib.nullcontext()
+        with lock:
+            return _apply_locked(resolved, out, progress, ranks, checked=finished is None)
     finally:
         if ranks is not None:
             distributed.close()
+
+
+def _check_inputs(rec) -> None:
+    """What a run reads, checked before it writes anything: the model, the data, the evaluation's tasks."""
+    resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
+    check_source(rec.data)
+    check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
+
+
+def _apply_locked(resolved: ResolvedRecipe, out: Path, progress: Progress, ranks, checked: bool) -> RunResult:
+    """:func:`apply` once it holds the lock of ``out``: finish or resume what an interrupted run of this
+    recipe left, reuse a finished one, or run it (``checked``: its inputs were checked already)."""
+    rec = resolved.recipe
+    main = ranks is None or ranks.main
+    rank = ranks.rank if ranks else 0
+    staging = out.with_name(out.name + ".partial")
+    recipe_hash = resolved.hash()
+    if main:  # what killed runs left half-written: no other process writes here while the lock is held
+        files.sweep(out)
+        files.sweep(staging)
+    out, finished = check_output_dir(resolved)  # (again: another run may have finished it meanwhile)
+    complete = None if finished is not None else _complete_staging(staging, recipe_hash)
+    distributed.barrier()  # (every rank has read the folders before rank 0 changes them)
+    if finished is not None:  # reused whatever became of its data since (its speed timed again if need be)
+        if staging.is_dir() and main:  # what an interrupted rerun of the finished recipe left behind
+            shutil.rmtree(staging)
+        retimed = main and _needs_timing(finished, resolved)
+        if retimed:
+            finished = _retime(resolved, out, finished, progress)
+        return RunResult(out, finished, reused=True, retimed=retimed, rank=rank)
+    if complete is not None:  # killed after it had written everything, before its outputs were in place
+        if not main:
+            return RunResult(out, {}, rank=rank)
+        progress.log(f"the interrupted run in {staging} had finished; moving its outputs into place")
+        return RunResult(out, _publish(staging, out, recipe_hash), rank=rank)
+    if not checked:
+        _check_inputs(rec)
+
+    marker = staging / "recipe.json"
+    if main:
+        if staging.is_dir():
+            try:
+                same = json.loads(marker.read_text()).get("recipe_hash") == recipe_hash
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                same = False
+            if same:
+                progress.log(f"resuming the interrupted run in {staging}")
+            else:
+                shutil.rmtree(staging)
+        staging.mkdir(parents=True, exist_ok=True)
+        files.write_json(marker, {"recipe_hash": recipe_hash, "recipe": resolved.to_dict()})
+    distributed.barrier()
+
+    try:
+        with deterministic_algorithms(rec.deterministic):
+            return _run_staged(resolved, staging, out, progress, ranks)
+    except CompressKitError:
+        if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # (the model's and the checkpoints' writes say more)
+            where = exc.filename or staging
+            raise DiskFullError(
+                f"{where}: the disk is full ({exc.strerror}); free some space and run the same command again"
+            ) from None
+        raise
+
+
+def _complete_staging(staging: Path, recipe_hash: str) -> dict[str, Any] | None:
+    """The results of a run of ``recipe_hash`` that wrote everything into ``staging`` (its model, then its
+    results: written in that order, each whole) and was stopped before its outputs were in place; None
+    when ``staging`` holds no such run."""
+    try:
+        results = json.loads((staging / "results.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(results, dict) or results.get("recipe_hash") != recipe_hash:
+        return None
+    return results if (staging / "model" / artifacts.MANIFEST).is_file() else None
+
+
+def _publish(staging: Path, out: Path, recipe_hash: str) -> dict[str, Any]:
+    """Move a finished run from ``staging`` to ``out`` (what only resuming needed goes first), then check
+    that what the command is about to print is there: ``out``'s results of ``recipe_hash`` and its model.
+    Returns the results. Each step can be cut (a rerun finishes it); a signal waits until the move is done."""
+    with deferred():
+        shutil.rmtree(staging / "work", ignore_errors=True)
+        crashpoints.point("publish: the checkpoints removed")
+        (staging / "recipe.json").unlink(missing_ok=True)
+        crashpoints.point("publish: the resume marker removed")
+        files.replace_dir(staging, out)
+        crashpoints.point("publish: moved into place")
+    results = _complete_staging(out, recipe_hash)
+    if results is None:
+        raise RuntimeError(
+            f"{out}: the run finished, but its results.json of recipe {recipe_hash} or its model/ is not there "
+            "after the move (did another program change the folder?)"
+        )
+    return results
 
 
 def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:
@@ -286,7 +363,6 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
 
     rec = resolved.recipe
     recipe_hash = resolved.hash()
-    marker = staging / "recipe.json"
     # a bad file, a dataset that is not here, or text a task cannot build its items from, is found before the
     # model is loaded
     documents = load_documents(rec.data, allow_download=rec.model.allow_download)
@@ -351,7 +427,8 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             with progress.task("calibrating", total=len(batches)) as task:
 
                 def counted(bs=batches, t=task):
-                    for b in bs:
+                    for i, b in enumerate(bs):
+                        crashpoints.point(f"calibration batch {i + 1} of {len(bs)}")
                         yield b.to(param.device)
                         t.advance(1)
 
@@ -474,11 +551,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     )
 
     with progress.task("saving the results"):
-        artifacts.write_json(staging / "results.json", results)
-        artifacts.write_text(staging / "results.md", results_markdown(results))
-        shutil.rmtree(staging / "work", ignore_errors=True)
-        marker.unlink(missing_ok=True)
-        artifacts.replace_dir(staging, out)
+        files.write_text(staging / "results.md", results_markdown(results))
+        files.write_json(staging / "results.json", results)  # (last: it marks the staged run complete)
+        results = _publish(staging, out, recipe_hash)
     return RunResult(out, results, prune_summary, train_summaries)
 
 
@@ -605,7 +680,8 @@ def eval_model(
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
     if output_dir is not None:
-        artifacts.check_creatable(Path(output_dir), "output directory (--output)")
+        files.check_creatable(Path(output_dir), "output directory (--output)")
+        files.check_replaceable(Path(output_dir), "output directory (--output)", EVAL_FILES)
     check_source(
         data_section, data_field
     )  # your files exist, and the tasks find their items in them: said before the model loads
@@ -613,6 +689,42 @@ def eval_model(
     documents = load_documents(data_section)
     held_out = held_out_documents(data_section, documents)
     check_task_data(evaluation, held_out, seed=data_section.split_seed, test_fraction="--test-fraction")
+    lock = (
+        locking.hold(Path(output_dir), field="output directory (--output)", progress=progress)
+        if output_dir is not None
+        else contextlib.nullcontext()
+    )
+    with lock:
+        return _eval_locked(
+            model_ref,
+            evaluation=evaluation,
+            data_section=data_section,
+            documents=documents,
+            dtype=dtype,
+            device=device,
+            output_dir=output_dir,
+            progress=progress,
+            field=field,
+            consensus=consensus,
+            allow_download=allow_download,
+        )
+
+
+def _eval_locked(
+    model_ref: str,
+    *,
+    evaluation: EvaluationSection,
+    data_section: DataSection,
+    documents,
+    dtype: str,
+    device: str,
+    output_dir: str | Path | None,
+    progress: Progress,
+    field: str,
+    consensus,
+    allow_download: bool,
+) -> dict[str, Any]:
+    """:func:`eval_model` once its inputs are checked (and it holds its output folder's lock)."""
     path = Path(model_ref).expanduser()
     saved = path.is_dir() and (path / artifacts.MANIFEST).is_file()
     if consensus is not None:  # (checked before the model loads)
@@ -688,7 +800,8 @@ def eval_model(
         overrides=[],
     )
     if output_dir is not None:
-        with artifacts.staged_dir(Path(output_dir)) as tmp:
-            artifacts.write_json(tmp / "results.json", results)
-            artifacts.write_text(tmp / "results.md", results_markdown(results))
+        files.sweep(Path(output_dir))
+        with files.staged_dir(Path(output_dir)) as tmp:
+            files.write_json(tmp / "results.json", results)
+            files.write_text(tmp / "results.md", results_markdown(results))
     return results

@@ -1,4 +1,4 @@
-"""Saving and loading compressed models, and atomic output writing.
+"""Saving and loading compressed models.
 
 A compresskit model directory (``<output.dir>/model``) holds:
 
@@ -16,13 +16,8 @@ A dense run (no pruner) records the base model only (``format: "dense"``).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import platform
-import shutil
-import tempfile
 import warnings
-from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,14 +27,17 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from compresskit import plugins
-from compresskit.errors import ArtifactError, CompressKitError, RecipeError
+from compresskit import crashpoints, plugins
+from compresskit.errors import ArtifactError, CompressKitError
+from compresskit.files import disk_space, read_json, staged_dir, write_json
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
 from compresskit.modeling import device_name, load_model
 
 MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
 FORMAT_VERSION = 1
+# what saving a model needs beyond its tensors (the tokenizer's files, the manifest) and a margin
+SAVE_MARGIN_BYTES = 32 << 20
 
 
 def versions() -> dict[str, str]:
@@ -53,117 +51,6 @@ def versions() -> dict[str, str]:
         out["gpu"] = torch.cuda.get_device_name(0)
     out["cpu"] = device_name("cpu")
     return out
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file in the same folder, then rename)."""
-    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write text atomically (temp file in the same folder, then rename), with the mode a plain
-    ``open`` would give (0644 under the usual umask), not the temp file's 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def read_json(path: Path, *, what: str = "file") -> Any:
-    if not path.is_file():
-        raise ArtifactError(f"{path}: {what} not found")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{path}: {what} is corrupt (not valid JSON: {exc})") from None
-
-
-def check_creatable(path: Path, field: str) -> None:
-    """Raise :class:`RecipeError` naming ``field`` unless ``path`` is a directory that exists or can
-    be created, in a parent where a run can stage its outputs beside it. Probes with a temporary
-    directory that is removed at once: nothing is left behind."""
-    path = Path(path).expanduser()
-    if path.exists() and not path.is_dir():
-        raise RecipeError(f"{field}: {str(path)!r} exists and is not a directory")
-    probe = path.absolute().parent
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise RecipeError(f"{field}: cannot create {str(path)!r}: {str(probe)!r} is a file, not a directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".compresskit-probe-", dir=probe))
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise RecipeError(
-            f"{field}: cannot create {str(path)!r} ({reason} in {str(probe)!r}); choose a writable directory"
-        ) from None
-
-
-def _make_dir(tmp_prefix: str, parent: Path) -> Path:
-    """``mkdtemp`` with the mode a plain ``mkdir`` would give (0755 under the usual umask)."""
-    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=parent))
-    os.chmod(tmp, 0o777 & ~_umask())
-    return tmp
-
-
-def _umask_modes(root: Path) -> None:
-    """Give every file under ``root`` the mode a plain ``open`` would (some writers, safetensors
-    among them, create 0600 files) and every folder a plain ``mkdir``'s."""
-    mask = _umask()
-    for path in (root, *root.rglob("*")):
-        if not path.is_symlink():
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
-
-
-@contextlib.contextmanager
-def staged_dir(target: Path) -> Iterator[Path]:
-    """Build a directory next to ``target`` and move it into place only when the block succeeds."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _make_dir(f".{target.name}.", target.parent)
-    try:
-        yield tmp
-        _umask_modes(tmp)
-        replace_dir(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staged_files(target: Path) -> Iterator[Path]:
-    """Build files in a folder next to ``target``; when the block succeeds, move each into
-    ``target`` (one atomic rename per file), leaving every other file of ``target`` as it was."""
-    target.mkdir(parents=True, exist_ok=True)
-    tmp = _make_dir(f".{target.name}.", target.parent)
-    try:
-        yield tmp
-        for item in sorted(tmp.iterdir()):
-            os.replace(item, target / item.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def replace_dir(src: Path, target: Path) -> None:
-    """Move ``src`` to ``target``, replacing an existing ``target`` with one rename each."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(src, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, target)
 
 
 def save(
@@ -186,36 +73,43 @@ def save(
     stage_tensors = [
         (i, name, t) for i, (name, t) in enumerate(stages or []) if hasattr(t, "state_dict") and hasattr(t, "restore")
     ]
-    with staged_dir(directory) as tmp:
-        manifest: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
-            "base_model": base_model,
-            "pruner": None,
-            "training": [],
-            "recipe": recipe,
-            "versions": versions(),
-        }
-        if pruner is not None and pruner.saves_full_model:
-            manifest["format"] = "hf"
-        elif pruner is None and not stage_tensors:
-            manifest["format"] = "dense"
-        else:
-            manifest["format"] = "pruner"
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "base_model": base_model,
+        "pruner": None,
+        "training": [],
+        "recipe": recipe,
+        "versions": versions(),
+    }
+    if pruner is not None and pruner.saves_full_model:
+        manifest["format"] = "hf"
+    elif pruner is None and not stage_tensors:
+        manifest["format"] = "dense"
+    else:
+        manifest["format"] = "pruner"
+    files: dict[str, dict[str, torch.Tensor]] = {}  # the tensor files of format "pruner", by name
+    if manifest["format"] == "pruner":  # (in "hf", the full checkpoint holds what the stages changed)
         for i, name, trainer in stage_tensors:
-            if manifest["format"] == "hf":
-                break  # the full checkpoint already holds what the stages changed
             file = f"stage{i}-{name}.safetensors"
-            save_file({k: v.contiguous() for k, v in trainer.state_dict(model).items()}, str(tmp / file))
+            files[file] = {k: v.contiguous() for k, v in trainer.state_dict(model).items()}
             manifest["training"].append(
                 {"index": i, "name": name, "config": trainer.config.model_dump(mode="json"), "file": file}
             )
-        if pruner is not None:
-            manifest["pruner"] = {"name": pruner_name, "config": pruner.config.model_dump(mode="json")}
-            if pruner.saves_full_model:
-                model.save_pretrained(tmp)
-            else:
-                state = {k: v.detach().contiguous().cpu() for k, v in pruner.state_dict(model).items()}
-                save_file(state, str(tmp / PRUNER_FILE), metadata={"pruner": str(pruner_name)})
+    if pruner is not None:
+        manifest["pruner"] = {"name": pruner_name, "config": pruner.config.model_dump(mode="json")}
+        if not pruner.saves_full_model:
+            files[PRUNER_FILE] = {k: v.detach().contiguous().cpu() for k, v in pruner.state_dict(model).items()}
+    tensors = [t for f in files.values() for t in f.values()]
+    if manifest["format"] == "hf":
+        tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
+    needed = sum(t.numel() * t.element_size() for t in tensors) + SAVE_MARGIN_BYTES
+    with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
+        for file, state in files.items():
+            meta = {"pruner": str(pruner_name)} if file == PRUNER_FILE else None
+            save_file(state, str(tmp / file), metadata=meta)
+            crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
+        if manifest["format"] == "hf":
+            model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json(tmp / MANIFEST, manifest)

@@ -203,12 +203,12 @@ def run_source(ref: str) -> Source:
     """``--run RUN``: a saved run's method, config and realised sparsity (per layer) from its
     ``results.json`` (``ref``: the file or the run's folder), named after the run; a
     ``CompressKitError`` naming the file where it is no such run."""
-    from compresskit import artifacts
+    from compresskit import files
 
     path = Path(ref)
     if path.is_dir():
         path = path / "results.json"
-    doc = artifacts.read_json(path, what="results file (--run)")
+    doc = files.read_json(path, what="results file (--run)")
     if not isinstance(doc, dict) or "metrics" not in doc:
         raise CompressKitError(f"--run {path}: not a compresskit results.json (no metrics)")
     pruner = doc.get("recipe", {}).get("pruner") or None

@@ -11,6 +11,7 @@ without loading torch, transformers or lm-eval (``tests/core/test_cli.py`` check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -20,11 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from compresskit import distributed
+from compresskit import distributed, locking
 from compresskit.errors import CompressKitError, RecipeError, did_you_mean
 from compresskit.interrupts import Interrupted, handle_signals
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
+BENCH_FILES = ("bench.json", "bench.md", "bench.png", "bench-heatmap.png")  # what bench --output writes
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,6 +108,7 @@ def _print_results(out: Console, results: dict[str, Any]) -> None:
 
 def cmd_apply(args, out: Console, err: Console) -> int:
     from compresskit.api import apply
+    from compresskit.artifacts import MANIFEST
     from compresskit.recipe import load_recipe
 
     overrides = list(args.set or [])
@@ -125,7 +128,11 @@ def cmd_apply(args, out: Console, err: Console) -> int:
         what = "its speed timed again, nothing else redone" if result.retimed else "nothing to do"
         _plain(err, f"{result.output_dir}: already done (same recipe hash): {what}; --overwrite to redo")
     _print_results(out, result.results)
-    _plain(out, f"results: {result.output_dir / 'results.json'}  model: {result.output_dir / 'model'}")
+    results, model = result.output_dir / "results.json", result.output_dir / "model"
+    if not results.is_file():  # (never claim what is not there)
+        raise RuntimeError(f"{results} is not there after the run finished (did another program remove it?)")
+    where = model if (model / MANIFEST).is_file() else "none in this folder (it holds the results only)"
+    _plain(out, f"results: {results}  model: {where}")
     return EXIT_OK
 
 
@@ -204,8 +211,8 @@ def _dry_run(resolved, args, out: Console) -> int:
 
 
 def cmd_validate(args, out: Console, err: Console) -> int:
-    from compresskit.artifacts import check_creatable
     from compresskit.data import check_source, held_out_documents, load_documents
+    from compresskit.files import check_creatable
     from compresskit.modeling import resolve_model_source
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
     from compresskit.tasks import check_lm_eval_tasks, check_task_data
@@ -349,7 +356,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     import torch
     from rich.table import Table
 
-    from compresskit import artifacts
+    from compresskit import files
     from compresskit.bench import (
         SHAPES,
         Member,
@@ -400,7 +407,10 @@ def cmd_bench(args, out: Console, err: Console) -> int:
                 consensus_executor(src.pruner_cls)
     consensus = [_consensus_rule(text) for text in args.consensus]
     if args.output is not None:
-        artifacts.check_creatable(Path(args.output), "output directory (--output)")
+        files.check_creatable(Path(args.output), "output directory (--output)")
+        files.check_replaceable(Path(args.output), "output directory (--output)", BENCH_FILES)
+        args.held.enter_context(locking.hold(Path(args.output), field="output directory (--output)"))
+        files.sweep(Path(args.output))
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
     if args.prefill_graphs == "on":
         if not torch.cuda.is_available() or args.device == "cpu" or args.compile == "off":
@@ -508,11 +518,11 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         )  # fmt: skip
     _print_table(out, table)
     if args.output is not None:
-        with artifacts.staged_dir(Path(args.output)) as tmp:
-            artifacts.write_json(tmp / "bench.json", {"meta": meta, "results": records})
+        with files.staged_dir(Path(args.output)) as tmp:
+            files.write_json(tmp / "bench.json", {"meta": meta, "results": records})
             parts = [matrix_markdown(records), matrix_markdown(records, "ttft")]
             parts += [model_matrix_markdown(records, "ttft"), model_matrix_markdown(records, "tpot")]
-            artifacts.write_text(tmp / "bench.md", "\n".join([markdown(records, meta), *filter(None, parts)]))
+            files.write_text(tmp / "bench.md", "\n".join([markdown(records, meta), *filter(None, parts)]))
             speedup_vs_batch(records, tmp / "bench.png")
             if len({r["batch"] for r in records}) > 1 and len({r["prompt"] for r in records}) > 1:
                 speedup_heatmap(records, tmp / "bench-heatmap.png")
@@ -608,7 +618,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
 def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[str, Any]:
     """A results document from a recipe (run, or reused when its results are current), a
     results.json file or a run directory."""
-    from compresskit import artifacts
+    from compresskit import files
     from compresskit.api import apply
     from compresskit.recipe import load_recipe
 
@@ -620,7 +630,7 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
         return result.results
     if path.is_dir():
         path = path / "results.json"
-    data = artifacts.read_json(path, what="results file")
+    data = files.read_json(path, what="results file")
     if not isinstance(data, dict) or "metrics" not in data or "sparsity" not in data:
         raise CompressKitError(f"{path}: not a compresskit results.json (no metrics/sparsity)")
     return data
@@ -680,7 +690,7 @@ def _seed_overrides(ref: str, overrides: list[str], seed: int) -> list[str]:
 
 
 def cmd_compare(args, out: Console, err: Console) -> int:
-    from compresskit import artifacts
+    from compresskit import files
     from compresskit.comparison import SPEED_TARGETS, aggregate_seeds, group_runs
     from compresskit.recipe import is_comparison, load_comparison, load_recipe
     from compresskit.report import compare_csv, compare_markdown, compare_tables, equal_speed_markdown
@@ -740,10 +750,11 @@ def cmd_compare(args, out: Console, err: Console) -> int:
         _plain(out, markdown)
     if args.output:
         target = Path(args.output)
-        with artifacts.staged_files(target) as tmp:  # the folder may hold the inputs: keep them
-            artifacts.write_text(tmp / "compare.md", markdown)
-            artifacts.write_text(tmp / "compare.csv", compare_csv(groups))
-            artifacts.write_json(
+        args.held.enter_context(locking.hold(target, field="compare's output folder", progress=progress))
+        with files.staged_files(target) as tmp:  # the folder may hold the inputs: keep them
+            files.write_text(tmp / "compare.md", markdown)
+            files.write_text(tmp / "compare.csv", compare_csv(groups))
+            files.write_json(
                 tmp / "compare.json",
                 [
                     {
@@ -770,7 +781,7 @@ def cmd_compare(args, out: Console, err: Console) -> int:
 
 def _read_speed(paths: list[str]):
     """``--speed``: the bench files' records (``compresskit.comparison.Speed``)."""
-    from compresskit import artifacts
+    from compresskit import files
     from compresskit.comparison import read_speed
 
     docs = []
@@ -778,7 +789,7 @@ def _read_speed(paths: list[str]):
         path = Path(ref)
         if path.is_dir():
             path = path / "bench.json"
-        docs.append((path, artifacts.read_json(path, what="bench file (--speed)")))
+        docs.append((path, files.read_json(path, what="bench file (--speed)")))
     try:
         speed = read_speed(docs)
     except ValueError as exc:
@@ -1029,7 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "fn", None):
             build_parser().print_help()
             return EXIT_BAD_INPUT
-        with handle_signals():
+        with handle_signals(), contextlib.ExitStack() as held:
+            args.held = held  # what a command holds until it returns (the lock of the folder it writes)
             return args.fn(args, out, err)
     except CompressKitError as exc:
         if debug:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from compresskit.errors import CompressKitError, RecipeError
+from compresskit.files import write_text
 from compresskit.hub import hub_offline
 from compresskit.interfaces import Batch
 from compresskit.modeling import cache_dir
@@ -122,10 +123,7 @@ def load_wiki_articles() -> list[Article]:
             text = clean_wiki_text(filter_wiki(raw))
             if len(text) >= MIN_ARTICLE_CHARS:
                 articles.append(Article(title=title, pageid=int(pageid), text=text))
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps([asdict(a) for a in articles]))
-    os.replace(tmp, cached)
+    write_text(cached, json.dumps([asdict(a) for a in articles]))
     return articles
 
 

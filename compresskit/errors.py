@@ -63,6 +63,14 @@ class OutputExistsError(CompressKitError, FileExistsError):
     """The output directory holds a finished run of a different recipe."""
 
 
+class OutputLockedError(CompressKitError):
+    """Another live process is writing the output directory (``compresskit.locking``)."""
+
+
+class DiskFullError(CompressKitError, OSError):
+    """A write ran out of disk space: the message names the path and the space it needs; the run stays resumable."""
+
+
 def check_divides(field: str, size: int, total: int, what: str) -> None:
     """Raise ``RecipeError("<field>: <size> does not divide <what> <total>; valid: 1, 2, ...")``
     unless ``size`` divides ``total`` (group sizes against head counts and FFN widths)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from compresskit import crashpoints
 from compresskit import tasks as task_registry
 from compresskit.data import DataModule
 from compresskit.errors import RecipeError
@@ -295,6 +296,7 @@ def evaluate(
     }
     overall: SparsityReport | None = None
     for name in section.tasks:
+        crashpoints.point(f"evaluation: {name} starts")
         release_freed_memory()  # (what training or the task before freed)
         reset_peak_memory(device)
         builtin = task_registry.builtin(name)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from compresskit import artifacts
+from compresskit import files
 from compresskit.data import Article, SourceDocuments, at_least_two
 from compresskit.modeling import cache_dir
 from compresskit.runtime import Runtime
@@ -57,7 +57,7 @@ def write_generated(documents: list[SourceDocuments], model, tokenizer, *, model
             texts = json.loads(path.read_text())["documents"]
         else:
             texts = _generate(model, tokenizer, spec, prompts, engine, progress)
-            artifacts.write_json(path, {"key": key_src, "documents": texts})
+            files.write_json(path, {"key": key_src, "documents": texts})
         src.articles = [Article(f"generated:{key}#{i}", i, t.strip()) for i, t in enumerate(texts) if t.strip()]
         at_least_two(src.articles, "data.source.generated", f"{len(texts)} written documents")
         src.info = {"generated": key, "documents": len(src.articles), "model": model_id, "engine": engine}

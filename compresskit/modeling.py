@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compresskit import files, locking
 from compresskit.errors import ArtifactError, ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
 from compresskit.progress import Progress
 
@@ -155,9 +156,18 @@ def materialize_alias(source: ModelSource, progress: Progress | None = None) -> 
     target = cache_dir() / "models" / f"{source.name}-{digest}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    progress = progress or Progress()
+    with locking.waiting(target, f"converting {gguf_path.name}", progress):  # one process converts, others wait
+        if not ((target / "config.json").is_file() and (target / "model.safetensors").is_file()):
+            files.sweep(target)  # (what a killed conversion left: this process holds the lock)
+            _convert_alias(source, gguf_path, target, progress)
+    return target
+
+
+def _convert_alias(source: ModelSource, gguf_path: Path, target: Path, progress: Progress) -> None:
+    """Write the plain HF directory of a GGUF alias to ``target``: built beside it, then renamed into place."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    progress = progress or Progress()
     with progress.task(f"converting {gguf_path.name} to safetensors (once)"):
         kw = {"gguf_file": gguf_path.name}
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
@@ -174,19 +184,20 @@ def materialize_alias(source: ModelSource, progress: Progress | None = None) -> 
         if missing:
             raise RuntimeError(f"GGUF conversion left tensors unset: {missing[:5]}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{files.TMP_MARK}", dir=target.parent))
         try:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "SOURCE.txt").write_text(
                 f"{ALIASES[source.name].description}\nconverted from {gguf_path.name} (sha256 {_sha256(gguf_path)})\n"
             )
-            if target.exists():
-                shutil.rmtree(target)
+            if target.exists():  # an incomplete folder (not of this version's writing): out of the way first
+                old = target.with_name(f".{target.name}{files.TMP_MARK}old-{os.getpid()}")
+                os.replace(target, old)
+                shutil.rmtree(old, ignore_errors=True)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def device_name(device: torch.device | str) -> str:

@@ -34,7 +34,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from compresskit import distributed
+from compresskit import crashpoints, distributed, files
 from compresskit.data import DataModule
 from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher_cache, teacher_logits
 from compresskit.errors import ArtifactError, RecipeError
@@ -290,6 +290,7 @@ class RouterTrainer(Trainer):
                                     ckpt, completed, named, optimizer, scheduler, history, last, spent
                                 )
                             saved = completed
+                    crashpoints.point(f"{self.stage_name} step {completed} of {c.steps}: finished")
                     if task is not None:
                         task.advance(1)
                         if not pending and history:  # just read back: show the latest step's values
@@ -352,8 +353,16 @@ class RouterTrainer(Trainer):
             "config": self.config.model_dump(mode="json"),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(state, tmp)
+        tmp = path.with_name(f"{files.temporary_prefix(path)}{os.getpid()}")
+        tensors = [*state["params"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
+        needed = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) + (1 << 20)
+        try:
+            with files.disk_space(path.parent, needed, f"the {self.stage_name} stage's checkpoint"):
+                torch.save(state, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        crashpoints.point(f"checkpoint {self.stage_name} step {step}: written, not renamed")
         os.replace(tmp, path)
 
     def _checkpoint_meta(self, step, scheduler, history, done, spent: Totals) -> dict:

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from compresskit import artifacts, plugins
+from compresskit import artifacts, files, plugins
 from compresskit.errors import ArtifactError
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
@@ -85,7 +85,7 @@ def test_newer_artifact_keys_dropped_with_warning(tiny_model_dir, tmp_path):
 
 
 def test_staged_dir_leaves_nothing_on_failure(tmp_path):
-    with pytest.raises(RuntimeError), artifacts.staged_dir(tmp_path / "out") as tmp:
+    with pytest.raises(RuntimeError), files.staged_dir(tmp_path / "out") as tmp:
         (tmp / "half-written").write_text("x")
         raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
