@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast crash-campaign lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ test: $(VENV)/.test-setup-done
 # every module still runs, in about 5 minutes on 2 cores
 test-fast: $(VENV)/.test-setup-done
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+# the full crash campaign (docs/run-folders.md): apply killed with SIGKILL at every crash point, at random
+# moments, over another run and twice in a row, each rerun checked; about 30 minutes on 2 cores
+crash-campaign: $(VENV)/.test-setup-done
+	$(BIN)/python tests/crash/crash_campaign.py
 
 lint: $(VENV)/.test-setup-done
 	$(BIN)/ruff check .

@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE for the recipe, as compresskit apply takes")
     p.add_argument("--points", type=int, default=None, help="kill at this many crash points, spread (default: all)")
     p.add_argument("--random", type=int, default=30, help="kills at random moments (default 30)")
-    p.add_argument("--overwrite", type=int, default=12, help="kills of an --overwrite run (default 12)")
+    p.add_argument("--overwrite", type=int, default=18, help="kills of an --overwrite run (default 18)")
     p.add_argument("--double", type=int, default=10, help="kills whose rerun is killed again (default 10)")
     p.add_argument("--jobs", type=int, default=2, help="cases at once (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choices (default 0)")
