@@ -37,7 +37,7 @@ MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
 FORMAT_VERSION = 1
 # what saving a model needs beyond its tensors (the tokenizer's files, the manifest) and a margin
-SAVE_MARGIN_BYTES = 32 << 20
+SAVE_MARGIN_BYTES = 16 << 20
 
 
 def versions() -> dict[str, str]:
