@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,9 +36,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from compresskit import crashpoints
 from compresskit.errors import ArtifactError
-from compresskit.files import TMP_MARK, disk_space
+from compresskit.files import write_file
 from compresskit.interfaces import PluginConfig, Pruner
 from compresskit.modeling import cache_dir
 
@@ -200,17 +198,15 @@ def write_teacher_cache(
             with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                 logits = model(input_ids=batch.input_ids.to(device), use_cache=False).logits
             values, idx = logits.topk(config.distill.top_k, dim=-1)
-            tmp = directory / f".mb{k}.safetensors{TMP_MARK}{os.getpid()}"
             tensors = {"values": values.contiguous().cpu(), "indices": idx.to(torch.int32).cpu()}
             needed = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)
-            try:
-                with disk_space(directory, needed, "the cached teacher logits"):
-                    save_file(tensors, str(tmp))
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            crashpoints.point(f"teacher cache micro-batch {k}: written, not renamed")
-            os.replace(tmp, directory / f"mb{k}.safetensors")
+            what = f"the teacher's cached logits of micro-batch {k}"
+            write_file(
+                directory / f"mb{k}.safetensors",
+                lambda tmp, t=tensors: save_file(t, str(tmp)),
+                needed=needed,
+                what=what,
+            )
             if task is not None:
                 task.advance(1)
 

@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,22 @@ def write_text(path: Path, text: str) -> None:
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
+
+
+def write_file(path: Path, write: Callable[[Path], None], *, needed: int, what: str) -> None:
+    """Write a file that a library writes by name (``write(tmp)``: ``torch.save``, safetensors' ``save_file``)
+    whole: to a temporary beside ``path``, with ``needed`` bytes of disk checked (:func:`disk_space`, whose
+    errors name it ``what``), then renamed to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{temporary_prefix(path)}{os.getpid()}")
+    try:
+        with disk_space(path.parent, needed, what):
+            write(tmp)
+        crashpoints.point(f"write {path.name} ({what}): the temporary file whole, not renamed")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 

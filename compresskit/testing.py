@@ -49,6 +49,16 @@ def tiny_tokenizer(vocab_size: int = 384):
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
+# A recipe's evaluation section that scores a tiny model on every built-in task in about a second.
+TINY_EVALUATION = {
+    "tasks": ["perplexity", "piqa", "next_sentence"],
+    "limit": 6,
+    "perplexity_docs": 1,
+    "next_sentence_items": 6,
+    "batch_size": 4,
+    "max_length": 512,
+}
+
 
 def tiny_llama(seed: int = 0, family: str = "llama", **overrides: Any):
     """A random-init causal LM small enough for unit tests (GQA: 6 q heads, 2 kv heads), of the

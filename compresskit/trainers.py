@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -352,18 +351,10 @@ class RouterTrainer(Trainer):
             "cuda_rng": rng[1],
             "config": self.config.model_dump(mode="json"),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{files.temporary_prefix(path)}{os.getpid()}")
         tensors = [*state["params"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
         needed = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) + (1 << 20)
-        try:
-            with files.disk_space(path.parent, needed, f"the {self.stage_name} stage's checkpoint"):
-                torch.save(state, tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        crashpoints.point(f"checkpoint {self.stage_name} step {step}: written, not renamed")
-        os.replace(tmp, path)
+        what = f"the {self.stage_name} stage's checkpoint at step {step}"
+        files.write_file(path, lambda tmp: torch.save(state, tmp), needed=needed, what=what)
 
     def _checkpoint_meta(self, step, scheduler, history, done, spent: Totals) -> dict:
         return {

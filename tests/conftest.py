@@ -16,6 +16,7 @@ The tests leave the user's environment and caches as they found them:
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import shutil
 import sys
@@ -79,18 +80,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_recipe(tiny_model_dir, tmp_path) -> dict:
     """A recipe mapping that runs end to end on the tiny model in seconds."""
+    from compresskit.testing import TINY_EVALUATION
+
     return {
         "name": "tiny",
         "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "device": "cpu"},
         "data": {"calibration": {"n_samples": 4, "seq_len": 32, "batch_size": 2}},
-        "evaluation": {
-            "tasks": ["perplexity", "piqa", "next_sentence"],
-            "limit": 6,
-            "perplexity_docs": 1,
-            "next_sentence_items": 6,
-            "batch_size": 4,
-            "max_length": 512,
-        },
+        "evaluation": copy.deepcopy(TINY_EVALUATION),
         "output": {"dir": str(tmp_path / "run")},
     }
 

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import yaml
 
+from compresskit.testing import TINY_EVALUATION
+
 ROOT = Path(__file__).resolve().parents[2]
 TMP_MARK = ".tmp-"
 
@@ -70,14 +72,7 @@ TINY_RECIPE = {
             },
         },
     ],
-    "evaluation": {
-        "tasks": ["perplexity", "piqa", "next_sentence"],
-        "limit": 6,
-        "perplexity_docs": 1,
-        "next_sentence_items": 6,
-        "batch_size": 4,
-        "max_length": 512,
-    },
+    "evaluation": TINY_EVALUATION,
     "output": {"dir": "set-by-the-campaign"},
 }
 

@@ -19,7 +19,8 @@ def test_the_uninterrupted_run_is_deterministic_and_passes_every_kind_of_point(s
     """(What the campaign's equality rests on, and the points it kills at.)"""
     assert setup.deterministic
     points = setup.points["fresh"]
-    for kind in ("teacher cache", "router step", "checkpoint lora", "save model/", "stage model:", "evaluation:"):
+    kinds = ("write mb", "router step", "write checkpoint.pt (the lora", "save model/", "stage model:", "evaluation:")
+    for kind in kinds:
         assert any(p.startswith(kind) for p in points), kind
     assert points[-3:] == [
         "publish: the checkpoints removed",
@@ -39,8 +40,8 @@ def test_every_kill_leaves_a_whole_folder_and_every_rerun_an_equal_run(setup):
     saved = first(fresh, "stage model:")
     picks = [
         first(fresh, "write recipe.json"),  # the resume marker's write
-        first(fresh, "teacher cache"),
-        first(fresh, "checkpoint lora"),
+        first(fresh, "write mb"),  # the teacher's cached logits
+        first(fresh, "write checkpoint.pt (the lora"),
         first(fresh, "save model/"),
         saved,
         first(fresh, "evaluation:", after=saved),
@@ -57,6 +58,7 @@ def test_every_kill_leaves_a_whole_folder_and_every_rerun_an_equal_run(setup):
     assert failed == []
     said = {c.label.split(": ", 1)[-1]: c for c in done}
     assert "moved into place" in said["publish: the resume marker removed"].rerun  # everything written: no redo
-    assert "resumed" in said["checkpoint lora step 4: written, not renamed"].rerun  # from the router's checkpoint
+    lora = "write checkpoint.pt (the lora stage's checkpoint at step 4): the temporary file whole, not renamed"
+    assert "resumed" in said[lora].rerun  # from the router stage's last checkpoint
     between = said["replace run: the old folder set aside, the new one not yet moved"]
     assert between.left == "staging with a model" and "moved into place" in between.rerun
