@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compresskit import files, locking
+from compresskit import crashpoints, files, locking
 from compresskit.errors import ArtifactError, ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
 from compresskit.progress import Progress
 
@@ -191,6 +191,7 @@ def _convert_alias(source: ModelSource, gguf_path: Path, target: Path, progress:
             (tmp / "SOURCE.txt").write_text(
                 f"{ALIASES[source.name].description}\nconverted from {gguf_path.name} (sha256 {_sha256(gguf_path)})\n"
             )
+            crashpoints.point(f"convert {target.name}: the folder whole, not moved into place")
             if target.exists():  # an incomplete folder (not of this version's writing): out of the way first
                 old = target.with_name(f".{target.name}{files.TMP_MARK}old-{os.getpid()}")
                 os.replace(target, old)
