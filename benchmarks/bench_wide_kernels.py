@@ -276,7 +276,8 @@ def case_handoff(m, n, k, groups, rank, next_groups, mask_kind, dtype, device, g
 
     (got_out, got), (ref_out, ref) = ours(), separate()
     flips = (got != ref).float().mean().item()  # fp32 near-ties decided by another summation order
-    ok = torch.equal(got_out, ref_out) and flips <= 1e-3
+    # (two launches of one kernel may take other tiles, whose sums round differently: close, not bit-equal)
+    ok = torch.allclose(got_out.float(), ref_out.float(), rtol=3e-2, atol=3e-2) and flips <= 1e-3
     add_row(
         results,
         f"{label} + next router",
