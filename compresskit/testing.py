@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -215,9 +214,3 @@ def check_plugin_contract(name: str) -> list[Check]:
         if "tmp" in state:
             shutil.rmtree(state["tmp"], ignore_errors=True)
     return checks
-
-
-def assert_close_logits(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> None:
-    diff = (a - b).abs().max().item()
-    if not math.isfinite(diff) or diff > atol:
-        raise AssertionError(f"logits differ: max abs diff {diff:.3g} > {atol}")

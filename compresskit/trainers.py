@@ -27,7 +27,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -619,8 +619,3 @@ def _enable_adapters(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module.enable_adapters(enabled)
-
-
-def trainer_artifacts(stage: Any) -> bool:
-    """Whether a training stage contributes tensors to a saved model."""
-    return hasattr(stage, "state_dict") and hasattr(stage, "restore")
