@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The runtime's bench rows of two trees side by side on one machine (the device, H200): an earlier commit
-# unpacked in BEFORE (`git archive COMMIT compresskit plugins pyproject.toml | tar -x -C DIR`, DIR carried)
+# The runtime's bench rows of two trees side by side on one machine (the GPU host, an H200): an earlier commit
+# unpacked in BEFORE (`git archive COMMIT compresskit plugins pyproject.toml | tar -x -C DIR`, DIR copied beside the tree)
 # and this tree, each case run before then after, each `compresskit bench` in its own process, then
-# benchmarks/before_after.py's table. Through the device tool, from the repo root, carrying [".whl", DIR]:
+# benchmarks/before_after.py's table. On the GPU host, from the root of a copy of this tree with .whl/ and DIR beside it:
 #   BEFORE=.baseline bash benchmarks/device_before_after.sh
 # CASES: bench arguments, one case a line (default: Llama-3.1-8B shapes at a 1k prompt, batch 1 and 8, and a 4k
 # prompt at batch 1); CASE_TIMEOUT bounds each run (300 s). Results: $OUT/before_after.{md,json} and
-# $OUT/cases.tar.gz, each case's {before,after}-N/bench.{json,md} (packed: the device tool returns 8 files at most).
+# $OUT/cases.tar.gz, each case's {before,after}-N/bench.{json,md} (packed: a few files to copy back).
 set -uo pipefail
 : "${BEFORE:?BEFORE=DIR, the earlier tree}"
 source "$(dirname "$0")/device_env.sh"   # the wheels into /tmp/site, this tree into /tmp/ck

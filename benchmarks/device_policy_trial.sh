@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A change to `auto` measured on the device (H200) before it lands: an op of policy.UNMEASURED (OP, given a range
+# A change to `auto` measured on the GPU host (an H200) before it lands: an op of policy.UNMEASURED (OP, given a range
 # up to MAX_M tokens), or a launch setting of the policy given another value (SET=NAME=VALUE). Its tests on the
 # GPU, its kernel rows, then end to end side by side: this tree as it is ("before": auto runs the op's fallback,
 # or the setting's value) against the same tree with the change ("after"; benchmarks/policy_range.py edits a copy
-# in /tmp, never this checkout). Through the device tool, from the repo root, carrying [".whl"]; the steps may
-# take more than one call's 10 minutes, so split them over calls on the warm machine:
+# in /tmp, never this checkout). From the root of a copy of this tree with .whl/ beside it; on a host that bounds each
+# command to 10 minutes the steps may take longer, so split them over commands on the same host:
 #   OP=NAME MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log, bench.{json,md}
 #   OP=NAME MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh              # before_after.{md,json}
 #   SET='OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}' STEPS="tests kernels" bash benchmarks/device_policy_trial.sh
@@ -18,7 +18,7 @@
 # and with pieces, 512-4k tokens, with the masks of the end-to-end rows).
 # CASES: as device_before_after.sh's (defaults: for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; for
 # PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's at 1, 8; else 8B at batch 1 and 8, 1k; where the cases
-# pass one call's limit, give each call some of them; a consensus rule goes in as `compresskit bench` takes it,
+# pass one command's time limit, give each command some of them; a consensus rule goes in as `compresskit bench` takes it,
 # --consensus quorum=0,follow=1.25).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then

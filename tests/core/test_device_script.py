@@ -1,5 +1,5 @@
 """``benchmarks/device_wide_smollm2.sh wait`` on this machine: what comes back of a background job
-still running on the device (no GPU and no device needed: the step only packs files)."""
+still running on the GPU host (no GPU needed here: the step only packs files)."""
 
 import os
 import re
@@ -53,7 +53,7 @@ def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
 @pytest.mark.slow
 def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     """``benchmarks/device_serving_matrix.sh wait``: the prompts finished so far merged into one matrix
-    there, each prompt's own files packed in one archive (a device call brings back 8 files)."""
+    there, each prompt's own files packed in one archive (a few files to copy back)."""
     import json
 
     repo, out, sm = tmp_path / "repo", tmp_path / "out", tmp_path / "sm"
@@ -71,7 +71,7 @@ def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     (sm / "log").write_text("benchmarking\n")
     (sm / "rc").write_text("0\n")
     out.mkdir()
-    # the script's python3 (the device's) is this interpreter here, with compresskit importable
+    # the script's python3 (the GPU host's) is this interpreter here, with compresskit importable
     env = {**os.environ, "OUT": str(out), "SM": str(sm), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     res = subprocess.run(["bash", "benchmarks/device_serving_matrix.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip

@@ -215,7 +215,7 @@ def test_consensus_counts_what_ran(tiny_model_dir):
 
 @pytest.mark.parametrize("attention_share", [None, "own"])
 def test_wide_blocks_under_consensus_on_the_kernels(tiny_model_dir, attention_share, monkeypatch):
-    """The same on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
+    """The same on the Triton kernels (in the CPU interpreter without a GPU, natively on one): the router kernels
     give margins, the consensus kernel decides for every router, the prompt's positions and the decode step's,
     the products run the shared sets (with ``attention_share: own`` the attention blocks each token's own
     choices within the set)."""
@@ -596,7 +596,7 @@ def test_runtime_blocks_under_tile_coherent_routing_match_the_routed_modules(tin
 
 @pytest.mark.parametrize("share", ["set", "own"])
 def test_tile_coherent_routing_on_the_kernels(tiny_model_dir, monkeypatch, share):
-    """``over: tile`` on the Triton kernels (the CPU interpreter here; the GPU on the device): the router kernels
+    """``over: tile`` on the Triton kernels (in the CPU interpreter without a GPU, natively on one): the router kernels
     give margins, the consensus kernel decides each tile, down and o read each tile's set (the tile reduction:
     two sequences of 20 tokens, tiles of 16 and 4), and the prompt's logits are the routed modules'."""
     from compresskit_wide.kernels import ops

@@ -265,7 +265,7 @@ def test_a_prefills_o_gets_its_skipped_heads_zeroed_in_the_block(tiny_model_dir,
 
 
 def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, monkeypatch):
-    """WIDE's blocks on the Triton kernels (the CPU interpreter here, the GPU on the device): the
+    """WIDE's blocks on the Triton kernels (in the CPU interpreter without a GPU, natively on one): the
     logits of the routed modules at a prompt and at decode, and the counts (q, k and v through one
     routed kernel, o's and down's kernels handing the next router its shares, the router kernels
     counting, the decision's kernel adding the residual and applying the norm). The prompt is 24 rows, past

@@ -1,4 +1,4 @@
-"""The benchmark scripts run: on tiny shapes in the CPU interpreter here (on the GPU on the device),
+"""The benchmark scripts run: on tiny shapes in the CPU interpreter without a GPU (natively on one),
 and the Hopper code-generation check, which needs no GPU."""
 
 import json
@@ -140,7 +140,7 @@ def test_serving_benchmarks_check_their_kernels_on_tiny_shapes(tmp_path):
     cell, at Llama-3.1-8B's and SmolLM2's attention shapes), ``bench_out_prefill.py --smoke --tiles`` (the
     prefill out-width products, autotuned and each tile; and with whole items and a split tail) and
     ``bench_shared_set.py --smoke`` with the tile reduction at prefill: each checks its kernels against their
-    references before it would time them. Their smoke runs on the CPU in the interpreter (the device's Triton 3.6
+    references before it would time them. Their smoke runs on the CPU in the interpreter (the GPU host's Triton 3.6
     interpreter cannot take a program id as a loop bound under NumPy 2.4: a GPU machine skips this)."""
     interpreted = {**os.environ, "TRITON_INTERPRET": "1"}
     for shape in ("llama-3.1-8b", "smollm2-135m"):
