@@ -12,7 +12,6 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
-import errno
 import hashlib
 import json
 import shutil
@@ -26,7 +25,7 @@ from compresskit import artifacts, crashpoints, distributed, files, locking, plu
 from compresskit.bench import consensus_executor, measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, held_out_documents, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
-from compresskit.errors import CompressKitError, DiskFullError, OutputExistsError, RecipeError
+from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
 from compresskit.evaluate import EvalResult, evaluate, recovery, resolve_engine
 from compresskit.generation import write_generated
 from compresskit.interfaces import PruneSummary, RunContext, TrainSummary
@@ -310,13 +309,6 @@ def _apply_locked(resolved: ResolvedRecipe, out: Path, progress: Progress, ranks
     except CompressKitError:
         if main and not (staging / "work").exists():  # nothing to resume: leave no partial output behind
             shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # (the model's and the checkpoints' writes say more)
-            where = exc.filename or staging
-            raise DiskFullError(
-                f"{where}: the disk is full ({exc.strerror}); free some space and run the same command again"
-            ) from None
         raise
 
 

@@ -29,15 +29,13 @@ from safetensors.torch import load_file, save_file
 
 from compresskit import crashpoints, plugins
 from compresskit.errors import ArtifactError, CompressKitError
-from compresskit.files import disk_space, read_json, staged_dir, write_json
+from compresskit.files import MODEL_FILES_MARGIN_BYTES, disk_space, read_json, staged_dir, tensor_bytes, write_json
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
 from compresskit.modeling import device_name, load_model
 
 MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
 FORMAT_VERSION = 1
-# what saving a model needs beyond its tensors (the tokenizer's files, the manifest) and a margin
-SAVE_MARGIN_BYTES = 16 << 20
 
 
 def versions() -> dict[str, str]:
@@ -102,7 +100,7 @@ def save(
     tensors = [t for f in files.values() for t in f.values()]
     if manifest["format"] == "hf":
         tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
-    needed = sum(t.numel() * t.element_size() for t in tensors) + SAVE_MARGIN_BYTES
+    needed = tensor_bytes(tensors) + MODEL_FILES_MARGIN_BYTES
     with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
         for file, state in files.items():
             meta = {"pruner": str(pruner_name)} if file == PRUNER_FILE else None

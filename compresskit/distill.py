@@ -37,7 +37,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from compresskit.errors import ArtifactError
-from compresskit.files import write_file
+from compresskit.files import tensor_bytes, write_file
 from compresskit.interfaces import PluginConfig, Pruner
 from compresskit.modeling import cache_dir
 
@@ -199,13 +199,11 @@ def write_teacher_cache(
                 logits = model(input_ids=batch.input_ids.to(device), use_cache=False).logits
             values, idx = logits.topk(config.distill.top_k, dim=-1)
             tensors = {"values": values.contiguous().cpu(), "indices": idx.to(torch.int32).cpu()}
-            needed = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 20)
-            what = f"the teacher's cached logits of micro-batch {k}"
             write_file(
                 directory / f"mb{k}.safetensors",
                 lambda tmp, t=tensors: save_file(t, str(tmp)),
-                needed=needed,
-                what=what,
+                needed=tensor_bytes(tensors.values()),
+                what=f"the teacher's cached logits of micro-batch {k}",
             )
             if task is not None:
                 task.advance(1)

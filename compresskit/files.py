@@ -25,6 +25,9 @@ from compresskit import crashpoints
 from compresskit.errors import ArtifactError, CompressKitError, DiskFullError, RecipeError
 
 TMP_MARK = ".tmp-"  # what the name of every temporary file or folder compresskit writes holds
+WRITE_MARGIN_BYTES = 1 << 20  # free space a write leaves beyond what it writes
+# what saving a model needs beyond its tensors (the tokenizer's files, the config, the manifest) and a margin
+MODEL_FILES_MARGIN_BYTES = 16 << 20
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -39,36 +42,37 @@ def _umask() -> int:
 
 
 def write_text(path: Path, text: str) -> None:
-    """Write text atomically (temp file in the same folder, then rename), with the mode a plain
-    ``open`` would give (0644 under the usual umask), not the temp file's 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(path), dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        crashpoints.point(f"write {path.name}: the temporary file whole, not renamed")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write text whole (:func:`write_file`)."""
+    data = text.encode()
+    write_file(path, lambda tmp: tmp.write_bytes(data), needed=len(data))
 
 
-def write_file(path: Path, write: Callable[[Path], None], *, needed: int, what: str) -> None:
-    """Write a file that a library writes by name (``write(tmp)``: ``torch.save``, safetensors' ``save_file``)
-    whole: to a temporary beside ``path``, with ``needed`` bytes of disk checked (:func:`disk_space`, whose
-    errors name it ``what``), then renamed to ``path``."""
+def write_file(path: Path, write: Callable[[Path], None], *, needed: int, what: str | None = None) -> None:
+    """Write a file whole: ``write(tmp)`` writes it to a temporary beside ``path`` (``torch.save``, safetensors'
+    ``save_file``, or text), with ``needed`` bytes and a margin of disk checked (:func:`disk_space`, whose errors
+    name it ``what``), then it is renamed to ``path``, with the mode a plain ``open`` would give (0644 under the
+    usual umask) where the writer keeps the temporary's."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{temporary_prefix(path)}{os.getpid()}")
+    fd, name = tempfile.mkstemp(prefix=temporary_prefix(path), dir=path.parent)
+    tmp = Path(name)
     try:
-        with disk_space(path.parent, needed, what):
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+        finally:
+            os.close(fd)
+        with disk_space(path.parent, needed + WRITE_MARGIN_BYTES, what or f"writing {path.name}"):
             write(tmp)
-        crashpoints.point(f"write {path.name} ({what}): the temporary file whole, not renamed")
+        crashpoints.point(f"write {path.name}{f' ({what})' if what else ''}: the temporary file whole, not renamed")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes the tensors among ``tensors`` hold (what saving them writes, less the file's header)."""
+    return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
 
 def temporary_prefix(path: Path) -> str:

@@ -16,9 +16,7 @@ import importlib.util
 import inspect
 import os
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from compresskit import crashpoints, files, locking
+from compresskit import files, locking
 from compresskit.errors import ArtifactError, ModelNotFoundError, RecipeError, TargetNotFoundError, did_you_mean
 from compresskit.progress import Progress
 
@@ -165,7 +163,7 @@ def materialize_alias(source: ModelSource, progress: Progress | None = None) -> 
 
 
 def _convert_alias(source: ModelSource, gguf_path: Path, target: Path, progress: Progress) -> None:
-    """Write the plain HF directory of a GGUF alias to ``target``: built beside it, then renamed into place."""
+    """Write the plain HF directory of a GGUF alias to ``target``: built beside it, then moved into place."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     with progress.task(f"converting {gguf_path.name} to safetensors (once)"):
@@ -183,22 +181,14 @@ def _convert_alias(source: ModelSource, gguf_path: Path, target: Path, progress:
         missing = [k for k, v in plain.state_dict().items() if v.is_meta]
         if missing:
             raise RuntimeError(f"GGUF conversion left tensors unset: {missing[:5]}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{files.TMP_MARK}", dir=target.parent))
-        try:
+        weights = {t.data_ptr(): t for t in plain.state_dict().values()}.values()  # (tied ones once)
+        needed = files.tensor_bytes(weights) + files.MODEL_FILES_MARGIN_BYTES
+        with files.disk_space(target.parent, needed, f"converting {source.name}"), files.staged_dir(target) as tmp:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             (tmp / "SOURCE.txt").write_text(
                 f"{ALIASES[source.name].description}\nconverted from {gguf_path.name} (sha256 {_sha256(gguf_path)})\n"
             )
-            crashpoints.point(f"convert {target.name}: the folder whole, not moved into place")
-            if target.exists():  # an incomplete folder (not of this version's writing): out of the way first
-                old = target.with_name(f".{target.name}{files.TMP_MARK}old-{os.getpid()}")
-                os.replace(target, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def device_name(device: torch.device | str) -> str:

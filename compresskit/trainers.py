@@ -352,9 +352,8 @@ class RouterTrainer(Trainer):
             "config": self.config.model_dump(mode="json"),
         }
         tensors = [*state["params"].values(), *(v for s in state["optimizer"]["state"].values() for v in s.values())]
-        needed = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)) + (1 << 20)
         what = f"the {self.stage_name} stage's checkpoint at step {step}"
-        files.write_file(path, lambda tmp: torch.save(state, tmp), needed=needed, what=what)
+        files.write_file(path, lambda tmp: torch.save(state, tmp), needed=files.tensor_bytes(tensors), what=what)
 
     def _checkpoint_meta(self, step, scheduler, history, done, spent: Totals) -> dict:
         return {

@@ -44,10 +44,8 @@ from pathlib import Path
 
 import yaml
 
+from compresskit.files import TMP_MARK
 from compresskit.testing import TINY_EVALUATION
-
-ROOT = Path(__file__).resolve().parents[2]
-TMP_MARK = ".tmp-"
 
 # The default run: WIDE on a tiny random model, shaped as recipes/wide-smollm2-quick.yaml is (calibration, a
 # router stage, a LoRA stage distilling cached teacher logits, three evaluation tasks), in seconds.
