@@ -717,8 +717,8 @@ def _eval_locked(
     allow_download: bool,
 ) -> dict[str, Any]:
     """:func:`eval_model` once its inputs are checked (and it holds its output folder's lock)."""
-    path = Path(model_ref).expanduser()
-    saved = path.is_dir() and (path / artifacts.MANIFEST).is_file()
+    path = artifacts.saved_dir(model_ref)  # a saved model, or the run folder that holds one
+    saved = path is not None
     if consensus is not None:  # (checked before the model loads)
         name = (artifacts.read_manifest(path).get("pruner") or {}).get("name") if saved else None
         if name is None:
@@ -772,7 +772,7 @@ def _eval_locked(
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     n_params = count_parameters(model)
     results = build_results(
-        name=Path(model_ref).name or model_ref,
+        name=artifacts.run_name(path or model_ref),
         recipe_hash=key,
         model_info={
             "name_or_path": model_ref,

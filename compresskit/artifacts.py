@@ -127,10 +127,45 @@ def _pruner_config(cls: type[Pruner], data: dict[str, Any], where: str) -> Plugi
         return cls.Config.model_validate({k: v for k, v in data.items() if k not in unknown})
 
 
+RESULTS = "results.json"  # a run folder's mark (compresskit.api writes it last)
+
+
+def saved_dir(path: str | Path) -> Path | None:
+    """The saved model ``path`` names: ``path`` itself where it holds a manifest, its ``model/`` where it is
+    a run folder (what ``compresskit apply`` prints), else None (an HF directory, an alias, a hub id).
+
+    Raises:
+        ArtifactError: ``path`` is a run folder whose model is not there (a results-only folder).
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return None
+    if (folder / MANIFEST).is_file():
+        return folder
+    if (folder / "model" / MANIFEST).is_file():
+        return folder / "model"
+    if (folder / RESULTS).is_file() and not (folder / "config.json").is_file():
+        raise ArtifactError(
+            f"{folder}: a run folder that holds its results only (no model/ with a {MANIFEST}); "
+            "its model was saved on another machine, or removed: run `compresskit apply` on its recipe again"
+        )
+    return None
+
+
+def run_name(path: str | Path) -> str:
+    """What to call the model at ``path`` in a table: its run's folder name for a run folder's ``model/``
+    (not "model"), else the folder's or alias's own name."""
+    folder = Path(path).expanduser()
+    if folder.name == "model" and (folder / MANIFEST).is_file():
+        return folder.resolve().parent.name
+    return folder.name or str(path)
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: model directory not found")
+    directory = saved_dir(directory) or directory
     manifest = read_json(directory / MANIFEST, what=f"{MANIFEST} (is this a compresskit model directory?)")
     if manifest.get("format") not in ("dense", "pruner", "hf"):
         raise ArtifactError(
@@ -149,12 +184,14 @@ class Loaded(NamedTuple):
 
 
 def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progress=None) -> Loaded:
-    """Rebuild a saved model: a :class:`Loaded` ``(model, tokenizer, pruner or None)``.
+    """Rebuild a saved model: a :class:`Loaded` ``(model, tokenizer, pruner or None)``. ``path``: a saved model
+    folder or the run folder that holds it (``model/``).
 
     ``format: pruner`` reloads the base model, re-attaches the pruner and loads its tensors;
     ``format: hf`` loads the saved checkpoint; ``format: dense`` loads the base model.
     """
-    directory = Path(path)
+    directory = Path(path).expanduser()
+    directory = saved_dir(directory) or directory  # a run folder: its model/
     manifest = read_manifest(directory)
     fmt = manifest["format"]
     if fmt == "hf":

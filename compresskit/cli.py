@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from compresskit import distributed, locking
-from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+from compresskit.errors import CompressKitError, RecipeError, RecipeProblems, did_you_mean
 from compresskit.interrupts import Interrupted, handle_signals
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
@@ -94,10 +94,13 @@ def _print_table(out: Console, table) -> None:
 
 
 def _print_results(out: Console, results: dict[str, Any]) -> None:
-    from compresskit.report import results_markdown, results_table
+    from compresskit.report import quality_alarm, results_markdown, results_table
 
     if out.is_terminal:
         out.print(results_table(results))
+        alarm = quality_alarm(results)
+        if alarm:  # (the Markdown below holds it too)
+            out.print(alarm, style="bold red", markup=False, highlight=False)
     else:
         _plain(out, results_markdown(results))
 
@@ -209,23 +212,17 @@ def _dry_run(resolved, args, out: Console) -> int:
 
 
 def cmd_validate(args, out: Console, err: Console) -> int:
-    from compresskit.data import check_source, held_out_documents, load_documents
-    from compresskit.files import check_creatable
-    from compresskit.modeling import resolve_model_source
-    from compresskit.recipe import is_comparison, load_comparison, load_recipe
-    from compresskit.tasks import check_lm_eval_tasks, check_task_data
+    from compresskit.recipe import is_comparison, load_comparison
 
     # a comparison spec: every member, each as a recipe of its own
     paths = load_comparison(args.recipe)[0] if is_comparison(args.recipe) else [args.recipe]
+    problems: list[str] = []
     for path in paths:
-        resolved = load_recipe(path, list(args.set or []))
-        rec = resolved.recipe
-        resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download)
-        check_source(rec.data)
-        check_lm_eval_tasks(rec.evaluation, allow_download=rec.model.allow_download)
-        documents = load_documents(rec.data, allow_download=rec.model.allow_download)
-        check_task_data(rec.evaluation, held_out_documents(rec.data, documents), seed=rec.data.split_seed)
-        check_creatable(Path(rec.output.dir), "output.dir")
+        found = _recipe_problems(path, list(args.set or []))
+        if isinstance(found, list):  # every problem of this member, each named after it in a comparison
+            problems += [f"{path}: {p}" if len(paths) > 1 else p for p in found]
+            continue
+        resolved, rec = found, found.recipe
         if args.print:
             out.print_json(json.dumps(resolved.to_dict()))
         stages = ", ".join(s.name for s in resolved.training) or "none"
@@ -235,7 +232,71 @@ def cmd_validate(args, out: Console, err: Console) -> int:
             f"executor {resolved.executor.name}, output {rec.output.dir} (recipe hash {resolved.hash()})",
             markup=False,
         )
+    if problems:
+        raise RecipeProblems(problems)
     return EXIT_OK
+
+
+def _recipe_problems(path, overrides: list[str]):
+    """The resolved recipe at ``path``, or every problem found in it: its fields and plugin configs,
+    then what each valid section names (model, data files, tasks, output folder), one line each."""
+    from compresskit.data import check_source, held_out_documents, load_documents
+    from compresskit.files import check_creatable
+    from compresskit.modeling import resolve_model_source
+    from compresskit.recipe import (
+        DataSection,
+        EvaluationSection,
+        ModelSection,
+        OutputSection,
+        apply_overrides,
+        load_raw,
+        problems_of,
+        valid_section,
+        validate,
+    )
+    from compresskit.tasks import check_lm_eval_tasks, check_task_data
+
+    try:
+        raw = apply_overrides(load_raw(path), overrides)
+    except CompressKitError as exc:  # not a readable recipe: nothing more to check
+        return problems_of(exc)
+    problems: list[str] = []
+    resolved = None
+    try:
+        resolved = validate(raw, source=str(path), overrides=overrides)
+        rec = resolved.recipe
+        model, data, evaluation, output = rec.model, rec.data, rec.evaluation, rec.output
+    except CompressKitError as exc:
+        problems += problems_of(exc)
+        model, data, evaluation, output = (
+            valid_section(raw, key, kind)
+            for key, kind in (
+                ("model", ModelSection),
+                ("data", DataSection),
+                ("evaluation", EvaluationSection),
+                ("output", OutputSection),
+            )
+        )
+    download = bool(model and model.allow_download)
+
+    def check(fn, *fn_args, **kwargs) -> tuple[bool, Any]:
+        try:
+            return True, fn(*fn_args, **kwargs)
+        except CompressKitError as exc:
+            problems.extend(problems_of(exc))
+            return False, None
+
+    if model is not None:
+        check(resolve_model_source, model.name_or_path, allow_download=download)
+    if data is not None and check(check_source, data)[0]:  # its files exist: read them
+        read, documents = check(load_documents, data, allow_download=download)
+        if read and evaluation is not None:
+            check(check_task_data, evaluation, held_out_documents(data, documents), seed=data.split_seed)
+    if evaluation is not None:
+        check(check_lm_eval_tasks, evaluation, allow_download=download)
+    if output is not None:
+        check(check_creatable, Path(output.dir), "output.dir")
+    return problems or resolved
 
 
 def cmd_schema(args, out: Console, err: Console) -> int:
@@ -809,6 +870,9 @@ def _check_speed_runs(speed, runs: list[dict]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+MODEL_HELP = "a run folder (what apply prints), its model/ directory, an HF model directory or an alias"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from compresskit import tasks
 
@@ -823,11 +887,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
+    def with_placement(p):
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="weights' dtype (auto: bfloat16 on a GPU, float32 on the CPU)",
+        )
+        p.add_argument(
+            "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: a GPU where there is one"
+        )
+
     def with_set(p):
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe value (repeatable)")
 
     p = sub.add_parser("apply", help="run a recipe: load, prune, train, finalize, convert, evaluate, save")
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a recipe YAML file (recipes/ has examples) or a comparison spec")
     with_set(p)
     p.add_argument("--overwrite", action="store_true", help="replace output.dir even if it holds another run")
     p.add_argument(
@@ -843,34 +918,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_apply)
 
     p = sub.add_parser("validate", help="check a recipe (both stages) without loading weights")
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a recipe YAML file or a comparison spec (every member is checked)")
     with_set(p)
     p.add_argument("--print", action="store_true", help="print the resolved recipe as JSON")
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("schema", help="JSON schema of a plugin's config (or of 'recipe')")
-    p.add_argument("name")
-    p.add_argument("--kind", choices=["pruner", "trainer", "executor"])
+    p.add_argument("name", help="a plugin's name (compresskit plugins lists them), or 'recipe'")
+    p.add_argument("--kind", choices=["pruner", "trainer", "executor"], help="which kind, where two share the name")
     p.set_defaults(fn=cmd_schema)
 
     p = sub.add_parser("plugins", help="list installed plugins, or 'plugins check NAME' to run the contract")
-    p.add_argument("action", nargs="?", choices=["list", "check"], default="list")
-    p.add_argument("name", nargs="?")
+    p.add_argument(
+        "action", nargs="?", choices=["list", "check"], default="list", help="list (default), or check one pruner"
+    )
+    p.add_argument("name", nargs="?", help="with check: the pruner whose plugin contract to run")
     p.set_defaults(fn=cmd_plugins)
 
     p = sub.add_parser("generate", help="stream text from a saved run, an HF directory or an alias (the runtime)")
-    p.add_argument("model")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, dest="max_new_tokens", help="tokens to generate (64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, dest="top_p")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--top-p", type=float, default=1.0, dest="top_p", help="nucleus sampling's share (1.0: off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (with --temperature above 0)")
+    with_placement(p)
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("bench", help="TTFT and TPOT of a saved run beside its dense base, on the runtime")
-    p.add_argument("model", nargs="?", help="a saved run's model/ directory, an HF directory or an alias")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--shape", help="instead of MODEL: a known configuration with random weights (speed only)")
     p.add_argument(
         "--sparsity",
@@ -930,8 +1006,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
-    p.add_argument("--new-tokens", type=int, default=32, dest="new_tokens")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=32, dest="new_tokens", help="tokens each timed generation makes")
+    p.add_argument("--repeats", type=int, default=3, help="timed generations a cell; the medians are reported")
     p.add_argument(
         "--ttft-repeats",
         type=int,
@@ -939,13 +1015,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="of the repeats, how many are whole generations (TTFT's median; default all); the rest time the "
         "decode alone from the prompt's cache, sparing long prefills where only TPOT needs more samples",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    with_placement(p)
     p.add_argument("--output", help="directory for bench.json and bench.md")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("eval", help="evaluate a saved model directory, an HF directory or an alias")
-    p.add_argument("model")
+    p = sub.add_parser("eval", help="evaluate a run, a saved model directory, an HF directory or an alias")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument(
         "--tasks", help=f"comma-separated: built in ({','.join(tasks.names())}) or lm-eval task and group names"
     )
@@ -958,10 +1033,19 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime on a GPU where it runs the architecture)",
     )
     p.add_argument("--limit", type=int, help="items per zero-shot task")
-    p.add_argument("--perplexity-docs", type=int, dest="perplexity_docs")
-    p.add_argument("--next-sentence-items", type=int, dest="next_sentence_items")
-    p.add_argument("--batch-size", type=int, dest="batch_size")
-    p.add_argument("--max-length", type=int, dest="max_length")
+    p.add_argument(
+        "--perplexity-docs",
+        type=int,
+        dest="perplexity_docs",
+        help="held-out documents the perplexity task reads (default: all of them)",
+    )
+    p.add_argument(
+        "--next-sentence-items", type=int, dest="next_sentence_items", help="items of the next_sentence task (500)"
+    )
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="sequences a forward pass (16)")
+    p.add_argument(
+        "--max-length", type=int, dest="max_length", help="context in tokens; perplexity reads windows this long (1024)"
+    )
     p.add_argument(
         "--logits-budget-mb",
         type=int,
@@ -995,13 +1079,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-size sequences decides together, as a served batch decoding that many would; with over=tile,tile=64 "
         "(tile-coherent routing) each tile of 64 tokens of a sequence decides together, as a prompt's prefill would",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    with_placement(p)
     p.add_argument("--output", help="directory for results.json and results.md")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("compare", help="one table from several recipes (run or reused) and/or results files")
-    p.add_argument("inputs", nargs="+")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        help="recipes (run, or reused where their output.dir holds the run), a comparison spec, run folders or "
+        "results.json files",
+    )
     with_set(p)
     p.add_argument(
         "--seeds",
@@ -1044,8 +1132,9 @@ def main(argv: list[str] | None = None) -> int:
     except CompressKitError as exc:
         if debug:
             traceback.print_exc()
-        msg = " ".join(str(exc).split())  # one line
-        err.print(f"{_rank_prefix()}error: {msg}", markup=False, highlight=False)
+        for problem in getattr(exc, "problems", None) or [str(exc)]:
+            msg = " ".join(problem.split())  # one line each
+            err.print(f"{_rank_prefix()}error: {msg}", markup=False, highlight=False)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGINT through handle_signals
         why = f" ({exc})" if isinstance(exc, Interrupted) else ""

@@ -1,10 +1,14 @@
 """Putting runs side by side honestly: runs are compared only with runs evaluated on the same items.
 
-Two runs belong to one group when everything that decides *which* items were scored and how is the
-same: the base model, the evaluation settings (tasks, limit, context, item counts, seed), the text
-(the embedded wiki excerpt, or local files by content) and its split. Batch size and the logits
-budget change no item and are left out. Each group leads with its own dense reference (when all its
-compressed runs were measured against the same one and no dense run is in the group already).
+Two runs belong to one group when they were scored on the same held-out text of the same base model (the
+embedded wiki excerpt, or local files by content, and its split) under the same settings that apply to every
+task (context, engine), and each task both ran was run on the same items (its own settings: the documents
+perplexity read, the items and seed of next_sentence, the limit and shots of a zero-shot task). A run that
+scored perplexity only and one that also scored PIQA on the same held-out documents share a group and their
+perplexity column; the PIQA cell of the first is empty. Batch size and the logits budget change no item
+and are left out. Each group leads with its own dense reference (when all its compressed runs were measured
+against the same one and no dense run is in the group already); a compressed run evaluated without one (an
+``eval`` of a saved run) is compared with the group's dense run on the tasks they share.
 """
 
 from __future__ import annotations
@@ -16,12 +20,19 @@ from typing import Any
 
 # evaluation keys that change how fast, not what is measured
 _NOT_SETTINGS = ("batch_size", "logits_budget_mb", "compare_dense")
+# evaluation keys that decide the items of some tasks only (task_settings), not of the run as a whole
+_PER_TASK = ("tasks", "limit", "num_fewshot", "task_paths", "perplexity_docs", "next_sentence_items", "seed")
+
+
+def _evaluation(run: dict[str, Any]) -> dict[str, Any]:
+    return ((run.get("recipe") or {}).get("evaluation")) or {}
 
 
 def eval_settings(run: dict[str, Any]) -> dict[str, Any]:
-    """What decides the items a run was scored on (from its results document)."""
+    """What decides the items of every task a run scored (from its results document): the base model,
+    the held-out text and its split, and the evaluation settings that apply to every task."""
     recipe = run.get("recipe") or {}
-    evaluation = {k: v for k, v in (recipe.get("evaluation") or {}).items() if k not in _NOT_SETTINGS}
+    evaluation = {k: v for k, v in _evaluation(run).items() if k not in _NOT_SETTINGS + _PER_TASK}
     data = recipe.get("data") or {}
     model = run.get("model") or {}
     split = run.get("data") or {}
@@ -41,11 +52,48 @@ def eval_settings(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def task_settings(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For each task a run scored, the settings that decide that task's items."""
+    evaluation = _evaluation(run)
+    tasks = evaluation.get("tasks") or list(run.get("metrics") or {})
+    out = {}
+    for task in tasks:
+        if task.endswith("perplexity"):
+            keys = ("perplexity_docs",)
+        elif task == "next_sentence":
+            keys = ("next_sentence_items", "seed")
+        else:  # a zero-shot task: a prefix of its items, its shots
+            keys = ("limit", "num_fewshot", "task_paths")
+        values = {k: evaluation.get(k) for k in keys}
+        if isinstance(values.get("num_fewshot"), dict):
+            values["num_fewshot"] = values["num_fewshot"].get(task)
+        out[task] = values
+    return out
+
+
 @dataclass
 class Group:
     settings: dict[str, Any]
     runs: list[dict[str, Any]] = field(default_factory=list)
     label: str = ""  # what sets this group apart from the others ("" when there is one group)
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)  # each task's settings, as its runs scored it
+
+    def admits(self, settings: dict[str, Any], tasks: dict[str, dict[str, Any]]) -> bool:
+        """The same text and shared settings, and every task both scored on the same items."""
+        return settings == self.settings and all(self.tasks[t] == v for t, v in tasks.items() if t in self.tasks)
+
+    def described(self) -> dict[str, Any]:
+        """Its settings and its tasks' settings as one flat mapping (what a label names): a task setting by its
+        recipe key (``limit``) where its tasks agree on it, else by task (``piqa.limit``)."""
+        out = dict(self.settings)
+        keys = {k for values in self.tasks.values() for k in values}
+        for key in sorted(keys):
+            seen = {t: values[key] for t, values in self.tasks.items() if key in values}
+            if len({repr(v) for v in seen.values()}) == 1:
+                out[key] = next(iter(seen.values()))
+            else:
+                out.update({f"{t}.{key}": v for t, v in seen.items()})
+        return out
 
 
 def _dense_row(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -75,25 +123,52 @@ def _reference_row(run: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def group_runs(runs: list[dict[str, Any]]) -> list[Group]:
-    """Runs grouped by :func:`eval_settings`, in order of first appearance, each group led by its
-    dense reference where one is known."""
+    """Runs grouped by :func:`eval_settings` and :func:`task_settings` (see the module's notes), in order of
+    first appearance, each group led by its dense reference where one is known."""
     groups: list[Group] = []
     for run in runs:
-        settings = eval_settings(run)
-        group = next((g for g in groups if g.settings == settings), None)
+        settings, tasks = eval_settings(run), task_settings(run)
+        group = next((g for g in groups if g.admits(settings, tasks)), None)
         if group is None:
             group = Group(settings)
             groups.append(group)
         group.runs.append(run)
+        group.tasks.update(tasks)
     for group in groups:
         dense = _dense_row(group.runs)
         if dense is not None:
             group.runs.insert(0, dense)
+        _lend_reference(group.runs)
     if len(groups) > 1:
-        differing = sorted(k for k in groups[0].settings if len({repr(g.settings.get(k)) for g in groups}) > 1)
-        for i, group in enumerate(groups, 1):
-            group.label = f"group {i}: " + ", ".join(f"{k}={group.settings.get(k)}" for k in differing)
+        described = [g.described() for g in groups]
+        keys = sorted({k for d in described for k in d})
+        differing = [k for k in keys if len({repr(d[k]) for d in described if k in d}) > 1]
+        for i, (group, d) in enumerate(zip(groups, described, strict=True), 1):
+            group.label = f"group {i}: " + ", ".join(f"{k}={d.get(k)}" for k in differing if k in d)
     return groups
+
+
+def _lend_reference(runs: list[dict[str, Any]]) -> None:
+    """A compressed run with no dense reference of its own (``compresskit eval`` of a saved run) gets the
+    group's one dense run as its reference, on the tasks both scored (their zero-shot averages only where
+    both averaged the same tasks): the "x dense" and recovery columns then have what to divide by."""
+    dense = [r for r in runs if not r.get("pruner")]
+    if len(dense) != 1:
+        return
+    ref = dense[0]
+    for i, run in enumerate(runs):
+        if not run.get("pruner") or run.get("dense") is not None:
+            continue
+        shared = {t: m for t, m in (ref.get("metrics") or {}).items() if t in (run.get("metrics") or {})}
+        same_tasks = set(ref.get("metrics") or {}) == set(run.get("metrics") or {})
+        runs[i] = {
+            **run,
+            "dense": {
+                "key": f"the group's dense run {ref.get('name')!r}",
+                "metrics": shared,
+                "zero_shot_average": ref.get("zero_shot_average") if same_tasks else None,
+            },
+        }
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

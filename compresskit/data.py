@@ -263,9 +263,35 @@ def _read_parquet(path: Path, text_field: str) -> list[str]:
     return [_text_of(v, text_field, f"{path} row {i}") for i, v in enumerate(column) if v is not None]
 
 
+WINDOW_CHARS = 4000  # a lone long document is cut into windows of about this many characters (~1k tokens)
+
+
+def windows(text: str, size: int = WINDOW_CHARS) -> list[str]:
+    """``text`` cut into consecutive windows of about ``size`` characters, each ending at a paragraph break,
+    else a line break, else a sentence end, else a space, where one falls in its second half (none is cut
+    mid-word where a space allows); every character of ``text`` is in exactly one window, stripped."""
+    out, start = [], 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            half = start + size // 2
+            for mark in ("\n\n", "\n", ". ", " "):
+                cut = text.rfind(mark, half, end)
+                if cut != -1:
+                    end = cut + len(mark)
+                    break
+        piece = text[start:end].strip()
+        if piece:
+            out.append(piece)
+        start = end
+    return out
+
+
 def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[str, Any]]]:
     """(documents as articles, one ``{path, sha256, documents}`` record per file). A document's
-    title is ``<path>#<index>``, which fixes its place in the split."""
+    title is ``<path>#<index>``, which fixes its place in the split. Where the files hold one document
+    (a book, a long log), it is cut into :func:`windows` (``<path>#0.<w>``; the record says ``windows``), so
+    that a share of it can be held out; a text too short for two windows is refused in one line."""
     articles: list[Article] = []
     files = []
     for path in resolve_files(source):
@@ -274,6 +300,18 @@ def load_file_documents(source: FilesSource) -> tuple[list[Article], list[dict[s
             {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "documents": len(docs)}
         )
         articles += [_article(f"{path}#{i}", len(articles) + i, d) for i, d in enumerate(docs)]
+    if len(articles) == 1 and not articles[0].chat:
+        lone = articles[0]
+        pieces = windows(lone.text)
+        if len(pieces) >= 2:
+            articles = [_article(f"{lone.title}.{w}", w, piece) for w, piece in enumerate(pieces)]
+            next(f for f in files if f["documents"]).update(windows=len(pieces), window_chars=WINDOW_CHARS)
+        else:
+            raise RecipeError(
+                f"{_FIELD}: {', '.join(source.files)} holds one document of {len(lone.text):,} characters, too "
+                f"short to hold a share out: a lone document is cut into windows of about {WINDOW_CHARS:,} "
+                f"characters and a run needs at least 2 (one to train on, one held out); give more text"
+            )
     at_least_two(articles, _FIELD, ", ".join(source.files))
     return articles, files
 

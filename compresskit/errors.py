@@ -32,6 +32,15 @@ class RecipeError(CompressKitError, ValueError):
     """A recipe (or a --set override) is malformed or has an invalid value."""
 
 
+class RecipeProblems(RecipeError):
+    """Several problems of one recipe, found together (``compresskit validate`` lists them all); the CLI
+    prints one line each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
 class PluginNotFoundError(CompressKitError, KeyError):
     """No plugin of that name is installed in the group asked for."""
 

@@ -270,6 +270,12 @@ class Trainer(abc.ABC):
     def fit(self, model: nn.Module, pruner: Pruner | None, data: Any, ctx: RunContext) -> TrainSummary:
         """Train in place and report."""
 
+    @classmethod
+    def pruner_problem(cls, pruner_cls: type | None) -> str | None:
+        """Before any model loads: why this stage cannot train with a pruner of class ``pruner_cls`` (None: the
+        recipe has no pruner), in words for the recipe's author, or None when it can."""
+        return None
+
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
         """Add what this stage trains to ``model`` (e.g. adapters) and return the parameters it trains."""
         return []

@@ -35,6 +35,11 @@ class Progress:
         pass
 
 
+def _fields(fields: dict[str, object]) -> str:
+    """`` k=v`` for each field, a float to 4 significant digits (a loss of 8.584, not 8.584386825561523)."""
+    return "".join(f" {k}={v:.4g}" if isinstance(v, float) else f" {k}={v}" for k, v in fields.items())
+
+
 HEARTBEAT_S = 30.0  # off a terminal, a running step prints a line at least this often (as it advances)
 
 
@@ -80,7 +85,7 @@ class _PlainTask(Task):
             if self.total and rate > 0:
                 parts.append(f"ETA {_duration(max(self.total - self.done, 0) / rate)}")
         parts.append(f"{_duration(elapsed)} so far")
-        extra = "".join(f" {k}={v}" for k, v in self.fields.items())
+        extra = _fields(self.fields)
         self.progress.log(f"{self.description}: {', '.join(parts)}{extra}")
 
 
@@ -116,7 +121,7 @@ class PlainProgress(Progress):
             stop.set()
             if ticker is not None:
                 ticker.join()
-        extra = "".join(f" {k}={v}" for k, v in task.fields.items())
+        extra = _fields(task.fields)
         print(
             f"[compresskit] {description}: done in {self.clock() - task.t0:.1f}s{extra}", file=self.stream, flush=True
         )

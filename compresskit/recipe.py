@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from compresskit import plugins, tasks
-from compresskit.errors import CompressKitError, RecipeError, did_you_mean
+from compresskit.errors import CompressKitError, RecipeError, RecipeProblems, did_you_mean
 from compresskit.interfaces import PluginConfig
 
 SCHEMA_VERSION = 1
@@ -391,8 +391,15 @@ def _allowed_range(model: type[BaseModel], loc: tuple) -> str | None:
 def format_validation_error(
     exc: ValidationError, model: type[BaseModel], prefix: str = "", names: dict[str, str] | None = None
 ) -> str:
-    """One line per problem: ``path: what is wrong (given: X; allowed: ...)``, joined with '; '.
-    ``names`` renames a top-level field where the value came from elsewhere (a CLI flag)."""
+    """:func:`validation_problems` joined with '; ' (one line)."""
+    return "; ".join(validation_problems(exc, model, prefix, names))
+
+
+def validation_problems(
+    exc: ValidationError, model: type[BaseModel], prefix: str = "", names: dict[str, str] | None = None
+) -> list[str]:
+    """One entry per problem: ``path: what is wrong (given: X; allowed: ...)``. ``names`` renames a
+    top-level field where the value came from elsewhere (a CLI flag)."""
     parts = []
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -418,7 +425,7 @@ def format_validation_error(
                 else None
             )
             parts.append(f"{path}: {msg} (given: {given_s[:80]}" + (f"; {bounds})" if bounds else ")"))
-    return "; ".join(parts)
+    return parts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,8 +527,11 @@ def apply_overrides(raw: dict, overrides: list[str] | dict[str, Any] | None) -> 
         elif isinstance(node, dict):
             node[last] = value
         else:
+            parent = ".".join(parts[:-1])
+            given = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
             raise RecipeError(
-                f"--set {'.'.join(parts)}: {'.'.join(parts[:-1])} is a {type(node).__name__}, not a mapping"
+                f"--set {'.'.join(parts)}: {parent} is a {type(node).__name__} ({node!r}), not a mapping, so it has "
+                f"no key {last!r}; write the mapping whole: --set '{parent}={{{last}: {given}}}'"
             )
     return out
 
@@ -591,23 +601,80 @@ def validate_plugin(kind: str, section: PluginSection, path: str) -> ResolvedPlu
     try:
         config = cls.Config.model_validate(section.config)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc, cls.Config, prefix=f"{path}.config.")) from None
+        raise RecipeProblems(validation_problems(exc, cls.Config, prefix=f"{path}.config.")) from None
     return ResolvedPlugin(kind=kind, name=section.name, cls=cls, config=config, path=path)
 
 
+def problems_of(error: CompressKitError) -> list[str]:
+    """The one-line problems an error reports (several for :class:`RecipeProblems`)."""
+    return list(getattr(error, "problems", None) or [str(error)])
+
+
+def valid_section(raw: dict, key: str, model: type[BaseModel]) -> Any:
+    """``raw[key]`` validated as ``model`` (its defaults where the key is absent), or None where it
+    is not valid: what checks of one section read when another section of the recipe is wrong."""
+    try:
+        return model.model_validate(raw.get(key) if raw.get(key) is not None else {})
+    except ValidationError:
+        return None
+
+
+def _plugin_sections(raw: dict) -> list[tuple[str, str, Any]]:
+    """``(kind, path, section)`` of each plugin section of a recipe that did not validate as a whole,
+    where that section itself is well formed (so its plugin's config can still be checked)."""
+    found = []
+    entries = [("pruner", "pruner", raw.get("pruner")), ("executor", "executor", raw.get("executor"))]
+    stages = raw.get("training")
+    if isinstance(stages, list):
+        entries += [("trainer", f"training.{i}", s) for i, s in enumerate(stages)]
+    for kind, path, value in entries:
+        if value is None:
+            continue
+        try:
+            found.append((kind, path, PluginSection.model_validate(value)))
+        except ValidationError:
+            continue  # its problem is among the recipe's own
+    return found
+
+
 def validate(raw: dict, *, source: str | None = None, overrides: list[str] | None = None) -> ResolvedRecipe:
-    """Both validation stages on an already-merged recipe mapping."""
+    """Both validation stages on an already-merged recipe mapping. Every problem found is reported
+    together (:class:`RecipeProblems`): the recipe's own fields, then each plugin's config."""
+    problems: list[str] = []
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(exc, Recipe)) from None
+        problems = validation_problems(exc, Recipe)
+        for kind, path, section in _plugin_sections(raw):
+            try:
+                validate_plugin(kind, section, path)
+            except CompressKitError as plugin_exc:
+                problems += problems_of(plugin_exc)
+        raise RecipeProblems(problems) from None
     if recipe.schema_version > SCHEMA_VERSION:
         raise RecipeError(
             f"schema_version: {recipe.schema_version} is newer than this compresskit understands "
             f"(<= {SCHEMA_VERSION}); upgrade compresskit"
         )
-    pruner = validate_plugin("pruner", recipe.pruner, "pruner") if recipe.pruner else None
-    training = [validate_plugin("trainer", s, f"training.{i}") for i, s in enumerate(recipe.training)]
+    sections = [("pruner", "pruner", recipe.pruner)] if recipe.pruner else []
+    sections += [("trainer", f"training.{i}", s) for i, s in enumerate(recipe.training)]
+    sections.append(("executor", "executor", recipe.executor))
+    resolved: dict[str, ResolvedPlugin] = {}
+    for kind, path, section in sections:
+        try:
+            resolved[path] = validate_plugin(kind, section, path)
+        except CompressKitError as exc:
+            problems += problems_of(exc)
+    if problems:
+        raise RecipeProblems(problems)
+    pruner = resolved.get("pruner")
+    training = [resolved[f"training.{i}"] for i in range(len(recipe.training))]
+    for stage in training:  # what a stage needs of the pruner, said before any model loads
+        problem = stage.cls.pruner_problem(pruner.cls if pruner else None)
+        if problem:
+            problems.append(f"{stage.path}.name: {problem}")
+    if problems:
+        raise RecipeProblems(problems)
     for stage in training:
         if getattr(stage.config, "consensus", None) is not None:
             from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
@@ -618,7 +685,7 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
                     f"{stage.path}.config.consensus: batch consensus trains routers, and {has} none; "
                     "drop it, or use a routing pruner (wide, dynamic-depth)"
                 )
-    executor = validate_plugin("executor", recipe.executor, "executor")
+    executor = resolved["executor"]
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 
 

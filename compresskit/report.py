@@ -34,8 +34,55 @@ from compresskit.tasks import DEFAULT_TASKS, result_columns, table_columns
 NOT_MEASURED = "not measured"
 
 
+LARGE = 1e4  # a float at least this large prints in scientific notation (a collapsed model's perplexity)
+
+
 def _fmt(value: Any, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
+    if value is None:
+        return "-"
+    if isinstance(value, float) and abs(value) >= LARGE and fmt.endswith("f}"):
+        return f"{value:.2e}"
+    return fmt.format(value)
+
+
+# the quality alarm: past either line, a run's model is not one a user would keep
+ALARM_PERPLEXITY_X = 3.0  # held-out perplexity over the dense model's
+ALARM_RECOVERY = 0.8  # zero-shot average over the dense model's
+RECOVERY_STAGES = ("lora", "finetune")
+
+
+def quality_alarm(results: dict[str, Any]) -> str | None:
+    """One plain line when a run's quality fell past the alarm (held-out perplexity over
+    ``ALARM_PERPLEXITY_X`` times the dense model's, or zero-shot recovery under ``ALARM_RECOVERY``): what
+    fell, the likely causes in this run, and what to try; None when neither did or there is no dense
+    reference to compare with."""
+    dense = results.get("dense") or {}
+    titles = {(task, metric): title for title, task, metric, _ in table_columns() + result_columns(results["metrics"])}
+    fell = []
+    for task, metrics in sorted(results.get("metrics", {}).items()):
+        value = metrics.get("token_perplexity")
+        base = (dense.get("metrics") or {}).get(task, {}).get("token_perplexity")
+        if value is not None and base and value / base > ALARM_PERPLEXITY_X:
+            title = titles.get((task, "token_perplexity"), task)
+            fell.append(f"{title} {_fmt(value, '{:.2f}')} is {value / base:,.0f}x dense ({base:.2f})")
+    zs, dz = results.get("zero_shot_average"), dense.get("zero_shot_average")
+    if zs is not None and dz and zs / dz < ALARM_RECOVERY:
+        fell.append(f"zero-shot recovery {zs / dz:.3f}")
+    if not fell:
+        return None
+    stages = [st for st in results.get("training") or [] if st.get("steps")]
+    tokens = sum(st.get("tokens") or 0 for st in stages)
+    sp = (results.get("sparsity") or {}).get("macs")
+    causes = [f"{sp:.0%} of the MACs skipped" if sp is not None else "the pruner's budget"]
+    causes.append(f"{tokens:,} training tokens" if stages else "no training stage")
+    if not any(st["stage"] in RECOVERY_STAGES for st in stages):
+        causes.append("no recovery stage (lora, finetune)")
+    return (
+        f"quality alarm: {'; '.join(fell)} (alarms: perplexity over {ALARM_PERPLEXITY_X:g}x dense, zero-shot "
+        f"recovery under {ALARM_RECOVERY:g}); this model is not one to keep. Likely causes: {', '.join(causes)}. "
+        "Try a lower target sparsity, a router-fit stage before a lora stage with distill, more training steps "
+        "on text like the evaluation's (recipes/wide-smollm2-quick.yaml; docs/first-run.md)"
+    )
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -141,7 +188,13 @@ def _data_source(data: dict[str, Any]) -> str:
     if data.get("source") == "files":
         files = data["files"]
         names = ", ".join(f["path"] for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-        return f"{data['articles']} documents from {len(files)} local file(s) ({names})"
+        cut = next((f for f in files if f.get("windows")), None)
+        what = (
+            f"one document cut into {cut['windows']} windows of about {cut['window_chars']:,} characters"
+            if cut
+            else f"{data['articles']} documents"
+        )
+        return f"{what} from {len(files)} local file(s) ({names})"
     sources = data.get("sources") or []
     if len(sources) > 1 or (sources and sources[0].get("kind") != "wiki"):
         parts = [
@@ -202,6 +255,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         f"pruner `{results.get('pruner') or 'none (dense)'}`, recipe hash `{results['recipe_hash']}`, "
         f"{results['created']}.",
         "",
+        *([f"**{alarm}**", ""] if (alarm := quality_alarm(results)) else []),
         _md_table(
             ["metric", "value", "dense", "recovery"][: _columns(results)],
             [list(r[: _columns(results)]) for r in summary_rows(results)],

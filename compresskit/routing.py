@@ -708,6 +708,138 @@ def calibrate_routers(
         router.up.bias.data.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
 
 
+def group_contributions(proj: RoutedProjection, x: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``[N, G]``: the norm of what each input group of ``proj`` adds to its output, per token of
+    ``x: [N, in]`` (``||W[:, g] x_g||``): what skipping that group would take away."""
+    weight = proj.base_layer.weight.float()
+    wg = weight.unflatten(1, (proj.groups, -1))  # [out, G, g]
+    out = []
+    for part in x.float().split(chunk):
+        xg = part.unflatten(-1, (proj.groups, -1))  # [n, G, g]
+        out.append(torch.einsum("ngk,ogk->ngo", xg, wg).norm(dim=-1))
+    return torch.cat(out)
+
+
+def fit_routers(
+    model: nn.Module,
+    batches: list,
+    skip: dict[str, float],
+    *,
+    total_macs: float,
+    steps: int = 200,
+    lr: float = 1e-2,
+    batch_tokens: int = 1024,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Fit every router of a routed ``model`` to skip, per token, the groups that matter least, as the dense
+    model measures them on ``batches`` (its own activations: no gradient through the model, a few dense
+    forward passes): a warm start for the LM-loss router stage, or for a recovery stage directly.
+
+    A (token, group) pair's importance is its :func:`group_contributions` over the norm of the residual
+    stream the router reads there. ``skip`` is the budget: ``{"macs": s}`` skips the least important pairs of
+    all routers together until a fraction ``s`` of ``total_macs`` a token is skipped (each pair weighted by
+    the multiply-adds it saves, so the budget goes where skipping costs least); ``{"attention": a, "ffn": f}``
+    the least important fraction of each kind's pairs. Each router learns those decisions (a logistic loss on
+    its execute-minus-skip margin), then its skip biases are set so that each group is skipped as often as
+    its labels say. Returns the fit's measures (the labels' MAC fraction, the decisions' agreement).
+    """
+    projections = [p for _, p in routed_projections(model)]
+    leaders = [p for p in projections if p.router is not None]
+    inputs: dict[int, list[torch.Tensor]] = {id(p): [] for p in leaders}
+    scores: dict[int, list[torch.Tensor]] = {id(p): [] for p in leaders}
+    taps = [m for m in model.modules() if isinstance(m, RouterTap)]
+    hooks = [t.register_forward_pre_hook(lambda m, a: inputs[id(m.target)].append(a[0].detach())) for t in taps]
+
+    def score(proj: RoutedProjection, args) -> None:
+        lead = proj if proj.leader is None else proj.leader  # a follower's contribution counts for its leader
+        value = group_contributions(proj, args[0].detach().flatten(0, -2))
+        if proj.leader is not None:
+            scores[id(lead)][-1] = scores[id(lead)][-1] + value
+        else:
+            scores[id(lead)].append(value)
+
+    hooks += [p.register_forward_pre_hook(score) for p in projections]
+    try:
+        with torch.no_grad(), dense_view():
+            for batch in batches:
+                model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    real = torch.cat([b.attention_mask.flatten() for b in batches]).bool()
+    x = {k: torch.cat([t.flatten(0, -2) for t in v]).float()[real.to(v[0].device)] for k, v in inputs.items()}
+    importance = {
+        id(p): torch.cat(scores[id(p)])[real.to(x[id(p)].device)] / x[id(p)].norm(dim=-1, keepdim=True).clamp_min(1e-6)
+        for p in leaders
+    }
+    macs = {id(p): p.macs_per_group + sum(f.macs_per_group for f in projections if f.leader is p) for p in leaders}
+    tokens = int(real.sum())
+    keep: dict[int, torch.Tensor] = {}
+    if "macs" in skip:
+        flat = torch.cat([importance[id(p)].flatten().cpu() for p in leaders])
+        weight = torch.cat([torch.full((importance[id(p)].numel(),), float(macs[id(p)])) for p in leaders])
+        order = flat.argsort()
+        budget = skip["macs"] * total_macs * tokens
+        below = int(torch.searchsorted(weight[order].double().cumsum(0), torch.tensor(budget, dtype=torch.float64)))
+        threshold = flat[order[min(below, len(order) - 1)]] if below > 0 else flat.min() - 1
+        for p in leaders:
+            keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
+    else:
+        for kind, fraction in skip.items():
+            of_kind = [p for p in leaders if p.kind == kind]
+            if not of_kind:
+                continue
+            flat = torch.cat([importance[id(p)].flatten().cpu() for p in of_kind])
+            threshold = torch.quantile(flat, fraction) if fraction > 0 else flat.min() - 1
+            for p in of_kind:
+                keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
+    gen = torch.Generator().manual_seed(seed)
+    agree = 0.0
+    skipped_macs = 0.0
+    for p in leaders:
+        if id(p) not in keep:
+            continue
+        router, target, feats = p.router, keep[id(p)].float(), x[id(p)]
+        params = list(router.parameters())
+        was = [q.requires_grad for q in params]
+        for q in params:
+            q.requires_grad_(True)
+        optimizer = torch.optim.Adam(params, lr=lr)
+        with torch.enable_grad():
+            for _ in range(steps):
+                idx = torch.randint(0, tokens, (min(batch_tokens, tokens),), generator=gen).to(feats.device)
+                logits = router(feats[idx])
+                margin = logits[..., 0] - logits[..., 1]  # execute minus skip
+                loss = F.binary_cross_entropy_with_logits(margin, target[idx])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        for q, w in zip(params, was, strict=True):
+            q.requires_grad_(w)
+        with torch.no_grad():  # each group skipped as often as its labels skip it
+            logits = router(feats)
+            margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
+            rate = 1.0 - target.mean(0)  # [G]
+            shift = -torch.stack(
+                [torch.quantile(margin[:, g], float(1.0 - r)) if 0 < r < 1 else margin[:, g].new_tensor(0.0)
+                 for g, r in enumerate(rate.tolist())]
+            )  # fmt: skip
+            shift = torch.where(rate >= 1, margin.max(0).values.abs() + 1e3, shift)
+            shift = torch.where(rate <= 0, -(margin.max(0).values.abs() + 1e3), shift)
+            router.up.bias.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
+            decided = (margin + shift) <= 0  # executes
+            agree += float((decided == target.bool()).float().mean()) * p.groups
+            skipped_macs += float((~decided).float().sum()) * macs[id(p)]
+    groups = sum(p.groups for p in leaders if id(p) in keep)
+    return {
+        "label_macs": float(sum(float((~keep[id(p)]).float().sum()) * macs[id(p)] for p in leaders if id(p) in keep))
+        / (tokens * total_macs),
+        "fit_macs": skipped_macs / (tokens * total_macs),
+        "agreement": agree / max(1, groups),
+        "tokens": tokens,
+    }
+
+
 def group_rates(model: nn.Module, profile: SparsityProfile) -> Callable[[RoutedProjection], float]:
     """The skipped fraction of each router's groups that realises ``profile`` on ``model``: its
     fraction of each routed block's MACs at the block's relative depth (or ``profile.groups`` in every
@@ -794,6 +926,21 @@ class RoutedPruner(Pruner):
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         load_router_state_dict(model, state, self.router_prefix, type(self).__name__, self.__dict__.get("_named"))
+
+    @property
+    def total_macs(self) -> float:
+        """The model's projection multiply-adds a token (what a ``macs`` budget is a fraction of)."""
+        return self._total_macs
+
+    def skip_budget(self) -> dict[str, float]:
+        """The budget :func:`fit_routers` fits the routers to: ``{"macs": s}`` for a fraction of the projection
+        MACs, else ``{"attention": a, "ffn": f}``, each kind's fraction of (token, group) decisions. From the
+        config's ``target_sparsity`` and ``budget`` (``macs``, or another name for decisions); a pruner with
+        other targets says so here."""
+        c = self.config
+        if c.budget == "macs":
+            return {"macs": c.target_sparsity}
+        return {"attention": c.target_sparsity, "ffn": c.target_sparsity}
 
     def reset_sparsity(self, model: nn.Module) -> None:
         for _, proj in routed_projections(model):

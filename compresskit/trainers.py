@@ -3,6 +3,9 @@
 * ``router``: optimises what the pruner hands over (``pruner.trainable_parameters``, e.g. WIDE's
   routers) on the next-token LM loss plus ``pruner.regularization``; the backbone is frozen but
   gradients flow through it.
+* ``router-fit``: fits a routing pruner's routers to the groups the dense model's own activations rank
+  lowest, within the pruner's budget (a few dense forward passes, no backward pass through the model): a
+  warm start that makes a short recovery stage enough.
 * ``lora``: adds LoRA adapters (peft) to the model's projections and trains them together with
   the pruner's parameters (a recovery stage). ``merge: true`` folds them into the weights at the
   end of the stage.
@@ -16,6 +19,7 @@ uninterrupted run.
 Sample YAML::
 
     training:
+      - {name: router-fit, config: {tokens: 8192}}      # or, trained on the LM loss:
       - {name: router, config: {steps: 200, batch_size: 4, seq_len: 512, lr: 2.0e-3}}
       - {name: lora, config: {steps: 200, lr: 2.0e-4, r: 16, alpha: 32}}
 """
@@ -40,7 +44,7 @@ from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
 from compresskit.modeling import memory_kind, merge_lora, peak_memory, reset_peak_memory
-from compresskit.routing import Consensus, set_consensus
+from compresskit.routing import Consensus, fit_routers, set_consensus
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
@@ -419,6 +423,77 @@ class Totals:
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+# router fit: a warm start from the dense model's own activations
+
+
+class RouterFitStageConfig(PluginConfig):
+    tokens: int = Field(8192, ge=64, description="Training-text tokens the dense model is run on (the fit's data).")
+    seq_len: int = Field(256, ge=8, description="Tokens per sequence of that text.")
+    batch_size: int = Field(4, ge=1, description="Sequences per dense forward pass.")
+    steps: int = Field(200, ge=1, description="Optimiser steps of each router's fit (Adam, no model pass).")
+    lr: float = Field(1e-2, gt=0.0, description="Learning rate of the fit.")
+    seed: int | None = Field(None, description="Seed of the text's choice and the fit; default: the run's.")
+
+
+class RouterFitTrainer(Trainer):
+    """``router-fit``: each router learns to skip, per token, the groups whose output matters least to the dense
+    model (:func:`compresskit.routing.fit_routers`), within the pruner's budget. A few dense forward passes and a
+    small fit a router, no backward pass through the model: minutes on a CPU where the LM-loss ``router`` stage
+    needs hours to get as far. Follow it with ``lora`` (or ``router``) to recover what the skipped groups cost."""
+
+    Config = RouterFitStageConfig
+    stage_name = "router-fit"
+
+    @classmethod
+    def pruner_problem(cls, pruner_cls: type | None) -> str | None:
+        if pruner_cls is not None and callable(getattr(pruner_cls, "skip_budget", None)):
+            return None
+        what = f"pruner {pruner_cls.__name__}" if pruner_cls is not None else "the recipe has no pruner, so it"
+        return (
+            f"the 'router-fit' stage fits a routing pruner's routers to its budget; {what} has none "
+            "(a routing pruner: wide, dynamic-depth)"
+        )
+
+    def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+        c = self.config
+        problem = self.pruner_problem(type(pruner) if pruner is not None else None)
+        if problem:
+            raise RecipeError(f"training: {problem}")
+        budget = pruner.skip_budget
+        seed = ctx.seed if c.seed is None else c.seed
+        seed_everything(seed)
+        n = max(1, c.tokens // c.seq_len)
+        batches = [b.to(ctx.device) for b in data.calibration_batches(n, c.seq_len, c.batch_size, seed=seed)]
+        t0 = time.perf_counter()
+        reset_peak_memory(ctx.device)
+        task_cm = ctx.progress.task("training: router-fit") if ctx.progress else contextlib.nullcontext()
+        with task_cm:
+            measures = fit_routers(
+                model,
+                batches,
+                budget(),
+                total_macs=pruner.total_macs,
+                steps=c.steps,
+                lr=c.lr,
+                seed=seed,
+            )
+        crashpoints.point("router-fit: finished")
+        if ctx.progress is not None:
+            ctx.progress.log(
+                f"router-fit: {measures['tokens']} tokens; the routers agree with the dense model's ranking on "
+                f"{measures['agreement']:.1%} of the decisions and skip {measures['fit_macs']:.1%} of the MACs there"
+            )
+        model.eval()
+        return TrainSummary(
+            stage=self.stage_name,
+            steps=c.steps,
+            tokens=measures["tokens"],
+            seconds=time.perf_counter() - t0,
+            history=[{"step": c.steps, **{k: float(v) for k, v in measures.items()}}],
+            peak_memory_bytes=peak_memory(ctx.device),
+        )
 
 
 # ---------------------------------------------------------------------------------------------

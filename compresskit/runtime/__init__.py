@@ -11,8 +11,6 @@ compiled with ``torch.compile`` and replayed as CUDA graphs; on a CPU everything
 shell; ``runtime_for(model, pruner).generate(token_ids, ...)`` underneath.
 """
 
-from pathlib import Path
-
 from compresskit import artifacts, plugins
 from compresskit.interfaces import Executor
 from compresskit.modeling import load_model, merge_lora, resolve_model_source
@@ -67,13 +65,13 @@ class TextGenerator:
 
 
 def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", field: str = "model", progress=None):
-    """``(model, tokenizer, pruner or None, base model)`` of a saved run's ``model/`` directory, an HF
+    """``(model, tokenizer, pruner or None, base model)`` of a run folder or its ``model/`` directory, an HF
     directory or an alias; errors about ``path`` name it as ``field``. For inference only: a run saved with
     its LoRA adapters apart (a ``lora`` stage without ``merge: true``) comes with them folded into its
     weights, as a merging stage would have saved it, so that a method's blocks read plain weights and the
     runtime compiles them and replays them as CUDA graphs (unmerged, the layers run eagerly)."""
-    folder = Path(path).expanduser()
-    if folder.is_dir() and (folder / artifacts.MANIFEST).is_file():
+    folder = artifacts.saved_dir(path)
+    if folder is not None:
         model, tokenizer, pruner = artifacts.load(folder, device=device, dtype=dtype, progress=progress)
         merged = merge_lora(model)
         if merged and progress is not None:
@@ -85,7 +83,7 @@ def load_for_runtime(path: str, *, device: str = "auto", dtype: str = "auto", fi
 
 
 def generator(path: str, *, device: str = "auto", dtype: str = "auto") -> TextGenerator:
-    """A :class:`TextGenerator` over a saved run's ``model/`` directory, an HF directory or an alias,
+    """A :class:`TextGenerator` over a run folder or its ``model/`` directory, an HF directory or an alias,
     on the runtime (compiled, with CUDA graphs, on a GPU); ``compresskit.load`` gives the transformers model (for
     evaluation and training; it is not the fast path)."""
     model, tokenizer, pruner, _ = load_for_runtime(path, device=device, dtype=dtype)

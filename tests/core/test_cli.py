@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from compresskit.cli import main
 
@@ -145,6 +146,37 @@ def test_debug_shows_traceback(capsys, recipe_file):
 def test_validate_ok_and_print(capsys, recipe_file):
     code, out, _ = run(capsys, "validate", str(recipe_file), "--print")
     assert code == 0 and "ok: " in out and '"executor"' in out
+
+
+def test_validate_reports_every_problem_at_once(capsys, recipe_file, tmp_path):
+    """A key typo, an impossible plugin value, a missing data file, a bad stage value and an output folder
+    that cannot be made: one run of validate, one line each, in recipe order; the same mistakes in a
+    comparison's member are named after it."""
+    mistakes = [
+        "evalution.limit=3",
+        "pruner={name: toy-magnitude, config: {sparsity: 1.5}}",
+        "training=[{name: finetune, config: {steps: 0}}]",
+        "data.source={files: [does/not/*.txt]}",
+        "output.dir=/proc/compresskit-x",
+    ]
+    argv = [arg for m in mistakes for arg in ("--set", m)]
+    code, out, err = run(capsys, "validate", str(recipe_file), *argv)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and out == "" and all(ln.startswith("error: ") for ln in lines), err
+    expected = ["evalution: unknown key", "pruner.config.sparsity: Input should be less than 1",
+                "training.0.config.steps:", "data.source.files: 'does/not/*.txt' matches no file",
+                "output.dir: cannot create '/proc/compresskit-x'"]  # fmt: skip
+    assert len(lines) == len(expected), err
+    for line, start in zip(lines, expected, strict=True):
+        assert line.removeprefix("error: ").startswith(start), (line, start)
+    # a recipe whose fields are all valid gets to the plugin configs' problems, all of them
+    pruner, stages = (
+        "pruner={name: toy-magnitude, config: {sparsity: -1}}",
+        "training=[{name: finetune, config: {steps: 0}}]",
+    )
+    code, _, err = run(capsys, "validate", str(recipe_file), "--set", pruner, "--set", stages)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 2 and "pruner.config.sparsity" in lines[0] and "training.0" in lines[1]
 
 
 def test_schema(capsys):
@@ -496,3 +528,58 @@ def test_eval_takes_your_own_text(capsys, tiny_model_dir, tmp_path):
     assert code == 2 and "--test-fraction: it splits your own text; give --data FILE... too" in one_line_error(err)
     code, _, err = run(capsys, "eval", "someone/some-model", "--tasks", "perplexity")
     assert code == 2 and "give --allow-download on a machine with network" in one_line_error(err)
+
+
+def test_a_run_folder_is_taken_wherever_a_model_is(capsys, tiny_model_dir, tmp_path):
+    """What apply prints (the run folder) works in generate, eval, bench and compresskit.load, as its model/
+    does; eval names its results after the run, not "model"; a results-only run folder says so."""
+    import compresskit
+
+    run_dir = tmp_path / "my-run"
+    recipe = str(TESTS / "recipes" / "tiny-wide-fit.yaml")
+    code, out, err = run(
+        capsys, "apply", recipe, "--set", f"model.name_or_path={tiny_model_dir}", "--set", f"output.dir={run_dir}"
+    )
+    assert code == 0, err
+    results = json.loads((run_dir / "results.json").read_text())
+    fit = results["training"][0]
+    assert fit["stage"] == "router-fit" and fit["tokens"] == 256
+    assert 0.2 < results["sparsity"]["macs"] < 0.4  # the budget, held on text the fit did not see
+    code, out, err = run(capsys, "generate", str(run_dir), "--prompt", "hello", "--max-new-tokens", "3")
+    assert code == 0, err
+    by_run, by_model = compresskit.load(run_dir), compresskit.load(run_dir / "model")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        assert torch.equal(by_run.model(ids).logits, by_model.model(ids).logits)
+    assert type(by_run.pruner).__name__ == "WidePruner"
+    code, out, err = run(
+        capsys, "eval", str(run_dir), "--tasks", "perplexity", "--perplexity-docs", "1", "--output", str(tmp_path / "e")
+    )
+    assert code == 0, err
+    evaluated = json.loads((tmp_path / "e" / "results.json").read_text())
+    assert evaluated["name"] == "my-run" and (tmp_path / "e" / "results.md").read_text().startswith("# my-run")
+    code, out, err = run(capsys, "bench", str(run_dir), "--device", "cpu", "--new-tokens", "2", "--repeats", "1",
+                         "--prompt", "8", "--transformers", "off")  # fmt: skip
+    assert code == 0, err
+    shutil.rmtree(run_dir / "model")  # its results only, as when the model stayed on another machine
+    code, _, err = run(capsys, "generate", str(run_dir), "--prompt", "hello")
+    assert code == 2 and "a run folder that holds its results only" in one_line_error(err)
+
+
+def test_every_flag_has_help_text():
+    import argparse
+
+    from compresskit.cli import build_parser
+
+    missing = []
+
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*prefix, name])
+            elif not action.help and action.dest != "help":
+                missing.append(" ".join([*prefix, *(action.option_strings or [action.dest])]))
+
+    walk(build_parser(), [])
+    assert missing == []

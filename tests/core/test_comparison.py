@@ -140,3 +140,44 @@ def test_the_speed_columns_say_how_they_were_measured_and_warn_when_timed_differ
     assert "warning, the runs were timed under 2 different settings" in two
     assert "a, c: NVIDIA H200, compiled + CUDA graphs, batch 1, a 512-token prompt" in two and "b: NVIDIA H200" in two
     assert two in compare_markdown(group_runs([timed("a"), timed("b", prompt=2048), timed("c")]))
+
+
+def _evaluated(name, pruner, tasks, metrics, **evaluation):
+    """A results document as ``compresskit eval`` writes it: no dense reference of its own."""
+    return {
+        "name": name,
+        "pruner": pruner,
+        "metrics": metrics,
+        "zero_shot_average": metrics.get("piqa", {}).get("acc"),
+        "sparsity": {"attention": 0.1, "ffn": 0.2, "macs": 0.15} if pruner else None,
+        "model": {"name_or_path": name, "base_model": "smollm2-135m", "params_before": 100, "params_after": 100},
+        "recipe": {
+            "eval": name,
+            "evaluation": {"tasks": tasks, "limit": 200, "next_sentence_items": 500, "seed": 1234, **evaluation},
+            "data": {"source": "wiki", "test_fraction": 0.25, "split_seed": 0},
+        },
+        "dense": None,
+    }
+
+
+def test_runs_scored_on_the_same_held_out_text_share_a_group_and_the_tasks_they_share():
+    """A perplexity-only evaluation of a saved run and the dense model's fuller one, on the same 10 held-out
+    documents: one group, the run's perplexity over the dense run's, its PIQA cell empty; a third run that read
+    other documents for perplexity is a group of its own, named by what differs."""
+    from compresskit.report import compare_rows
+
+    ppl = {"perplexity": {"token_perplexity": 30.0}}
+    run = _evaluated("wide-run", "wide", ["perplexity"], ppl, perplexity_docs=10, next_sentence_items=50)
+    dense = _evaluated(
+        "smollm2-135m", None, ["perplexity", "piqa"],
+        {"perplexity": {"token_perplexity": 20.0}, "piqa": {"acc": 0.6}}, perplexity_docs=10,
+    )  # fmt: skip
+    apart = _evaluated("other", "wide", ["perplexity"], ppl, perplexity_docs=3)
+    groups = group_runs([run, dense, apart])
+    assert [[r["name"] for r in g.runs] for g in groups] == [["wide-run", "smollm2-135m"], ["other"]]
+    assert [g.label for g in groups] == ["group 1: perplexity_docs=10", "group 2: perplexity_docs=3"]
+    header, rows = compare_rows(groups[0].runs)
+    cells = dict(zip(header, rows[0], strict=True))
+    assert cells["ppl x dense (held-out)"] == "1.5x" and cells["PIQA acc"] == "-"
+    assert cells["recovery (zero-shot)"] == "-"  # different zero-shot tasks: no ratio of their averages
+    assert run["dense"] is None  # the input is left as it was

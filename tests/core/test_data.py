@@ -102,7 +102,7 @@ def test_every_file_kind_is_read_and_split_deterministically_by_document(tmp_pat
         (["lines.jsonl"], "text", "data.source.files: lines.jsonl line 1: no field 'text' (fields: body, id)"),
         (["bad.jsonl"], "body", "data.source.files: bad.jsonl line 2: not valid JSON"),
         (["t.parquet"], "text", "data.source.files: t.parquet: no column 'text' (columns: body, n)"),
-        (["txt/doc0.txt"], "body", "1 non-empty documents in txt/doc0.txt; a run needs at least 2"),
+        (["txt/doc0.txt"], "body", "txt/doc0.txt holds one document of 649 characters, too short to hold a share"),
     ],
 )
 def test_bad_files_are_one_clear_error(tmp_path, monkeypatch, files, field, expect):
@@ -115,6 +115,32 @@ def test_bad_files_are_one_clear_error(tmp_path, monkeypatch, files, field, expe
     with pytest.raises(RecipeError) as err:
         DataModule.from_section(tiny_tokenizer(), _source(files, text_field=field))
     assert expect in str(err.value)
+
+
+def test_one_long_document_is_cut_into_windows_and_a_share_held_out(tmp_path, monkeypatch):
+    """A book in one .txt: windows of about WINDOW_CHARS characters at paragraph breaks, every character in
+    exactly one window, a quarter of them held out, the cut recorded for the report."""
+    from compresskit.data import WINDOW_CHARS, windows
+    from compresskit.report import _data_source
+
+    said = "says something of its own, sentence after sentence."
+    paragraphs = [f"Paragraph {i} {said} " * (3 + i % 7) for i in range(90)]
+    book = "\n\n".join(paragraphs)
+    (tmp_path / "book.txt").write_text(book)
+    monkeypatch.chdir(tmp_path)
+    dm = DataModule.from_section(tiny_tokenizer(), _source(["book.txt"]))
+    n = len(dm.articles)
+    assert n == len(windows(book)) and n >= len(book) // WINDOW_CHARS
+    assert len(dm.test) == round(0.25 * n) and len(dm.train) == n - len(dm.test)
+    joined = "".join(a.text for a in sorted(dm.articles, key=lambda a: a.pageid))
+    assert joined.replace(" ", "").replace("\n", "") == book.replace(" ", "").replace("\n", "")
+    assert all(len(a.text) <= WINDOW_CHARS for a in dm.articles)
+    assert all(a.text.endswith("sentence.") for a in dm.articles)  # cut at paragraph breaks, not mid-sentence
+    info = dm.split_info()
+    assert info["files"][0]["windows"] == n
+    assert _data_source({**info, "articles": n}).startswith(f"one document cut into {n} windows of about 4,000")
+    assert windows("") == [] and windows("x" * 10) == ["x" * 10]  # a space-free text is still cut whole
+    assert "".join(windows("y" * 9000, 4000)) == "y" * 9000
 
 
 def test_a_data_source_other_than_wiki_or_files_is_named():

@@ -62,6 +62,42 @@ def test_a_recovery_of_zero_is_reported_as_zero():
     assert row[1:] == ("0.0000", "0.6000", "0.000")
 
 
+def _scored(ppl, acc, *, dense_ppl=7.24, dense_acc=0.6, stages=()):
+    return {
+        "metrics": {"perplexity": {"token_perplexity": ppl, "word_perplexity": ppl * 1e6}, "piqa": {"acc": acc}},
+        "zero_shot_average": acc,
+        "dense": {
+            "metrics": {"perplexity": {"token_perplexity": dense_ppl}, "piqa": {"acc": dense_acc}},
+            "zero_shot_average": dense_acc,
+        },  # fmt: skip
+        "sparsity": {"macs": 0.446, "attention": 0.4, "ffn": 0.46, "dynamic": True},
+        "training": [{"stage": s, "steps": 10, "tokens": t} for s, t in stages],
+        "model": {"params_after": 1, "params_before": 1},
+    }
+
+
+def test_the_quality_alarm_names_what_fell_why_and_what_to_try():
+    """Past 3x dense perplexity or under 0.8 zero-shot recovery: one line with the numbers, this run's likely
+    causes and what to try; a model within both lines, or one with no dense reference, raises none."""
+    from compresskit.report import quality_alarm
+
+    broken = _scored(1899.0, 0.45, stages=[("router", 20480)])
+    line = quality_alarm(broken)
+    assert "\n" not in line and line.startswith("quality alarm: held-out ppl 1899.00 is 262x dense (7.24)")
+    assert "zero-shot recovery 0.750" in line and "45% of the MACs skipped" in line
+    assert "20,480 training tokens" in line and "no recovery stage" in line and "router-fit" in line
+    assert quality_alarm(_scored(14.0, 0.5, stages=[("lora", 1)])) is None  # 1.9x, 0.83
+    assert "recovery" in quality_alarm(_scored(8.0, 0.3))  # the perplexity within, the zero-shot not
+    assert quality_alarm({**broken, "dense": None}) is None
+
+
+def test_collapsed_perplexities_print_in_scientific_notation():
+    from compresskit.report import summary_rows
+
+    rows = {r[0]: r for r in summary_rows({**_scored(1899.0, 0.49), "recovery": {}})}
+    assert rows["held-out ppl"][1] == "1899.00" and rows["word ppl"][1] == "1.90e+09"
+
+
 def test_evaluate_tiny_model_with_lm_eval(tiny_model_dir):
     from compresskit.modeling import load_model
 

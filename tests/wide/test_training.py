@@ -651,3 +651,68 @@ def test_deterministic_runs_on_a_gpu_repeat_bit_for_bit(tiny_model_dir, tmp_path
     a, b = (json.loads((tmp_path / n / "run" / "results.json").read_text()) for n in ("a", "b"))
     assert a["metrics"] == b["metrics"] and a["sparsity"] == b["sparsity"]
     assert [t["history"] for t in a["training"]] == [t["history"] for t in b["training"]]
+
+
+def _routed_tiny(tiny_model_dir, **config):
+    model, tok = load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(**{"ffn_group_size": 16, "attn_group_size": 1, "router_rank": 8, **config}))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok))
+    return model, tok, pruner
+
+
+def _text_batches(n=4, seq=32, seed=0):
+    from compresskit.interfaces import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 384, (n, 2, seq), generator=gen)
+    return [Batch(b, torch.ones_like(b)) for b in ids]
+
+
+@pytest.mark.parametrize("budget", [{"macs": 0.3}, {"attention": 0.5, "ffn": 0.2}, {"macs": 0.0}])
+def test_fit_routers_learns_the_dense_models_ranking_within_the_budget(tiny_model_dir, budget):
+    """Fitted to the groups whose contribution is smallest: the labels spend exactly the budget, the routers
+    agree with them far above chance, and on the fit's text they skip what the labels skip (each group as
+    often); the model's weights are untouched and routing then skips the same on that text."""
+    from compresskit.routing import fit_routers, group_contributions, routed_projections
+
+    model, _, pruner = _routed_tiny(tiny_model_dir, target_sparsity=0.3, budget="macs")
+    before = {k: v.clone() for k, v in model.state_dict().items() if "router" not in k}
+    batches = _text_batches()
+    info = fit_routers(model, batches, budget, total_macs=pruner.total_macs, steps=150, lr=2e-2, seed=0)
+    assert info["tokens"] == 4 * 2 * 32
+    if "macs" in budget:
+        assert info["label_macs"] == pytest.approx(budget["macs"], abs=0.01)
+        assert info["fit_macs"] == pytest.approx(budget["macs"], abs=0.02)
+    assert info["agreement"] > (0.99 if budget.get("macs") == 0.0 else 0.75)
+    after = {k: v for k, v in model.state_dict().items() if "router" not in k}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    model = pruner.finalize(model)
+    pruner.reset_sparsity(model)
+    with torch.no_grad():
+        for b in batches:
+            model(input_ids=b.input_ids)
+    report = pruner.sparsity(model)
+    if "macs" in budget:
+        assert report.macs == pytest.approx(budget["macs"], abs=0.03)
+    else:
+        assert report.groups["attention"].fraction == pytest.approx(0.5, abs=0.05)
+        assert report.groups["ffn"].fraction == pytest.approx(0.2, abs=0.05)
+    proj = routed_projections(model)[0][1]
+    x = torch.randn(5, proj.base_layer.in_features)
+    manual = torch.stack([(proj.base_layer.weight[:, g * 8 : (g + 1) * 8] @ x[:, g * 8 : (g + 1) * 8].T).norm(dim=0)
+                          for g in range(proj.groups)], dim=1)  # fmt: skip
+    assert torch.allclose(group_contributions(proj, x, chunk=2), manual, atol=1e-5)
+
+
+def test_router_fit_stage_needs_a_routing_pruner(tiny_model_dir, tmp_path, capsys):
+    """Without a pruner, or with one that has no routers, the stage says what it needs in one line."""
+    from compresskit.errors import RecipeError
+
+    rec = recipe(tiny_model_dir, tmp_path, [{"name": "router-fit", "config": {"tokens": 64, "seq_len": 32}}])
+    rec["pruner"] = {"name": "static-width", "config": {"target_sparsity": 0.25}}
+    with pytest.raises(RecipeError, match="training.0.name: the 'router-fit' stage fits a routing pruner's routers"):
+        apply(rec)  # (refused before the model loads: the recipe's validation)
+    del rec["pruner"]
+    with pytest.raises(RecipeError, match="the recipe has no pruner, so it has none"):
+        apply(rec)

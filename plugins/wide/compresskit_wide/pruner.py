@@ -101,6 +101,12 @@ class WidePruner(RoutedPruner):
             loss = torch.stack([(targets[k] - rho[k]).abs() for k in ("attention", "ffn") if k in rho]).mean()
         return c.sparsity_coef * loss
 
+    def skip_budget(self) -> dict[str, float]:
+        c = self.config
+        if c.target_sparsity is None:  # one target a kind
+            return {k: t for k, t in (("attention", c.target_attention), ("ffn", c.target_ffn)) if t is not None}
+        return super().skip_budget()
+
     def summary(self, model: nn.Module) -> PruneSummary:
         projs = routed_projections(model)
         router_params = sum(p.numel() for _, pr in projs for p in pr.router.parameters())
