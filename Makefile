@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast crash-campaign lint clean
+.PHONY: setup test-setup demo test test-fast crash-campaign lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ $(VENV)/.test-setup-done: $(VENV)/.setup-done
 	touch $@
 
 setup: $(VENV)/.setup-done
+
+# setup plus the test tools (pytest, pytest-xdist, ruff, triton): what a plugin's own tests need
+test-setup: $(VENV)/.test-setup-done
 
 demo: $(VENV)/.setup-done
 	$(BIN)/compresskit apply recipes/quickstart.yaml --overwrite

@@ -1,7 +1,7 @@
 """What a routed prefill reduction (down_proj, o_proj) could save: the bound of each design, from the
 routers' real prefill masks. No GPU needed.
 
-    python benchmarks/analyze_prefill_masks.py runs/wide-smollm2-quick/model --out DIR   # a saved WIDE run
+    python benchmarks/analyze_prefill_masks.py runs/wide-smollm2-50-quick/model --out DIR   # a saved WIDE run
     python benchmarks/analyze_prefill_masks.py --shape smollm2-135m --out DIR              # untrained, calibrated
     python benchmarks/analyze_prefill_masks.py --smoke                                     # tiny, the path runs
 

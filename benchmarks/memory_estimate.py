@@ -1,6 +1,6 @@
 """The dry run's memory estimate beside what finished runs measured, a row per training stage and the evaluation.
 
-    python benchmarks/memory_estimate.py runs/wide-smollm2-quick [RUN ...]
+    python benchmarks/memory_estimate.py runs/wide-smollm2-50-quick [RUN ...]
 
 Each run's ``results.json`` holds its resolved recipe and the peaks it measured (``training[].peak_memory_bytes``,
 ``evaluation.tasks[].peak_memory_bytes``: on a GPU the tensors allocated, on the CPU the process's peak resident

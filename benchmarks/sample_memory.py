@@ -1,7 +1,7 @@
 """Resident memory of a command over time, by phase (a run records its stages' and tasks' peaks itself; this
 samples any command, and every phase of it, loading included).
 
-    python benchmarks/sample_memory.py -- compresskit apply recipes/wide-smollm2-quick.yaml --overwrite
+    python benchmarks/sample_memory.py -- compresskit apply recipes/wide-smollm2-50-quick.yaml --overwrite
     python benchmarks/sample_memory.py --imports      # the process with the libraries a run imports
 
 Runs the command, samples the resident memory of its process tree every 0.25 s, and prints its stderr lines with

@@ -187,11 +187,14 @@ def _eval_summary(ev: EvalResult) -> dict[str, Any]:
 
 
 def dense_reference(resolved: ResolvedRecipe, model, tokenizer, data: DataModule, progress: Progress) -> dict[str, Any]:
-    """Metrics of the unpruned model under the same evaluation, cached by everything that decides them."""
+    """Metrics of the unpruned model under the same evaluation, cached by what decides them and nothing else:
+    the model as loaded, the held-out text (the sources, their contents and split), the evaluation settings.
+    Settings of the training and calibration text alone (``data.calibration``) and of how the model was
+    found (``model.allow_download``) are left out, so that changing them reuses the reference."""
     rec = resolved.recipe
     key_src = {
-        "model": rec.model.model_dump(mode="json"),
-        "data": rec.data.model_dump(mode="json"),
+        "model": rec.model.model_dump(mode="json", exclude={"allow_download"}),
+        "data": rec.data.model_dump(mode="json", exclude={"calibration"}),
         # (speed decides no metric; the engine counts as what it resolved to, below)
         "evaluation": rec.evaluation.model_dump(mode="json", exclude={"speed", "engine"}),
         "data_files": data.files,  # the files' contents (sha256), not only their names

@@ -176,7 +176,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 
 class Loaded(NamedTuple):
     """What :func:`load` gives: the transformers ``model`` (routed as the run left it), its ``tokenizer`` and
-    the ``pruner`` that routes it (None for a dense or static model); unpacks as ``model, tokenizer, pruner``."""
+    the ``pruner``: None for a dense model; for a method that saves a plain smaller model (``saves_full_model``) a
+    fresh instance from its saved config, never prepared, whose ``sparsity(model)`` reads the model alone; for any
+    other, the pruner attached, its tensors loaded and finalized. Unpacks as ``model, tokenizer, pruner``."""
 
     model: Any
     tokenizer: Any

@@ -29,7 +29,7 @@ sum of:
 On the CPU the step's tensors (trained state, activations, logits) count ``HEAP_GROWTH_CPU`` times: they come
 from the C library's heap, which grows past the live bytes as a step's tensors of many sizes are freed and
 allocated again (the process's peak resident memory above its libraries and weights was 1.54-1.67 times these
-three terms for the router and LoRA stages of ``recipes/wide-smollm2-quick.yaml`` at 2 x 256 and 4 x 512 tokens;
+three terms for the router and LoRA stages of ``recipes/wide-smollm2-50-quick.yaml`` at 2 x 256 and 4 x 512 tokens;
 docs/memory-cpu.md).
 
 A last row, **evaluation**: the weights, the largest batch's full-vocabulary log-probabilities (lm-eval
@@ -47,6 +47,7 @@ import torch
 from compresskit.distill import keeps_teacher_copy
 from compresskit.interfaces import RunContext
 from compresskit.modeling import count_parameters, decoder_layers
+from compresskit.routing import routed_projections
 from compresskit.trainers import inject_lora, projection_names
 
 # Imported inside the functions that use them: peft and transformers; so importing this module, and running the
@@ -122,6 +123,26 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
     for stage in resolved.training:
         c = stage.config
         if stage.name == "none":
+            continue
+        if stage.name == "router-fit":  # forward passes only, then the fit on what every router read
+            tokens = c.batch_size * c.seq_len
+            fitted = (c.tokens // c.seq_len) * c.seq_len
+            groups = sum(p.groups for _, p in routed_projections(model))
+            stored = fitted * (routers * d + groups) * 4  # each router's fp32 input and its groups' scores
+            stages.append(
+                StagePlan(
+                    stage=stage.name,
+                    steps=c.steps,
+                    tokens_per_step=fitted,
+                    trainable_params=0,
+                    weights=weight_bytes,
+                    trainable_state=stored,
+                    activations=tokens * (4 * d + 2 * kv + 4 * f) * weight_elem,
+                    logits=tokens * config.vocab_size * weight_elem,
+                    context=context,
+                    growth=growth,
+                )
+            )
             continue
         autocast = cuda and getattr(c, "autocast_bf16", False)
         elem = 2 if autocast else weight_elem

@@ -17,7 +17,7 @@ import inspect
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -327,11 +327,55 @@ def unreadable_checkpoint(path: str, field: str = "model.name_or_path"):
     naming the field and the directory, exit code 2."""
     from safetensors import SafetensorError
 
+    with _load_report() as report:
+        try:
+            yield
+        except (OSError, ValueError, SafetensorError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ArtifactError(f"{field}: {path}: the checkpoint cannot be loaded: {reason}") from exc
+        except RuntimeError as exc:  # transformers' "look at the above report": the report is the reason
+            if not report:
+                raise
+            raise ArtifactError(f"{field}: {path}: the checkpoint does not fit the model: {report[-1]}") from exc
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@contextlib.contextmanager
+def _load_report() -> Iterator[list[str]]:
+    """The load report transformers logs when a checkpoint's tensors do not fit the model (missing,
+    unexpected or mismatched keys), caught as one line each: it is a warning, which the CLI's quiet logging
+    hides, and the error raised after it only says to read it. Whatever else those loggers say goes on
+    to transformers' own handlers as before."""
+    import logging
+
+    parent = logging.getLogger("transformers")
+    loggers = [logging.getLogger(f"transformers.{name}") for name in ("modeling_utils", "utils.loading_report")]
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = _ANSI.sub("", record.getMessage())
+            if "LOAD REPORT" in text:
+                rows = [" ".join(r.replace("|", " ").split()) for r in text.splitlines()]
+                caught.append("; ".join(r for r in rows if r and not set(r) <= set("-+= ")))
+            if parent.isEnabledFor(record.levelno):
+                parent.handle(record)
+
+    handler = Catch(logging.WARNING)
+    saved = [(lg, lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(min(logging.WARNING, parent.getEffectiveLevel()))
+        lg.propagate = False
     try:
-        yield
-    except (OSError, ValueError, SafetensorError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ArtifactError(f"{field}: {path}: the checkpoint cannot be loaded: {reason}") from exc
+        yield caught
+    finally:
+        for lg, level, propagate in saved:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+            lg.propagate = propagate
 
 
 def check_supported(config, field: str = "model.name_or_path") -> None:

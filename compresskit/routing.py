@@ -767,11 +767,16 @@ def fit_routers(
         for h in hooks:
             h.remove()
     real = torch.cat([b.attention_mask.flatten() for b in batches]).bool()
-    x = {k: torch.cat([t.flatten(0, -2) for t in v]).float()[real.to(v[0].device)] for k, v in inputs.items()}
-    importance = {
-        id(p): torch.cat(scores[id(p)])[real.to(x[id(p)].device)] / x[id(p)].norm(dim=-1, keepdim=True).clamp_min(1e-6)
-        for p in leaders
-    }
+    whole = bool(real.all())
+    x: dict[int, torch.Tensor] = {}
+    importance: dict[int, torch.Tensor] = {}
+    for p in leaders:  # one router's tensors at a time, its pieces freed as they are joined
+        k = id(p)
+        feats = torch.cat([t.flatten(0, -2).float() for t in inputs.pop(k)])
+        score = torch.cat(scores.pop(k))
+        if not whole:
+            feats, score = feats[real.to(feats.device)], score[real.to(score.device)]
+        x[k], importance[k] = feats, score / feats.norm(dim=-1, keepdim=True).clamp_min(1e-6)
     macs = {id(p): p.macs_per_group + sum(f.macs_per_group for f in projections if f.leader is p) for p in leaders}
     tokens = int(real.sum())
     keep: dict[int, torch.Tensor] = {}

@@ -1,4 +1,5 @@
 import math
+from pathlib import Path
 
 import pytest
 
@@ -300,3 +301,31 @@ def test_lm_eval_says_nothing_of_git_outside_a_checkout(tiny_model_dir, tmp_path
     dm = DataModule(tok, articles=_articles(8), test_fraction=0.5)
     evaluate(model, tok, dm, EvaluationSection(tasks=["piqa"], limit=2, batch_size=2, max_length=512))
     assert "not a git repository" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_dense_reference_is_reused_when_only_training_settings_change(tiny_model_dir, tmp_path, monkeypatch):
+    """Its cache key holds what decides its numbers: a run with other calibration settings reuses it, one
+    scored on other items computes its own."""
+    import compresskit.api as api
+    from compresskit.recipe import load_raw
+
+    computed = []
+    real = api.evaluate
+
+    def counting(model, *args, **kwargs):
+        if kwargs.get("pruner") is None:  # the dense reference's pass
+            computed.append(1)
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(api, "evaluate", counting)
+    recipe = load_raw(Path(__file__).parents[1] / "recipes" / "tiny-toy.yaml")
+    base = {"model.name_or_path": str(tiny_model_dir), "evaluation.tasks": ["perplexity"]}
+    runs = [
+        {"data.calibration.n_samples": 4, "output.dir": str(tmp_path / "a")},
+        {"data.calibration.n_samples": 2, "output.dir": str(tmp_path / "b")},  # training text only: reused
+        {"evaluation.perplexity_docs": 2, "output.dir": str(tmp_path / "c")},  # other items: its own
+    ]
+    for overrides in runs:
+        api.apply(recipe, overrides={**base, **overrides})
+    assert len(computed) == 2

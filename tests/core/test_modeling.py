@@ -134,3 +134,22 @@ def test_cpu_peak_memory_without_proc_is_unknown(monkeypatch):
 
     monkeypatch.setattr(Path, "read_text", no_proc)
     assert modeling.peak_memory(torch.device("cpu")) is None
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_says_why(tmp_path):
+    """transformers logs a load report (hidden by quiet logging) and raises "look at the above report": the
+    error is one ArtifactError that carries the report's rows, the keys and their shapes."""
+    import json
+
+    from compresskit.errors import ArtifactError
+    from compresskit.modeling import load_model
+    from compresskit.testing import save_tiny_model
+
+    folder = save_tiny_model(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 64}))
+    with pytest.raises(ArtifactError) as err:
+        load_model(str(folder), dtype="float32", device="cpu")
+    message = str(err.value)
+    assert "the checkpoint does not fit the model" in message and "\n" not in message
+    assert "mlp.up_proj.weight MISMATCH" in message and "torch.Size([96, 48])" in message

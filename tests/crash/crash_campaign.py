@@ -3,7 +3,7 @@ moments, then the same command run again; what every kill leaves, and what every
 
     .venv/bin/python tests/crash/crash_campaign.py                       # the full campaign (make crash-campaign)
     .venv/bin/python tests/crash/crash_campaign.py --points 10 --random 4 --overwrite 2 --double 2
-    .venv/bin/python tests/crash/crash_campaign.py --recipe recipes/wide-smollm2-quick.yaml \\
+    .venv/bin/python tests/crash/crash_campaign.py --recipe recipes/wide-smollm2-50-quick.yaml \\
         --set training.0.config.steps=4 --set training.1.config.steps=4 --points 12 --random 0
 
 A case, in a fresh folder with a cache of its own (its converted model, data and dense reference start cold):
@@ -47,7 +47,7 @@ import yaml
 from compresskit.files import TMP_MARK
 from compresskit.testing import TINY_EVALUATION
 
-# The default run: WIDE on a tiny random model, shaped as recipes/wide-smollm2-quick.yaml is (calibration, a
+# The default run: WIDE on a tiny random model, shaped as recipes/wide-smollm2-50-quick.yaml is (calibration, a
 # router stage, a LoRA stage distilling cached teacher logits, three evaluation tasks), in seconds.
 TINY_RECIPE = {
     "name": "crash-tiny",

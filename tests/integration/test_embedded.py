@@ -72,6 +72,40 @@ def test_quickstart_recipe_runs(tmp_path, capsys):
     assert "PIQA acc" in captured.out
 
 
+@needs_model
+def test_router_fit_alone_keeps_smollm2_usable_at_a_fifth_of_the_macs():
+    """The warm start the quick recipe builds on, on the real model with no recovery at all: fitted to the dense
+    model's own ranking on 4,096 training tokens, WIDE skips about a fifth of the projection MACs of held-out
+    text it never saw at under 2.5x the dense perplexity (2026-12-07: 24.32 against 13.60, 1.79x)."""
+    import math
+
+    from compresskit import plugins
+    from compresskit.data import DataModule
+    from compresskit.interfaces import RunContext
+    from compresskit.modeling import load_model
+    from compresskit.recipe import DataSection
+    from compresskit.routing import fit_routers
+
+    model, tok = load_model("smollm2-135m", dtype="float32", device="cpu")
+    data = DataModule.from_section(tok, DataSection())
+    held_out = tok(data.test[0].text, return_tensors="pt").input_ids[:, :512]
+
+    def perplexity() -> float:
+        with torch.no_grad():
+            return math.exp(model(held_out, labels=held_out).loss.item())
+
+    dense = perplexity()
+    cls = plugins.load("pruner", "wide")
+    pruner = cls(cls.Config(target_sparsity=0.22, budget="macs", ffn_group_size=32, attn_group_size=1))
+    pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok))
+    fit_routers(model, data.calibration_batches(16, 256, 4), pruner.skip_budget(), total_macs=pruner.total_macs)
+    model = pruner.finalize(model)
+    pruner.reset_sparsity(model)
+    pruned = perplexity()
+    assert pruner.sparsity(model).macs == pytest.approx(0.22, abs=0.06)  # (one document: 0.17 measured)
+    assert pruned < 2.5 * dense, (pruned, dense)
+
+
 PROMPTS = [
     "The capital of France is",
     "Photosynthesis is the process by which",
