@@ -617,7 +617,7 @@ def build_results(
     prune_summary: dict[str, Any] | None = None,
     speed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``results.json`` document (see the README for its fields)."""
+    """The ``results.json`` document (docs/outputs.md lists its fields)."""
     return {
         "schema_version": RESULTS_VERSION,
         "name": name,
