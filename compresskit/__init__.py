@@ -6,7 +6,7 @@ Public API::
     result = compresskit.apply("recipes/quickstart.yaml", overrides=["evaluation.limit=50"])
     loaded = compresskit.load("runs/quickstart")         # .model, .tokenizer, .pruner: transformers, evaluate, train
     model, tokenizer, pruner = loaded                     # (it unpacks as a tuple too)
-    text = compresskit.generator("runs/quickstart").generate("Once")   # the runtime: generate (a run folder or its model/)
+    text = compresskit.generator("runs/quickstart").generate("Once")   # the runtime (a run folder or its model/)
 
 Every name is imported when first used, so that ``import compresskit`` (and the CLI's start) does
 not pay for torch or transformers before they are needed.

@@ -676,7 +676,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
 
 def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[str, Any]:
     """A results document from a recipe (run, or reused when its results are current), a
-    results.json file or a run directory."""
+    results.json file, a run directory or its model/ directory."""
     from compresskit import files
     from compresskit.api import apply
     from compresskit.recipe import load_recipe
@@ -687,8 +687,9 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
         if result.reused:
             progress.log(f"{ref}: reusing {result.output_dir / 'results.json'}")
         return result.results
-    if path.is_dir():
-        path = path / "results.json"
+    if path.is_dir():  # a run folder, or its model/ (what generate and eval take too)
+        inside = path / "results.json"
+        path = inside if inside.is_file() or path.name != "model" else path.parent / "results.json"
     data = files.read_json(path, what="results file")
     if not isinstance(data, dict) or "metrics" not in data or "sparsity" not in data:
         raise CompressKitError(f"{path}: not a compresskit results.json (no metrics/sparsity)")

@@ -27,6 +27,31 @@ def save(fig, path: Path, colours: int = 64) -> None:
         image.convert("RGB").quantize(colours).save(path, format="PNG", optimize=True)
 
 
+LABEL_POINTS = 6  # the font size of a point's label
+_LABEL_WIDTH_PER_CHAR = 0.6  # of the font size: how wide a label's character is, about
+
+
+def label_points(ax, points: list[tuple[float, float, str]]) -> list[float]:
+    """Label each ``(x, y, text)`` point of ``ax`` beside it, a label that would cover one already placed moved down
+    a line at a time (points of one spot, two runs of nearly equal results, get a label each). Returns each
+    label's vertical offset in points, in the order of ``points``."""
+    ax.autoscale_view()
+    scale = ax.figure.dpi / 72.0  # pixels a point
+    height = (LABEL_POINTS + 2) * scale
+    placed: list[tuple[float, float, float]] = []  # (left, bottom, right) of each label, in pixels
+    offsets = []
+    for x, y, text in points:
+        px, py = ax.transData.transform((x, y))
+        left, right = px + 3 * scale, px + 3 * scale + len(text) * LABEL_POINTS * _LABEL_WIDTH_PER_CHAR * scale
+        dy = 3.0
+        while any(left < end and start < right and abs(py + dy * scale - b) < height for start, b, end in placed):
+            dy -= LABEL_POINTS + 2
+        placed.append((left, py + dy * scale, right))
+        offsets.append(dy)
+        ax.annotate(text, (x, y), fontsize=LABEL_POINTS, xytext=(3, dy), textcoords="offset points")
+    return offsets
+
+
 def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     """Write a PNG with two panels: zero-shot average accuracy and held-out perplexity against
     the realised fraction of projection MACs skipped; points of one pruner share a colour, and a
@@ -40,6 +65,7 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
     fig, (ax_acc, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
     methods = sorted({r.get("pruner") or "dense" for r in runs})
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    labels: dict[Any, list[tuple[float, float, str]]] = {ax_acc: [], ax_ppl: []}
     for method in methods:
         pts = sorted(
             (
@@ -67,13 +93,15 @@ def quality_vs_sparsity(runs: list[dict[str, Any]], path: Path) -> Path:
                 label=method,
                 zorder=3,
             )
-            for p in shown:  # each point is its own run: label it rather than join the points
-                ax.annotate(p[3], (p[0], p[idx]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            labels[ax] += [(p[0], p[idx], p[3]) for p in shown]  # each point is its own run: labelled, not joined
     ax_acc.set_xlabel("realised sparsity (fraction of projection MACs skipped)")
     ax_acc.set_ylabel("zero-shot average accuracy")
     ax_ppl.set_xlabel("realised sparsity (fraction of projection MACs skipped)")
     ax_ppl.set_ylabel("held-out perplexity (log scale)")
     ax_ppl.set_yscale("log")
+    for ax, points in labels.items():  # (on the final scales: a label's place is measured on the axes)
+        if points:
+            label_points(ax, points)
     for ax in (ax_acc, ax_ppl):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -794,8 +794,9 @@ def fit_routers(
             of_kind = [p for p in leaders if p.kind == kind]
             if not of_kind:
                 continue
-            flat = torch.cat([importance[id(p)].flatten().cpu() for p in of_kind])
-            threshold = torch.quantile(flat, fraction) if fraction > 0 else flat.min() - 1
+            flat = torch.cat([importance[id(p)].flatten().cpu() for p in of_kind]).sort().values
+            below = round(fraction * flat.numel())  # the pairs to skip: the lowest ``below``
+            threshold = flat[below - 1] if below > 0 else flat[0] - 1
             for p in of_kind:
                 keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
     gen = torch.Generator().manual_seed(seed)
@@ -824,13 +825,7 @@ def fit_routers(
         with torch.no_grad():  # each group skipped as often as its labels skip it
             logits = router(feats)
             margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
-            rate = 1.0 - target.mean(0)  # [G]
-            shift = -torch.stack(
-                [torch.quantile(margin[:, g], float(1.0 - r)) if 0 < r < 1 else margin[:, g].new_tensor(0.0)
-                 for g, r in enumerate(rate.tolist())]
-            )  # fmt: skip
-            shift = torch.where(rate >= 1, margin.max(0).values.abs() + 1e3, shift)
-            shift = torch.where(rate <= 0, -(margin.max(0).values.abs() + 1e3), shift)
+            shift = _rate_shift(margin, 1.0 - target.mean(0))
             router.up.bias.view(router.groups, 2)[:, 1] += shift.to(router.up.bias.dtype)
             decided = (margin + shift) <= 0  # executes
             agree += float((decided == target.bool()).float().mean()) * p.groups
@@ -843,6 +838,23 @@ def fit_routers(
         "agreement": agree / max(1, groups),
         "tokens": tokens,
     }
+
+
+def _rate_shift(margin: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """``[G]``: what to add to each group's skip margin (``margin: [N, G]``, skip iff > 0) so that a ``rate[g]``
+    fraction of its ``N`` tokens is skipped (all of them at 1, none at 0)."""
+    ordered = margin.sort(dim=0).values  # ascending, per group
+    n = margin.shape[0]
+    shift = torch.empty_like(rate)
+    for g, r in enumerate(rate.tolist()):
+        skipped = round(r * n)
+        if skipped <= 0:  # none: every margin below zero
+            shift[g] = -ordered[-1, g].clamp_min(0) - 1.0
+        elif skipped >= n:  # all: every margin above zero
+            shift[g] = -ordered[0, g].clamp_max(0) + 1.0
+        else:  # between the last token kept and the first skipped
+            shift[g] = -(ordered[n - skipped - 1, g] + ordered[n - skipped, g]) / 2
+    return shift
 
 
 def group_rates(model: nn.Module, profile: SparsityProfile) -> Callable[[RoutedProjection], float]:

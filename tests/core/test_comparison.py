@@ -181,3 +181,29 @@ def test_runs_scored_on_the_same_held_out_text_share_a_group_and_the_tasks_they_
     assert cells["ppl x dense (held-out)"] == "1.5x" and cells["PIQA acc"] == "-"
     assert cells["recovery (zero-shot)"] == "-"  # different zero-shot tasks: no ratio of their averages
     assert run["dense"] is None  # the input is left as it was
+
+
+def test_labels_of_points_close_together_do_not_overlap():
+    """Two runs at one spot (the dense model and an eval of it), and a third far away: the first two labels
+    get different lines, the third keeps the first line; each quality plot draws through it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from compresskit.plot import label_points
+
+    fig, ax = plt.subplots()
+    ax.plot([0.0, 0.0, 0.5], [21.4, 21.41, 60.0], "o")
+    offsets = label_points(ax, [(0.0, 21.4, "dense"), (0.0, 21.41, "smollm2-135m"), (0.5, 60.0, "wide-50")])
+    plt.close(fig)
+    assert offsets[0] != offsets[1] and offsets[2] == offsets[0]
+    assert len({round(o) for o in offsets[:2]}) == 2
+
+
+def test_the_quality_plot_labels_every_run(tmp_path):
+    from compresskit.plot import quality_vs_sparsity
+
+    runs = [run(name, 100) for name in ("a", "b", "c")]
+    path = quality_vs_sparsity(runs, tmp_path / "q.png")
+    assert path.is_file() and path.stat().st_size > 1000
