@@ -693,6 +693,8 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     data = files.read_json(path, what="results file")
     if not isinstance(data, dict) or "metrics" not in data or "sparsity" not in data:
         raise CompressKitError(f"{path}: not a compresskit results.json (no metrics/sparsity)")
+    if path.name == "results.json" and "output" in (data.get("recipe") or {}):  # an apply's run folder
+        data["name"] = path.resolve().parent.name  # the row is the run's: two runs of one recipe stay apart
     return data
 
 

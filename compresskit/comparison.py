@@ -13,6 +13,7 @@ against the same one and no dense run is in the group already); a compressed run
 
 from __future__ import annotations
 
+import hashlib
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ def eval_settings(run: dict[str, Any]) -> dict[str, Any]:
     files = split.get("files")  # a files source: the held-out text is the files' contents
     if split.get("source") in ("hf", "mixture"):  # every source's kind, weight and contents
         source = f"{split['source']} {split['fingerprint']}"
-    elif files is not None:
-        source = "files " + ",".join(f["sha256"][:12] for f in files)
+    elif files is not None:  # the files' contents, in order, as one short fingerprint
+        digest = hashlib.sha256(",".join(f["sha256"] for f in files).encode()).hexdigest()[:12]
+        source = f"{len(files)} files {digest}"
     else:
         source = data.get("source", "wiki")
     return {
