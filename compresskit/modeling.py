@@ -365,9 +365,11 @@ def _load_report() -> Iterator[list[str]]:
 
     handler = Catch(logging.WARNING)
     saved = [(lg, lg.level, lg.propagate) for lg in loggers]
-    for lg in loggers:
+    quieter = parent.getEffectiveLevel() > logging.WARNING  # (the CLI's): let the report's warning through
+    for lg in loggers:  # (a level set only where needed: transformers reads it to decide on more checks)
         lg.addHandler(handler)
-        lg.setLevel(min(logging.WARNING, parent.getEffectiveLevel()))
+        if quieter:
+            lg.setLevel(logging.WARNING)
         lg.propagate = False
     try:
         yield caught

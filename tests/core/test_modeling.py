@@ -153,3 +153,28 @@ def test_a_checkpoint_that_does_not_fit_its_config_says_why(tmp_path):
     message = str(err.value)
     assert "the checkpoint does not fit the model" in message and "\n" not in message
     assert "mlp.up_proj.weight MISMATCH" in message and "torch.Size([96, 48])" in message
+
+
+def test_catching_the_load_report_adds_no_warning_of_its_own(tiny_model_dir):
+    """transformers runs (and warns of) more checks where its loader's logger has a level set: catching the
+    report leaves that level alone where the report gets through without it."""
+    import logging
+
+    from compresskit.modeling import load_model
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    library, keep = logging.getLogger("transformers"), Keep()
+    level = library.level
+    library.setLevel(logging.WARNING)  # transformers' own default (a test run may lower it)
+    library.addHandler(keep)
+    try:
+        load_model(str(tiny_model_dir), dtype="float32", device="cpu")
+    finally:
+        library.removeHandler(keep)
+        library.setLevel(level)
+    assert not [m for m in said if "not sharded" in m]
