@@ -693,9 +693,17 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
     data = files.read_json(path, what="results file")
     if not isinstance(data, dict) or "metrics" not in data or "sparsity" not in data:
         raise CompressKitError(f"{path}: not a compresskit results.json (no metrics/sparsity)")
-    if path.name == "results.json" and "output" in (data.get("recipe") or {}):  # an apply's run folder
-        data["name"] = path.resolve().parent.name  # the row is the run's: two runs of one recipe stay apart
     return data
+
+
+def _name_apart(runs: list[dict[str, Any]], inputs: list[str]) -> None:
+    """Rows that would share a name (two runs of one recipe: on the shipped text and on one's own) get their
+    input's folder beside it, ``wide-smollm2-quick (runs/mine)``."""
+    names = [r["name"] for r in runs]
+    for i, (run, ref) in enumerate(zip(runs, inputs, strict=True)):
+        if names.count(run["name"]) > 1:
+            where = Path(ref).parent if Path(ref).suffix in (".json", ".yaml", ".yml") else Path(ref)
+            runs[i] = {**run, "name": f"{run['name']} ({where})"}
 
 
 def _float_list(
@@ -790,6 +798,7 @@ def cmd_compare(args, out: Console, err: Console) -> int:
             runs.append(aggregate_seeds(per_seed))
         else:
             runs.append(_load_run(ref, overrides, progress, err))
+    _name_apart(runs, inputs)
     groups = group_runs(runs)
     if speed is not None:
         _check_speed_runs(speed, runs)

@@ -255,7 +255,8 @@ def test_apply_end_to_end_with_third_party_plugin(capsys, tiny_model_dir, tmp_pa
     # run's group leads with its dense reference, the eval's carries none, so none is invented for it
     assert "evaluated under 2 different settings" in err
     assert len(csv_rows) == 4 and csv_rows[0].startswith("run,pruner,sparsity MACs")
-    assert [r.split(",")[0] for r in csv_rows[1:]] == ["dense", "tiny-toy", "model"]
+    # each row named after its run (the eval of run/model too), the two set apart by their folders
+    assert [r.split(",")[0] for r in csv_rows[1:]] == ["dense", "tiny-toy", "run"]
     assert csv_rows[1].endswith('"group 1: limit=6, next_sentence_items=6"') and "group 2: limit=4" in csv_rows[3]
     assert "### Evaluation group 2: limit=4, next_sentence_items=4" in out
     assert (tmp_path / "cmp" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -562,7 +563,7 @@ def test_a_run_folder_is_taken_wherever_a_model_is(capsys, tiny_model_dir, tmp_p
                          "--prompt", "8", "--transformers", "off")  # fmt: skip
     assert code == 0, err
     code, out, err = run(capsys, "compare", str(run_dir / "model"), str(tmp_path / "e"))
-    assert code == 0 and out.count("| my-run |") == 2, err  # the run, and its eval: each named after the run
+    assert code == 0 and "| tiny-wide-fit |" in out and "| my-run |" in out, err  # the eval: named after the run
     shutil.rmtree(run_dir / "model")  # its results only, as when the model stayed on another machine
     code, _, err = run(capsys, "generate", str(run_dir), "--prompt", "hello")
     assert code == 2 and "a run folder that holds its results only" in one_line_error(err)
@@ -585,3 +586,15 @@ def test_every_flag_has_help_text():
 
     walk(build_parser(), [])
     assert missing == []
+
+
+def test_rows_of_one_recipe_run_twice_are_set_apart_by_their_folders():
+    from compresskit.cli import _name_apart
+
+    runs = [{"name": "wide-smollm2-quick"}, {"name": "wide-smollm2-quick"}, {"name": "dense"}]
+    _name_apart(runs, ["runs/mine", "runs/wide-smollm2-quick/results.json", "runs/dense"])
+    assert [r["name"] for r in runs] == [
+        "wide-smollm2-quick (runs/mine)",
+        "wide-smollm2-quick (runs/wide-smollm2-quick)",
+        "dense",
+    ]
