@@ -619,14 +619,19 @@ def valid_section(raw: dict, key: str, model: type[BaseModel]) -> Any:
         return None
 
 
-def _plugin_sections(raw: dict) -> list[tuple[str, str, Any]]:
-    """``(kind, path, section)`` of each plugin section of a recipe that did not validate as a whole,
-    where that section itself is well formed (so its plugin's config can still be checked)."""
-    found = []
+def _plugin_sections(raw: dict, recipe: Recipe | None) -> list[tuple[str, str, PluginSection]]:
+    """``(kind, path, section)`` of each plugin section: the validated ``recipe``'s, or where the recipe as a whole
+    did not validate (None), each section of ``raw`` that is well formed by itself, so that its plugin's config
+    can still be checked."""
+    if recipe is not None:
+        sections = [("pruner", "pruner", recipe.pruner)] if recipe.pruner else []
+        sections += [("trainer", f"training.{i}", s) for i, s in enumerate(recipe.training)]
+        return [*sections, ("executor", "executor", recipe.executor)]
     entries = [("pruner", "pruner", raw.get("pruner")), ("executor", "executor", raw.get("executor"))]
     stages = raw.get("training")
     if isinstance(stages, list):
         entries += [("trainer", f"training.{i}", s) for i, s in enumerate(stages)]
+    found = []
     for kind, path, value in entries:
         if value is None:
             continue
@@ -639,33 +644,26 @@ def _plugin_sections(raw: dict) -> list[tuple[str, str, Any]]:
 
 def validate(raw: dict, *, source: str | None = None, overrides: list[str] | None = None) -> ResolvedRecipe:
     """Both validation stages on an already-merged recipe mapping. Every problem found is reported
-    together (:class:`RecipeProblems`): the recipe's own fields, then each plugin's config."""
+    together (:class:`RecipeProblems`): the recipe's own fields, then each plugin's config, then what each
+    training stage needs of the pruner."""
     problems: list[str] = []
+    recipe = None
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as exc:
         problems = validation_problems(exc, Recipe)
-        for kind, path, section in _plugin_sections(raw):
-            try:
-                validate_plugin(kind, section, path)
-            except CompressKitError as plugin_exc:
-                problems += problems_of(plugin_exc)
-        raise RecipeProblems(problems) from None
-    if recipe.schema_version > SCHEMA_VERSION:
+    if recipe is not None and recipe.schema_version > SCHEMA_VERSION:
         raise RecipeError(
             f"schema_version: {recipe.schema_version} is newer than this compresskit understands "
             f"(<= {SCHEMA_VERSION}); upgrade compresskit"
         )
-    sections = [("pruner", "pruner", recipe.pruner)] if recipe.pruner else []
-    sections += [("trainer", f"training.{i}", s) for i, s in enumerate(recipe.training)]
-    sections.append(("executor", "executor", recipe.executor))
     resolved: dict[str, ResolvedPlugin] = {}
-    for kind, path, section in sections:
+    for kind, path, section in _plugin_sections(raw, recipe):
         try:
             resolved[path] = validate_plugin(kind, section, path)
         except CompressKitError as exc:
             problems += problems_of(exc)
-    if problems:
+    if problems or recipe is None:
         raise RecipeProblems(problems)
     pruner = resolved.get("pruner")
     training = [resolved[f"training.{i}"] for i in range(len(recipe.training))]
