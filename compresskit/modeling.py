@@ -74,7 +74,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or os.sep in name.rstrip(os.sep) and not _HUB_ID.match(name)
+    """A path, not a hub id: it starts like one, or its first folder is here (``runs/my-run`` where ``runs/``
+    exists: a run folder mistyped, not an organisation's model)."""
+    if name.startswith(("/", "./", "../", "~")):
+        return True
+    if os.sep not in name.rstrip(os.sep):
+        return False
+    return not _HUB_ID.match(name) or Path(name.split(os.sep)[0]).is_dir()
 
 
 def download_hint(field: str) -> str:
@@ -118,7 +124,7 @@ def resolve_model_source(
         return ModelSource("local", name_or_path, str(expanded.resolve()))
     if _looks_like_path(name_or_path) or expanded.exists():
         raise ModelNotFoundError(
-            f"{field}: directory {name_or_path!r} does not exist; give an existing HF model directory "
+            f"{field}: directory {name_or_path!r} does not exist; give a run folder, an HF model directory "
             f"or a built-in alias ({', '.join(ALIASES)})"
         )
     if _HUB_ID.match(name_or_path):

@@ -33,6 +33,14 @@ def test_replace_module_returns_old():
     assert model.model.layers[0].mlp is new and old.__class__.__name__ == "LlamaMLP"
 
 
+def test_a_mistyped_run_folder_is_not_read_as_a_hub_id(tmp_path, monkeypatch):
+    """``runs/my-rnu`` where ``runs/`` exists: a folder that does not exist, not a hub id to download."""
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="directory 'runs/my-rnu' does not exist"):
+        resolve_model_source("runs/my-rnu")
+
+
 @pytest.mark.parametrize(
     ("name", "match"),
     [
