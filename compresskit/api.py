@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from compresskit import artifacts, crashpoints, distributed, files, locking, plugins
-from compresskit.bench import consensus_executor, measure_speed, unmeasured_reason
+from compresskit.bench import measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, held_out_documents, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
 from compresskit.errors import CompressKitError, OutputExistsError, RecipeError
@@ -38,10 +38,10 @@ from compresskit.modeling import (
     release_freed_memory,
     resolve_model_source,
 )
+from compresskit.options import configured_executor, runtime_executor_class, trained_notice
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.report import results_markdown
-from compresskit.routing import trained_rule, trained_rule_notice
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
 from compresskit.tasks import check_lm_eval_tasks, check_task_data
@@ -505,9 +505,9 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
     executor = resolved.executor.cls(resolved.executor.config)
     executor.check(model)
     model = executor.convert(model)
-    trained = trained_rule(resolved.to_dict())
-    if trained is not None and getattr(executor.config, "consensus", None) is None:
-        progress.log(trained_rule_notice(f"run {out}", trained))
+    notice = trained_notice(f"run {out}", resolved.pruner and resolved.pruner.cls, resolved.to_dict(), executor.config)
+    if notice:
+        progress.log(notice)
 
     seed_everything(phase_seed(rec.seed, "evaluation"))
     ev = evaluate(
@@ -659,18 +659,18 @@ def eval_model(
     output_dir: str | Path | None = None,
     progress: Progress | None = None,
     field: str = "model_ref",
-    consensus=None,
+    options: dict[str, Any] | None = None,
     allow_download: bool = False,
     data_field: str = "data.source.files",
 ) -> dict[str, Any]:
     """Evaluate a saved compresskit model directory, an HF directory or a built-in alias with the
     shared evaluator; optionally write ``results.json``/``results.md`` to ``output_dir``. Errors
-    about ``model_ref`` name it as ``field`` (the CLI passes its argument's name). ``consensus`` (a
-    ``routing.Consensus``): score a routed model under batch-consensus routing, each evaluation
-    batch of ``evaluation.batch_size`` sequences deciding together (the teacher-forced simulation of
-    decoding that many sequences at once). ``allow_download``: a hub model or an lm-eval task's data not in
-    the local caches may be downloaded (``--allow-download``). ``data_field``: how errors about ``data``'s
-    files name them (the CLI: ``--data``)."""
+    about ``model_ref`` name it as ``field`` (the CLI passes its argument's name). ``options``: score a
+    saved run under these settings of its method's runtime executor (``--option``, :mod:`compresskit.options`),
+    through the executor's ``convert``: the reference path then decides as the runtime's blocks would, each
+    evaluation batch of ``evaluation.batch_size`` sequences as a served batch. ``allow_download``: a hub model
+    or an lm-eval task's data not in the local caches may be downloaded (``--allow-download``). ``data_field``:
+    how errors about ``data``'s files name them (the CLI: ``--data``)."""
     progress = progress or Progress()
     evaluation = evaluation or EvaluationSection()
     data_section = data or DataSection()
@@ -700,9 +700,18 @@ def eval_model(
             output_dir=output_dir,
             progress=progress,
             field=field,
-            consensus=consensus,
+            options=options,
             allow_download=allow_download,
         )
+
+
+def _default_config(pruner_cls: type):
+    """The config of ``pruner_cls``'s runtime executor at its defaults (what a model is scored under without
+    ``--option``), or None where it has none."""
+    try:
+        return runtime_executor_class(pruner_cls).Config()
+    except CompressKitError:
+        return None
 
 
 def _eval_locked(
@@ -716,28 +725,28 @@ def _eval_locked(
     output_dir: str | Path | None,
     progress: Progress,
     field: str,
-    consensus,
+    options: dict[str, Any] | None,
     allow_download: bool,
 ) -> dict[str, Any]:
     """:func:`eval_model` once its inputs are checked (and it holds its output folder's lock)."""
     path = artifacts.saved_dir(model_ref)  # a saved model, or the run folder that holds one
     saved = path is not None
-    if consensus is not None:  # (checked before the model loads)
+    executor = None
+    if options is not None:  # (checked before the model loads)
         name = (artifacts.read_manifest(path).get("pruner") or {}).get("name") if saved else None
         if name is None:
-            raise CompressKitError(
-                f"--consensus: {model_ref} is no saved run of a routing pruner, so it has no routers to agree; "
-                "batch consensus routes a run of wide"
-            )
-        executor_cls = consensus_executor(plugins.load("pruner", name))
+            raise CompressKitError(f"--option: {model_ref} is no saved run of a method, so it has no settings of one")
+        executor = configured_executor(plugins.load("pruner", name), options)
     if saved:
         model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)
         manifest = artifacts.read_manifest(path)
         base = manifest["base_model"]
         pruner_name = (manifest.get("pruner") or {}).get("name")
-        trained = trained_rule(manifest.get("recipe"))
-        if trained is not None and consensus is None:
-            progress.log(trained_rule_notice(model_ref, trained))
+        if pruner is not None:
+            scored = executor.config if executor is not None else _default_config(type(pruner))
+            notice = trained_notice(model_ref, type(pruner), manifest.get("recipe"), scored)
+            if notice:
+                progress.log(notice)
     else:
         resolve_model_source(model_ref, allow_download=allow_download, field=field)
         model, tokenizer = load_model(
@@ -745,10 +754,8 @@ def _eval_locked(
         )
         pruner, pruner_name, base = None, None, model_ref
     resolve_engine(model, evaluation)
-    executor = None
-    if consensus is not None:
-        executor = executor_cls(executor_cls.Config(consensus=consensus))
-        executor.convert(model)  # the routed modules decide under the rule too
+    if executor is not None:
+        executor.convert(model)  # the reference path decides as the runtime's blocks would under the setting
     write_generated(documents, model, tokenizer, model_id=model_ref, progress=progress)
     seed_everything(evaluation.seed)
     with progress.task("preparing the text"):
@@ -770,8 +777,8 @@ def _eval_locked(
         "evaluation": evaluation.model_dump(mode="json"),
         "data": data_section.model_dump(mode="json"),
     }
-    if consensus is not None:
-        recipe["consensus"] = consensus.model_dump(mode="json")
+    if options is not None:
+        recipe["options"] = options
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     n_params = count_parameters(model)
     results = build_results(

@@ -32,6 +32,7 @@ from compresskit.errors import ArtifactError, CompressKitError
 from compresskit.files import MODEL_FILES_MARGIN_BYTES, disk_space, read_json, staged_dir, tensor_bytes, write_json
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
 from compresskit.modeling import device_name, load_model
+from compresskit.recipe import stage_config_class
 
 MANIFEST = "compresskit.json"
 PRUNER_FILE = "pruner.safetensors"
@@ -222,8 +223,8 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
             tcls = plugins.load("trainer", stage["name"])
         except CompressKitError as exc:
             raise ArtifactError(f"{directory / MANIFEST}: training stage {stage.get('index')}: {exc}") from None
-        try:
-            trainer = tcls(tcls.Config.model_validate(stage["config"]))
+        try:  # (with the pruner's training options where the stage took them)
+            trainer = tcls(stage_config_class(tcls, type(pruner) if pruner else None).model_validate(stage["config"]))
         except ValidationError as exc:
             raise ArtifactError(
                 f"{directory / MANIFEST}: training stage {stage['name']!r}: invalid config: {exc}"

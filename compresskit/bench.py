@@ -22,6 +22,7 @@ from compresskit.errors import CompressKitError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name, lora_merged
+from compresskit.options import configured_executor, option_label
 from compresskit.routing import dense_view
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
@@ -222,25 +223,6 @@ def run_source(ref: str) -> Source:
     return Source(doc.get("name") or path.parent.name, doc["pruner"], cls, dict(pruner.get("config") or {}), profile)
 
 
-def consensus_label(rule) -> str:
-    """The bench row of a consensus rule (the settings it was given): ``consensus (quorum 0.5, budget 0.6)``."""
-    given = rule.model_dump(exclude_unset=True, exclude={"schema_version"})
-    return "consensus (" + ", ".join(f"{k} {v}" for k, v in given.items()) + ")"
-
-
-def consensus_executor(pruner_cls):
-    """The executor class whose runtime blocks route ``pruner_cls``'s models by batch consensus (its
-    ``runtime_executor``, where that takes a ``consensus`` rule); a ``CompressKitError`` otherwise."""
-    name = getattr(pruner_cls, "runtime_executor", None)
-    cls = plugins.load("executor", name) if name else None
-    if cls is None or "consensus" not in cls.Config.model_fields:
-        raise CompressKitError(
-            f"--consensus: {pruner_cls.__name__} has no batch-consensus routing on the runtime (its executor "
-            f"{name or '(none)'} takes no consensus rule; the wide pruner's does)"
-        )
-    return cls
-
-
 def shape_members(
     shape: str,
     sources: list[Source],
@@ -248,14 +230,14 @@ def shape_members(
     device,
     dtype,
     transformers: str | None = None,
-    consensus: list = (),
+    settings: list[dict] = (),
     bounds: bool = True,
     **options,
 ) -> list:
     """The bench's members for a known ``shape`` (random weights), each built when its turn comes and
     freed after it (one model on the device at a time): each of ``sources`` (a method's structure, its
-    routers untrained and calibrated), each routed source under each ``consensus`` rule (the runtime
-    blocks of its executor configured with that rule), the dense model (the same weights: the same seed),
+    routers untrained and calibrated), each source under each of ``settings`` (``--option``: its runtime
+    executor configured so, :mod:`compresskit.options`), the dense model (the same weights: the same seed),
     with ``bounds`` the ideal half-width models where the shape has them (:data:`HALVES`), and with
     ``transformers`` ("dynamic" or "static", its cache) the dense model through transformers'
     ``generate``. ``options`` go to the runtimes (``compile``, ``graphs``)."""
@@ -264,10 +246,11 @@ def shape_members(
     for src in sources:
         build = functools.partial(src.build, shape, **where, **options)
         members.append(Member(src.name, build=build, info=src.info()))
-        for spec in consensus:
-            cls = consensus_executor(src.pruner_cls)
-            label = consensus_label(spec) if src.name == "compressed" else f"{src.name}, {consensus_label(spec)}"
-            build = functools.partial(src.build, shape, executor=cls(cls.Config(consensus=spec)), **where, **options)
+        for setting in settings:
+            executor = configured_executor(src.pruner_cls, setting)
+            label = option_label(setting, executor.config)
+            label = label if src.name == "compressed" else f"{src.name}, {label}"
+            build = functools.partial(src.build, shape, executor=executor, **where, **options)
             members.append(Member(label, build=build, info=src.info()))
 
     def plain(half: bool | str = False, runtime: bool = True):
@@ -288,19 +271,15 @@ def shape_members(
     return members
 
 
-def consensus_members(model, pruner, specs: list, **options) -> list:
-    """A member per batch-consensus rule in ``specs`` (``compresskit.routing.Consensus``): the routed
-    ``model`` on the runtime blocks of its pruner's executor configured with that rule. A
-    ``CompressKitError`` where the pruner's executor has no such option."""
-    if not specs:
-        return []
-    cls = consensus_executor(type(pruner))
+def setting_members(model, pruner, settings: list[dict], **options) -> list:
+    """A member per setting of ``settings`` (``--option``, :mod:`compresskit.options`): the compressed ``model``
+    on the runtime blocks of its pruner's executor configured so. A ``CompressKitError`` where a setting does
+    not fit that executor's config."""
     members = []
-    for spec in specs:
-        executor = cls(cls.Config(consensus=spec))
-        members.append(
-            Member(consensus_label(spec), model, runtime_for(model, pruner, executor=executor, **options), pruner)
-        )
+    for setting in settings:
+        executor = configured_executor(type(pruner), setting)
+        runtime = runtime_for(model, pruner, executor=executor, **options)
+        members.append(Member(option_label(setting, executor.config), model, runtime, pruner))
     return members
 
 

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +34,24 @@ class _Parser(argparse.ArgumentParser):
     """argparse that exits with our bad-input code and one line."""
 
     def error(self, message: str):
-        raise CompressKitError(f"{self.prog}: {message}")
+        raise CompressKitError(f"{self.prog}: {message}{_settings_hint(message)}")
+
+
+OPTION_HELP = (
+    "one setting of the method's own inference options, KEY=VALUE[,KEY=VALUE...]: dotted keys into its runtime "
+    "executor's config (`compresskit schema EXECUTOR` lists them), values in YAML"
+)
+
+
+def _settings_hint(message: str) -> str:
+    """Where argparse found a flag it does not know given ``KEY=VALUE`` pairs (a method's setting under a flag of
+    its own), the ``--option`` that gives them."""
+    match = re.match(r"unrecognized arguments: .*?--([\w-]+)[ =]((?:[\w.-]+=[^,\s]+,?)+)", message)
+    if not match:
+        return ""
+    name, pairs = match.groups()
+    keys = ",".join(f"{name}.{pair}" for pair in pairs.strip(",").split(","))
+    return f"; a method's own settings go through --option KEY=VALUE,... (bench, eval): --option {keys}"
 
 
 def _consoles() -> tuple[Console, Console]:
@@ -420,19 +438,19 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         SHAPES,
         Member,
         bench,
-        consensus_executor,
-        consensus_members,
         markdown,
         matrix_markdown,
         method_source,
         model_matrix_markdown,
         run_source,
+        setting_members,
         shape_config,
         shape_members,
         shape_memory_error,
         speedups,
     )
     from compresskit.modeling import device_name, load_model, resolve_device, resolve_dtype
+    from compresskit.options import configured_executor, parse_option
     from compresskit.plot import speedup_heatmap, speedup_vs_batch
     from compresskit.runtime import Runtime, runtime_for
 
@@ -461,10 +479,10 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         if args.method or not args.runs:
             sources += [method_source(args.method or "wide", s, named=len(sparsities) > 1) for s in sparsities]
         sources += [run_source(ref) for ref in args.runs]
-        if args.consensus:
-            for src in sources:
-                consensus_executor(src.pruner_cls)
-    consensus = [_consensus_rule(text) for text in args.consensus]
+    settings = [parse_option(text) for text in args.option]
+    for src in sources:  # each setting fits each method's executor: checked before anything is built
+        for setting in settings:
+            configured_executor(src.pruner_cls, setting)
     if args.output is not None:
         files.check_creatable(Path(args.output), "output directory (--output)")
         files.check_replaceable(Path(args.output), "output directory (--output)", BENCH_FILES)
@@ -498,7 +516,7 @@ def cmd_bench(args, out: Console, err: Console) -> int:
             device=device,
             dtype=dtype,
             transformers=None if args.transformers == "off" else args.transformers,
-            consensus=consensus,
+            settings=settings,
             bounds=args.bounds == "on",
             **options,
         )
@@ -508,7 +526,9 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
         dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
         members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
-        members += consensus_members(model, pruner, consensus, **options)
+        if settings and pruner is None:
+            raise CompressKitError(f"--option: {args.model} is no saved run of a method, so it has no settings of one")
+        members += setting_members(model, pruner, settings, **options)
         members.append(Member("dense", dense, Runtime(dense, **options)))
         if args.transformers != "off":
             name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
@@ -589,25 +609,6 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _consensus_rule(text: str):
-    """``--consensus quorum=0.5,budget=0.6`` -> the rule (``compresskit.routing.Consensus``), checked."""
-    from pydantic import ValidationError
-
-    from compresskit.recipe import format_validation_error
-    from compresskit.routing import Consensus
-
-    spec: dict[str, Any] = {}
-    for part in filter(None, text.split(",")):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise CompressKitError(f"--consensus {text}: {part!r} is no KEY=VALUE pair (e.g. quorum=0.5,budget=0.6)")
-        spec[key.strip()] = value.strip()
-    try:
-        return Consensus(**spec)
-    except ValidationError as exc:
-        raise CompressKitError(f"--consensus {text}: {format_validation_error(exc, Consensus)}") from None
-
-
 def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -621,6 +622,7 @@ def cmd_eval(args, out: Console, err: Console) -> int:
     from pydantic import ValidationError
 
     from compresskit.api import eval_model
+    from compresskit.options import parse_option
     from compresskit.recipe import DataSection, EvaluationSection, format_validation_error
 
     fields: dict[str, Any] = {}
@@ -654,10 +656,9 @@ def cmd_eval(args, out: Console, err: Console) -> int:
             raise RecipeError(format_validation_error(exc, DataSection, names=names)) from None
     elif args.test_fraction is not None:
         raise CompressKitError("--test-fraction: it splits your own text; give --data FILE... too")
-    consensus = None if args.consensus is None else _consensus_rule(args.consensus)
     results = eval_model(
         args.model,
-        consensus=consensus,
+        options=None if args.option is None else parse_option(args.option),
         allow_download=args.allow_download,
         data_field="--data",
         evaluation=evaluation,
@@ -1008,13 +1009,11 @@ def build_parser() -> argparse.ArgumentParser:
         "static cache (generate compiles it on a GPU), or not",
     )
     p.add_argument(
-        "--consensus",
+        "--option",
         action="append",
         default=[],
-        metavar="RULE",
-        help="also time the routed model under batch-consensus routing, e.g. quorum=0.5,budget=0.6 (the wide-triton "
-        "executor's consensus settings: quorum, budget, share, over, tile, follow; over=tile,tile=64: tile-coherent "
-        "routing of each prompt's tiles); repeat for several rules",
+        metavar="KEY=VALUE,...",
+        help=f"also time the compressed model under {OPTION_HELP}; repeat for a row each",
     )
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--prompt", default="128", help="comma-separated prompt lengths in tokens (default 128)")
@@ -1085,11 +1084,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a hub model or an lm-eval task's data not in the local caches may be downloaded",
     )
     p.add_argument(
-        "--consensus",
-        metavar="RULE",
-        help="score a saved routing run under batch-consensus routing, e.g. quorum=0.5,budget=0.6: each batch of "
-        "--batch-size sequences decides together, as a served batch decoding that many would; with over=tile,tile=64 "
-        "(tile-coherent routing) each tile of 64 tokens of a sequence decides together, as a prompt's prefill would",
+        "--option",
+        metavar="KEY=VALUE,...",
+        help=f"score a saved run under {OPTION_HELP}; the reference path decides as the runtime's blocks would",
     )
     with_placement(p)
     p.add_argument("--output", help="directory for results.json and results.md")

@@ -36,9 +36,13 @@ class PluginConfig(BaseModel):
     round-trip losslessly through JSON. Put cross-field rules in a
     ``@model_validator(mode="after")`` whose message names the fields and the accepted values.
     Bump ``schema_version`` when a saved config would be read differently.
+
+    ``omitted_at_default``: fields added after runs were saved, left out of a saved recipe (and its hash)
+    while they hold this default, so that those runs stay the same recipe's.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    omitted_at_default: ClassVar[dict[str, Any]] = {}
 
     schema_version: int = 1
 
@@ -126,6 +130,9 @@ class Pruner(abc.ABC):
             :func:`compresskit.testing.tiny_llama` (used by ``compresskit plugins check``).
         runtime_executor: the executor (by plugin name) whose blocks run this pruner's models on the
             inference runtime, or None for the runtime's own blocks.
+        TrainingOptions: a config class whose fields every training stage that trains the model
+            (``Trainer.takes_pruner_options``) also accepts in a recipe with this pruner, beside its own
+            (its ``training_scope`` reads them), or None.
     """
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
@@ -133,6 +140,7 @@ class Pruner(abc.ABC):
     saves_full_model: ClassVar[bool] = False
     contract_config: ClassVar[dict[str, Any]] = {}
     runtime_executor: ClassVar[str | None] = None
+    TrainingOptions: ClassVar[type[PluginConfig] | None] = None
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
@@ -204,6 +212,19 @@ class Pruner(abc.ABC):
         ``can_view_dense`` False and the run keeps a copy instead."""
         raise RuntimeError(f"{type(self).__name__} cannot show the dense model (can_view_dense is False): keep a copy")
 
+    def training_scope(self, model: nn.Module, config: PluginConfig) -> contextlib.AbstractContextManager:
+        """The context a training stage trains ``model`` in: its config ``config`` holds the fields of
+        ``TrainingOptions`` (with the stage's own), which this reads; whatever it sets up is undone at its exit.
+        Default: nothing."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def trained_options(cls, recipe: dict[str, Any]) -> dict[str, Any]:
+        """The settings of the ``runtime_executor``'s config (its fields, as a recipe's executor section gives
+        them) under which a model trained by ``recipe`` (a resolved recipe's dict) runs as its training ran it,
+        where its training options changed that; evaluated without them, the run is told so. Default: none."""
+        return {}
+
     def regularization(self, model: nn.Module) -> torch.Tensor | None:
         """A loss term added to the LM loss during training (e.g. a sparsity budget). Default: none."""
         return None
@@ -262,6 +283,9 @@ class Trainer(abc.ABC):
     # trains the model's own weights, so that they no longer show the dense model: a stage that distils during
     # or after it gets a kept copy of the dense model as its teacher (distill.keeps_teacher_copy)
     changes_weights: ClassVar[bool] = False
+    # trains the model with the recipe's pruner: its config also takes the pruner's ``TrainingOptions``, and its
+    # ``fit`` trains inside ``pruner.training_scope(model, self.config)``
+    takes_pruner_options: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()

@@ -22,6 +22,7 @@ YAML path, the value given and what is allowed.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from compresskit import plugins, tasks
 from compresskit.errors import CompressKitError, RecipeError, RecipeProblems, did_you_mean
@@ -552,7 +553,6 @@ class ResolvedPlugin:
 # fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
 OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
-STAGE_OMITTED_AT_DEFAULT = {"consensus_gradient": "own"}  # in each training stage's config, likewise
 
 
 @dataclass
@@ -573,9 +573,8 @@ class ResolvedRecipe:
             data["pruner"]["config"] = self.pruner.config.model_dump(mode="json")
         for i, stage in enumerate(self.training):
             config = stage.config.model_dump(mode="json")
-            data["training"][i]["config"] = {
-                k: v for k, v in config.items() if k not in STAGE_OMITTED_AT_DEFAULT or v != STAGE_OMITTED_AT_DEFAULT[k]
-            }
+            omitted = stage.config.omitted_at_default  # likewise, in each training stage's config
+            data["training"][i]["config"] = {k: v for k, v in config.items() if k not in omitted or v != omitted[k]}
         data["executor"]["config"] = self.executor.config.model_dump(mode="json")
         for path, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
             *parents, key = path.split(".")
@@ -593,16 +592,36 @@ class ResolvedRecipe:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def validate_plugin(kind: str, section: PluginSection, path: str) -> ResolvedPlugin:
+def validate_plugin(kind: str, section: PluginSection, path: str, pruner_cls: type | None = None) -> ResolvedPlugin:
+    """The plugin of ``section`` loaded and its config validated; a training stage's with the options of the
+    recipe's pruner (``pruner_cls``) where the stage takes them (:func:`stage_config_class`)."""
     try:
         cls = plugins.load(kind, section.name)
     except CompressKitError as exc:
         raise RecipeError(f"{path}.name: {exc}") from None
+    config_cls = stage_config_class(cls, pruner_cls) if kind == "trainer" else cls.Config
     try:
-        config = cls.Config.model_validate(section.config)
+        config = config_cls.model_validate(section.config)
     except ValidationError as exc:
-        raise RecipeProblems(validation_problems(exc, cls.Config, prefix=f"{path}.config.")) from None
+        raise RecipeProblems(validation_problems(exc, config_cls, prefix=f"{path}.config.")) from None
     return ResolvedPlugin(kind=kind, name=section.name, cls=cls, config=config, path=path)
+
+
+def stage_config_class(trainer_cls: type, pruner_cls: type | None) -> type[PluginConfig]:
+    """The config class of a training stage of ``trainer_cls`` in a recipe whose pruner is of ``pruner_cls``
+    (None: no pruner): the stage's own, with the pruner's ``TrainingOptions`` fields merged in where the stage
+    trains with the pruner (``Trainer.takes_pruner_options``) and the pruner has options."""
+    options = getattr(pruner_cls, "TrainingOptions", None)
+    if options is None or not trainer_cls.takes_pruner_options:
+        return trainer_cls.Config
+    return _merged_config(trainer_cls.Config, options)
+
+
+@functools.cache
+def _merged_config(config: type[PluginConfig], options: type[PluginConfig]) -> type[PluginConfig]:
+    merged = create_model(config.__name__, __base__=(config, options), __module__=config.__module__)
+    merged.omitted_at_default = {**options.omitted_at_default, **config.omitted_at_default}
+    return merged
 
 
 def problems_of(error: CompressKitError) -> list[str]:
@@ -658,9 +677,10 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
             f"(<= {SCHEMA_VERSION}); upgrade compresskit"
         )
     resolved: dict[str, ResolvedPlugin] = {}
-    for kind, path, section in _plugin_sections(raw, recipe):
+    for kind, path, section in _plugin_sections(raw, recipe):  # the pruner first: its options reach the stages
+        pruner_cls = resolved["pruner"].cls if "pruner" in resolved else None
         try:
-            resolved[path] = validate_plugin(kind, section, path)
+            resolved[path] = validate_plugin(kind, section, path, pruner_cls)
         except CompressKitError as exc:
             problems += problems_of(exc)
     if problems or recipe is None:
@@ -673,16 +693,6 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
             problems.append(f"{stage.path}.name: {problem}")
     if problems:
         raise RecipeProblems(problems)
-    for stage in training:
-        if getattr(stage.config, "consensus", None) is not None:
-            from compresskit.routing import RoutedPruner  # (torch: loaded with the plugins already)
-
-            if pruner is None or not issubclass(pruner.cls, RoutedPruner):
-                has = f"pruner {pruner.name!r} has" if pruner else "the recipe has no pruner, so it has"
-                raise RecipeError(
-                    f"{stage.path}.config.consensus: batch consensus trains routers, and {has} none; "
-                    "drop it, or use a routing pruner (wide, dynamic-depth)"
-                )
     executor = resolved["executor"]
     return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
 

@@ -8,9 +8,8 @@
   :class:`RoutedProjection` replaces a projection (``o_proj``, ``down_proj``) whose input is
   split into ``G`` contiguous groups, each kept or zeroed per token. With ``G = 1`` that skips
   the whole sublayer (dynamic depth); K and V are never touched, so the KV cache stays complete.
-* :class:`Consensus` (set on a model's routers by :func:`set_consensus`): batch-consensus routing, the
-  sequences of a batch sharing each router's groups at every position, or tile-coherent routing, the
-  tokens of each tile of a sequence sharing them (:func:`consensus_execute`).
+* :class:`DecisionRule` (set on a model's routers by :func:`set_rule`): a plugin's rule that turns the
+  tokens' own decisions of a pass into those that run (shared routing, say).
 
 The transformers layer code is left alone: in a Llama-style decoder layer the input of
 ``input_layernorm`` is the residual entering the layer and the input of
@@ -21,17 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator, model_serializer
 from torch import nn
 
 from compresskit.errors import ArtifactError
-from compresskit.interfaces import PluginConfig, Pruner, RunContext
+from compresskit.interfaces import Pruner, RunContext
 from compresskit.modeling import replace_module
 from compresskit.sparsity import (
     ATTENTION_PROJ,
@@ -81,165 +78,17 @@ def decide(logits: torch.Tensor, *, sample: bool, tau: float) -> torch.Tensor:
     return (logits[..., 1] <= logits[..., 0]).to(logits.dtype)
 
 
-TILE_MULTIPLE = 16  # a tile of ``over: tile`` is a whole number of the products' smallest token tiles
+class DecisionRule(Protocol):
+    """A plugin's rule over a pass's routing decisions, set on a model's routers with :func:`set_rule` (a
+    routing pruner's shared routing, say). Where it ``applies`` to a ``[batch, tokens]`` pass,
+    ``agree(logits, execute, valid)`` returns what runs in place of the tokens' own decisions: ``logits``
+    ``[B, T, G, 2]`` (the router's), ``execute`` ``[B, T, G]`` (their own, with its straight-through gradient in
+    training), ``valid`` ``[B, T]`` (the real tokens; None: all are) -> ``[B, T, G]``, with the gradient the rule
+    gives it. The tokens' own decisions are what the sparsity term counts in training."""
 
+    def applies(self, batch: int, tokens: int) -> bool: ...
 
-class Consensus(PluginConfig):
-    """Shared routing. ``over: batch`` (batch consensus): at each position, the real tokens of a batch's
-    sequences share one set of groups per router, so that a product reads the weights of that set, not the
-    union of every token's. ``over: tile`` (tile-coherent routing): the real tokens of each tile of ``tile``
-    consecutive positions of a sequence share one set, so that a prefill tile's products can skip whole
-    groups of weights; a tile of one real token (each decode step) keeps its own decision.
-
-    The shared set: the groups that at least ``quorum`` of the position's real tokens execute (at least
-    one token), ranked by their votes (ties: by the sum of the tokens' execute-minus-skip margins, then by
-    index), at most ``ceil(budget * G)`` of them, and with ``follow`` at most ``ceil(follow * m)``, ``m`` the
-    mean count of groups the position's real tokens would run (a cap that follows each router's own rate).
-    ``share="set"``: every token runs the whole set; ``"own"``: each token runs its own choices within it;
-    ``attention_share`` gives the attention routers another (``own`` with the FFN's ``set``: each sequence's
-    attention reads only its own heads' K/V, as per-token routing does, while its q and o weights are read for
-    the set only). A position with one real token (a batch of one) keeps that token's own decision exactly:
-    per-token routing.
-    The same object is what a recipe, a training stage or a command gives (``consensus: {quorum: 0.5}``).
-
-    With ``over: batch`` a sequence's output depends on the sequences batched with it; with ``over: tile``
-    a token's depends on the tokens of its tile (later ones too), so a prompt's logits differ from those of
-    the same tokens decoded one at a time."""
-
-    quorum: float = Field(
-        0.5,
-        ge=0.0,
-        le=1.0,
-        description="a group joins the batch's shared set when at least this share of the position's real "
-        "tokens would run it (at least one token)",
-    )
-    budget: float = Field(
-        1.0, gt=0.0, le=1.0, description="the shared set holds at most this share of a router's groups (rounded up)"
-    )
-    share: Literal["set", "own"] = Field(
-        "set", description="set: every token runs the whole shared set; own: its own choices within it"
-    )
-    attention_share: Literal["set", "own"] | None = Field(
-        None,
-        description="the attention routers' share (None: as share); own with share: set keeps each sequence's "
-        "attention to its own heads' K/V while the FFN runs the set",
-    )
-    over: Literal["batch", "tile"] = Field(
-        "batch", description="batch: the sequences of a batch at each position; tile: each tile of a sequence"
-    )
-    tile: int = Field(
-        64, ge=TILE_MULTIPLE, description=f"with over: tile, positions a tile (a multiple of {TILE_MULTIPLE})"
-    )
-    follow: float | None = Field(
-        None,
-        gt=0.0,
-        le=4.0,
-        description="the set follows the tokens: at most ceil(follow x the mean count of groups the position's "
-        "real tokens would run) groups, within the budget's cap (a router that keeps most groups per token keeps "
-        "most in the set)",
-    )
-
-    @field_validator("tile")
-    @classmethod
-    def _whole_tiles(cls, value: int) -> int:
-        if value % TILE_MULTIPLE:
-            raise ValueError(
-                f"a tile is a whole number of the products' {TILE_MULTIPLE}-token tiles: give a multiple of "
-                f"{TILE_MULTIPLE} (e.g. {TILE_MULTIPLE * max(1, round(value / TILE_MULTIPLE))}), not {value}"
-            )
-        return value
-
-    @model_serializer(mode="wrap")
-    def _without_unset_fields(self, handler):
-        """Dumped without ``follow`` and ``attention_share`` while they are None: rules (and the recipes and
-        results holding them) written before those fields keep their form and their recipe hash."""
-        data = handler(self)
-        for key in ("follow", "attention_share"):
-            if data.get(key, 0) is None:
-                del data[key]
-        return data
-
-    def for_kind(self, kind: str) -> Consensus:
-        """The rule the routers of ``kind`` ("attention" or "ffn") run: this one, with ``attention_share`` as
-        the share of the attention routers where it is given."""
-        if kind != "attention" or self.attention_share in (None, self.share):
-            return self
-        return self.model_copy(update={"share": self.attention_share, "attention_share": None})
-
-    def applies(self, batch: int, tokens: int) -> bool:
-        """Whether a ``[batch, tokens]`` step has sets to share: two or more sequences (``over: batch``) or
-        two or more positions (``over: tile``)."""
-        return batch > 1 if self.over == "batch" else tokens > 1
-
-    def cap(self, groups: int) -> int:
-        """The most groups the shared set holds for a router of ``groups`` groups (at least one)."""
-        return max(1, math.ceil(self.budget * groups - 1e-9))
-
-
-def to_voters(x: torch.Tensor, consensus: Consensus, fill=0) -> torch.Tensor:
-    """``x: [B, T, ...]`` in the layout the rule shares over, ``[voters, positions, ...]``: itself for
-    ``over: batch``; for ``over: tile``, ``[S, B * ceil(T / S), ...]`` with ``S = tile``, the tokens of each
-    tile along the first axis (the last tile padded with ``fill``)."""
-    if consensus.over == "batch":
-        return x
-    b, t, size = x.shape[0], x.shape[1], consensus.tile
-    n = -(-t // size)
-    if n * size != t:
-        x = torch.cat([x, x.new_full((b, n * size - t, *x.shape[2:]), fill)], 1)
-    return x.unflatten(1, (n, size)).movedim(2, 0).flatten(1, 2)
-
-
-def from_voters(x: torch.Tensor, consensus: Consensus, batch: int, tokens: int) -> torch.Tensor:
-    """The inverse of :func:`to_voters`: back to ``[batch, tokens, ...]``."""
-    if consensus.over == "batch":
-        return x
-    return x.unflatten(1, (batch, -1)).movedim(0, 2).flatten(1, 2)[:, :tokens]
-
-
-def consensus_keep(
-    margin: torch.Tensor, own: torch.Tensor, valid: torch.Tensor | None, consensus: Consensus
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared sets ``keep: [T, G]`` (bool) and which positions have one (``multi: [T]``, two or more
-    real tokens) from the margins ``margin: [B, T, G]`` (fp32, execute minus skip logit), the tokens'
-    own decisions ``own: [B, T, G]`` (bool) and the real tokens ``valid: [B, T]`` (None: all)."""
-    b, t, g = own.shape
-    real = torch.ones(b, t, dtype=torch.bool, device=own.device) if valid is None else valid.bool()
-    votes = (own & real[..., None]).sum(0)  # [T, G]
-    conf = (margin.float() * real[..., None]).sum(0)  # [T, G]
-    n = real.sum(0)  # [T]
-    need = torch.ceil(consensus.quorum * n.float()).clamp_min(1.0)  # [T]
-    # rank[t, g]: the groups ahead of g (more votes; as many and a larger margin sum; a tie of both and a lower index)
-    va, vb = votes[:, :, None], votes[:, None, :]
-    ca, cb = conf[:, :, None], conf[:, None, :]
-    idx = torch.arange(g, device=own.device)
-    lower = (idx[None, :] < idx[:, None])[None]
-    ahead = (vb > va) | ((vb == va) & ((cb > ca) | ((cb == ca) & lower)))
-    rank = ahead.sum(-1)
-    cap = torch.full((t,), float(consensus.cap(g)), device=own.device)
-    if consensus.follow is not None:
-        cap = torch.minimum(cap, follow_cap(votes, n, consensus.follow))
-    keep = (rank < cap[:, None]) & (votes.float() >= need[:, None])
-    return keep, n >= 2
-
-
-def follow_cap(votes: torch.Tensor, n: torch.Tensor, follow: float) -> torch.Tensor:
-    """``Consensus.follow``'s cap per position (fp32 ``[T]``): ``ceil(follow * votes.sum(-1) / n)``, at least 1,
-    from the votes ``[T, G]`` and the real tokens ``n: [T]``; computed in fp32 in this order, as the kernel does."""
-    mean_times = (follow * votes.sum(-1).float()) / n.clamp_min(1).float()
-    return torch.ceil(mean_times).clamp_min(1.0)
-
-
-def consensus_execute(
-    margin: torch.Tensor, own: torch.Tensor, valid: torch.Tensor | None, consensus: Consensus
-) -> torch.Tensor:
-    """Reference: the execute mask ``[B, T, G]`` (bool) that runs under ``consensus`` (see
-    :class:`Consensus` and :func:`consensus_keep`)."""
-    b, t = own.shape[:2]
-    real = torch.ones(b, t, dtype=torch.bool, device=own.device) if valid is None else valid.bool()
-    own_v = to_voters(own, consensus, False)
-    keep, multi = consensus_keep(to_voters(margin, consensus), own_v, to_voters(real, consensus, False), consensus)
-    shared = keep[None].expand_as(own_v) if consensus.share == "set" else own_v & keep[None]
-    return from_voters(torch.where(multi[None, :, None], shared, own_v), consensus, b, t)
+    def agree(self, logits: torch.Tensor, execute: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor: ...
 
 
 def linear_tau(step: int, total_steps: int, tau_start: float, tau_end: float) -> float:
@@ -314,13 +163,12 @@ class RoutedProjection(nn.Module):
         self.masker = masker or mask_input_groups
         self.tau = 1.0
         self.deterministic = False  # True after finalize: argmax even in train mode
-        self.consensus: Consensus | None = None  # batch-consensus routing (set_consensus), None: per token
-        self.consensus_gradient = "own"  # in training under a consensus: whose decision the gradient goes through
+        self.rule: DecisionRule | None = None  # a plugin's rule over each pass's decisions (set_rule), None: own
         self._mask: torch.Tensor | None = None  # execute mask of the pass in flight, [B, T, G]
         self._decision: tuple | None = None  # (execute, valid, own decisions) for followers
         self.last_skip: torch.Tensor | None = None  # training: skip sample with ST gradient, [B, T, G]
         self.last_valid: torch.Tensor | None = None  # training: real-token mask, [B, T]
-        self.last_run_skip: torch.Tensor | None = None  # training under a consensus: what ran, [B, T, G]
+        self.last_run_skip: torch.Tensor | None = None  # training under a rule: what ran, [B, T, G]
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -360,44 +208,14 @@ class RoutedProjection(nn.Module):
         # the real-token mask (training needs it as a tensor; otherwise None: every token is real)
         valid = mask_for(x_raw) if self.training else declared_mask(x_raw)
         own = execute
-        if self.consensus is not None and self.consensus.applies(x_raw.shape[0], x_raw.shape[1]):
-            execute = self._agree(logits, execute, valid)
+        if self.rule is not None and self.rule.applies(x_raw.shape[0], x_raw.shape[1]):
+            execute = self.rule.agree(logits, execute, valid)
         self._take(execute, valid, own)
 
-    def _agree(self, logits: torch.Tensor, execute: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """``execute`` (the tokens' own decisions, with their straight-through gradient in training) under
-        the batch's consensus: the forward value :func:`consensus_execute`'s, the gradient the own
-        decision's (``share="set"``) or the own decision's where the set keeps the group (``"own"``). With
-        ``consensus_gradient="set"`` (``share="set"``) the gradient goes through the set instead, as the mean
-        of its real voters' soft decisions: each voter's router learns what the set it shares costs all of
-        them, where the own decision's gradient tells it only what its own token would pay."""
-        c = self.consensus
-        b, t = execute.shape[:2]
-        with torch.no_grad():
-            margin = to_voters(logits[..., 0] - logits[..., 1], c)
-            own = to_voters(execute > 0.5, c, False)
-            real = torch.ones(b, t, dtype=torch.bool, device=execute.device) if valid is None else valid > 0.5
-            keep, multi = consensus_keep(margin, own, to_voters(real, c, False), c)
-            keep = from_voters(keep[None].expand_as(own), c, b, t)  # the set of each token's position or tile
-            multi = from_voters(multi[None].expand(own.shape[:2]), c, b, t)[..., None]
-        if c.share == "own":
-            return execute * torch.where(multi, keep, True).to(execute.dtype)
-        shared = torch.where(multi, keep, execute > 0.5).to(execute.dtype)
-        if not execute.requires_grad:
-            return shared
-        straight = execute - execute.detach()  # zero, with the own decision's gradient
-        if self.consensus_gradient == "set":
-            weight = to_voters(real, c, False).to(execute.dtype)[..., None]  # [V, P, 1]: the real voters
-            voters = to_voters(straight, c, 0.0)
-            mean = (voters * weight).sum(0, keepdim=True) / weight.sum(0, keepdim=True).clamp_min(1.0)
-            # a real voter of a shared set; a padded token keeps its own (its loss is masked in training)
-            straight = torch.where(multi & real[..., None], from_voters(mean.expand_as(voters), c, b, t), straight)
-        return shared + straight
-
     def _take(self, execute: torch.Tensor, valid: torch.Tensor | None, own: torch.Tensor) -> None:
-        """Run ``execute``; ``own``: the tokens' own decisions (``execute`` itself without a consensus). In
+        """Run ``execute``; ``own``: the tokens' own decisions (``execute`` itself without a rule). In
         training the sparsity term counts ``own``: the routers answer for their own choices, not for the
-        groups a shared set adds to them or takes away (what ran is kept apart, for the logs)."""
+        groups a rule adds to them or takes away (what ran is kept apart, for the logs)."""
         _plain_set(self, "_mask", execute)
         if self.has_followers:  # handed on, then released by the follower
             _plain_set(self, "_decision", (execute, valid, own))
@@ -542,38 +360,14 @@ def routers(model: nn.Module) -> list[nn.Parameter]:
     return [p for _, proj in routed_projections(model) if proj.router is not None for p in proj.router.parameters()]
 
 
-def trained_rule(recipe: dict | None) -> Consensus | None:
-    """The consensus rule the last training stage of ``recipe`` (a resolved recipe's dict, as a run's
-    ``results.json`` and its model's manifest hold it) ran in its loop, or None."""
-    rule = None
-    for stage in (recipe or {}).get("training") or []:
-        given = (stage.get("config") or {}).get("consensus")
-        rule = Consensus(**given) if given else None
-    return rule
-
-
-def trained_rule_notice(what: str, rule: Consensus) -> str:
-    """The line telling that ``what`` (a run, or a model directory) is scored per token though it was trained
-    under ``rule``, with the ``--consensus`` value that scores it as trained."""
-    given = rule.model_dump(exclude_defaults=True, exclude={"schema_version"})
-    spec = ",".join(f"{key}={value}" for key, value in given.items()) or "quorum=0.5"
-    return (
-        f"{what}: its last training stage ran batch-consensus routing in the loop; scored per token here, where "
-        f"such a model may do worse (--consensus {spec} scores it as it was trained)"
-    )
-
-
-def set_consensus(model: nn.Module, consensus: Consensus | None, gradient: str = "own") -> int:
-    """Route every router of ``model`` under ``consensus`` (None: per token again), in training with the
-    gradient through each token's own decision (``gradient="own"``) or the shared set (``"set"``: see
-    ``RoutedProjection._agree``); returns how many routers it set (0: the model has none)."""
-    if gradient not in ("own", "set"):
-        raise ValueError(f"gradient must be 'own' or 'set', got {gradient!r}")
+def set_rule(model: nn.Module, rule_for: Callable[[str], DecisionRule | None] | None) -> int:
+    """Set each router of ``model`` to decide under ``rule_for(kind)`` (a :class:`DecisionRule`, or None: each
+    token's own decision), ``kind`` its projection's ("attention" or "ffn"); ``rule_for`` None clears every rule.
+    Returns how many routers it set (0: the model has none)."""
     n = 0
     for _, proj in routed_projections(model):
         if proj.router is not None:
-            proj.consensus = None if consensus is None else consensus.for_kind(proj.kind)
-            proj.consensus_gradient = gradient if consensus is not None else "own"
+            proj.rule = None if rule_for is None else rule_for(proj.kind)
             n += 1
     return n
 
@@ -590,7 +384,7 @@ def batch_skip_fractions(projections: list[RoutedProjection], total_macs_per_tok
     """Skip fractions of the last training batch, differentiable through the ST masks: per kind,
     the mean over projections of the skipped (token, group) fraction over real tokens; and
     ``macs``, the skipped fraction of ``total_macs_per_token`` (all projection MACs of the model).
-    They count the tokens' own decisions; where a consensus ran in the loop, ``run_macs`` (no gradient)
+    They count the tokens' own decisions; where a rule changed them in the loop, ``run_macs`` (no gradient)
     is the fraction of what ran."""
     per_kind: dict[str, list[torch.Tensor]] = {"attention": [], "ffn": []}
     skipped_macs = run_macs = 0.0

@@ -31,7 +31,6 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -44,7 +43,7 @@ from compresskit.errors import ArtifactError, RecipeError
 from compresskit.interfaces import PluginConfig, Pruner, RunContext, Trainer, TrainSummary
 from compresskit.interrupts import deferred
 from compresskit.modeling import memory_kind, merge_lora, peak_memory, reset_peak_memory
-from compresskit.routing import Consensus, fit_routers, set_consensus
+from compresskit.routing import fit_routers
 from compresskit.seeding import phase_seed, seed_everything
 from compresskit.tokens import token_mask
 
@@ -79,37 +78,11 @@ class TrainStageConfig(PluginConfig):
     distill: DistillConfig | None = Field(
         None, description="Also learn the dense model's next-token distributions (KL; see compresskit.distill)."
     )
-    consensus: Consensus | None = Field(
-        None,
-        description="Train with shared routing in the loop (compresskit.routing.Consensus): with over: batch, at each "
-        "position the batch_size sequences of a micro-batch (unrelated text, as a served batch) share each router's "
-        "groups; with over: tile, the tokens of each tile of a sequence do; so that the routers learn to agree. "
-        "Needs a routing pruner.",
-    )
-    consensus_gradient: Literal["own", "set"] = Field(
-        "own",
-        description="With consensus (share: set): the routers' gradient goes straight through each token's own "
-        "decision (own), or through the shared set, as the mean of its voters' soft decisions (set), so that each "
-        "router learns what the set costs the tokens that share it.",
-    )
 
     @model_validator(mode="after")
     def _lr_range(self):
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
-        return self
-
-    @model_validator(mode="after")
-    def _set_gradient_needs_a_set(self):
-        c = self.consensus
-        if self.consensus_gradient == "set" and (c is None or c.share != "set" or c.attention_share == "own"):
-            given = (
-                "no consensus"
-                if c is None
-                else "consensus " + (f"share: {c.share}" if c.share != "set" else "attention_share: own")
-            )
-            raise ValueError(f"consensus_gradient: set goes through a shared set, so needs consensus with share: set "
-                             f"(given: {given})")  # fmt: skip
         return self
 
 
@@ -141,6 +114,7 @@ class RouterTrainer(Trainer):
     Config = TrainStageConfig
     stage_name = "router"
     shardable = True
+    takes_pruner_options = True
 
     # -- what is trained ----------------------------------------------------------------------
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:
@@ -158,15 +132,15 @@ class RouterTrainer(Trainer):
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
+        """Train in place inside the pruner's ``training_scope`` (what the recipe's pruner options set up)."""
+        with pruner.training_scope(model, self.config) if pruner is not None else contextlib.nullcontext():
+            return self._fit(model, pruner, data, ctx)
+
+    def _fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:
         c = self.config
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
         params = self.setup(model, pruner, ctx)
-        if c.consensus is not None and not set_consensus(model, c.consensus, c.consensus_gradient):
-            raise RecipeError(
-                f"training: the {self.stage_name!r} stage's consensus trains routers, and the model has none "
-                "(a routing pruner: wide, dynamic-depth)"
-            )
         trainable = {id(p) for p in params}
         for p in model.parameters():
             p.requires_grad_(id(p) in trainable)
@@ -312,8 +286,6 @@ class RouterTrainer(Trainer):
             raise
         finally:
             model.eval()
-            if c.consensus is not None:
-                set_consensus(model, None)  # the stage's rule; evaluation and the runtime take their own
         spent = totals()
         if spent.peak_memory_bytes is not None and progress is not None:
             peak_gib = spent.peak_memory_bytes / 2**30

@@ -13,9 +13,10 @@ import torch
 from compresskit import plugins
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
-from compresskit.routing import Consensus, consensus_execute, routed_projections, router_state_dict, set_consensus
+from compresskit.routing import routed_projections, router_state_dict
 from compresskit.runtime import Runtime
 from compresskit.seeding import seed_everything
+from compresskit_wide.consensus import Consensus, consensus_execute, set_consensus
 from compresskit_wide.kernels.consensus import torch_consensus, triton_consensus
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,7 +153,7 @@ def test_runtime_blocks_under_consensus_match_the_routed_modules(tiny_model_dir,
     for block in (b for pair in fast.blocks for b in pair if hasattr(b, "rule")):
         assert block.rule == executor.config.consensus.for_kind(block.kind)
     for _, proj in routed_projections(model):
-        assert proj.consensus == executor.config.consensus.for_kind(proj.kind)
+        assert proj.rule.consensus == executor.config.consensus.for_kind(proj.kind)
     set_consensus(model, None)
 
 
@@ -364,7 +365,7 @@ def _saved_wide_run(tiny_model_dir, tmp_path, training=(), progress=None):
 
 @pytest.mark.slow
 def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsys):
-    """``compresskit eval RUN --consensus RULE``: each evaluation batch decides together (the teacher-forced
+    """``compresskit eval RUN --option consensus.KEY=VALUE``: each evaluation batch decides together (the teacher-forced
     simulation), the rule is recorded, and a unanimous quorum skips more than per-token routing."""
     import json
 
@@ -374,38 +375,43 @@ def test_eval_scores_a_saved_run_under_consensus(tiny_model_dir, tmp_path, capsy
     common = ["eval", str(run / "model"), "--tasks", "perplexity", "--batch-size", "4", "--engine", "transformers"]
     common += ["--perplexity-docs", "3", "--max-length", "64"]
     out = {}
-    for name, extra in (("own", []), ("agreed", ["--consensus", "quorum=1.0"])):
+    for name, extra in (("own", []), ("agreed", ["--option", "consensus.quorum=1.0"])):
         assert main([*common, *extra, "--output", str(tmp_path / name)]) == 0, capsys.readouterr().err
         out[name] = json.loads((tmp_path / name / "results.json").read_text())
-    assert out["agreed"]["recipe"]["consensus"] == {
-        "schema_version": 1, "quorum": 1.0, "budget": 1.0, "share": "set", "over": "batch", "tile": 64,
-    }  # fmt: skip
-    assert "consensus" not in out["own"]["recipe"]
+    assert out["agreed"]["recipe"]["options"] == {"consensus": {"quorum": 1.0}}
+    assert "options" not in out["own"]["recipe"]
     assert out["agreed"]["sparsity"]["macs"] > out["own"]["sparsity"]["macs"]
     assert out["agreed"]["metrics"]["perplexity"] != out["own"]["metrics"]["perplexity"]
 
 
 def test_the_rule_a_run_was_trained_under_is_its_last_stage_s():
-    """``trained_rule``: the rule of the last training stage (None where that stage ran per token); its
-    notice gives the ``--consensus`` value that gives the rule back."""
-    from compresskit.cli import _consensus_rule
-    from compresskit.routing import trained_rule, trained_rule_notice
+    """``trained_rule``: the rule of the last training stage (None where that stage ran per token); the pruner's
+    ``trained_options`` give it as the executor setting whose ``--option`` text gives the rule back."""
+    from compresskit.options import configured_executor, option_text, parse_option
+    from compresskit_wide.consensus import trained_rule
+    from compresskit_wide.pruner import WidePruner
 
     ruled = {"name": "lora", "config": {"consensus": {"quorum": 0.0, "follow": 1.25, "attention_share": "own"}}}
     plain = {"name": "router", "config": {"consensus": None}}
     assert trained_rule({"training": [plain, ruled]}) == Consensus(quorum=0.0, follow=1.25, attention_share="own")
     assert trained_rule({"training": [ruled, plain]}) is None
     assert trained_rule({"training": []}) is None and trained_rule(None) is None
-    for rule in (trained_rule({"training": [ruled]}), Consensus(), Consensus(over="tile", tile=32, budget=0.6)):
-        spec = trained_rule_notice("run", rule).split("--consensus ")[1].split(" ")[0]
-        assert _consensus_rule(spec) == rule, spec
+    assert WidePruner.trained_options({"training": [ruled, plain]}) == {}
+    for rule in (
+        Consensus(quorum=0.0, follow=1.25, attention_share="own"),
+        Consensus(),
+        Consensus(over="tile", tile=32, budget=0.6),
+    ):
+        recipe = {"training": [{"name": "lora", "config": {"consensus": rule.model_dump(mode="json")}}]}
+        text = option_text(WidePruner.trained_options(recipe))
+        assert configured_executor(WidePruner, parse_option(text)).config.consensus == rule, text
 
 
 @pytest.mark.slow
 def test_a_run_trained_under_a_rule_says_so_where_it_is_scored_per_token(tiny_model_dir, tmp_path, capsys):
     """A run whose last training stage ran a rule in its loop, scored per token (by its own evaluation, or by
-    ``compresskit eval`` without ``--consensus``), says so in one line with the ``--consensus`` value that
-    scores it as trained; scored under a rule it does not."""
+    ``compresskit eval`` without ``--option``), says so in one line with the ``--option`` value that
+    scores it as trained; scored under that rule it does not."""
     from compresskit.cli import main
     from compresskit.progress import Progress
 
@@ -418,25 +424,26 @@ def test_a_run_trained_under_a_rule_says_so_where_it_is_scored_per_token(tiny_mo
             logged.append(message)
 
     run = _saved_wide_run(tiny_model_dir, tmp_path, training=[stage], progress=Recording())
-    said = "its last training stage ran batch-consensus routing"
+    said = "its last training stage ran it with settings it is not scored with here"
     assert [line for line in logged if said in line] == [
-        f"run {run}: {said} in the loop; scored per token here, where such a model may do worse (--consensus "
-        "quorum=0.0,follow=1.25 scores it as it was trained)"
+        f"run {run}: {said} (consensus None), where such a model may do worse (--option "
+        "consensus.quorum=0.0,consensus.follow=1.25 scores it as it was trained)"
     ]
     common = ["eval", str(run / "model"), "--tasks", "perplexity", "--batch-size", "2", "--engine", "transformers"]
     common += ["--perplexity-docs", "2", "--max-length", "32"]
     assert main(common) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert f"{run / 'model'}: {said}" in err and "--consensus quorum=0.0,follow=1.25 scores it as" in err
-    assert main([*common, "--consensus", "quorum=0.0,follow=1.25"]) == 0
+    assert f"{run / 'model'}: {said}" in err and "--option consensus.quorum=0.0,consensus.follow=1.25 scores" in err
+    assert main([*common, "--option", "consensus.quorum=0.0,consensus.follow=1.25"]) == 0
     assert said not in " ".join(capsys.readouterr().err.split())
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--consensus", "quorum=0.5"], "is no saved run of a routing pruner"),
-        (["--consensus", "budget=0"], "budget: Input should be greater than 0"),
+        (["--option", "consensus.quorum=0.5"], "is no saved run of a method, so it has no settings of one"),
+        (["--option", "consensus.budget"], "'consensus.budget' is no KEY=VALUE pair"),
+        (["--consensus", "quorum=0.5"], "--option consensus.quorum=0.5"),
     ],
 )
 def test_eval_refuses_consensus_it_cannot_run(tiny_model_dir, capsys, argv, message):
@@ -447,7 +454,7 @@ def test_eval_refuses_consensus_it_cannot_run(tiny_model_dir, capsys, argv, mess
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_training_stage_with_consensus_needs_routers(tiny_model_dir, tmp_path):
+def test_consensus_is_a_training_option_of_the_wide_pruner_only(tiny_model_dir, tmp_path):
     from compresskit.errors import RecipeError
     from compresskit.recipe import load_recipe
 
@@ -457,7 +464,7 @@ def test_a_training_stage_with_consensus_needs_routers(tiny_model_dir, tmp_path)
         "training": [{"name": "lora", "config": {"steps": 1, "consensus": {"quorum": 0.5}}}],
         "output": {"dir": str(tmp_path / "out")},
     }
-    with pytest.raises(RecipeError, match=r"training.0.config.consensus: batch consensus trains routers"):
+    with pytest.raises(RecipeError, match=r"training.0.config.consensus"):
         load_recipe(recipe)
     recipe["pruner"] = {"name": "wide"}
     recipe["training"][0]["config"]["consensus"]["budget"] = 1.5
@@ -474,7 +481,7 @@ def test_a_router_stage_trains_with_consensus_and_leaves_per_token_routing(tiny_
     config = {"steps": 2, "batch_size": 4, "seq_len": 16, "consensus": {"quorum": 0.5}, "consensus_gradient": gradient}
     run = _saved_wide_run(tiny_model_dir, tmp_path, training=[{"name": "router", "config": config}])
     model, _, _ = load(run / "model")
-    assert all(p.consensus is None and p.consensus_gradient == "own" for _, p in routed_projections(model))
+    assert all(p.rule is None for _, p in routed_projections(model))
 
 
 @pytest.mark.slow
@@ -515,22 +522,25 @@ def test_a_lora_stage_learns_under_consensus_with_the_routers_frozen(tiny_model_
 
 
 def test_bench_times_each_consensus_rule_beside_per_token_routing(capsys, tmp_path):
-    """``compresskit bench --shape NAME --consensus RULE``: a row per rule, on the same routed model, each
-    with the sparsity of what ran; a pruner whose runtime takes no rule is one line and exit 2."""
+    """``compresskit bench --shape NAME --option consensus.KEY=VALUE``: a row per rule, on the same routed model,
+    each with the sparsity of what ran; a pruner whose runtime takes no setting is one line and exit 2."""
     import json
 
     from compresskit.cli import main
 
     out = tmp_path / "bench"
     argv = ["bench", "--shape", "tiny", "--prompt", "16", "--new-tokens", "3", "--repeats", "1", "--batch", "4"]
-    argv += ["--transformers", "off", "--consensus", "quorum=1.0", "--consensus", "quorum=0,budget=0.25,share=own"]
+    argv += ["--transformers", "off", "--option", "consensus.quorum=1.0"]
+    argv += ["--option", "consensus.quorum=0,consensus.budget=0.25,consensus.share=own"]
     assert main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
     rows = {r["model"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
     agreed, capped = rows["consensus (quorum 1.0)"], rows["consensus (quorum 0.0, budget 0.25, share own)"]
     assert agreed["sparsity_macs"] > rows["compressed"]["sparsity_macs"]  # only what every token wants
     assert capped["sparsity_macs"] > 0.6  # at most a quarter of the groups, and only the token's own
-    assert main(["bench", "--shape", "tiny", "--method", "dynamic-depth", "--consensus", "quorum=0.5"]) == 2
-    assert "DynamicDepthPruner has no batch-consensus routing" in capsys.readouterr().err
+    assert main(["bench", "--shape", "tiny", "--method", "dynamic-depth", "--option", "consensus.quorum=0.5"]) == 2
+    assert "executor depth-skip: consensus: unknown key 'consensus'" in capsys.readouterr().err
+    assert main([*argv[:-2], "--option", "consensus.quorum=2"]) == 2
+    assert "consensus.quorum" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -705,7 +715,7 @@ def test_the_set_gradient_is_the_mean_of_the_voters(tiny_model_dir, rule):
         set_consensus(model, rule, gradient)
         execute = (soft > 0.5).float() + soft - soft.detach()
         soft.grad = None
-        out[gradient] = proj._agree(logits, execute, valid)
+        out[gradient] = proj.rule.agree(logits, execute, valid)
         (out[gradient] * weight).sum().backward()
         grads[gradient] = soft.grad.clone()
     torch.testing.assert_close(out["own"], out["set"], rtol=0, atol=0)

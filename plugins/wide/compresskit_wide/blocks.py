@@ -26,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compresskit.routing import Consensus, Counting, RoutedProjection, from_voters, mask_input_groups, to_voters
+from compresskit.routing import Counting, RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, stacked_linear, write_cache
+from compresskit_wide.consensus import Consensus, from_voters, to_voters
 from compresskit_wide.kernels import (
     ops,  # noqa: F401  (registers the operators)
     policy,

@@ -14,7 +14,7 @@ evaluator scores it through the reference path (``compresskit.routing``), which 
 to floating-point rounding (the runtime's parity tests).
 
 ``consensus`` (off by default) routes a batch by consensus: at each position the real tokens of the batch's
-sequences share one set of groups per router (``compresskit.routing.Consensus``), so that a routed product
+sequences share one set of groups per router (``compresskit_wide.consensus.Consensus``), so that a routed product
 reads that set's weights, not the union of every token's choices. It applies wherever two or more sequences
 run together, in the runtime's blocks and, through ``convert``, in the reference path that evaluation scores:
 evaluated with a batch of B sequences, the model is scored as it would decode B sequences at once (a
@@ -36,7 +36,8 @@ from torch import nn
 from compresskit import Executor, PluginConfig
 from compresskit.errors import KernelUnavailableError
 from compresskit.modeling import decoder_layers
-from compresskit.routing import Consensus, RoutedProjection, set_consensus
+from compresskit.routing import RoutedProjection
+from compresskit_wide.consensus import Consensus, set_consensus
 from compresskit_wide.kernels import ops
 
 

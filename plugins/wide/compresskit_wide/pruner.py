@@ -17,6 +17,7 @@ routers; ``state_dict`` holds the router tensors only.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -27,6 +28,7 @@ from compresskit.interfaces import PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, select_modules
 from compresskit.routing import GroupRouter, RoutedPruner, route_sublayer, routed_projections
 from compresskit_wide.config import WidePrunerConfig
+from compresskit_wide.consensus import WideTrainingOptions, set_consensus, trained_rule
 from compresskit_wide.layers import kernel_masker
 
 PREFIX = "wide."
@@ -50,6 +52,26 @@ class WidePruner(RoutedPruner):
     router_prefix = PREFIX
     contract_config = {"ffn_group_size": 16, "router_rank": 4}
     runtime_executor = "wide-triton"
+    TrainingOptions = WideTrainingOptions
+
+    # -- training options: shared routing in the loop ------------------------------------------
+    @contextlib.contextmanager
+    def training_scope(self, model: nn.Module, config):
+        """A stage's ``consensus`` (``WideTrainingOptions``) on every router while it trains; per token after."""
+        if config.consensus is None:
+            yield
+            return
+        set_consensus(model, config.consensus, config.consensus_gradient)
+        try:
+            yield
+        finally:
+            set_consensus(model, None)  # evaluation and the runtime take the executor's rule
+
+    @classmethod
+    def trained_options(cls, recipe: dict) -> dict:
+        """The ``wide-triton`` executor's ``consensus`` its last training stage ran in the loop, where it did."""
+        rule = trained_rule(recipe)
+        return {} if rule is None else {"consensus": rule.model_dump(exclude_defaults=True, exclude={"schema_version"})}
 
     # -- surgery ------------------------------------------------------------------------------
     def check(self, model_config) -> None:
