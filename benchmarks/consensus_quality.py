@@ -59,7 +59,6 @@ def evaluate_cell(cell: dict) -> dict:
     """One evaluation (in a worker process): the run's model scored with ``cell``'s rule and batch size."""
     from compresskit.api import eval_model
     from compresskit.recipe import EvaluationSection
-    from compresskit.routing import Consensus
 
     evaluation = EvaluationSection(
         tasks=TASKS,
@@ -71,9 +70,9 @@ def evaluate_cell(cell: dict) -> dict:
         limit=cell["limit"],
         perplexity_docs=cell["limit"],
     )
-    consensus = Consensus(**cell["rule"]) if cell["rule"] is not None else None
+    options = {"consensus": cell["rule"]} if cell["rule"] is not None else None
     t0 = time.perf_counter()
-    res = eval_model(cell["path"], evaluation=evaluation, consensus=consensus)
+    res = eval_model(cell["path"], evaluation=evaluation, options=options)
     m, sp = res["metrics"], res["sparsity"]
     used = sorted({t.get("batch_size") for t in res["evaluation"]["tasks"].values() if t.get("batch_size")})
     return {

@@ -19,7 +19,7 @@
 # CASES: as device_before_after.sh's (defaults: for OUT_TAIL_SPLIT the TTFT at 512 and 1k tokens at 25-50%; for
 # PDL_KERNELS SmolLM2's shape at batch 1, 4, 16 and 8B's at 1, 8; else 8B at batch 1 and 8, 1k; where the cases
 # pass one command's time limit, give each command some of them; a consensus rule goes in as `compresskit bench` takes it,
-# --consensus quorum=0,follow=1.25).
+# --option consensus.quorum=0,consensus.follow=1.25).
 set -uo pipefail
 if { [ -n "${OP:-}" ] && [ -n "${SET:-}" ]; } || { [ -z "${OP:-}" ] && [ -z "${SET:-}" ]; }; then
   echo "give OP=NAME (an op of policy.UNMEASURED) or SET=NAME=VALUE (a setting of the policy), one of them" >&2

@@ -3,7 +3,8 @@
     python benchmarks/profile_runtime.py --out DIR                     # H200: Llama-3.1-8B shapes, batch 1
     python benchmarks/profile_runtime.py --phase prefill --context 128,512 --out DIR   # several prompt lengths
     python benchmarks/profile_runtime.py --batch 32 --context 2048 --phase decode \
-        --consensus quorum=0.5,budget=0.5 --members "consensus (quorum 0.5, budget 0.5),compressed,dense" --out DIR
+        --option consensus.quorum=0.5,consensus.budget=0.5 \
+        --members "consensus (quorum 0.5, budget 0.5),compressed,dense" --out DIR
     python benchmarks/profile_runtime.py --smoke --out DIR             # CPU: tiny shapes, CPU time
 
 Each member of ``compresskit bench --shape`` (``compresskit.bench.shape_members``) decodes after a prompt of
@@ -142,7 +143,7 @@ def profile_member(runtime, batch: int, context: int, steps: int, cuda: bool, ph
 
 def wanted_members(text: str, names: list[str]) -> set[str] | None:
     """The member names ``--members`` asks for (empty: all), each of ``names`` found whole in the
-    comma-separated text (a consensus row's name holds commas); None where a part names no member."""
+    comma-separated text (an --option row's name holds commas); None where a part names no member."""
     rest = f",{text},"
     chosen = set()
     for name in sorted(names, key=len, reverse=True):
@@ -154,7 +155,8 @@ def wanted_members(text: str, names: list[str]) -> set[str] | None:
 
 def main() -> int:
     from compresskit.bench import free_device_memory, method_source, shape_members
-    from compresskit.cli import _consensus_rule, _int_list
+    from compresskit.cli import _int_list
+    from compresskit.options import parse_option
     from compresskit.errors import CompressKitError
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -170,16 +172,16 @@ def main() -> int:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--phase", choices=("decode", "prefill", "both"), default="both")
     parser.add_argument(
-        "--consensus",
+        "--option",
         action="append",
         default=[],
-        help="also profile WIDE under this batch-consensus rule, as `compresskit bench --consensus` takes it (a member "
-        "each, named as the bench names its rows); repeatable",
+        help="also profile WIDE under this setting of its executor, as `compresskit bench --option` takes it (a "
+        "member each, named as the bench names its rows); repeatable",
     )
     parser.add_argument(
         "--members",
         default="",
-        help="member names (default: all), comma-separated; a name that holds commas (a consensus row's) is matched "
+        help="member names (default: all), comma-separated; a name that holds commas (an --option row's) is matched "
         "whole first",
     )
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager: the path runs")
@@ -192,14 +194,14 @@ def main() -> int:
     cuda = device.type == "cuda"
     try:
         contexts = _int_list(args.context, "--context")
-        consensus = [_consensus_rule(text) for text in args.consensus]
+        settings = [parse_option(text) for text in args.option]
     except CompressKitError as exc:
         parser.error(str(exc))
     if args.smoke:
         args.shape, contexts, args.steps = "tiny", [16 + 8 * i for i in range(len(contexts))], 2
     options = {"compile": cuda, "graphs": False}
     source = method_source("wide", args.sparsity)
-    members = shape_members(args.shape, [source], device=device, dtype=dtype, consensus=consensus, **options)
+    members = shape_members(args.shape, [source], device=device, dtype=dtype, settings=settings, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}
     chosen = wanted_members(args.members, [m.name for m in members])

@@ -332,7 +332,11 @@ def cmd_schema(args, out: Console, err: Console) -> int:
     if len(found) > 1:
         raise CompressKitError(f"schema: {args.name!r} is a {' and a '.join(found)}; pick one with --kind")
     cls = plugins.load(found[0], args.name)
-    out.print_json(json.dumps(cls.Config.model_json_schema()))
+    schema = cls.Config.model_json_schema()
+    options = getattr(cls, "TrainingOptions", None)
+    if options is not None:  # what each training stage of a recipe with this pruner also takes
+        schema["training_options"] = options.model_json_schema()
+    out.print_json(json.dumps(schema))
     return EXIT_OK
 
 
@@ -343,7 +347,9 @@ def cmd_plugins(args, out: Console, err: Console) -> int:
 
     if args.action == "check":
         if not args.name:
-            raise CompressKitError("plugins check: name the pruner to check, e.g. `compresskit plugins check wide`")
+            raise CompressKitError(
+                f"plugins check: name the pruner to check (installed: {', '.join(plugins.names('pruner'))})"
+            )
         from compresskit.testing import check_plugin_contract
 
         if args.name not in plugins.names("pruner"):
@@ -477,7 +483,8 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     sources = []
     if args.shape is not None:  # every name and run checked before anything is built: one line each
         if args.method or not args.runs:
-            sources += [method_source(args.method or "wide", s, named=len(sparsities) > 1) for s in sparsities]
+            method = args.method or _default("bench", "method")
+            sources += [method_source(method, s, named=len(sparsities) > 1) for s in sparsities]
         sources += [run_source(ref) for ref in args.runs]
     settings = [parse_option(text) for text in args.option]
     for src in sources:  # each setting fits each method's executor: checked before anything is built
@@ -609,6 +616,16 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def _default(*keys: str) -> Any:
+    """A product default that names a plugin (``compresskit/resources/defaults.json``)."""
+    from importlib.resources import files as resource_files
+
+    node = json.loads(resource_files("compresskit").joinpath("resources/defaults.json").read_text())
+    for key in keys:
+        node = node[key]
+    return node
+
+
 def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -699,7 +716,7 @@ def _load_run(ref: str, overrides: list[str], progress, err: Console) -> dict[st
 
 def _name_apart(runs: list[dict[str, Any]], inputs: list[str]) -> None:
     """Rows that would share a name (two runs of one recipe: on the shipped text and on one's own) get their
-    input's folder beside it, ``wide-smollm2-quick (runs/mine)``."""
+    input's folder beside it, ``my-recipe (runs/mine)``."""
     names = [r["name"] for r in runs]
     for i, (run, ref) in enumerate(zip(runs, inputs, strict=True)):
         if names.count(run["name"]) > 1:
@@ -936,7 +953,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print", action="store_true", help="print the resolved recipe as JSON")
     p.set_defaults(fn=cmd_validate)
 
-    p = sub.add_parser("schema", help="JSON schema of a plugin's config (or of 'recipe')")
+    p = sub.add_parser(
+        "schema",
+        help="JSON schema of a plugin's config (or of 'recipe'); a pruner's also under training_options: what each "
+        "training stage of a recipe with it also takes",
+    )
     p.add_argument("name", help="a plugin's name (compresskit plugins lists them), or 'recipe'")
     p.add_argument("--kind", choices=["pruner", "trainer", "executor"], help="which kind, where two share the name")
     p.set_defaults(fn=cmd_schema)
@@ -970,7 +991,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--method",
         help="with --shape: the method (a pruner plugin with a speed shape) whose structure to time, its routers "
-        "untrained and calibrated (default wide, where no --run is given)",
+        f"untrained and calibrated (default {_default('bench', 'method')}, where no --run is given)",
     )
     p.add_argument(
         "--run",

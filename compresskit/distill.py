@@ -10,7 +10,7 @@ The stage's loss becomes ``(1 - weight) * LM loss + weight * T^2 * KL(teacher ||
 real token, at temperature ``T``, plus the pruner's regularisation. The teacher is the dense model:
 
 * the same model with the pruner switched off, where the method allows it (``Pruner.dense_view``:
-  WIDE and dynamic depth run every group then), and any LoRA adapters switched off: no second copy
+  a routing pruner runs every group then), and any LoRA adapters switched off: no second copy
   in memory;
 * otherwise a copy of the model taken before the pruner changed it (``RunContext.teacher``: the
   static pruners, which remove weights).

@@ -214,8 +214,8 @@ class Pruner(abc.ABC):
 
     def training_scope(self, model: nn.Module, config: PluginConfig) -> contextlib.AbstractContextManager:
         """The context a training stage trains ``model`` in: its config ``config`` holds the fields of
-        ``TrainingOptions`` (with the stage's own), which this reads; whatever it sets up is undone at its exit.
-        Default: nothing."""
+        ``TrainingOptions`` (with the stage's own), which this reads, or only the stage's own (built by hand in
+        library use: the options' defaults); whatever it sets up is undone at its exit. Default: nothing."""
         return contextlib.nullcontext()
 
     @classmethod

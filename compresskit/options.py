@@ -2,7 +2,7 @@
 
 A pruner's models run on its ``runtime_executor``; that executor's config (``compresskit schema NAME``) is the
 method's inference settings. A command takes one setting of it as ``--option KEY=VALUE[,KEY=VALUE...]``:
-dotted keys into the config, values in YAML (``--option a.b=0.5,a.c=tile`` sets ``{a: {b: 0.5, c: tile}}``),
+dotted keys into the config, values in YAML (``--option a.b=0.5,a.c=x`` sets ``{a: {b: 0.5, c: x}}``),
 every key the option leaves out at the config's default. ``bench`` times each ``--option`` as a row of its own;
 ``eval`` scores a saved run under one. A recipe gives the same settings in its executor section.
 
@@ -31,7 +31,7 @@ def parse_option(text: str, flag: str = "--option") -> dict[str, Any]:
         key, sep, value = part.partition("=")
         keys = [k.strip() for k in key.split(".")]
         if not sep or not all(keys):
-            raise CompressKitError(f"{flag} {text}: {part!r} is no KEY=VALUE pair (e.g. a.b=0.5,a.c=tile)")
+            raise CompressKitError(f"{flag} {text}: {part!r} is no KEY=VALUE pair (e.g. a.b=0.5,a.c=x)")
         try:
             parsed = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:
@@ -45,7 +45,7 @@ def parse_option(text: str, flag: str = "--option") -> dict[str, Any]:
             raise CompressKitError(f"{flag} {text}: {'.'.join(keys)} is given twice")
         node[keys[-1]] = parsed
     if not options:
-        raise CompressKitError(f"{flag} {text!r}: give one or more KEY=VALUE pairs (e.g. a.b=0.5,a.c=tile)")
+        raise CompressKitError(f"{flag} {text!r}: give one or more KEY=VALUE pairs (e.g. a.b=0.5,a.c=x)")
     return options
 
 
@@ -69,7 +69,7 @@ def option_text(options: dict[str, Any]) -> str:
 
 
 def option_label(options: dict[str, Any], config: Any = None) -> str:
-    """A row's name for the setting ``options``: ``a (b 0.5, c tile)`` for ``{a: {b: 0.5, c: tile}}``, settings
+    """A row's name for the setting ``options``: ``a (b 0.5, c x)`` for ``{a: {b: 0.5, c: x}}``, settings
     of several fields joined by ``; ``; each value as ``config`` (the executor's, validated) holds it, where given."""
     held = config.model_dump(mode="json") if config is not None else {}
 

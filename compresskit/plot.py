@@ -28,7 +28,7 @@ def save(fig, path: Path, colours: int = 64) -> None:
 
 
 LABEL_POINTS = 6  # the font size of a point's label
-_LABEL_WIDTH_PER_CHAR = 0.6  # of the font size: how wide a label's character is, about
+_LABEL_WIDTH_PER_CHAR = 0.6  # of the font size: a label's character's width, about
 
 
 def label_points(ax, points: list[tuple[float, float, str]]) -> list[float]:

@@ -9,13 +9,14 @@ instead of failing.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from stevedore import DriverManager, ExtensionManager
 from stevedore.exception import MultipleMatches, NoMatches
 
-from compresskit.errors import PluginLoadError, PluginNotFoundError, did_you_mean
+from compresskit.errors import CompressKitError, PluginLoadError, PluginNotFoundError, did_you_mean
 from compresskit.interfaces import Executor, Pruner, Trainer
 
 Kind = Literal["pruner", "trainer", "executor"]
@@ -58,6 +59,20 @@ def load(kind: str, name: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise PluginLoadError(f"{kind} {name!r} points to {cls!r}, which is not a subclass of {base.__name__}")
     return cls
+
+
+def names_where(kind: str, test: Callable[[type], bool]) -> list[str]:
+    """Registered plugin names of a kind whose class passes ``test`` (each imported; one that fails to load
+    is left out): for a message that lists the plugins that could do what was asked."""
+    found = []
+    for name in names(kind):
+        try:
+            cls = load(kind, name)
+        except CompressKitError:
+            continue
+        if test(cls):
+            found.append(name)
+    return found
 
 
 @dataclass

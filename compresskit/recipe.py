@@ -6,12 +6,12 @@ Sample::
     seed: 0
     model: {name_or_path: smollm2-135m, dtype: auto}
     data: {calibration: {n_samples: 64, seq_len: 512}}
-    pruner: {name: wide, config: {target_sparsity: 0.5}}
+    pruner: {name: PRUNER, config: {target_sparsity: 0.5}}   # compresskit plugins lists them
     training:
       - {name: router, config: {steps: 200}}
     executor: {name: torch}
     evaluation: {tasks: [perplexity, piqa, next_sentence], limit: 200}
-    output: {dir: runs/wide-50}
+    output: {dir: runs/my-run}
 
 Precedence: ``--set key=value`` overrides > the recipe (an including file over what it
 includes) > defaults. Validation runs in two stages: the envelope below (unknown keys are

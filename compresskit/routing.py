@@ -1,4 +1,4 @@
-"""Per-token routing primitives shared by dynamic pruners (WIDE's width routers, dynamic depth).
+"""Per-token routing primitives shared by dynamic pruners (routers over width groups, or over whole sublayers).
 
 * :class:`GroupRouter`: a low-rank affine map from the raw residual stream to one
   (execute, skip) logit pair per group; :func:`decide` turns logits into a 0/1 execute mask
@@ -672,7 +672,7 @@ def group_rates(model: nn.Module, profile: SparsityProfile) -> Callable[[RoutedP
 
 
 class RoutedPruner(Pruner):
-    """Base of pruners built on routed projections (WIDE, dynamic depth): the training hooks,
+    """Base of pruners built on routed projections (width or depth routing): the training hooks,
     router tensors and sparsity measurement they share.
 
     A subclass's ``_prepare`` wraps the model, then calls :meth:`_bind`; its config has

@@ -1,7 +1,7 @@
 """Generic training stages, shared by every pruner (no plugin imports another).
 
-* ``router``: optimises what the pruner hands over (``pruner.trainable_parameters``, e.g. WIDE's
-  routers) on the next-token LM loss plus ``pruner.regularization``; the backbone is frozen but
+* ``router``: optimises what the pruner hands over (``pruner.trainable_parameters``, e.g. a routing
+  pruner's routers) on the next-token LM loss plus ``pruner.regularization``; the backbone is frozen but
   gradients flow through it.
 * ``router-fit``: fits a routing pruner's routers to the groups the dense model's own activations rank
   lowest, within the pruner's budget (a few dense forward passes, no backward pass through the model): a
@@ -36,7 +36,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from compresskit import crashpoints, distributed, files
+from compresskit import crashpoints, distributed, files, plugins
 from compresskit.data import DataModule
 from compresskit.distill import DistillConfig, kl_loss, kl_loss_on, read_teacher_cache, teacher_logits
 from compresskit.errors import ArtifactError, RecipeError
@@ -423,9 +423,10 @@ class RouterFitTrainer(Trainer):
         if pruner_cls is not None and callable(getattr(pruner_cls, "skip_budget", None)):
             return None
         what = f"pruner {pruner_cls.__name__}" if pruner_cls is not None else "the recipe has no pruner, so it"
+        routing = plugins.names_where("pruner", lambda cls: callable(getattr(cls, "skip_budget", None)))
         return (
             f"the 'router-fit' stage fits a routing pruner's routers to its budget; {what} has none "
-            "(a routing pruner: wide, dynamic-depth)"
+            f"(routing pruners installed: {', '.join(routing) or 'none'})"
         )
 
     def fit(self, model: nn.Module, pruner: Pruner | None, data: DataModule, ctx: RunContext) -> TrainSummary:

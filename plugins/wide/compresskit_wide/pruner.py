@@ -57,11 +57,13 @@ class WidePruner(RoutedPruner):
     # -- training options: shared routing in the loop ------------------------------------------
     @contextlib.contextmanager
     def training_scope(self, model: nn.Module, config):
-        """A stage's ``consensus`` (``WideTrainingOptions``) on every router while it trains; per token after."""
-        if config.consensus is None:
+        """A stage's ``consensus`` (``WideTrainingOptions``) on every router while it trains; per token after. A
+        config without the options (a stage's own, built by hand) trains per token."""
+        rule = getattr(config, "consensus", None)
+        if rule is None:
             yield
             return
-        set_consensus(model, config.consensus, config.consensus_gradient)
+        set_consensus(model, rule, config.consensus_gradient)
         try:
             yield
         finally:

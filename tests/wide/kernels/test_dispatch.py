@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from kernel_helpers import DEVICE, prologue_inputs, random_mask  # noqa: E402
 
 from compresskit_wide.kernels import autotune, ops, policy  # noqa: E402
-from compresskit_wide.kernels.common import KernelUnavailableError, cdiv, next_power_of_2  # noqa: E402
+from compresskit_wide.kernels.common import TritonUnavailableError, cdiv, next_power_of_2  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -32,7 +32,7 @@ def test_every_backend_gives_the_reference():
 def test_triton_backend_refuses_clearly_when_it_cannot_run(monkeypatch):
     monkeypatch.setattr(ops, "triton_available", lambda: "no CUDA device")
     x, w, mask = torch.randn(2, 8), torch.randn(4, 8), torch.ones(2, 2, dtype=torch.bool)
-    with pytest.raises(KernelUnavailableError, match="backend 'triton': no CUDA device"):
+    with pytest.raises(TritonUnavailableError, match="backend 'triton': no CUDA device"):
         ops.masked_out_gemm(x, w, mask, backend="triton")
     torch.testing.assert_close(ops.masked_out_gemm(x, w, mask, backend="auto"), x @ w.T)
 

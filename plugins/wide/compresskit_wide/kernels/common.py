@@ -18,9 +18,11 @@ except ImportError:
     triton = None
 
 
-class KernelUnavailableError(RuntimeError):
+class TritonUnavailableError(RuntimeError):
     """A Triton kernel was asked for (``backend="triton"``) where it cannot run; the message says why.
-    The kernels' own error type: they import nothing of ``compresskit``."""
+    The kernels' own error type (they import nothing of ``compresskit``), raised only when an op is called
+    directly: the ``wide-triton`` executor's ``check`` finds the same reason first and raises compresskit's one
+    ``KernelUnavailableError``."""
 
 
 def interpreted() -> bool:

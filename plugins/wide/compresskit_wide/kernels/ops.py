@@ -34,7 +34,7 @@ from compresskit_wide.kernels.attention_prefill import (
     torch_routed_attention_prefill,
     triton_routed_attention_prefill,
 )
-from compresskit_wide.kernels.common import KernelUnavailableError, cdiv, interpreted
+from compresskit_wide.kernels.common import TritonUnavailableError, cdiv, interpreted
 from compresskit_wide.kernels.consensus import (
     check_consensus,
     torch_consensus,
@@ -104,7 +104,7 @@ def _use_triton(backend: str, *tensors: torch.Tensor) -> bool:
     reason = triton_available()
     if backend == "triton":
         if reason:
-            raise KernelUnavailableError(f"backend 'triton': {reason}")
+            raise TritonUnavailableError(f"backend 'triton': {reason}")
         return True
     return reason is None and all(t.is_cuda for t in tensors)  # auto
 
