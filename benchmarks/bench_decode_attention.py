@@ -75,7 +75,7 @@ def wide_triton(q, keys, values, lens, groups):
     from compresskit_wide.kernels import ops  # noqa: F401
 
     mask = torch.ones(q.shape[0], groups, dtype=torch.bool, device=q.device)
-    return torch.ops.compresskit_wide.routed_attention_decode(q[:, :, 0], keys, values, lens, mask, "triton")
+    return torch.ops.compresskit_wide.routed_attention_decode(q[:, :, 0], keys, values, lens, mask, backend="triton")
 
 
 def main() -> int:

@@ -307,7 +307,7 @@ def case_ffn(m, d, ffn, group, mask_kind, dtype, device, gen, results):
     backend = "auto" if CUDA else "triton"
 
     def ours():
-        h = kernels.masked_out_gemm(x, wg, mask, wu, backend=backend)
+        h = kernels.masked_out_gemm(x, wg, mask, w_up=wu, backend=backend)
         return kernels.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
 
     def dense():

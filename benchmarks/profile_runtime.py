@@ -156,8 +156,8 @@ def wanted_members(text: str, names: list[str]) -> set[str] | None:
 def main() -> int:
     from compresskit.bench import free_device_memory, method_source, shape_members
     from compresskit.cli import _int_list
-    from compresskit.options import parse_option
     from compresskit.errors import CompressKitError
+    from compresskit.options import parse_option
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")

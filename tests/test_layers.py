@@ -143,6 +143,20 @@ def test_no_module_of_the_core_names_a_plugin_or_its_concepts():
     assert core_mentions(plugin_names() | set(PLUGIN_CONCEPTS)) == []
 
 
+def test_only_the_ops_consult_the_kernel_policy():
+    """One decision per op: a block asks ``kernels.ops`` which operation runs (the op itself, or one of its
+    questions, e.g. ``ops.handoff_backend``) and gets it; only the ops (and the kernels' own launch settings)
+    read ``kernels.policy``."""
+    wide = ROOT / "plugins" / "wide" / "compresskit_wide"
+    readers = {
+        module_name(p, wide)
+        for p in wide.rglob("*.py")
+        if any(m.startswith("compresskit_wide.kernels.policy") for m in imported(p, wide))
+    }
+    outside = {m for m in readers if not m.startswith("compresskit_wide.kernels.")}
+    assert outside == set() and "compresskit_wide.kernels.ops" in readers
+
+
 @pytest.mark.parametrize("root", [CORE, ROOT / "plugins"], ids=["core", "plugins"])
 def test_no_module_holds_a_boolean_switch(root):
     """A choice a user makes is a validated config field; a choice the code made is code, not a constant."""

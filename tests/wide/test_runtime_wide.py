@@ -112,7 +112,7 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
         ("router_norm_out_gemm", with_product),
     ):
         real = getattr(blocks, name)
-        monkeypatch.setattr(blocks, name, lambda *a, real=real, seen=seen: seen.append(1) or real(*a))
+        monkeypatch.setattr(blocks, name, lambda *a, real=real, seen=seen, **k: seen.append(1) or real(*a, **k))
     model, pruner = _wide_model(tiny_model_dir)
     cls = plugins.load("executor", "wide-triton")
     # the references of every operator (under auto the CPU hands nothing on: see the test after this one)
@@ -160,7 +160,7 @@ def test_on_the_cpu_auto_runs_the_cheapest_path(tiny_model_dir, monkeypatch):
     called = []
     for name in ("router_norm_from_shares", "router_decide_from_shares", "routed_attention_decode"):
         real = getattr(blocks, name)
-        monkeypatch.setattr(blocks, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
+        monkeypatch.setattr(blocks, name, lambda *a, real=real, name=name, **k: called.append(name) or real(*a, **k))
     model, pruner = _wide_model(tiny_model_dir)
     fast = runtime_for(model, pruner)
     assert (
@@ -197,27 +197,28 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
     in their own product. Both ways give the routed modules' logits."""
     from compresskit.runtime import runtime_for
     from compresskit_wide import blocks
+    from compresskit_wide.kernels import ops, policy
 
-    real_use_kernel = blocks.use_kernel
-    monkeypatch.setattr(blocks, "decode_kernel", lambda m, shared: m <= 2)
+    real_use_kernel = policy.use_kernel
+    monkeypatch.setattr(policy, "decode_kernel", lambda m, shared: m <= 2)
     monkeypatch.setattr(
-        blocks, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
+        policy, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
     )
     model, pruner = _wide_model(tiny_model_dir)
     fast, ref = runtime_for(model, pruner), Runtime(model)
     attn = fast.blocks[0][0]
     assert attn.wqkv is not None
-    assert [attn._one_qkv_product(m, False) for m in (1, 2, 3, 7, 8, 4096)] == [True, True, True, True, False, False]
-    attn.backend = "triton"  # a forced backend runs q's kernel at every prefill
-    assert [attn._one_qkv_product(m, False) for m in (2, 3)] == [True, False]
-    attn.backend = "auto"
+    one = [ops.qkv_in_one_product("auto", m, False) for m in (1, 2, 3, 7, 8, 4096)]
+    assert one == [True, True, True, True, False, False]
+    # a forced backend runs q's kernel at every prefill
+    assert [ops.qkv_in_one_product("triton", m, False) for m in (2, 3)] == [True, False]
     widths = []  # the output width of each masked_out_gemm of the first attention block
     real_gemm = blocks.masked_out_gemm
 
-    def recording(x, w, *args):
+    def recording(x, w, *args, **kw):
         if w is attn.wqkv or w is attn.wq:
             widths.append(w.shape[0])
-        return real_gemm(x, w, *args)
+        return real_gemm(x, w, *args, **kw)
 
     monkeypatch.setattr(blocks, "masked_out_gemm", recording)
     q_rows, qkv_rows = attn.wq.shape[0], attn.wqkv.shape[0]
@@ -246,11 +247,11 @@ def test_a_prefills_o_gets_its_skipped_heads_zeroed_in_the_block(tiny_model_dir,
     seen = []  # (tokens, zeroed as told, exactly zero in the skipped heads) of the first block's o
     real = blocks.masked_reduce_gemm
 
-    def recording(x, w, mask, zeroed, *rest):
+    def recording(x, w, mask, **kw):
         if w is attn.wo:
             skipped = ~mask.bool().repeat_interleave(x.shape[1] // mask.shape[1], dim=1)
-            seen.append((x.shape[0], zeroed, bool((x[skipped] == 0).all())))
-        return real(x, w, mask, zeroed, *rest)
+            seen.append((x.shape[0], kw["input_is_masked"], bool((x[skipped] == 0).all())))
+        return real(x, w, mask, **kw)
 
     monkeypatch.setattr(blocks, "masked_reduce_gemm", recording)
     ids = torch.randint(2, 300, (2, 10), generator=torch.Generator().manual_seed(4))
@@ -274,7 +275,7 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, mon
 
     rows = []
     real_shares = blocks.router_shares
-    monkeypatch.setattr(blocks, "router_shares", lambda x, *a: rows.append(x.shape[0]) or real_shares(x, *a))
+    monkeypatch.setattr(blocks, "router_shares", lambda x, *a, **k: rows.append(x.shape[0]) or real_shares(x, *a, **k))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, pruner = _wide_model(tiny_model_dir)
     model = model.to(device)
@@ -307,11 +308,10 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     counted_by_router = []
     for name in ("router_decide", "router_decide_from_shares", "router_norm_from_shares", "router_norm_out_gemm"):
         real = getattr(blocks, name)
-        flag = -2 if name == "router_norm_out_gemm" else -3  # (..., counts, count, backend[, margin])
 
-        def recording(*a, real=real, flag=flag):
-            counted_by_router.append(a[flag])
-            return real(*a)
+        def recording(*a, real=real, **k):
+            counted_by_router.append(k["count"])
+            return real(*a, **k)
 
         monkeypatch.setattr(blocks, name, recording)
     model, pruner = _wide_model(tiny_model_dir)
@@ -414,39 +414,49 @@ def test_registered_ops_pass_opcheck():
     ops = torch.ops.compresskit_wide
     r = (torch.randn(3, d, generator=gen), torch.randn(3, generator=gen), torch.randn(2 * g, 3, generator=gen))
     counts = torch.zeros(2, dtype=torch.float64)  # counted in place (a mutated argument)
+    torch_ = {"backend": "torch"}
+    route = {"b_down": r[1], "w_route": r[2], "b_route": torch.zeros(2 * g)}
     for count in (False, True):
-        torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, count, "torch"))
-    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, wu, True, "torch"))
-    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask, None, False, "torch"))
-    torch.library.opcheck(ops.masked_out_gemm, (x, torch.cat([w, wu[:12]]), mask, None, False, "torch", 12))
+        torch.library.opcheck(ops.router_decide, (x, r[0]), {**route, "counts": counts, "count": count, **torch_})
+    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask), {"w_up": wu, "zero_inactive": True, **torch_})
+    torch.library.opcheck(ops.masked_out_gemm, (x, w, mask), {"w_up": None, "zero_inactive": False, **torch_})
+    qkv_rows = {"zero_inactive": False, "dense_rows": 12, **torch_}
+    torch.library.opcheck(ops.masked_out_gemm, (x, torch.cat([w, wu[:12]]), mask), qkv_rows)
     h, w_down = torch.randn(m, n, generator=gen), torch.randn(d, n, generator=gen)
-    torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask, False, "torch"))
+    torch.library.opcheck(ops.masked_reduce_gemm, (h, w_down, mask), {"input_is_masked": False, **torch_})
     residual, next_down = torch.randn(m, d, generator=gen), torch.randn(3, d, generator=gen)
-    torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask, residual, next_down, False, "torch"))
+    hand = {"residual": residual, "share_w": next_down, "input_is_masked": False, **torch_}
+    torch.library.opcheck(ops.masked_reduce_gemm_shares, (h, w_down, mask), hand)
     shares = torch.randn(2, m, 3, generator=gen)
     for count in (False, True):
-        args = (shares, r[1], r[2], torch.zeros(2 * g), counts, count, "torch")
-        torch.library.opcheck(ops.router_decide_from_shares, args)
-    args = (shares, r[1], r[2], torch.zeros(2 * g), x, torch.randn(m, d, generator=gen), torch.ones(d), 1e-5)
-    torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, True, "torch"))
+        torch.library.opcheck(
+            ops.router_decide_from_shares, (shares,), {**route, "counts": counts, "count": count, **torch_}
+        )
+    norm = {"x": x, "delta": torch.randn(m, d, generator=gen), "norm_w": torch.ones(d), "eps": 1e-5}
+    counted = {"counts": counts, "count": True}
+    torch.library.opcheck(ops.router_norm_from_shares, (shares,), {**route, **norm, **counted, **torch_})
     for columns in (16, 48):  # the shares' count from the columns given (D = 16: one share, or one partly filled)
-        torch.library.opcheck(ops.router_shares, (x, torch.randn(m, d, generator=gen), r[0], columns, "torch"))
+        torch.library.opcheck(ops.router_shares, (x, torch.randn(m, d, generator=gen), r[0], columns), torch_)
     # a block's start and its first product: gate+up fused; q with k and v rows under it
-    torch.library.opcheck(ops.router_norm_out_gemm, (*args, w, wu, 0, True, counts, True, "torch"))
+    gate_up = {"w_up": wu, "dense_rows": 0, "zero_inactive": True}
+    torch.library.opcheck(ops.router_norm_out_gemm, (shares, w), {**route, **norm, **gate_up, **counted, **torch_})
     qkv = torch.randn(n + 8, d, generator=gen)
-    torch.library.opcheck(ops.router_norm_out_gemm, (*args, qkv, None, 8, False, counts, False, "torch"))
+    rows = {"w_up": None, "dense_rows": 8, "zero_inactive": False, "counts": counts, "count": False}
+    torch.library.opcheck(ops.router_norm_out_gemm, (shares, qkv), {**route, **norm, **rows, **torch_})
     # the margins the consensus decides from, and its decision
-    torch.library.opcheck(ops.router_norm_from_shares, (*args, counts, False, "torch", True))
-    torch.library.opcheck(ops.router_decide, (x, r[0], r[1], r[2], torch.zeros(2 * g), counts, False, "torch", True))
+    margins = {"counts": counts, "count": False, "margin": True, **torch_}
+    torch.library.opcheck(ops.router_norm_from_shares, (shares,), {**route, **norm, **margins})
+    torch.library.opcheck(ops.router_decide, (x, r[0]), {**route, **margins})
     margin = torch.randn(m - 1, g, generator=gen)
+    rule = {"batch": 2, "cap": 3, "quorum": 0.5, "share_set": True, "counts": counts, "count": True, **torch_}
     for valid in (None, torch.tensor([True, False, True, True])):
-        torch.library.opcheck(ops.consensus_decide, (margin, valid, 2, 3, 0.5, True, counts, True, "torch"))
+        torch.library.opcheck(ops.consensus_decide, (margin, valid), rule)
     q, k, v = torch.randn(2, 8, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
     heads = torch.rand(2, 2, generator=gen) > 0.5
     lens = torch.tensor([6, 4], dtype=torch.int32)
-    torch.library.opcheck(ops.routed_attention_decode, (q, k, v, lens, heads, "torch"))
+    torch.library.opcheck(ops.routed_attention_decode, (q, k, v, lens, heads), torch_)
     qp = torch.randn(2, 8, 6, 4)
-    torch.library.opcheck(ops.routed_attention_prefill, (qp, k, v, torch.rand(2, 6, 2) > 0.5, "torch"))
+    torch.library.opcheck(ops.routed_attention_prefill, (qp, k, v, torch.rand(2, 6, 2) > 0.5), torch_)
 
 
 def test_the_ops_are_cheap_dispatches_that_compile_whole():
@@ -457,9 +467,9 @@ def test_the_ops_are_cheap_dispatches_that_compile_whole():
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 8, generator=gen), torch.randn(12, 8, generator=gen)
     mask = torch.tensor([[True, False, True], [False, False, False], [True, True, True]])
-    want = plain.masked_out_gemm(x, w, mask, None, zero_inactive=True, backend="torch")
+    want = plain.masked_out_gemm(x, w, mask, zero_inactive=True, backend="torch")
     op = torch.ops.compresskit_wide.masked_out_gemm.default
-    torch.testing.assert_close(op(x, w, mask, None, True, "torch"), want)
+    torch.testing.assert_close(op(x, w, mask, zero_inactive=True, backend="torch"), want)
 
     targets = []
 
@@ -468,7 +478,7 @@ def test_the_ops_are_cheap_dispatches_that_compile_whole():
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b, c: op(a, b, c, None, True, "torch") * 2, backend=record, fullgraph=True)
+    compiled = torch.compile(lambda a, b, c: op(a, b, c, backend="torch") * 2, backend=record, fullgraph=True)
     got = compiled(x, w, mask)
     torch.testing.assert_close(got, want * 2)
     assert any("compresskit_wide.masked_out_gemm" in t for t in targets)

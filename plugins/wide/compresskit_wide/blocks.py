@@ -18,7 +18,7 @@ product, written by that kernel's programs; the next block's router then runs on
 launch, which also adds the residual and applies the norm (``router_norm_from_shares``). The executor
 links each block to the next (:func:`link`). Where no shares came (a prefill past the reduction kernel's sizes,
 the first block), the router's first launch writes them itself (``router_shares``, on ``x + delta``) where
-``policy`` takes it, and the decision's launch adds and normalises as before.
+``ops`` takes it, and the decision's launch adds and normalises as before.
 """
 
 from __future__ import annotations
@@ -29,12 +29,8 @@ from torch import nn
 from compresskit.routing import Counting, RoutedProjection, mask_input_groups
 from compresskit.runtime.blocks import Attention, Block, Step, attend, base_module, stacked_linear, write_cache
 from compresskit_wide.consensus import Consensus, from_voters, to_voters
-from compresskit_wide.kernels import (
-    ops,  # noqa: F401  (registers the operators)
-    policy,
-)
+from compresskit_wide.kernels import ops  # (registers the operators; and what a block asks before it calls one)
 from compresskit_wide.kernels.common import zero_inactive_groups
-from compresskit_wide.kernels.policy import DECODE_MAX_M, decode_kernel, use_kernel
 
 _ops = torch.ops.compresskit_wide  # registered by importing kernels.ops
 router_decide = _ops.router_decide.default
@@ -75,27 +71,28 @@ class _Routing(Counting):
         self.router_down, self.router_up = router.down, router.up
         self.backend = backend
         self.setup_counts(proj, proj.groups, counting=count)
-        # the rule, and as plain values for its launch: (groups at most, quorum, every token the set, follow)
+        # the rule, and as plain values for its launch (consensus_decide's)
         self.rule = consensus
-        self.consensus = (
-            None
-            if consensus is None
-            else (consensus.cap(proj.groups), consensus.quorum, consensus.share == "set", consensus.follow or 0.0)
-        )
+        self.consensus = None
+        if consensus is not None:
+            share_set, follow = consensus.share == "set", consensus.follow or 0.0
+            self.consensus = {"cap": consensus.cap(proj.groups), "quorum": consensus.quorum, "share_set": share_set}
+            self.consensus["follow"] = follow
         self.next_router_down = None  # the next WIDE block's router bottleneck (link)
 
     def own_shares(self, x: torch.Tensor, delta: torch.Tensor, shares: torch.Tensor | None) -> torch.Tensor | None:
         """The shares the router decides from: those the block before handed on; where none came, the router's
         first launch on its own (``router_shares``, on ``x + delta``) where the decision's launch can take the
-        add and the norm and (under ``auto``, on a GPU) ``policy`` takes it, so that the block starts with two
-        launches where it ran three; else None (the router runs whole, after the add)."""
+        add and the norm and ``ops.own_shares_backend`` takes it, so that the block starts with two launches where
+        it ran three; else None (the router runs whole, after the add)."""
         if shares is not None or not self._norm_fits(x):
             return shares
         m = x.shape[0] * x.shape[1]
-        if self.backend == "auto" and not (x.device.type == "cuda" and use_kernel("router_shares", m)):
+        backend = ops.own_shares_backend(self.backend, m, x.device)
+        if backend is None:
             return None
-        w_down, columns = self.router_down.weight, policy.ROUTER_SHARE_COLUMNS
-        return router_shares(x.reshape(m, -1), delta.reshape(m, -1), w_down, columns, self.backend)
+        w_down, columns = self.router_down.weight, ops.ROUTER_SHARE_COLUMNS
+        return router_shares(x.reshape(m, -1), delta.reshape(m, -1), w_down, columns, backend=backend)
 
     def _norm_fits(self, x: torch.Tensor) -> bool:
         """Whether the decision's launch can take the block's norm: Llama's RMSNorm in ``x``'s dtype (else torch
@@ -114,6 +111,7 @@ class _Routing(Counting):
         valid: torch.Tensor | None,
         shares: torch.Tensor | None,
         w: torch.Tensor,
+        *,
         w_up: torch.Tensor | None,
         dense_rows: int,
         zero_inactive: bool,
@@ -121,21 +119,30 @@ class _Routing(Counting):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's start (:meth:`enter`) and its first product, ``masked_out_gemm`` of the normalised rows
         by ``w`` (``w_up``, ``dense_rows``, ``zero_inactive``, ``shared``: as there): ``(execute, x, out)``.
-        Where the shares came at decode sizes and each token decides for itself, one operator does both
-        (``router_norm_out_gemm``: the decision in the product's prologue where ``policy`` takes it)."""
+        Where the shares came and each token decides for itself, one operator does both
+        (``router_norm_out_gemm``: at decode sizes the decision in the product's prologue)."""
         b, t, dim = x.shape
         agree = self.rule is not None and self.rule.applies(b, t)
         shares = self.own_shares(x, delta, shares)
-        if self._norm_from_shares(shares, x) and not agree and b * t <= DECODE_MAX_M:
+        product = {"w_up": w_up, "dense_rows": dense_rows, "zero_inactive": zero_inactive, "backend": self.backend}
+        if self._norm_from_shares(shares, x) and not agree:
             count = self.counting and valid is None
-            out, execute, x2 = router_norm_out_gemm(
-                shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
-                delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, w, w_up, dense_rows,
-                zero_inactive, self.stat_counts, count, self.backend,
-            )  # fmt: skip
+            route, norm = self._route_operands(), self._norm_operands(x, delta)
+            counted = {"counts": self.stat_counts, "count": count}
+            out, execute, x2 = router_norm_out_gemm(shares, w, **route, **norm, **counted, **product)
             return self._counted(execute, b, t, valid, False, count), x2.view(b, t, dim), out
         execute, x, h = self._start(x, delta, valid, shares)
-        return execute, x, masked_out_gemm(h, w, execute, w_up, zero_inactive, self.backend, dense_rows, shared)
+        return execute, x, masked_out_gemm(h, w, execute, shared=shared, **product)
+
+    def _route_operands(self) -> dict[str, torch.Tensor]:
+        """The router's operands past its bottleneck's weight, as the deciding operators take them."""
+        return {"b_down": self.router_down.bias, "w_route": self.router_up.weight, "b_route": self.router_up.bias}
+
+    def _norm_operands(self, x: torch.Tensor, delta: torch.Tensor) -> dict:
+        """The residual add's and the RMSNorm's operands, as the operators that take them take them."""
+        dim = x.shape[-1]
+        rows = {"x": x.reshape(-1, dim), "delta": delta.reshape(-1, dim)}
+        return {**rows, "norm_w": self.norm.weight, "eps": self.norm.variance_epsilon}
 
     def enter(
         self, x: torch.Tensor, delta: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None
@@ -153,11 +160,10 @@ class _Routing(Counting):
         if self._norm_from_shares(shares, x):
             agree = self.rule is not None and self.rule.applies(b, t)
             count = self.counting and valid is None and not agree
+            route, norm = self._route_operands(), self._norm_operands(x, delta)
             execute, x2, h = router_norm_from_shares(
-                shares, self.router_down.bias, self.router_up.weight, self.router_up.bias, x.reshape(-1, dim),
-                delta.reshape(-1, dim), self.norm.weight, self.norm.variance_epsilon, self.stat_counts, count,
-                self.backend, agree,
-            )  # fmt: skip
+                shares, **route, **norm, counts=self.stat_counts, count=count, backend=self.backend, margin=agree
+            )
             return self._counted(execute, b, t, valid, agree, count), x2.view(b, t, dim), h
         x = x + delta
         execute = self.decide(x, valid, shares)
@@ -166,19 +172,14 @@ class _Routing(Counting):
     def decide(self, x: torch.Tensor, valid: torch.Tensor | None, shares: torch.Tensor | None) -> torch.Tensor:
         """``x: [B, T, D]`` (the residual) -> execute ``[B * T, G]`` (bool), counted; from ``shares``
         (``[S, B * T, R]``, handed on by the block before) where they came."""
-        d, r = self.router_down, self.router_up
         b, t = x.shape[:2]
         agree = self.rule is not None and self.rule.applies(b, t)  # margins, then the shared decision
         count = self.counting and valid is None and not agree  # every token real: the router's launch counts
+        how = {**self._route_operands(), "counts": self.stat_counts, "count": count, "backend": self.backend}
         if shares is not None:
-            execute = router_decide_from_shares(
-                shares, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend, agree
-            )
+            execute = router_decide_from_shares(shares, **how, margin=agree)
         else:
-            x2 = x.reshape(-1, x.shape[-1])
-            execute = router_decide(
-                x2, d.weight, d.bias, r.weight, r.bias, self.stat_counts, count, self.backend, agree
-            )
+            execute = router_decide(x.reshape(-1, x.shape[-1]), self.router_down.weight, **how, margin=agree)
         return self._counted(execute, b, t, valid, agree, count)
 
     def _counted(
@@ -188,20 +189,15 @@ class _Routing(Counting):
         batch or tile agrees), counted where the router's launch did not count it. Under ``over: tile`` the
         rows go to the rule's layout (a tile's tokens as the voters) and back around the launch."""
         if agree:
-            cap, quorum, share_set, follow = self.consensus
+            how = {**self.consensus, "counts": self.stat_counts, "count": self.counting, "backend": self.backend}
             if self.rule.over == "batch":
                 real = None if valid is None else valid.reshape(-1).bool()
-                return consensus_decide(
-                    decided, real, b, cap, quorum, share_set, self.stat_counts, self.counting, self.backend, follow
-                )
+                return consensus_decide(decided, real, batch=b, **how)
             g = decided.shape[-1]
             real = torch.ones(b, t, dtype=torch.bool, device=decided.device) if valid is None else valid.bool()
             margins = to_voters(decided.view(b, t, g), self.rule, 0.0)  # [S, tiles, G]
-            voters = to_voters(real, self.rule, False)
-            execute = consensus_decide(
-                margins.reshape(-1, g), voters.reshape(-1), margins.shape[0], cap, quorum, share_set,
-                self.stat_counts, self.counting, self.backend, follow,
-            )  # fmt: skip
+            voters = to_voters(real, self.rule, False).reshape(-1)
+            execute = consensus_decide(margins.reshape(-1, g), voters, batch=margins.shape[0], **how)
             return from_voters(execute.view(margins.shape), self.rule, b, t).reshape(b * t, g)
         if self.counting and not counted:
             self.count(decided, valid)
@@ -210,7 +206,7 @@ class _Routing(Counting):
     def shared(self, b: int, t: int) -> bool:
         """Whether every token of a ``[b, t]`` step runs the same groups: a decode step of a batch under a
         consensus whose tokens run the whole set (at prefill each position has its own set)."""
-        return self.rule is not None and self.rule.over == "batch" and self.consensus[2] and b > 1 and t == 1
+        return self.rule is not None and self.rule.over == "batch" and self.consensus["share_set"] and b > 1 and t == 1
 
     def last_product(
         self, a: torch.Tensor, w: torch.Tensor, execute: torch.Tensor, zeroed: bool, x: torch.Tensor, shared: bool
@@ -224,23 +220,14 @@ class _Routing(Counting):
         m, t = a.shape[0], x.shape[1]
         nxt = self.next_router_down
         tile = self.rule.tile if self.rule is not None and self.rule.over == "tile" and t > 1 else 0
-        # under auto the handoff runs where its kernel does (on a GPU, where the policy takes it); on the CPU
-        # the reference's shares would be extra work: the next router computes its bottleneck itself. A
-        # prefill's tiles hand nothing on.
-        groups = execute.shape[-1]
-        if (
-            nxt is not None
-            and not (tile and m > DECODE_MAX_M)
-            and (
-                self.backend != "auto"
-                or (
-                    a.device.type == "cuda"
-                    and use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
-                )
-            )
-        ):
-            return masked_reduce_gemm_shares(a, w, execute, x.reshape(m, -1), nxt.weight, zeroed, self.backend, shared)
-        return masked_reduce_gemm(a, w, execute, zeroed, self.backend, shared, tile, t), None
+        how = {"input_is_masked": zeroed, "shared": shared}
+        if nxt is not None:
+            where = {"groups": execute.shape[-1], "zeroed": zeroed, "shared": shared, "tiled": bool(tile)}
+            backend = ops.handoff_backend(self.backend, m, **where, device=a.device)
+            if backend is not None:
+                hand = {"residual": x.reshape(m, -1), "share_w": nxt.weight}
+                return masked_reduce_gemm_shares(a, w, execute, **hand, **how, backend=backend)
+        return masked_reduce_gemm(a, w, execute, **how, backend=self.backend, tile=tile, tokens=t), None
 
 
 class WideAttention(Attention, _Routing):
@@ -257,39 +244,28 @@ class WideAttention(Attention, _Routing):
         self.qkv_sizes = [self.q_proj.out_features, *self.kv_sizes] if routed_qkv else None
         self.kv_rows = sum(self.kv_sizes) if routed_qkv else 0
 
-    def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> bool:
-        """Whether the routed attention runs: an unpadded batch, the standard scale, and under
-        ``auto`` on a GPU only where it was measured faster (the runtime's attention otherwise)."""
+    def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> str | None:
+        """The routed attention's backend where it runs (an unpadded batch, the standard scale, and where
+        ``ops.routed_attention_backend`` takes it), else None (the runtime's attention)."""
         if step.padded or abs(self.scale * self.head_dim**0.5 - 1.0) > 1e-6 or (t > 1 and step.mask is not None):
-            return False
-        if self.backend != "auto":
-            return True
-        if device.type != "cuda":  # the reference of the routed attention is slower than the runtime's attention
-            return False
-        return use_kernel("attn_decode", rows, context=context) if t == 1 else use_kernel("attn_prefill", t)
-
-    def _one_qkv_product(self, m: int, shared: bool) -> bool:
-        """Whether q, k and v run as one routed product for ``m`` tokens: at decode (a shared set's decode
-        too), and at prefill where q would run dense anyway (``auto`` below q's prefill range); where q's
-        prefill kernel runs, the stacked product would drag k and v through it, slower than q alone and
-        then cuBLAS k / v."""
-        return decode_kernel(m, shared) or (self.backend == "auto" and not use_kernel("out", m))
+            return None
+        return ops.routed_attention_backend(self.backend, rows, t, context, device)
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys: torch.Tensor, values: torch.Tensor
     ):
         b, t, _ = x.shape
         shared = self.shared(b, t)
-        if self.wqkv is not None and self._one_qkv_product(b * t, shared):  # kept queries, k and v for every token
-            execute, x, qkv = self.enter_product(
-                x, delta, step.valid, carry, self.wqkv, None, self.kv_rows, False, shared
-            )  # [B * T, G], [B, T, D], [B * T, N]
+        if self.wqkv is not None and ops.qkv_in_one_product(self.backend, b * t, shared):
+            # the kept queries, k and v for every token: [B * T, G], [B, T, D], [B * T, N]
+            how = {"w_up": None, "dense_rows": self.kv_rows, "zero_inactive": False, "shared": shared}
+            execute, x, qkv = self.enter_product(x, delta, step.valid, carry, self.wqkv, **how)
             q, k, v = self.heads(*qkv.view(b, t, -1).split(self.qkv_sizes, dim=-1), step)
         else:
             execute, x, h2 = self.enter(x, delta, step.valid, carry)  # [B * T, G], [B, T, D], [B * T, D]
             h = h2.view(b, t, -1)
             if self.wq is not None:  # the kept head groups' queries only (the others are never read)
-                q = masked_out_gemm(h2, self.wq, execute, None, False, self.backend, 0, shared)
+                q = masked_out_gemm(h2, self.wq, execute, zero_inactive=False, backend=self.backend, shared=shared)
             else:
                 q = self.q_proj(h2)
             q, k, v = self.keys_values(h, q.view(b, t, -1), step)
@@ -298,15 +274,15 @@ class WideAttention(Attention, _Routing):
         routed = self._routed_attention(b, t, context, step, x.device)
         if routed and t == 1:
             lens = (step.slots[-1:] + 1).to(torch.int32).expand(b)
-            out = routed_attention_decode(q[:, :, 0], keys, values, lens, execute, self.backend)
+            out = routed_attention_decode(q[:, :, 0], keys, values, lens, execute, backend=routed)
         elif routed:  # [B, T, H, D]
             mask = execute.view(b, t, -1)
-            out = routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, self.backend)
+            out = routed_attention_prefill(q, keys[:, :, :t], values[:, :, :t], mask, backend=routed)
         else:  # all heads; o reads the kept ones
             out = attend(q, keys, values, step, self.scale).transpose(1, 2)
         out = out.reshape(b * t, -1)  # [M, H * D]
-        zeroed = routed
-        if self.wo is not None and not routed and t > 1 and b * t > DECODE_MAX_M:
+        zeroed = routed is not None
+        if self.wo is not None and not zeroed and ops.zeroes_before_reduce(b * t, t):
             # a prefill's o past the decode kernels' sizes runs the reduction's dense fallback, which would zero
             # the skipped heads in a pass of its own: zeroed here, the select joins the block's graph
             out, zeroed = zero_inactive_groups(out, execute), True
@@ -332,7 +308,8 @@ class WideMLP(Block, _Routing):
         b, t, _ = x.shape
         shared = self.shared(b, t)
         # gate+up with the SwiGLU fused leaves the skipped groups exactly zero: down reads the kept ones
-        execute, x, g = self.enter_product(x, delta, step.valid, carry, self.wg, self.wu, 0, True, shared)
+        how = {"w_up": self.wu, "dense_rows": 0, "zero_inactive": True, "shared": shared}
+        execute, x, g = self.enter_product(x, delta, step.valid, carry, self.wg, **how)
         y, shares = self.last_product(g, self.wd, execute, True, x, shared)
         return x, y.view(b, t, -1), shares
 

@@ -60,20 +60,21 @@ def test_auto_takes_the_kernel_exactly_where_the_policy_says(monkeypatch):
     for m, shared in itertools.product((1, 2, 8, 9, 16, 17, 64, 65, 256, 1024, 4096), (False, True)):
         x, mask = torch.zeros(m, 4), torch.ones(m, 2, dtype=torch.bool)
         assert ran("masked_out_gemm", x, w, mask, shared=shared) == policy.use_kernel("out", m, shared=shared)
-        assert ran("masked_out_gemm", x, w, mask, w, shared=shared) == policy.use_kernel("swiglu", m, shared=shared)
+        swiglu = ran("masked_out_gemm", x, w, mask, w_up=w, shared=shared)
+        assert swiglu == policy.use_kernel("swiglu", m, shared=shared)
         for groups in (2, 8, 16):
             x, wd, mask = torch.zeros(m, 16), torch.zeros(8, 16), torch.ones(m, groups, dtype=torch.bool)
             for zeroed in (False, True):
                 got = ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, shared=shared)
                 assert got == policy.use_kernel("reduce", m, groups=groups, zeroed=zeroed, shared=shared)
                 assert ran("masked_reduce_gemm", x, wd, mask, input_is_masked=zeroed, backend="triton")
-                handoff = (x, wd, mask, torch.zeros(m, 8), torch.zeros(4, 8), zeroed)
-                got = ran("masked_reduce_gemm_shares", *handoff, shared=shared)
+                hand = {"residual": torch.zeros(m, 8), "share_w": torch.zeros(4, 8), "input_is_masked": zeroed}
+                got = ran("masked_reduce_gemm_shares", x, wd, mask, **hand, shared=shared)
                 assert got == policy.use_kernel("reduce_handoff", m, groups=groups, zeroed=zeroed, shared=shared)
     # a prefill whose weight rows a TMA descriptor cannot take (K x 4 bytes not a multiple of 16) runs dense
     for m in (16, 4096):
         x, mask, w3 = torch.zeros(m, 3), torch.ones(m, 2, dtype=torch.bool), torch.zeros(8, 3)
-        assert ran("masked_out_gemm", x, w3, mask, w3) == (m <= policy.DECODE_MAX_M)
+        assert ran("masked_out_gemm", x, w3, mask, w_up=w3) == (m <= policy.DECODE_MAX_M)
     for b, ctx in ((1, 8192), (4, 8192), (1, 32768)):
         q, kv, lens = torch.zeros(b, 8, 16), torch.zeros(b, 2, ctx, 16), torch.full((b,), ctx)
         got = ran("routed_attention_decode", q, kv, kv, lens, torch.ones(b, 2, dtype=torch.bool))
@@ -129,7 +130,9 @@ def test_the_decision_in_the_prologue_runs_where_asked(monkeypatch):
         for backend in ("torch", "auto", "triton"):
             fused.clear()
             counts = torch.zeros(2, dtype=torch.float64, device=DEVICE)
-            got, execute, x_new = ops.router_norm_out_gemm(*args, w, None, 16, True, counts, True, backend)
+            route = dict(zip(("b_down", "w_route", "b_route", "x", "delta", "norm_w", "eps"), args[1:], strict=True))
+            rows = {"w_up": None, "dense_rows": 16, "zero_inactive": True, "counts": counts, "count": True}
+            got, execute, x_new = ops.router_norm_out_gemm(args[0], w, **route, **rows, backend=backend)
             taken = (backend == "triton" and m <= policy.DECODE_MAX_M) or (backend == "auto" and m == 1)
             assert fused == ([1] if taken else []), (m, backend)
             assert torch.equal(execute, want_execute) and torch.equal(x_new, want_x)
@@ -287,18 +290,21 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
     delta, norm_w = torch.randn_like(x), torch.ones(256, device="cuda", dtype=dt)
     shares = ops.torch_router_shares(x + delta, router[0])
     started = torch.zeros(2, dtype=torch.float64, device="cuda")
+    route = {"b_down": router[1], "w_route": router[2], "b_route": router[3]}
+    norm = {"x": x, "delta": delta, "norm_w": norm_w, "eps": 1e-5}
+    gate_up = {"w_up": wu, "dense_rows": 0, "zero_inactive": True}
 
     def step():
-        h = ops.masked_out_gemm(x, wg, mask, wu, backend=backend)
+        h = ops.masked_out_gemm(x, wg, mask, w_up=wu, backend=backend)
         y = ops.masked_reduce_gemm(h, wd, mask, input_is_masked=True, backend=backend)
         o = ops.masked_reduce_gemm(h, wd, mask, backend="triton")  # the kernel at every M
         return (
             y,
             o,
             ops.routed_attention_decode(q, k, v, lens, amask, backend=backend),
-            ops.router_decide(x, *router, counts, True, backend=backend),
+            ops.router_decide(x, router[0], **route, counts=counts, count=True, backend=backend),
             ops.router_norm_out_gemm(
-                shares, *router[1:], x, delta, norm_w, 1e-5, wg, wu, 0, True, started, True, backend
+                shares, wg, **route, **norm, **gate_up, counts=started, count=True, backend=backend
             ),
         )
 

@@ -121,6 +121,64 @@ def _choose(backend: str, op: str, rows: int, *tensors: torch.Tensor, **where) -
     return "triton" if policy.use_kernel(op, rows, **where) else "dense"
 
 
+# -- what a block asks before it calls an operator: each the one place its decision is made ----------------------
+# (a block passes the backend a question returns to the operator, which then asks nothing again)
+
+ROUTER_SHARE_COLUMNS = policy.ROUTER_SHARE_COLUMNS  # the columns a share of ``router_shares`` sums
+
+
+def _concrete(backend: str, op: str, rows: int, device: torch.device, **where) -> str | None:
+    """The backend a block passes to ``op`` where it runs the kernel's structure (the kernel itself: "triton", or
+    its reference: "torch"), or None where "auto" leaves the structure out (on the CPU, or a GPU where the kernel
+    was not measured faster)."""
+    if backend != "auto":
+        return backend
+    return "triton" if device.type == "cuda" and policy.use_kernel(op, rows, **where) else None
+
+
+def own_shares_backend(backend: str, rows: int, device: torch.device) -> str | None:
+    """Whether a block whose router got no shares from the block before computes them itself (``router_shares``,
+    so that the decision's launch can take the residual add and the norm): the backend for that launch, or None
+    (the router runs whole, after the add)."""
+    return _concrete(backend, "router_shares", rows, device)
+
+
+def routed_attention_backend(backend: str, batch: int, tokens: int, context: int, device: torch.device) -> str | None:
+    """Whether the routed attention runs for a ``[batch, tokens]`` step over ``context`` cached positions (only the
+    kept heads, zeros for the others): its backend, or None (the runtime's attention over every head; o then reads
+    the kept heads). The caller has checked that the step allows it (an unpadded batch, the standard scale)."""
+    if backend == "auto" and device.type != "cuda":
+        return None  # on the CPU the reference is slower than the runtime's attention
+    if tokens == 1:
+        return _concrete(backend, "attn_decode", batch, device, context=context)
+    return _concrete(backend, "attn_prefill", tokens, device)
+
+
+def qkv_in_one_product(backend: str, rows: int, shared: bool) -> bool:
+    """Whether q, k and v of ``rows`` tokens run as one routed product (k and v its dense rows): at decode sizes
+    (the decode kernel, a shared set's too), and at prefill where q would run dense anyway ("auto" below q's
+    prefill kernel's range); where q's prefill kernel runs, the stacked product would drag k and v through it."""
+    return policy.decode_kernel(rows, shared) or (backend == "auto" and not policy.use_kernel("out", rows))
+
+
+def handoff_backend(
+    backend: str, rows: int, *, groups: int, zeroed: bool, shared: bool, tiled: bool, device: torch.device
+) -> str | None:
+    """Whether a block's last reduction hands the next router its shares (``masked_reduce_gemm_shares``): its
+    backend, or None (``masked_reduce_gemm``; the next router computes its bottleneck itself). ``tiled``: the rows
+    agree in tiles of a prefill (tile-coherent routing), whose tile reduction hands nothing on past the decode
+    sizes; on the CPU under "auto" the reference's shares would be extra work."""
+    if tiled and rows > policy.DECODE_MAX_M:
+        return None
+    return _concrete(backend, "reduce_handoff", rows, device, groups=groups, zeroed=zeroed, shared=shared)
+
+
+def zeroes_before_reduce(rows: int, tokens: int) -> bool:
+    """Whether a block zeroes the skipped groups of a reduction's input itself (where the select joins its graph):
+    a prefill's past the decode kernels' sizes, whose dense fallback would zero them in a pass of its own."""
+    return tokens > 1 and rows > policy.DECODE_MAX_M
+
+
 def group_masked_input(x: torch.Tensor, mask: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Zero the inactive groups of ``x``'s last axis: ``x: [B, T, K]``, ``mask: [B, T, K/G]``."""
     _use_triton("torch" if backend == "auto" else backend, x)  # validates the name
@@ -132,44 +190,45 @@ def _decision(rows: torch.Tensor, w_up: torch.Tensor, margin: bool) -> torch.Ten
     return rows.new_empty(rows.shape[0], w_up.shape[0] // 2, dtype=torch.float32 if margin else torch.bool)
 
 
-def _fake_decide(x, w_down, b_down, w_up, b_up, counts, count, backend="auto", margin=False):
-    return _decision(x, w_up, margin)
+def _fake_decide(x, w_down, *, b_down, w_route, b_route, counts, count, backend="auto", margin=False):
+    return _decision(x, w_route, margin)
 
 
 @_operator(_fake_decide, mutates=("counts",))
 def router_decide(
     x: torch.Tensor,
     w_down: torch.Tensor,
+    *,
     b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
+    w_route: torch.Tensor,
+    b_route: torch.Tensor,
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
     margin: bool = False,
 ) -> torch.Tensor:
     """``x: [M, D]`` -> execute mask ``[M, G]`` (bool): a ``GroupRouter``'s deterministic decision
-    (``w_down: [R, D]``, ``w_up: [2G, R]``, fp32, with their biases); with ``count`` the M tokens (every
+    (``w_down: [R, D]``, ``w_route: [2G, R]`` (its ``up``), fp32, with their biases); with ``count`` the M tokens (every
     one real) and the groups they execute are added to ``counts`` (fp64 ``[2]``, in place). (A flag
     and a tensor always passed: an optional tensor written in place, passed as None, is what
     ``torch.compile``'s functionalization does not lower.) ``margin``: the fp32 margins (execute minus
     skip logit) instead, uncounted, for ``consensus_decide``."""
     counts = counts if count and not margin else None
     if _choose(backend, "router", x.shape[0], x) == "triton":
-        return triton_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, margin=margin, counts=counts)
+        return triton_router_decide(x, w_down, b_down, w_route, b_route, as_bool=True, margin=margin, counts=counts)
     # the reference is the dense path too
-    execute = torch_router_decide(x, w_down, b_down, w_up, b_up, as_bool=True, margin=margin)
+    execute = torch_router_decide(x, w_down, b_down, w_route, b_route, as_bool=True, margin=margin)
     torch_count(execute, counts)
     return execute
 
 
-def _fake_shares(x, delta, w_down, columns, backend="auto"):
+def _fake_shares(x, delta, w_down, columns, *, backend="auto"):
     return x.new_empty(cdiv(x.shape[1], columns), x.shape[0], w_down.shape[0], dtype=torch.float32)
 
 
 @_operator(_fake_shares)
 def router_shares(
-    x: torch.Tensor, delta: torch.Tensor, w_down: torch.Tensor, columns: int, backend: str = "auto"
+    x: torch.Tensor, delta: torch.Tensor, w_down: torch.Tensor, columns: int, *, backend: str = "auto"
 ) -> torch.Tensor:
     """``x, delta: [M, D]`` -> the router bottleneck's shares ``[S, M, R]`` (fp32) of ``(x + delta) @ w_down.T``
     (the sum rounded as the residual add rounds it), one a ``columns`` columns of D (the kernel's:
@@ -181,16 +240,17 @@ def router_shares(
     return torch_router_shares(x + delta, w_down, columns)  # the reference is the dense path
 
 
-def _fake_decide_from_shares(shares, b_down, w_up, b_up, counts, count, backend="auto", margin=False):
-    return _decision(shares[0], w_up, margin)
+def _fake_decide_from_shares(shares, *, b_down, w_route, b_route, counts, count, backend="auto", margin=False):
+    return _decision(shares[0], w_route, margin)
 
 
 @_operator(_fake_decide_from_shares, mutates=("counts",))
 def router_decide_from_shares(
     shares: torch.Tensor,
+    *,
     b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
+    w_route: torch.Tensor,
+    b_route: torch.Tensor,
     counts: torch.Tensor,
     count: bool,
     backend: str = "auto",
@@ -201,22 +261,26 @@ def router_decide_from_shares(
     counted as it counts (or its margins, as with ``margin`` there)."""
     counts = counts if count and not margin else None
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
-        return triton_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, margin=margin, counts=counts)
-    execute = torch_router_decide_from_shares(shares, b_down, w_up, b_up, as_bool=True, margin=margin)
+        route = (b_down, w_route, b_route)
+        return triton_router_decide_from_shares(shares, *route, as_bool=True, margin=margin, counts=counts)
+    execute = torch_router_decide_from_shares(shares, b_down, w_route, b_route, as_bool=True, margin=margin)
     torch_count(execute, counts)
     return execute
 
 
-def _fake_router_norm(shares, b_down, w_up, b_up, x, delta, norm_w, eps, counts, count, backend="auto", margin=False):
-    return _decision(shares[0], w_up, margin), torch.empty_like(x), torch.empty_like(x)
+def _fake_router_norm(
+    shares, *, b_down, w_route, b_route, x, delta, norm_w, eps, counts, count, backend="auto", margin=False
+):
+    return _decision(shares[0], w_route, margin), torch.empty_like(x), torch.empty_like(x)
 
 
 @_operator(_fake_router_norm, mutates=("counts",))
 def router_norm_from_shares(
     shares: torch.Tensor,
+    *,
     b_down: torch.Tensor,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor,
+    w_route: torch.Tensor,
+    b_route: torch.Tensor,
     x: torch.Tensor,
     delta: torch.Tensor,
     norm_w: torch.Tensor,
@@ -232,15 +296,15 @@ def router_norm_from_shares(
     (fp64 ``[2]``; every token real); ``margin``: the margins instead of the decision, uncounted."""
     counts = counts if count and not margin else None
     if _choose(backend, "router", shares.shape[1], shares) == "triton":
-        return triton_router_norm_from_shares(
-            shares, b_down, w_up, b_up, x, delta, norm_w, eps, margin=margin, counts=counts
-        )
-    execute, x_new, h = torch_router_norm_from_shares(shares, b_down, w_up, b_up, x, delta, norm_w, eps, margin=margin)
+        route = (b_down, w_route, b_route)
+        return triton_router_norm_from_shares(shares, *route, x, delta, norm_w, eps, margin=margin, counts=counts)
+    route = (b_down, w_route, b_route)
+    execute, x_new, h = torch_router_norm_from_shares(shares, *route, x, delta, norm_w, eps, margin=margin)
     torch_count(execute, counts)
     return execute, x_new, h
 
 
-def _fake_consensus(margin, valid, batch, cap, quorum, share_set, counts, count, backend="auto", follow=0.0):
+def _fake_consensus(margin, valid, *, batch, cap, quorum, share_set, counts, count, backend="auto", follow=0.0):
     return margin.new_empty(margin.shape, dtype=torch.bool)
 
 
@@ -248,6 +312,7 @@ def _fake_consensus(margin, valid, batch, cap, quorum, share_set, counts, count,
 def consensus_decide(
     margin: torch.Tensor,
     valid: torch.Tensor | None,
+    *,
     batch: int,
     cap: int,
     quorum: float,
@@ -273,7 +338,7 @@ def consensus_decide(
     return execute
 
 
-def _fake_out(x, w, mask, w_up=None, zero_inactive=True, backend="auto", dense_rows=0, shared=False):
+def _fake_out(x, w, mask, *, w_up=None, zero_inactive=True, backend="auto", dense_rows=0, shared=False):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -282,6 +347,7 @@ def masked_out_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     mask: torch.Tensor,
+    *,
     w_up: torch.Tensor | None = None,
     zero_inactive: bool = True,
     backend: str = "auto",
@@ -307,23 +373,38 @@ def masked_out_gemm(
 
 
 def _fake_router_out(
-    shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows, zero_inactive, counts, count,
+    shares,
+    w,
+    *,
+    b_down,
+    w_route,
+    b_route,
+    x,
+    delta,
+    norm_w,
+    eps,
+    w_up,
+    dense_rows,
+    zero_inactive,
+    counts,
+    count,
     backend="auto",
-):  # fmt: skip
-    return x.new_empty(x.shape[0], w.shape[0]), _decision(shares[0], route_w, False), torch.empty_like(x)
+):
+    return x.new_empty(x.shape[0], w.shape[0]), _decision(shares[0], w_route, False), torch.empty_like(x)
 
 
 @_operator(_fake_router_out, mutates=("counts",))
 def router_norm_out_gemm(
     shares: torch.Tensor,
+    w: torch.Tensor,
+    *,
     b_down: torch.Tensor,
-    route_w: torch.Tensor,
-    route_b: torch.Tensor,
+    w_route: torch.Tensor,
+    b_route: torch.Tensor,
     x: torch.Tensor,
     delta: torch.Tensor,
     norm_w: torch.Tensor,
     eps: float,
-    w: torch.Tensor,
     w_up: torch.Tensor | None,
     dense_rows: int,
     zero_inactive: bool,
@@ -340,15 +421,18 @@ def router_norm_out_gemm(
     m = x.shape[0]
     if m <= policy.DECODE_MAX_M and _choose(backend, "router_out", m, x, w, width=x.shape[1]) == "triton":
         counted = counts if count else None
+        route = (b_down, w_route, b_route)
         return triton_router_norm_out_gemm(
-            shares, b_down, route_w, route_b, x, delta, norm_w, eps, w, w_up, dense_rows=dense_rows, counts=counted
+            shares, *route, x, delta, norm_w, eps, w, w_up, dense_rows=dense_rows, counts=counted
         )
-    router = (shares, b_down, route_w, route_b)
-    execute, x_new, h = router_norm_from_shares(*router, x, delta, norm_w, eps, counts, count, backend)
-    return masked_out_gemm(h, w, execute, w_up, zero_inactive, backend, dense_rows), execute, x_new
+    route = {"b_down": b_down, "w_route": w_route, "b_route": b_route}
+    norm = {"x": x, "delta": delta, "norm_w": norm_w, "eps": eps}
+    execute, x_new, h = router_norm_from_shares(shares, **route, **norm, counts=counts, count=count, backend=backend)
+    product = {"w_up": w_up, "zero_inactive": zero_inactive, "dense_rows": dense_rows, "backend": backend}
+    return masked_out_gemm(h, w, execute, **product), execute, x_new
 
 
-def _fake_reduce(x, w, mask, input_is_masked=False, backend="auto", shared=False, tile=0, tokens=0):
+def _fake_reduce(x, w, mask, *, input_is_masked=False, backend="auto", shared=False, tile=0, tokens=0):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -357,6 +441,7 @@ def masked_reduce_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
     mask: torch.Tensor,
+    *,
     input_is_masked: bool = False,
     backend: str = "auto",
     shared: bool = False,
@@ -383,7 +468,7 @@ def masked_reduce_gemm(
     return torch_masked_reduce_gemm(x, w, mask)
 
 
-def _fake_reduce_shares(x, w, mask, residual, share_w, input_is_masked=False, backend="auto", shared=False):
+def _fake_reduce_shares(x, w, mask, *, residual, share_w, input_is_masked=False, backend="auto", shared=False):
     n = w.shape[0]
     shares = x.new_empty(share_slots(n), x.shape[0], share_w.shape[0], dtype=torch.float32)
     return x.new_empty(x.shape[0], n), shares
@@ -394,6 +479,7 @@ def masked_reduce_gemm_shares(
     x: torch.Tensor,
     w: torch.Tensor,
     mask: torch.Tensor,
+    *,
     residual: torch.Tensor,
     share_w: torch.Tensor,
     input_is_masked: bool = False,
@@ -421,9 +507,15 @@ def masked_reduce_gemm_shares(
     return out, torch_router_shares(residual + out, share_w)
 
 
-@_operator(lambda q, k, v, seq_lens, mask, backend="auto": q.new_empty(q.shape))
+@_operator(lambda q, k, v, seq_lens, mask, *, backend="auto": q.new_empty(q.shape))
 def routed_attention_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``q: [B, Hq, D]``, ``k, v: [B, Hkv, S, D]``, ``seq_lens: [B]``, ``mask: [B, Hq/A]`` ->
     ``[B, Hq, D]``; inactive heads exactly 0, their K/V never read."""
@@ -437,9 +529,9 @@ def routed_attention_decode(
     return out.contiguous()
 
 
-@_operator(lambda q, k, v, mask, backend="auto": q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+@_operator(lambda q, k, v, mask, *, backend="auto": q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
 def routed_attention_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, backend: str = "auto"
 ) -> torch.Tensor:
     """``q: [B, Hq, T, D]``, ``k, v: [B, Hkv, S, D]``, ``mask: [B, T, Hq/A]`` -> ``[B, T, Hq, D]`` (the
     layout o reads), causal with the original positions; inactive (token, head) exactly 0."""
