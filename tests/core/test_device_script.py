@@ -1,4 +1,4 @@
-"""``benchmarks/device_wide_smollm2.sh wait`` on this machine: what comes back of a background job
+"""``tools/offline_gpu/device_wide_smollm2.sh wait`` on this machine: what comes back of a background job
 still running on the GPU host (no GPU needed here: the step only packs files)."""
 
 import os
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_wide_smollm2.sh"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "offline_gpu" / "device_wide_smollm2.sh"
 
 
 def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
     repo, out, bg = tmp_path / "repo", tmp_path / "out", tmp_path / "bg"
-    (repo / "benchmarks").mkdir(parents=True)
-    shutil.copy(SCRIPT, repo / "benchmarks")
+    (repo / "tools" / "offline_gpu").mkdir(parents=True)
+    shutil.copy(SCRIPT, repo / "tools" / "offline_gpu")
     done = repo / "runs" / "study" / "done-seed0"
     done.mkdir(parents=True)
     (done / "results.json").write_text("{}")
@@ -32,7 +33,7 @@ def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
     (bg / "log").write_text("training\n")
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "BG": str(bg)}
-    res = subprocess.run(["bash", "benchmarks/device_wide_smollm2.sh", "wait", "0"], cwd=repo, env=env,
+    res = subprocess.run(["bash", "tools/offline_gpu/device_wide_smollm2.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 4 and "still running" in res.stdout  # 4: the job runs on
     with tarfile.open(out / "partial.tar.gz") as t:  # (with the logs of /tmp/logs, where the runs write them)
@@ -45,22 +46,23 @@ def test_wait_returns_finished_runs_and_what_lets_the_others_resume(tmp_path):
         ]
     assert (out / "background.log").read_text() == "training\n"
     (bg / "rc").write_text("0\n")
-    res = subprocess.run(["bash", "benchmarks/device_wide_smollm2.sh", "wait", "0"], cwd=repo, env=env,
+    res = subprocess.run(["bash", "tools/offline_gpu/device_wide_smollm2.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0 and "ended: exit 0" in res.stdout
 
 
 @pytest.mark.slow
 def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
-    """``benchmarks/device_serving_matrix.sh wait``: the prompts finished so far merged into one matrix
+    """``tools/offline_gpu/device_serving_matrix.sh wait``: the prompts finished so far merged into one matrix
     there, each prompt's own files packed in one archive (a few files to copy back)."""
     import json
 
     repo, out, sm = tmp_path / "repo", tmp_path / "out", tmp_path / "sm"
-    (repo / "benchmarks").mkdir(parents=True)
-    for name in ("device_serving_matrix.sh", "merge_bench.py"):
-        shutil.copy(SCRIPT.with_name(name), repo / "benchmarks")
-    merged = json.loads((SCRIPT.parents[1] / "docs" / "results" / "prefill-h200" / "ttft-matrix.json").read_text())
+    (repo / "tools" / "offline_gpu").mkdir(parents=True)
+    (repo / "benchmarks").mkdir()
+    shutil.copy(SCRIPT.with_name("device_serving_matrix.sh"), repo / "tools" / "offline_gpu")
+    shutil.copy(ROOT / "benchmarks" / "merge_bench.py", repo / "benchmarks")
+    merged = json.loads((ROOT / "docs" / "results" / "prefill-h200" / "ttft-matrix.json").read_text())
     for prompt in (128, 512):
         part = sm / "out" / f"p{prompt}"
         part.mkdir(parents=True)
@@ -73,7 +75,7 @@ def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
     out.mkdir()
     # the script's python3 (the GPU host's) is this interpreter here, with compresskit importable
     env = {**os.environ, "OUT": str(out), "SM": str(sm), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    res = subprocess.run(["bash", "benchmarks/device_serving_matrix.sh", "wait", "0"], cwd=repo, env=env,
+    res = subprocess.run(["bash", "tools/offline_gpu/device_serving_matrix.sh", "wait", "0"], cwd=repo, env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0 and "matrix ended" in res.stdout, res.stdout + res.stderr
     files = sorted(p.name for p in out.iterdir())
@@ -84,7 +86,7 @@ def test_serving_matrix_wait_merges_the_prompts_done_into_few_files(tmp_path):
 
 
 def test_a_study_job_trains_its_runs_side_by_side_and_scores_them_all(tmp_path):
-    """``benchmarks/device_consensus.sh study-start`` (DRY_RUN: its job printed, not started): run here with a
+    """``tools/offline_gpu/device_consensus.sh study-start`` (DRY_RUN: its job printed, not started): run here with a
     stand-in ``python3`` that records each call and writes what ``compresskit apply`` would, the job trains the
     per-token run and the three study recipes at once, keeps each run's results, then scores all four in one
     ``consensus_quality.py`` call with each run's rules."""
@@ -123,7 +125,7 @@ if args[:3] == ["-m", "compresskit", "apply"]:
         "recipes/study/wide-smollm2-50-stage1-tile64-follow.yaml",
         "recipes/wide-smollm2-50-stage1.yaml",
     ]
-    assert all((SCRIPT.parents[1] / recipe).is_file() for recipe in applied)
+    assert all((ROOT / recipe).is_file() for recipe in applied)
     kept = sorted(p.name for p in (cq / "out").iterdir())
     assert kept == [f"{n}.results.json" for n in ("follow8", "per-token", "setgrad", "tile64f")]
     (score,) = [c for c in made if c and c[0] == "benchmarks/consensus_quality.py"]
@@ -151,7 +153,7 @@ if args[:3] == ["-m", "compresskit", "apply"]:
         applied = re.findall(r"compresskit apply (\S+) --set output.dir=\S+/(\S+) ", job)
         runs = [("recipes/wide-smollm2-50.yaml", "per-token")] + [(f"recipes/study/{r}", n) for r, n in runs]
         assert applied == runs, step
-        assert all((SCRIPT.parents[1] / recipe).is_file() for recipe, _ in applied)
+        assert all((ROOT / recipe).is_file() for recipe, _ in applied)
         return job
 
     job = two_stage_job(
@@ -191,25 +193,25 @@ if args[:3] == ["-m", "compresskit", "apply"]:
 
 
 def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anything(tmp_path):
-    """``benchmarks/device_policy_trial.sh`` on this machine: neither OP nor SET, or both, is one line and exit 2;
-    a SET that is no setting of the policy, or an OP that is not unmeasured (``router``: measured), stops at the
+    """``tools/offline_gpu/device_policy_trial.sh`` on this machine: neither OP nor SET, or both, is one line and
+    exit 2; a SET that is no setting of the policy, or an OP that is not unmeasured (``router``: measured), stops at the
     edit of the "after" copy, exit 2, before the step that installs the trees (``device_env.sh``, which would
     print the GPU's name) and with this checkout untouched."""
-    root = SCRIPT.parents[1]
+    root = ROOT
     policy = root / "plugins/wide/compresskit_wide/kernels/policy.py"
     before = policy.read_text()
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for extra in ({}, {"OP": "router", "SET": "PDL_KERNELS=()"}):
-        res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, env={**env, **extra},
+        res = subprocess.run(["bash", "tools/offline_gpu/device_policy_trial.sh"], cwd=root, env={**env, **extra},
                              capture_output=True, text=True)  # fmt: skip
         assert res.returncode == 2 and res.stderr.strip() == (
             "give OP=NAME (an op of policy.UNMEASURED) or SET=NAME=VALUE (a setting of the policy), one of them"
         )
-    res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
+    res = subprocess.run(["bash", "tools/offline_gpu/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
                          env={**env, "SET": "NOT_A_SETTING=1", "STEPS": "e2e"})  # fmt: skip
     assert res.returncode == 2 and "'NOT_A_SETTING' is not a one-line setting of the policy" in res.stderr
     assert "nvidia-smi" not in res.stdout + res.stderr and policy.read_text() == before
-    res = subprocess.run(["bash", "benchmarks/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
+    res = subprocess.run(["bash", "tools/offline_gpu/device_policy_trial.sh"], cwd=root, capture_output=True, text=True,
                          env={**env, "OP": "router", "STEPS": "e2e"})  # fmt: skip
     assert res.returncode == 2 and "'router' is not in UNMEASURED" in res.stderr
     assert "nvidia-smi" not in res.stdout + res.stderr and policy.read_text() == before

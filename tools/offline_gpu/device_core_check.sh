@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the core test suite on a GPU host without registry access (an H200): its own torch/transformers
-# stack plus the packages copied over as wheels in .whl (benchmarks/fetch_device_wheels.sh). Usage, from the
-# root of a copy of this tree with .whl/ beside it:   bash benchmarks/device_core_check.sh
+# stack plus the packages copied over as wheels in .whl (tools/offline_gpu/fetch_device_wheels.sh). Usage, from the
+# root of a copy of this tree with .whl/ beside it:   bash tools/offline_gpu/device_core_check.sh
 # (TESTS="tests/core tests/wide/test_wide.py" picks the test paths; default: all of tests/)
 set -euo pipefail
 source "$(dirname "$0")/device_env.sh"

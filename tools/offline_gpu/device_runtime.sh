@@ -3,15 +3,15 @@
 # eager, dense and WIDE), then `compresskit bench --shape` rows (dense, WIDE, the ideal half-width
 # model, dense through transformers) with the results under $OUT. Usage, from the root of a copy of this
 # tree with .whl/ beside it:
-#   bash benchmarks/device_runtime.sh                      # tests, then the default bench cases
-#   TESTS=tests bash benchmarks/device_runtime.sh tests    # every gpu-marked test, no bench
-#   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash benchmarks/device_runtime.sh bench
+#   bash tools/offline_gpu/device_runtime.sh                      # tests, then the default bench cases
+#   TESTS=tests bash tools/offline_gpu/device_runtime.sh tests    # every gpu-marked test, no bench
+#   BENCH="--shape llama-3.1-8b --prompt 4096 --batch 1" bash tools/offline_gpu/device_runtime.sh bench
 #   BENCH="--shape llama-3.1-8b --prompt 1024 --new-tokens 64 --transformers static" CASE_TIMEOUT=560 \
-#     bash benchmarks/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
-#   bash benchmarks/device_runtime.sh memory               # the dry run's estimate against measured training peaks
-#   MEMORY="--shapes smollm2-135m --batch 8,32 --steps 30 --distill" bash benchmarks/device_runtime.sh memory
+#     bash tools/offline_gpu/device_runtime.sh bench     # with transformers' static-cache, compiled generate (slow to compile)
+#   bash tools/offline_gpu/device_runtime.sh memory               # the dry run's estimate against measured training peaks
+#   MEMORY="--shapes smollm2-135m --batch 8,32 --steps 30 --distill" bash tools/offline_gpu/device_runtime.sh memory
 #                                                          # and training throughput by batch size
-#   bash benchmarks/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
+#   bash tools/offline_gpu/device_runtime.sh profile              # where a decode step's GPU time goes (profile_runtime.py)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 out=${OUT:-/tmp/out}

