@@ -348,66 +348,45 @@ def _publish(staging: Path, out: Path, recipe_hash: str) -> dict[str, Any]:
     return results
 
 
-def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:
-    """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end.
+@dataclasses.dataclass
+class _Run:
+    """One ``apply`` between its phases: what the recipe asked, where it writes, and what the first phase
+    prepared (the tokenizer, the data, the pruner's context)."""
 
-    Each phase that draws random numbers is seeded from the recipe's seed and its own name
-    (:func:`compresskit.seeding.phase_seed`), so that nothing a phase draws depends on what ran
-    before it (a dense reference computed here or found in the cache, for example).
-    """
+    resolved: ResolvedRecipe
+    staging: Path
+    out: Path
+    progress: Progress
+    ranks: Any = None
+    tokenizer: Any = None
+    data: DataModule | None = None
+    split: dict | None = None
+    ctx: RunContext | None = None
 
-    rec = resolved.recipe
-    recipe_hash = resolved.hash()
-    # a bad file, a dataset that is not here, or text a task cannot build its items from, is found before the
-    # model is loaded
-    documents = load_documents(rec.data, allow_download=rec.model.allow_download)
-    check_task_data(rec.evaluation, held_out_documents(rec.data, documents), seed=rec.data.split_seed)
-    main = ranks is None or ranks.main
-    device = rec.model.device if ranks is None else str(ranks.device)
+    @property
+    def rec(self):
+        return self.resolved.recipe
 
-    def load():
+    @property
+    def main(self) -> bool:
+        return self.ranks is None or self.ranks.main
+
+    def load(self):
+        """``(model, tokenizer)`` of the recipe's model, on this rank's device."""
+        rec = self.rec
+        device = rec.model.device if self.ranks is None else str(self.ranks.device)
         return load_model(
             rec.model.name_or_path,
             dtype=rec.model.dtype,
             device=device,
             allow_download=rec.model.allow_download,
-            progress=progress,
+            progress=self.progress,
         )
 
-    if ranks is not None:  # a built-in model is converted into the cache once, by rank 0, before the others read it
-        if main:
-            local_model_dir(resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download))
-        distributed.barrier()
-    model, tokenizer = load()
-    param = next(model.parameters())
-    params_before = count_parameters(model)
-    if resolved.pruner is not None:  # what only the model can tell, before any expensive step
-        resolved.pruner.cls(resolved.pruner.config).check(model.config)
-    resolve_engine(model, rec.evaluation)  # (evaluation.engine: runtime for a model the runtime does not run)
-    for turn in (True, False):  # rank 0 writes the generated text's cache, then the others read it
-        if turn == main:
-            write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)
-        distributed.barrier()
-    with progress.task("preparing the text"):
-        data = DataModule.from_section(tokenizer, rec.data, documents)
-        split = data.split_info()
-
-    dense = None
-    if resolved.pruner is not None and rec.evaluation.compare_dense and main:
-        dense = dense_reference(resolved, model, tokenizer, data, progress)
-
-    ctx = RunContext(
-        model_config=model.config,
-        tokenizer=tokenizer,
-        device=param.device,
-        dtype=param.dtype,
-        seed=phase_seed(rec.seed, "prepare"),
-        progress=progress,
-        work_dir=staging / "work",
-    )
-
-    def attach(model):
-        """The pruner attached to ``model`` (calibrated, and finalized where it prunes before training)."""
+    def attach(self, model):
+        """``(model, pruner)``: the pruner attached to ``model`` (calibrated, and finalized where it prunes before
+        training); ``(model, None)`` without one."""
+        resolved, rec, ctx, progress = self.resolved, self.rec, self.ctx, self.progress
         if resolved.pruner is None:
             return model, None
         pruner = resolved.pruner.cls(resolved.pruner.config)
@@ -417,14 +396,15 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         if pruner.requires_calibration:
             cal = rec.data.calibration
             cal_seed = phase_seed(rec.seed, "calibration")
-            batches = data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=cal_seed)
+            batches = self.data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=cal_seed)
             seed_everything(cal_seed)
+            device = next(model.parameters()).device
             with progress.task("calibrating", total=len(batches)) as task:
 
                 def counted(bs=batches, t=task):
                     for i, b in enumerate(bs):
                         crashpoints.point(f"calibration batch {i + 1} of {len(bs)}")
-                        yield b.to(param.device)
+                        yield b.to(device)
                         t.advance(1)
 
                 pruner.calibrate(model, counted())
@@ -432,60 +412,124 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
             model = pruner.finalize(model)
         return model, pruner
 
-    prune_summary = None
-    train_summaries: list[TrainSummary] = []
+
+def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:
+    """The pipeline proper, writing into ``staging`` and moving it to ``out`` at the end.
+
+    Each phase that draws random numbers is seeded from the recipe's seed and its own name
+    (:func:`compresskit.seeding.phase_seed`), so that nothing a phase draws depends on what ran
+    before it (a dense reference computed here or found in the cache, for example).
+    """
+    run = _Run(resolved, staging, out, progress, ranks)
+    model, dense, params_before = _start(run)
+    trained = _train(run, model)
+    if trained is None:  # a rank other than the first: rank 0 runs the rest alone
+        return RunResult(out, {}, rank=ranks.rank)
+    return _finish(run, *trained, dense=dense, params_before=params_before)
+
+
+def _start(run: _Run):
+    """The first phase: the text checked and prepared, the model loaded and checked, the dense reference found or
+    computed. ``(model, dense reference or None, parameters before pruning)``; sets ``run``'s tokenizer, data and
+    pruner context."""
+    resolved, rec, progress, ranks = run.resolved, run.rec, run.progress, run.ranks
+    # a bad file, a dataset that is not here, or text a task cannot build its items from, is found before the
+    # model is loaded
+    documents = load_documents(rec.data, allow_download=rec.model.allow_download)
+    check_task_data(rec.evaluation, held_out_documents(rec.data, documents), seed=rec.data.split_seed)
+    if ranks is not None:  # a built-in model is converted into the cache once, by rank 0, before the others read it
+        if run.main:
+            local_model_dir(resolve_model_source(rec.model.name_or_path, allow_download=rec.model.allow_download))
+        distributed.barrier()
+    model, tokenizer = run.load()
+    param = next(model.parameters())
+    params_before = count_parameters(model)
+    if resolved.pruner is not None:  # what only the model can tell, before any expensive step
+        resolved.pruner.cls(resolved.pruner.config).check(model.config)
+    resolve_engine(model, rec.evaluation)  # (evaluation.engine: runtime for a model the runtime does not run)
+    for turn in (True, False):  # rank 0 writes the generated text's cache, then the others read it
+        if turn == run.main:
+            write_generated(documents, model, tokenizer, model_id=rec.model.name_or_path, progress=progress)
+        distributed.barrier()
+    with progress.task("preparing the text"):
+        run.data = DataModule.from_section(tokenizer, rec.data, documents)
+        run.split = run.data.split_info()
+    run.tokenizer = tokenizer
+    dense = None
+    if resolved.pruner is not None and rec.evaluation.compare_dense and run.main:
+        dense = dense_reference(resolved, model, tokenizer, run.data, progress)
+    run.ctx = RunContext(
+        model_config=model.config,
+        tokenizer=tokenizer,
+        device=param.device,
+        dtype=param.dtype,
+        seed=phase_seed(rec.seed, "prepare"),
+        progress=progress,
+        work_dir=run.staging / "work",
+    )
+    return model, dense, params_before
+
+
+def _train(run: _Run, model):
+    """The pruner attached and every training stage run (sharded over the ranks where there are several):
+    ``(model, pruner, [(stage name, trainer)], [TrainSummary])``, the pruner finalized; None on a rank other than
+    the first, once the trained state is handed over."""
+    resolved, rec, ctx, ranks, progress = run.resolved, run.rec, run.ctx, run.ranks, run.progress
     trainers = []
     for i, stage in enumerate(resolved.training):
         stage_ctx = dataclasses.replace(
             ctx,
             seed=phase_seed(rec.seed, f"training.{i}.{stage.name}"),
-            work_dir=staging / "work" / f"stage{i}-{stage.name}",
+            work_dir=run.staging / "work" / f"stage{i}-{stage.name}",
             ranks=ranks,
         )
         distill = getattr(stage.config, "distill", None)
         if distill is not None and distill.cache:  # the dense model's top-k logits, before the pruner attaches
-            stage_ctx.teacher_cache = _teacher_cache(rec, model, data, stage.config, stage_ctx, ranks, progress)
+            stage_ctx.teacher_cache = _teacher_cache(rec, model, run.data, stage.config, stage_ctx, ranks, progress)
         trainers.append((stage.cls(stage.config), stage_ctx))
     planned = resolved.pruner.cls(resolved.pruner.config) if resolved.pruner is not None else None
     if keeps_teacher_copy(resolved.training, planned):
         # the pruner or a stage changes weights, so the model cannot show the dense one: distill from a copy
         ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
         trainers = [(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in trainers]
-    model, pruner = attach(model)
+    model, pruner = run.attach(model)
     if ranks is not None and resolved.training:
         for trainer, stage_ctx in trainers:
             trainer.prepare_for_sharding(model, pruner, stage_ctx)
         distributed.shard(model, ranks)  # the backbone over the ranks, one unit per decoder layer
-    stages = []
+    stages, summaries = [], []
     for stage, (trainer, stage_ctx) in zip(resolved.training, trainers, strict=True):
-        summary = trainer.fit(model, pruner, data, stage_ctx)
+        summary = trainer.fit(model, pruner, run.data, stage_ctx)
         release_freed_memory()  # (what the stage's steps freed: the next phase starts from the live memory)
         summary.stage = stage.name
-        train_summaries.append(summary)
+        summaries.append(summary)
         stages.append((stage.name, trainer, stage_ctx))
     if ranks is not None:
         # the trained state to rank 0, which rebuilds the model whole and runs the rest alone
         state = distributed.full_state_dict(model) if distributed.is_sharded(model) else None
         distributed.close()
-        if not main:
-            return RunResult(out, {}, rank=ranks.rank)
+        if not run.main:
+            return None
         if state is not None:
-            model, pruner = _rebuild(load()[0], attach, state, stages)
-            param = next(model.parameters())
-    stages = [(name, trainer) for name, trainer, _ in stages]
-    ctx.teacher = stage_ctx = trainers = None  # a dense copy kept for distillation is not needed past training
-    if pruner is not None:
-        if pruner.state != "finalized":
-            model = pruner.finalize(model)
-        prune_summary = pruner.summary(model)
+            model, pruner = _rebuild(run.load()[0], run.attach, state, stages)
+    ctx.teacher = None  # a dense copy kept for distillation is not needed past training
+    if pruner is not None and pruner.state != "finalized":
+        model = pruner.finalize(model)
+    return model, pruner, [(name, trainer) for name, trainer, _ in stages], summaries
 
+
+def _finish(run: _Run, model, pruner, stages, summaries, *, dense, params_before: int) -> RunResult:
+    """The last phase: the model saved, its speed measured, its executor's form evaluated, the results written
+    and the staged run moved to its folder."""
+    resolved, rec, progress, out = run.resolved, run.rec, run.progress, run.out
+    prune_summary = pruner.summary(model) if pruner is not None else None
     # What the pruner and the training stages own is saved before the executor rewires the model
     # for speed: the saved model never depends on the executor that evaluated it.
     with progress.task("saving the model"):
         artifacts.save(
-            staging / "model",
+            run.staging / "model",
             model,
-            tokenizer,
+            run.tokenizer,
             base_model=rec.model.name_or_path,
             pruner_name=resolved.pruner.name if resolved.pruner else None,
             pruner=pruner,
@@ -497,34 +541,23 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         model,
         pruner,
         rec.evaluation.speed,
-        load_dense=lambda: load()[0],
+        load_dense=lambda: run.load()[0],
         base=rec.model.name_or_path,
         progress=progress,
     )  # on the runtime, with the pruner's own blocks: before the executor rewires the model for evaluation
-
     executor = resolved.executor.cls(resolved.executor.config)
     executor.check(model)
     model = executor.convert(model)
     notice = trained_notice(f"run {out}", resolved.pruner and resolved.pruner.cls, resolved.to_dict(), executor.config)
     if notice:
         progress.log(notice)
-
     seed_everything(phase_seed(rec.seed, "evaluation"))
-    ev = evaluate(
-        model,
-        tokenizer,
-        data,
-        rec.evaluation,
-        pruner=pruner,
-        executor=executor,
-        progress=progress,
-        allow_download=rec.model.allow_download,
-    )
-    sparsity = run_sparsity(ev, pruner, model.config)
-
+    where = {"pruner": pruner, "executor": executor, "progress": progress, "allow_download": rec.model.allow_download}
+    ev = evaluate(model, run.tokenizer, run.data, rec.evaluation, **where)
+    param = next(model.parameters())
     results = build_results(
         name=rec.name or out.name,
-        recipe_hash=recipe_hash,
+        recipe_hash=resolved.hash(),
         model_info={
             "name_or_path": rec.model.name_or_path,
             "dtype": str(param.dtype).removeprefix("torch."),
@@ -534,22 +567,21 @@ def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Pr
         },
         pruner_name=resolved.pruner.name if resolved.pruner else None,
         ev=ev,
-        sparsity=sparsity,
+        sparsity=run_sparsity(ev, pruner, model.config),
         dense=dense,
-        split=split,
+        split=run.split,
         seeds={"recipe": rec.seed, "evaluation": rec.evaluation.seed, "split": rec.data.split_seed},
         recipe=resolved.to_dict(),
         overrides=resolved.overrides,
-        training=[vars(s) for s in train_summaries],
+        training=[vars(s) for s in summaries],
         prune_summary=vars(prune_summary) if prune_summary else None,
         speed=speed,
     )
-
     with progress.task("saving the results"):
-        files.write_text(staging / "results.md", results_markdown(results))
-        files.write_json(staging / "results.json", results)  # (last: it marks the staged run complete)
-        results = _publish(staging, out, recipe_hash)
-    return RunResult(out, results, prune_summary, train_summaries)
+        files.write_text(run.staging / "results.md", results_markdown(results))
+        files.write_json(run.staging / "results.json", results)  # (last: it marks the staged run complete)
+        results = _publish(run.staging, out, resolved.hash())
+    return RunResult(out, results, prune_summary, summaries)
 
 
 def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path:

@@ -31,6 +31,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import Field, model_validator
@@ -140,6 +141,57 @@ class RouterTrainer(Trainer):
         c = self.config
         seed = ctx.seed if c.seed is None else c.seed
         seed_everything(seed)  # before setup: LoRA's initialisation is drawn there
+        loop = self._open_loop(model, pruner, ctx)
+        reset_peak_memory(loop.device)
+        per_step = c.grad_accum * loop.world  # micro-batches of one optimiser step, over all ranks
+        batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=loop.start * per_step)
+        progress = ctx.progress
+        model.train()
+        task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
+        try:
+            with task_cm as task:
+                if task is not None and loop.start:
+                    task.advance(loop.start)
+                for step in range(loop.start, c.steps if not loop.done else loop.start):
+                    logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
+                    loop.optimizer.zero_grad(set_to_none=True)
+                    total_loss = 0.0
+                    for k in range(per_step):  # this rank's micro-batches: k = rank, rank + world, ...
+                        batch = next(batches)
+                        if k % loop.world != loop.rank:
+                            continue
+                        loop.tokens += int(batch.attention_mask.sum())  # (counted on the host, before the copy)
+                        # each micro-batch's own noise (Gumbel, dropout): the same whatever the rank count
+                        seed_everything(phase_seed(seed, f"step {step} micro-batch {k}"))
+                        loss = self._micro_batch_loss(
+                            model, pruner, batch.to(loop.device), ctx, step * per_step + k, logs
+                        )
+                        (loss / c.grad_accum).backward()
+                        total_loss = total_loss + loss.detach() / c.grad_accum
+                    if loop.ranks is not None:  # the step's loss over all ranks (each rank's is a mean of its share)
+                        total_loss = distributed.mean(float(total_loss))
+                    with deferred():  # a signal waits until the step and its bookkeeping are whole
+                        self._end_step(model, pruner, loop, step, total_loss, logs)
+                    crashpoints.point(f"{self.stage_name} step {loop.completed} of {c.steps}: finished")
+                    if task is not None:
+                        task.advance(1)
+                        if not loop.pending and loop.history:  # just read back: show the latest step's values
+                            task.update(**loop.shown())
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished step for the resumed run
+            # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
+            loop.read_back(self.stage_name)
+            if loop.ckpt is not None and loop.completed > loop.saved and loop.ranks is None:
+                self._save(loop, False, rng=loop.rng)
+                if progress is not None:
+                    progress.log(f"{self.stage_name}: interrupted; checkpoint at step {loop.completed} of {c.steps}")
+            raise
+        finally:
+            model.eval()
+        return self._close_loop(model, pruner, ctx, loop)
+
+    def _open_loop(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> _Loop:
+        """What the stage trains, its optimiser and schedule, and where its checkpoint left it (a resumed stage)."""
+        c = self.config
         params = self.setup(model, pruner, ctx)
         trainable = {id(p) for p in params}
         for p in model.parameters():
@@ -150,158 +202,95 @@ class RouterTrainer(Trainer):
         scheduler = lr_schedule(optimizer, c)
         work = Path(ctx.work_dir) if ctx.work_dir is not None else None
         ranks = ctx.ranks  # several ranks: the model is sharded (compresskit.distributed)
-        world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
-        per_step = c.grad_accum * world  # micro-batches of one optimiser step, over all ranks
-        start, history, done = 0, [], False
-        before = Totals()  # what the steps before a resume cost (tokens, seconds, peak memory)
         ckpt = (work / (CHECKPOINT_DIR if ranks else CHECKPOINT)) if work else None
+        loop = _Loop(params, named, optimizer, scheduler, ctx.device, ranks, ckpt)
         if ckpt is not None and ckpt.exists():
-            start, history, done, before = self._load_checkpoint(ckpt, named, optimizer, scheduler, model, ranks)
-            if ctx.progress is not None:
-                ctx.progress.log(f"{self.stage_name}: resuming at step {start} of {c.steps}")
-        device = ctx.device
-        use_autocast = c.autocast_bf16 and device.type == "cuda"
-        reset_peak_memory(device)
-        batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=start * per_step)
-        progress = ctx.progress
-        t0, tokens = time.perf_counter(), 0
-        completed, saved = start, start  # steps finished, and the last step a checkpoint holds
-        rng = _rng_state()  # the random state at the start of step `completed`
-
-        def totals() -> Totals:
-            """The stage's cost so far, the steps before a resume included (with several ranks, summed /
-            maximised over them: every rank must call it)."""
-            peak = peak_memory(device)
-            spent = tokens
-            if ranks is not None:
-                spent = round(distributed.mean(tokens) * world)
-                peak = distributed.maximum(peak) if peak is not None else None
-            return before.plus(spent, time.perf_counter() - t0, peak)
-
-        pending: list[dict] = []  # the logs of steps not yet read back from the device (values may be tensors)
-
-        def read_back() -> None:
-            """The pending steps' logs into ``history`` as floats (one transfer), and a non-finite loss
-            an error naming its step."""
-            tensors = [v for logs_ in pending for v in logs_.values() if isinstance(v, torch.Tensor)]
-            values = iter(
-                torch.stack([t.detach().float().reshape(()).to(device) for t in tensors]).tolist() if tensors else []
+            loop.start, loop.history, loop.done, loop.before = self._load_checkpoint(
+                ckpt, named, optimizer, scheduler, model, ranks
             )
-            for logs_ in pending:
-                row = {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in logs_.items()}
-                if not math.isfinite(row["loss"]):
-                    raise FloatingPointError(f"{self.stage_name}: loss became {row['loss']} at step {int(row['step'])}")
-                history.append(row)
-            pending.clear()
+            if ctx.progress is not None:
+                ctx.progress.log(f"{self.stage_name}: resuming at step {loop.start} of {c.steps}")
+        loop.completed = loop.saved = loop.start  # steps finished, and the last step a checkpoint holds
+        loop.rng = _rng_state()  # the random state at the start of step `completed`
+        return loop
 
-        model.train()
-        task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
-        try:
-            with task_cm as task:
-                if task is not None and start:
-                    task.advance(start)
-                for step in range(start, c.steps if not done else start):
-                    logs = dict(pruner.on_train_step(step, c.steps)) if pruner is not None else {}
-                    optimizer.zero_grad(set_to_none=True)
-                    total_loss = 0.0
-                    for k in range(per_step):  # this rank's micro-batches: k = rank, rank + world, ...
-                        batch = next(batches)
-                        if k % world != rank:
-                            continue
-                        tokens += int(batch.attention_mask.sum())  # (counted on the host, before the copy)
-                        batch = batch.to(device)
-                        # each micro-batch's own noise (Gumbel, dropout): the same whatever the rank count
-                        seed_everything(phase_seed(seed, f"step {step} micro-batch {k}"))
-                        with (
-                            token_mask(batch.attention_mask),
-                            torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_autocast),
-                        ):
-                            out = model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False)
-                            loss = out.loss
-                            reg = pruner.regularization(model) if pruner is not None else None
-                            if c.distill is not None:  # after reg: the teacher's pass changes no routing state
-                                d = c.distill
-                                if ctx.teacher_cache is not None:  # the dense model's top-k, computed before pruning
-                                    values, idx = read_teacher_cache(ctx.teacher_cache, step * per_step + k, device)
-                                    kl = kl_loss_on(
-                                        out.logits, values, idx, batch.attention_mask, temperature=d.temperature
-                                    )
-                                else:
-                                    target = teacher_logits(model, pruner, ctx.teacher, batch.input_ids)
-                                    kl = kl_loss(
-                                        out.logits,
-                                        target,
-                                        batch.attention_mask,
-                                        temperature=d.temperature,
-                                        top_k=d.top_k,
-                                    )
-                                loss = (1.0 - d.weight) * loss + d.weight * kl
-                                logs["kl"] = kl.detach()
-                            if reg is not None:
-                                loss = loss + reg
-                        (loss / c.grad_accum).backward()
-                        total_loss = total_loss + loss.detach() / c.grad_accum
-                        logs["lm_loss"] = out.loss.detach()
-                    if ranks is not None:  # the step's loss over all ranks (each rank's is a mean of its share)
-                        total_loss = distributed.mean(float(total_loss))
-                    with deferred():  # a signal waits until the step and its bookkeeping are whole
-                        if c.grad_clip is not None:
-                            torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-                        optimizer.step()
-                        scheduler.step()
-                        if pruner is not None:
-                            logs.update(pruner.train_metrics(model))
-                        logs.update(step=step, loss=total_loss, lr=scheduler.get_last_lr()[0])
-                        pending.append(logs)
-                        completed, rng = step + 1, _rng_state()
-                        saving = ckpt is not None and (completed % c.checkpoint_every == 0 or completed == c.steps)
-                        if saving or completed % LOG_EVERY == 0 or completed == c.steps:
-                            read_back()  # (a checkpoint never holds a step whose loss was not finite)
-                        if saving:
-                            last, spent = completed == c.steps, totals()
-                            if ranks is not None:
-                                meta = self._checkpoint_meta(completed, scheduler, history, last, spent)
-                                distributed.save_checkpoint(ckpt, model, optimizer, meta, ranks)
-                            else:
-                                self._save_checkpoint(
-                                    ckpt, completed, named, optimizer, scheduler, history, last, spent
-                                )
-                            saved = completed
-                    crashpoints.point(f"{self.stage_name} step {completed} of {c.steps}: finished")
-                    if task is not None:
-                        task.advance(1)
-                        if not pending and history:  # just read back: show the latest step's values
-                            last = history[-1]
-                            shown = {k: last[k] for k in ("loss", "lm_loss", "kl") if k in last}
-                            shown.update({k: v for k, v in last.items() if k.startswith("sparsity")})
-                            shown["tok/s"] = int(tokens / max(1e-9, time.perf_counter() - t0))
-                            task.update(**shown)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep every finished step for the resumed run
-            # (one process only: with several ranks the periodic checkpoints are what a resumed run finds)
-            read_back()
-            if ckpt is not None and completed > saved and ranks is None:
-                self._save_checkpoint(ckpt, completed, named, optimizer, scheduler, history, False, totals(), rng=rng)
-                if progress is not None:
-                    progress.log(f"{self.stage_name}: interrupted; checkpoint at step {completed} of {c.steps}")
-            raise
-        finally:
-            model.eval()
-        spent = totals()
+    def _micro_batch_loss(self, model, pruner, batch, ctx: RunContext, index: int, logs: dict) -> torch.Tensor:
+        """One micro-batch's loss (``index``: its place in the stage, for a cached teacher): the LM loss, with the
+        distillation term and the pruner's regularisation where they apply; its parts go into ``logs``."""
+        c, device = self.config, batch.input_ids.device
+        use_autocast = c.autocast_bf16 and device.type == "cuda"
+        with (
+            token_mask(batch.attention_mask),
+            torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use_autocast),
+        ):
+            out = model(input_ids=batch.input_ids, labels=batch.input_ids, use_cache=False)
+            loss = out.loss
+            reg = pruner.regularization(model) if pruner is not None else None
+            if c.distill is not None:  # after reg: the teacher's pass changes no routing state
+                d, mask = c.distill, batch.attention_mask
+                if ctx.teacher_cache is not None:  # the dense model's top-k, computed before pruning
+                    values, idx = read_teacher_cache(ctx.teacher_cache, index, device)
+                    kl = kl_loss_on(out.logits, values, idx, mask, temperature=d.temperature)
+                else:
+                    target = teacher_logits(model, pruner, ctx.teacher, batch.input_ids)
+                    kl = kl_loss(out.logits, target, mask, temperature=d.temperature, top_k=d.top_k)
+                loss = (1.0 - d.weight) * loss + d.weight * kl
+                logs["kl"] = kl.detach()
+            if reg is not None:
+                loss = loss + reg
+        logs["lm_loss"] = out.loss.detach()
+        return loss
+
+    def _end_step(self, model, pruner, loop: _Loop, step: int, total_loss, logs: dict) -> None:
+        """The optimiser's step and its bookkeeping: the logs kept, read back every few steps, and a checkpoint
+        where one is due."""
+        c = self.config
+        if c.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(loop.params, c.grad_clip)
+        loop.optimizer.step()
+        loop.scheduler.step()
+        if pruner is not None:
+            logs.update(pruner.train_metrics(model))
+        logs.update(step=step, loss=total_loss, lr=loop.scheduler.get_last_lr()[0])
+        loop.pending.append(logs)
+        loop.completed, loop.rng = step + 1, _rng_state()
+        saving = loop.ckpt is not None and (loop.completed % c.checkpoint_every == 0 or loop.completed == c.steps)
+        if saving or loop.completed % LOG_EVERY == 0 or loop.completed == c.steps:
+            loop.read_back(self.stage_name)  # (a checkpoint never holds a step whose loss was not finite)
+        if saving:
+            if loop.ranks is not None:
+                meta = self._checkpoint_meta(
+                    loop.completed, loop.scheduler, loop.history, loop.completed == c.steps, loop.totals()
+                )
+                distributed.save_checkpoint(loop.ckpt, model, loop.optimizer, meta, loop.ranks)
+            else:
+                self._save(loop, loop.completed == c.steps)
+            loop.saved = loop.completed
+
+    def _save(self, loop: _Loop, last: bool, rng=None) -> None:
+        """This process's checkpoint of ``loop`` at its last finished step."""
+        state = (loop.named, loop.optimizer, loop.scheduler, loop.history, last, loop.totals())
+        self._save_checkpoint(loop.ckpt, loop.completed, *state, **({"rng": rng} if rng is not None else {}))
+
+    def _close_loop(self, model, pruner, ctx: RunContext, loop: _Loop) -> TrainSummary:
+        """The stage's summary, its parameters frozen and (one process) the stage finished."""
+        c, progress = self.config, ctx.progress
+        spent = loop.totals()
         if spent.peak_memory_bytes is not None and progress is not None:
             peak_gib = spent.peak_memory_bytes / 2**30
-            what = memory_kind(device)
+            what = memory_kind(loop.device)
             progress.log(f"{self.stage_name}: {what} {peak_gib:.2f} GiB (the dry run estimates it)")
-        for p in params:
+        for p in loop.params:
             p.requires_grad_(False)
-        if ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model
+        if loop.ranks is None:  # sharded: the run finishes the stage on the rebuilt, whole model
             self.finish(model, pruner, ctx)
         return TrainSummary(
             stage=self.stage_name,
             steps=c.steps,
             tokens=spent.tokens,
-            final_loss=history[-1]["loss"] if history else None,
+            final_loss=loop.history[-1]["loss"] if loop.history else None,
             seconds=spent.seconds,
-            history=even_subsample(history, HISTORY_POINTS),
+            history=even_subsample(loop.history, HISTORY_POINTS),
             peak_memory_bytes=spent.peak_memory_bytes,
         )
 
@@ -391,6 +380,70 @@ class Totals:
     def plus(self, tokens: int, seconds: float, peak: int | None) -> Totals:
         peaks = [p for p in (self.peak_memory_bytes, peak) if p is not None]
         return Totals(self.tokens + tokens, self.seconds + seconds, max(peaks) if peaks else None)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """A training stage's loop between its steps: what it trains and with what, where it checkpoints, how far it
+    got (``start``: where it resumed; ``completed``: steps finished; ``saved``: the last a checkpoint holds; ``rng``:
+    the random state at the start of step ``completed``), what it logged (``pending``: the steps not yet read back
+    from the device) and what it cost (``before``: the steps before a resume)."""
+
+    params: list
+    named: dict
+    optimizer: Any
+    scheduler: Any
+    device: torch.device
+    ranks: Any
+    ckpt: Path | None
+    start: int = 0
+    done: bool = False
+    history: list = dataclasses.field(default_factory=list)
+    pending: list = dataclasses.field(default_factory=list)
+    before: Totals = dataclasses.field(default_factory=lambda: Totals())
+    tokens: int = 0
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    completed: int = 0
+    saved: int = 0
+    rng: Any = None
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world if self.ranks is not None else 1
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank if self.ranks is not None else 0
+
+    def totals(self) -> Totals:
+        """The stage's cost so far, the steps before a resume included (with several ranks, summed / maximised
+        over them: every rank must call it)."""
+        peak, spent = peak_memory(self.device), self.tokens
+        if self.ranks is not None:
+            spent = round(distributed.mean(self.tokens) * self.world)
+            peak = distributed.maximum(peak) if peak is not None else None
+        return self.before.plus(spent, time.perf_counter() - self.t0, peak)
+
+    def read_back(self, stage: str) -> None:
+        """The pending steps' logs into ``history`` as floats (one transfer), and a non-finite loss an error naming
+        its step."""
+        tensors = [v for logs in self.pending for v in logs.values() if isinstance(v, torch.Tensor)]
+        stacked = torch.stack([t.detach().float().reshape(()).to(self.device) for t in tensors]) if tensors else None
+        values = iter(stacked.tolist() if stacked is not None else [])
+        for logs in self.pending:
+            row = {k: next(values) if isinstance(v, torch.Tensor) else float(v) for k, v in logs.items()}
+            if not math.isfinite(row["loss"]):
+                raise FloatingPointError(f"{stage}: loss became {row['loss']} at step {int(row['step'])}")
+            self.history.append(row)
+        self.pending.clear()
+
+    def shown(self) -> dict:
+        """What the progress bar shows of the latest step read back."""
+        last = self.history[-1]
+        shown = {k: last[k] for k in ("loss", "lm_loss", "kl") if k in last}
+        shown.update({k: v for k, v in last.items() if k.startswith("sparsity")})
+        shown["tok/s"] = int(self.tokens / max(1e-9, time.perf_counter() - self.t0))
+        return shown
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -27,31 +28,40 @@ BENCH_FILES = ("bench.json", "bench.md", "bench.png", "bench-heatmap.png")  # wh
 
 
 def cmd_bench(args, out: Console, err: Console) -> int:
-    import datetime
+    from compresskit.bench import bench, speedups
 
-    import torch
-    from rich.table import Table
-
-    from compresskit import files
-    from compresskit.bench import (
-        SHAPES,
-        Member,
-        bench,
-        markdown,
-        matrix_markdown,
-        method_source,
-        model_matrix_markdown,
-        run_source,
-        setting_members,
-        shape_config,
-        shape_members,
-        shape_memory_error,
-        speedups,
+    batches, prompts, sparsities = _checked_cases(args)
+    sources, settings = _sources(args, sparsities)
+    if args.output is not None:
+        _claim_output(args)
+    options = _runtime_options(args)
+    members, base, config, device, dtype = _members(args, sources, settings, options, max(prompts), err)
+    rows = bench(
+        members,
+        batches=batches,
+        prompts=prompts,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        config=config,
+        progress=_progress(err),
+        skipped=lambda line: _plain(err, line),
+        ttft_repeats=args.ttft_repeats,
+        planned=(lambda line: _plain(err, line)) if len(batches) * len(prompts) > 1 else None,
     )
-    from compresskit.modeling import device_name, load_model, resolve_device, resolve_dtype
-    from compresskit.options import configured_executor, parse_option
-    from compresskit.plot import speedup_heatmap, speedup_vs_batch
-    from compresskit.runtime import Runtime, runtime_for
+    if not rows:
+        raise CompressKitError("compresskit bench: no case fits this device's free memory (the lines above say why)")
+    records = speedups(rows)
+    meta = _meta(args, base, device, dtype, sources, sparsities)
+    _print_table(out, _table(records, meta, base, args.repeats))
+    if args.output is not None:
+        _write(Path(args.output), records, meta)
+        _plain(out, f"results: {Path(args.output) / 'bench.json'}")
+    return EXIT_OK
+
+
+def _checked_cases(args) -> tuple[list[int], list[int], list[float]]:
+    """``(batches, prompts, sparsities)`` from the flags, every flag that needs another checked first."""
+    from compresskit.bench import SHAPES
 
     batches = _int_list(args.batch, "--batch")
     prompts = _int_list(args.prompt, "--prompt")
@@ -69,25 +79,45 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         raise CompressKitError("compresskit bench: give a MODEL (a saved run, an HF directory or an alias) or --shape")
     if args.shape is not None and args.shape not in SHAPES:
         raise CompressKitError("--shape: " + did_you_mean(args.shape, SHAPES, what="configuration"))
-    sparsities = _float_list(
-        args.sparsity, "--sparsity", what="fractions", ok=lambda v: 0.0 <= v < 1.0, rule="; give fractions in [0, 1)",
-        example="0.25,0.5", distinct=True,
-    )  # fmt: skip
+    fractions = {"what": "fractions", "ok": lambda v: 0.0 <= v < 1.0, "rule": "; give fractions in [0, 1)"}
+    sparsities = _float_list(args.sparsity, "--sparsity", **fractions, example="0.25,0.5", distinct=True)
+    return batches, prompts, sparsities
+
+
+def _sources(args, sparsities: list[float]) -> tuple[list, list[dict]]:
+    """The structures ``--shape`` builds (``--method`` at each sparsity, each ``--run``) and the ``--option``
+    settings, every name, run and setting checked before anything is built: one line each."""
+    from compresskit.bench import method_source, run_source
+    from compresskit.options import configured_executor, parse_option
+
     sources = []
-    if args.shape is not None:  # every name and run checked before anything is built: one line each
+    if args.shape is not None:
         if args.method or not args.runs:
             method = args.method or _default("bench", "method")
             sources += [method_source(method, s, named=len(sparsities) > 1) for s in sparsities]
         sources += [run_source(ref) for ref in args.runs]
     settings = [parse_option(text) for text in args.option]
-    for src in sources:  # each setting fits each method's executor: checked before anything is built
+    for src in sources:  # each setting fits each method's executor
         for setting in settings:
             configured_executor(src.pruner_cls, setting)
-    if args.output is not None:
-        files.check_creatable(Path(args.output), "output directory (--output)")
-        files.check_replaceable(Path(args.output), "output directory (--output)", BENCH_FILES)
-        args.held.enter_context(locking.hold(Path(args.output), field="output directory (--output)"))
-        files.sweep(Path(args.output))
+    return sources, settings
+
+
+def _claim_output(args) -> None:
+    """``--output``: creatable, holding nothing but an earlier bench's files, locked until the command returns."""
+    from compresskit import files
+
+    folder, field = Path(args.output), "output directory (--output)"
+    files.check_creatable(folder, field)
+    files.check_replaceable(folder, field, BENCH_FILES)
+    args.held.enter_context(locking.hold(folder, field=field))
+    files.sweep(folder)
+
+
+def _runtime_options(args) -> dict[str, bool]:
+    """The runtime's ``compile``, ``graphs`` and ``prefill_graphs`` from the flags (absent: auto)."""
+    import torch
+
     options = {} if args.compile == "auto" else {"compile": args.compile == "on", "graphs": args.compile == "on"}
     if args.prefill_graphs == "on":
         if not torch.cuda.is_available() or args.device == "cpu" or args.compile == "off":
@@ -95,14 +125,22 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         options["prefill_graphs"] = True
     elif args.prefill_graphs == "off":
         options["prefill_graphs"] = False
+    return options
+
+
+def _members(args, sources: list, settings: list[dict], options: dict, prompt: int, err: Console):
+    """``(members, base, config, device, dtype)``: what is timed (each built when its turn comes, for
+    ``--shape``), the dense model's name, the shape's config (None for a loaded model) and where they run."""
+    from compresskit.bench import SHAPES, Member, setting_members, shape_config, shape_members, shape_memory_error
+    from compresskit.modeling import load_model, resolve_device, resolve_dtype
+    from compresskit.runtime import Runtime, runtime_for
 
     def check_positions(limit: int | None) -> None:
-        if limit is not None and max(prompts) + args.new_tokens > limit:
+        if limit is not None and prompt + args.new_tokens > limit:
             raise CompressKitError(
-                f"--prompt {max(prompts)} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
+                f"--prompt {prompt} + --new-tokens {args.new_tokens} exceed the model's {limit} positions"
             )
 
-    config = None
     if args.shape is not None:
         check_positions(SHAPES[args.shape]["max_position_embeddings"])  # before anything is built
         device = resolve_device(args.device, field="--device")
@@ -110,47 +148,33 @@ def cmd_bench(args, out: Console, err: Console) -> int:
         too_large = shape_memory_error(args.shape, dtype, device)
         if too_large:
             raise CompressKitError(too_large)
-        members = shape_members(
-            args.shape,
-            sources,
-            device=device,
-            dtype=dtype,
-            transformers=None if args.transformers == "off" else args.transformers,
-            settings=settings,
-            bounds=args.bounds == "on",
-            **options,
-        )
-        base, config = args.shape, shape_config(args.shape)
-    else:
-        field = "MODEL (compresskit bench's argument)"
-        model, _, pruner, base = _load_for_runtime(args.model, args, err, field)
-        dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
-        members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
-        if settings and pruner is None:
-            raise CompressKitError(f"--option: {args.model} is no saved run of a method, so it has no settings of one")
-        members += setting_members(model, pruner, settings, **options)
-        members.append(Member("dense", dense, Runtime(dense, **options)))
-        if args.transformers != "off":
-            name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
-            members.append(Member(name, dense, transformers=args.transformers))
-        check_positions(getattr(model.config, "max_position_embeddings", None))
-        device = next(model.parameters()).device
-        dtype = next(model.parameters()).dtype
-    rows = bench(
-        members,
-        batches=batches,
-        prompts=prompts,
-        new_tokens=args.new_tokens,
-        repeats=args.repeats,
-        config=config,
-        progress=_progress(err),
-        skipped=lambda line: _plain(err, line),
-        ttft_repeats=args.ttft_repeats,
-        planned=(lambda line: _plain(err, line)) if len(batches) * len(prompts) > 1 else None,
-    )
-    if not rows:
-        raise CompressKitError("compresskit bench: no case fits this device's free memory (the lines above say why)")
-    records = speedups(rows)
+        transformers = None if args.transformers == "off" else args.transformers
+        where = {"device": device, "dtype": dtype, "transformers": transformers, "bounds": args.bounds == "on"}
+        members = shape_members(args.shape, sources, settings=settings, **where, **options)
+        return members, args.shape, shape_config(args.shape), device, dtype
+    model, _, pruner, base = _load_for_runtime(args.model, args, err, "MODEL (compresskit bench's argument)")
+    if settings and pruner is None:
+        raise CompressKitError(f"--option: {args.model} is no saved run of a method, so it has no settings of one")
+    dense = model if pruner is None else load_model(base, dtype=args.dtype, device=args.device)[0]
+    members = [Member("compressed", model, runtime_for(model, pruner, **options), pruner)]
+    members += setting_members(model, pruner, settings, **options)
+    members.append(Member("dense", dense, Runtime(dense, **options)))
+    if args.transformers != "off":
+        name = "dense (transformers)" if args.transformers == "dynamic" else "dense (transformers, static cache)"
+        members.append(Member(name, dense, transformers=args.transformers))
+    check_positions(getattr(model.config, "max_position_embeddings", None))
+    param = next(model.parameters())
+    return members, base, None, param.device, param.dtype
+
+
+def _meta(args, base: str, device, dtype, sources: list, sparsities: list[float]) -> dict[str, Any]:
+    """The run's facts, as ``bench.json`` keeps them beside its rows."""
+    import datetime
+
+    import torch
+
+    from compresskit.modeling import device_name
+
     meta = {
         "model": args.model or f"--shape {args.shape} (random weights)",
         "base": base,
@@ -167,46 +191,50 @@ def cmd_bench(args, out: Console, err: Console) -> int:
     }
     if args.shape is not None:
         meta["methods"] = {src.name: src.method for src in sources}
+        fractions = f"{', '.join(map(str, sparsities))} of each router's groups (--sparsity), "
+        runs = "each run's realised fraction per layer and block, at the same relative depth (--run); "
         meta["structures"] = (
             "random weights; routers untrained, their biases calibrated so that each group is skipped on a share "
             "of the tokens: "
-            + (
-                f"{', '.join(map(str, sparsities))} of each router's groups (--sparsity), "
-                if args.method or not args.runs
-                else ""
-            )
-            + (
-                "each run's realised fraction per layer and block, at the same relative depth (--run); "
-                if args.runs
-                else ""
-            )
+            + (fractions if args.method or not args.runs else "")
+            + (runs if args.runs else "")
             + "a static method's model pruned at that fraction of the MACs on random tokens"
         )
-    medians = f"medians of {args.repeats}"
-    if meta["ttft_repeats"] != args.repeats:
-        medians = f"TPOT medians of {args.repeats}, TTFT of {meta['ttft_repeats']}"
+    return meta
+
+
+def _table(records: list[dict], meta: dict, base: str, repeats: int):
+    """The console's table of ``records``."""
+    from rich.table import Table
+
+    medians = f"medians of {repeats}"
+    if meta["ttft_repeats"] != repeats:
+        medians = f"TPOT medians of {repeats}, TTFT of {meta['ttft_repeats']}"
     table = Table(title=f"{meta['model']}: TTFT and TPOT against {base} ({medians})")
     cols = ("model", "decode", "batch", "prompt", "TTFT ms", "TPOT ms", "TTFT x dense", "TPOT x dense", "sparsity MACs")
     for col in cols:
         table.add_column(col, justify="left" if col in ("model", "decode") else "right")
     for r in records:
         sp = "-" if r["sparsity_macs"] is None else f"{r['sparsity_macs']:.3f}"
-        table.add_row(
-            r["model"], r["mode"], str(r["batch"]), str(r["prompt"]), f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}",
-            f"{r['ttft_speedup']:.2f}x", f"{r['tpot_speedup']:.2f}x", sp,
-        )  # fmt: skip
-    _print_table(out, table)
-    if args.output is not None:
-        with files.staged_dir(Path(args.output)) as tmp:
-            files.write_json(tmp / "bench.json", {"meta": meta, "results": records})
-            parts = [matrix_markdown(records), matrix_markdown(records, "ttft")]
-            parts += [model_matrix_markdown(records, "ttft"), model_matrix_markdown(records, "tpot")]
-            files.write_text(tmp / "bench.md", "\n".join([markdown(records, meta), *filter(None, parts)]))
-            speedup_vs_batch(records, tmp / "bench.png")
-            if len({r["batch"] for r in records}) > 1 and len({r["prompt"] for r in records}) > 1:
-                speedup_heatmap(records, tmp / "bench-heatmap.png")
-        _plain(out, f"results: {Path(args.output) / 'bench.json'}")
-    return EXIT_OK
+        times = (f"{r['ttft_ms']:.2f}", f"{r['tpot_ms']:.2f}", f"{r['ttft_speedup']:.2f}x", f"{r['tpot_speedup']:.2f}x")
+        table.add_row(r["model"], r["mode"], str(r["batch"]), str(r["prompt"]), *times, sp)
+    return table
+
+
+def _write(folder: Path, records: list[dict], meta: dict) -> None:
+    """``bench.json``, ``bench.md`` and the plots into ``folder``, whole or not at all."""
+    from compresskit import files
+    from compresskit.bench import markdown, matrix_markdown, model_matrix_markdown
+    from compresskit.plot import speedup_heatmap, speedup_vs_batch
+
+    with files.staged_dir(folder) as tmp:
+        files.write_json(tmp / "bench.json", {"meta": meta, "results": records})
+        parts = [matrix_markdown(records), matrix_markdown(records, "ttft")]
+        parts += [model_matrix_markdown(records, "ttft"), model_matrix_markdown(records, "tpot")]
+        files.write_text(tmp / "bench.md", "\n".join([markdown(records, meta), *filter(None, parts)]))
+        speedup_vs_batch(records, tmp / "bench.png")
+        if len({r["batch"] for r in records}) > 1 and len({r["prompt"] for r in records}) > 1:
+            speedup_heatmap(records, tmp / "bench-heatmap.png")
 
 
 def add_bench_parser(sub) -> None:
