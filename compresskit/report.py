@@ -494,8 +494,21 @@ def equal_speed_markdown(
         "two budgets of the method bracket it. Each method's line starts at the dense model (1.00x). The best "
         "perplexity of a column is in bold."
     )
-    lines += ["", "### Measured points", ""]
-    batches = speed.batches
+    lines += ["", "### Measured points", "", _measured_points(runs, speed, fronts, measure)]
+    lines += ["", "Bench runs:", ""]
+    for m in speed.meta:
+        lines.append(
+            f"- `{m.get('command', '?')}` ({m.get('device', '?')}, {m.get('dtype', '?')}, torch {m.get('torch', '?')}, "
+            f"triton {m.get('triton', '?')}, transformers {m.get('transformers', '?')}, {m.get('date', '?')}; "
+            f"{m['file']})"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _measured_points(runs: list[dict[str, Any]], speed: Speed, fronts: dict, measure: str) -> str:
+    """The table of every measured point of :func:`equal_speed_markdown`: each run's MACs skipped, its speedups at
+    every batch size, its quality and the Pareto fronts (``fronts``: batch and metric -> names) it is on."""
+    batches, shapes, what = speed.batches, speed.shapes, measure.upper()
     header = ["run", "method", "MACs skipped (run)", f"MACs skipped at {', '.join(shapes)}"]
     header += [f"{what} x dense, batch {b}" for b in batches]
     header += [f"{'TTFT' if measure == 'tpot' else 'TPOT'} x dense, batch {b}" for b in batches]
@@ -529,15 +542,7 @@ def equal_speed_markdown(
                 "; ".join(on) or "-",
             ]
         )
-    lines.append(_md_table(header, rows))
-    lines += ["", "Bench runs:", ""]
-    for m in speed.meta:
-        lines.append(
-            f"- `{m.get('command', '?')}` ({m.get('device', '?')}, {m.get('dtype', '?')}, torch {m.get('torch', '?')}, "
-            f"triton {m.get('triton', '?')}, transformers {m.get('transformers', '?')}, {m.get('date', '?')}; "
-            f"{m['file']})"
-        )
-    return "\n".join(lines) + "\n"
+    return _md_table(header, rows)
 
 
 def _as_groups(items: list) -> list[Group]:

@@ -573,26 +573,7 @@ def fit_routers(
         x[k], importance[k] = feats, score / feats.norm(dim=-1, keepdim=True).clamp_min(1e-6)
     macs = {id(p): p.macs_per_group + sum(f.macs_per_group for f in projections if f.leader is p) for p in leaders}
     tokens = int(real.sum())
-    keep: dict[int, torch.Tensor] = {}
-    if "macs" in skip:
-        flat = torch.cat([importance[id(p)].flatten().cpu() for p in leaders])
-        weight = torch.cat([torch.full((importance[id(p)].numel(),), float(macs[id(p)])) for p in leaders])
-        order = flat.argsort()
-        budget = skip["macs"] * total_macs * tokens
-        below = int(torch.searchsorted(weight[order].double().cumsum(0), torch.tensor(budget, dtype=torch.float64)))
-        threshold = flat[order[min(below, len(order) - 1)]] if below > 0 else flat.min() - 1
-        for p in leaders:
-            keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
-    else:
-        for kind, fraction in skip.items():
-            of_kind = [p for p in leaders if p.kind == kind]
-            if not of_kind:
-                continue
-            flat = torch.cat([importance[id(p)].flatten().cpu() for p in of_kind]).sort().values
-            below = round(fraction * flat.numel())  # the pairs to skip: the lowest ``below``
-            threshold = flat[below - 1] if below > 0 else flat[0] - 1
-            for p in of_kind:
-                keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
+    keep = _skip_labels(leaders, importance, macs, skip, total_macs=total_macs, tokens=tokens)
     gen = torch.Generator().manual_seed(seed)
     agree = 0.0
     skipped_macs = 0.0
@@ -600,22 +581,7 @@ def fit_routers(
         if id(p) not in keep:
             continue
         router, target, feats = p.router, keep[id(p)].float(), x[id(p)]
-        params = list(router.parameters())
-        was = [q.requires_grad for q in params]
-        for q in params:
-            q.requires_grad_(True)
-        optimizer = torch.optim.Adam(params, lr=lr)
-        with torch.enable_grad():
-            for _ in range(steps):
-                idx = torch.randint(0, tokens, (min(batch_tokens, tokens),), generator=gen).to(feats.device)
-                logits = router(feats[idx])
-                margin = logits[..., 0] - logits[..., 1]  # execute minus skip
-                loss = F.binary_cross_entropy_with_logits(margin, target[idx])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-        for q, w in zip(params, was, strict=True):
-            q.requires_grad_(w)
+        _fit_router(router, feats, target, steps=steps, lr=lr, batch_tokens=batch_tokens, generator=gen)
         with torch.no_grad():  # each group skipped as often as its labels skip it
             logits = router(feats)
             margin = logits[..., 1] - logits[..., 0]  # skip iff > 0
@@ -632,6 +598,54 @@ def fit_routers(
         "agreement": agree / max(1, groups),
         "tokens": tokens,
     }
+
+
+def _skip_labels(leaders: list, importance: dict, macs: dict, skip: dict[str, float], *, total_macs, tokens) -> dict:
+    """Each router's labels (``[tokens, G]`` bool, True: execute) under :func:`fit_routers`'s ``skip`` budget: the
+    least important (token, group) pairs skipped, of all routers together until ``skip["macs"]`` of the
+    ``tokens``' projection MACs (``total_macs`` a token) is, each pair weighted by the MACs it saves (``macs``); or
+    the least important fraction of each kind's pairs."""
+    keep: dict[int, torch.Tensor] = {}
+    if "macs" in skip:
+        flat = torch.cat([importance[id(p)].flatten().cpu() for p in leaders])
+        weight = torch.cat([torch.full((importance[id(p)].numel(),), float(macs[id(p)])) for p in leaders])
+        order = flat.argsort()
+        budget = torch.tensor(skip["macs"] * total_macs * tokens, dtype=torch.float64)
+        below = int(torch.searchsorted(weight[order].double().cumsum(0), budget))
+        threshold = flat[order[min(below, len(order) - 1)]] if below > 0 else flat.min() - 1
+        return {id(p): importance[id(p)] > threshold.to(importance[id(p)].device) for p in leaders}
+    for kind, fraction in skip.items():
+        of_kind = [p for p in leaders if p.kind == kind]
+        if not of_kind:
+            continue
+        flat = torch.cat([importance[id(p)].flatten().cpu() for p in of_kind]).sort().values
+        below = round(fraction * flat.numel())  # the pairs to skip: the lowest ``below``
+        threshold = flat[below - 1] if below > 0 else flat[0] - 1
+        for p in of_kind:
+            keep[id(p)] = importance[id(p)] > threshold.to(importance[id(p)].device)
+    return keep
+
+
+def _fit_router(router: GroupRouter, feats: torch.Tensor, target: torch.Tensor, *, steps, lr, batch_tokens, generator):
+    """``router`` trained to give ``target`` (``[tokens, G]``, 1: execute) from ``feats`` (the residual it reads):
+    a logistic loss on its execute-minus-skip margin, ``steps`` Adam steps on random draws of ``batch_tokens``."""
+    params = list(router.parameters())
+    was = [q.requires_grad for q in params]
+    for q in params:
+        q.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    tokens = feats.shape[0]
+    with torch.enable_grad():
+        for _ in range(steps):
+            idx = torch.randint(0, tokens, (min(batch_tokens, tokens),), generator=generator).to(feats.device)
+            logits = router(feats[idx])
+            margin = logits[..., 0] - logits[..., 1]  # execute minus skip
+            loss = F.binary_cross_entropy_with_logits(margin, target[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    for q, w in zip(params, was, strict=True):
+        q.requires_grad_(w)
 
 
 def _rate_shift(margin: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:

@@ -118,99 +118,101 @@ def check_plugin_contract(name: str) -> list[Check]:
     Stops at the first failing check (later checks depend on earlier ones).
     """
     checks: list[Check] = []
-
-    def record(check_name: str, fn):
-        try:
-            detail = fn() or ""
-            checks.append(Check(check_name, True, str(detail)))
-            return True
-        except Exception as exc:  # the contract reports every failure, whatever it is
-            checks.append(Check(check_name, False, f"{type(exc).__name__}: {exc}"))
-            return False
-
     state: dict[str, Any] = {}
-
-    def load_cls():
-        state["cls"] = plugins.load("pruner", name)
-        return state["cls"].__module__ + "." + state["cls"].__qualname__
-
-    def round_trip():
-        cls = state["cls"]
-        config = cls.Config(**cls.contract_config)
-        again = cls.Config.model_validate_json(config.model_dump_json())
-        if again != config:
-            raise AssertionError(f"JSON round-trip changed the config: {config!r} -> {again!r}")
-        if "schema_version" not in config.model_dump():
-            raise AssertionError("config has no schema_version")
-        cls.Config.model_json_schema()
-        state["config"] = config
-        return config.model_dump_json()
-
-    def attach():
-        tmp = Path(tempfile.mkdtemp(prefix="ck-contract-"))
-        state["tmp"] = tmp
-        base = save_tiny_model(tmp / "base")
-
-        model, tok = load_model(str(base), dtype="float32", device="cpu")
-        state["model"], state["tok"], state["base"] = model, tok, base
-        pruner = state["cls"](state["config"])
-        ctx = RunContext(model_config=model.config, tokenizer=tok)
-        targeted = pruner.prepare(model, ctx)
-        if not targeted:
-            raise AssertionError("prepare() returned no targeted modules")
-        state["pruner"] = pruner
-        return f"{len(targeted)} modules"
-
-    def forward():
-        model, pruner = state["model"], state["pruner"]
-        batches = random_batches(model.config.vocab_size)
-        if pruner.requires_calibration:
-            pruner.calibrate(model, batches)
-        with torch.no_grad():
-            logits = model(batches[0].input_ids).logits
-        if not torch.isfinite(logits).all():
-            raise AssertionError("non-finite logits after prepare")
-        state["ids"] = batches[0].input_ids
-
-    def finalize():
-        model = state["pruner"].finalize(state["model"])
-        state["model"] = model
-        with torch.no_grad():
-            logits = model(state["ids"]).logits
-        if not torch.isfinite(logits).all():
-            raise AssertionError("non-finite logits after finalize")
-        state["logits"] = logits
-        rep = state["pruner"].sparsity(model)
-        if rep is not None and not all(0.0 <= x <= 1.0 for x in (rep.attention, rep.ffn, rep.macs)):
-            raise AssertionError(f"sparsity outside [0, 1]: {rep.to_dict(per_layer=False)}")
-        return "" if rep is None else f"sparsity macs={rep.macs:.3f}"
-
-    def save_load():
-        out = state["tmp"] / "saved"
-        artifacts.save(
-            out, state["model"], state["tok"], base_model=str(state["base"]), pruner_name=name, pruner=state["pruner"]
-        )
-        model2, _, _ = artifacts.load(out, dtype="float32", device="cpu")
-        with torch.no_grad():
-            logits2 = model2(state["ids"]).logits
-        if not torch.equal(logits2, state["logits"]):
-            diff = (logits2 - state["logits"]).abs().max().item()
-            raise AssertionError(f"logits differ after save/load (max abs diff {diff:.3g})")
-        return "identical logits"
-
     steps = [
-        ("load plugin", load_cls),
-        ("config JSON round-trip", round_trip),
-        ("prepare (attach)", attach),
-        ("forward finite", forward),
-        ("finalize", finalize),
-        ("save/load identical logits", save_load),
+        ("load plugin", _contract_load_cls),
+        ("config JSON round-trip", _contract_round_trip),
+        ("prepare (attach)", _contract_attach),
+        ("forward finite", _contract_forward),
+        ("finalize", _contract_finalize),
+        ("save/load identical logits", _contract_save_load),
     ]
     try:
         for check_name, fn in steps:
-            if not record(check_name, fn):
+            try:
+                detail = fn(state, name) or ""
+            except Exception as exc:  # the contract reports every failure, whatever it is
+                checks.append(Check(check_name, False, f"{type(exc).__name__}: {exc}"))
                 break
+            checks.append(Check(check_name, True, str(detail)))
     finally:
         if "tmp" in state:
             shutil.rmtree(state["tmp"], ignore_errors=True)
     return checks
+
+
+# the contract's steps, in order: each reads what the ones before left in ``state``
+
+
+def _contract_load_cls(state: dict[str, Any], name: str):
+    state["cls"] = plugins.load("pruner", name)
+    return state["cls"].__module__ + "." + state["cls"].__qualname__
+
+
+def _contract_round_trip(state: dict[str, Any], name: str):
+    cls = state["cls"]
+    config = cls.Config(**cls.contract_config)
+    again = cls.Config.model_validate_json(config.model_dump_json())
+    if again != config:
+        raise AssertionError(f"JSON round-trip changed the config: {config!r} -> {again!r}")
+    if "schema_version" not in config.model_dump():
+        raise AssertionError("config has no schema_version")
+    cls.Config.model_json_schema()
+    state["config"] = config
+    return config.model_dump_json()
+
+
+def _contract_attach(state: dict[str, Any], name: str):
+    tmp = Path(tempfile.mkdtemp(prefix="ck-contract-"))
+    state["tmp"] = tmp
+    base = save_tiny_model(tmp / "base")
+
+    model, tok = load_model(str(base), dtype="float32", device="cpu")
+    state["model"], state["tok"], state["base"] = model, tok, base
+    pruner = state["cls"](state["config"])
+    ctx = RunContext(model_config=model.config, tokenizer=tok)
+    targeted = pruner.prepare(model, ctx)
+    if not targeted:
+        raise AssertionError("prepare() returned no targeted modules")
+    state["pruner"] = pruner
+    return f"{len(targeted)} modules"
+
+
+def _contract_forward(state: dict[str, Any], name: str):
+    model, pruner = state["model"], state["pruner"]
+    batches = random_batches(model.config.vocab_size)
+    if pruner.requires_calibration:
+        pruner.calibrate(model, batches)
+    with torch.no_grad():
+        logits = model(batches[0].input_ids).logits
+    if not torch.isfinite(logits).all():
+        raise AssertionError("non-finite logits after prepare")
+    state["ids"] = batches[0].input_ids
+
+
+def _contract_finalize(state: dict[str, Any], name: str):
+    model = state["pruner"].finalize(state["model"])
+    state["model"] = model
+    with torch.no_grad():
+        logits = model(state["ids"]).logits
+    if not torch.isfinite(logits).all():
+        raise AssertionError("non-finite logits after finalize")
+    state["logits"] = logits
+    rep = state["pruner"].sparsity(model)
+    if rep is not None and not all(0.0 <= x <= 1.0 for x in (rep.attention, rep.ffn, rep.macs)):
+        raise AssertionError(f"sparsity outside [0, 1]: {rep.to_dict(per_layer=False)}")
+    return "" if rep is None else f"sparsity macs={rep.macs:.3f}"
+
+
+def _contract_save_load(state: dict[str, Any], name: str):
+    out = state["tmp"] / "saved"
+    artifacts.save(
+        out, state["model"], state["tok"], base_model=str(state["base"]), pruner_name=name, pruner=state["pruner"]
+    )
+    model2, _, _ = artifacts.load(out, dtype="float32", device="cpu")
+    with torch.no_grad():
+        logits2 = model2(state["ids"]).logits
+    if not torch.equal(logits2, state["logits"]):
+        diff = (logits2 - state["logits"]).abs().max().item()
+        raise AssertionError(f"logits differ after save/load (max abs diff {diff:.3g})")
+    return "identical logits"

@@ -169,3 +169,15 @@ def test_no_module_holds_a_boolean_switch(root):
         and isinstance(node.value.value, bool)
     ]
     assert switches == []
+
+
+def test_no_function_of_the_core_is_over_100_lines():
+    """A function a reader can hold: none of the core's is longer than 100 lines (a phase too long for that gets
+    a state object and a function a phase, as ``api._Run`` and ``trainers._Loop`` do)."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in CORE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 100
+    ]
+    assert long == []
