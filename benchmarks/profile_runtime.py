@@ -157,7 +157,7 @@ def main() -> int:
     from compresskit.bench import free_device_memory, method_source, shape_members
     from compresskit.cli import _int_list
     from compresskit.errors import CompressKitError
-    from compresskit.options import parse_option
+    from compresskit.options import configured_executor, parse_option
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -195,12 +195,14 @@ def main() -> int:
     try:
         contexts = _int_list(args.context, "--context")
         settings = [parse_option(text) for text in args.option]
+        source = method_source("wide", args.sparsity)
+        for setting in settings:  # each fits WIDE's executor: checked before anything is built
+            configured_executor(source.pruner_cls, setting)
     except CompressKitError as exc:
         parser.error(str(exc))
     if args.smoke:
         args.shape, contexts, args.steps = "tiny", [16 + 8 * i for i in range(len(contexts))], 2
     options = {"compile": cuda, "graphs": False}
-    source = method_source("wide", args.sparsity)
     members = shape_members(args.shape, [source], device=device, dtype=dtype, settings=settings, **options)
     phases = ("decode", "prefill") if args.phase == "both" else (args.phase,)
     results = {}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from compresskit import plugins
-from compresskit.errors import CompressKitError
+from compresskit.errors import CompressKitError, RuntimeUnsupportedError
 from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name, lora_merged
@@ -612,7 +612,10 @@ def measure_speed(model, pruner, cfg, *, load_dense, base: str | None = None, pr
     task_cm = progress.task("timing on the runtime", total=2) if progress else contextlib.nullcontext()
     # LoRA adapters kept apart are timed merged, as a served model would run (the model is left as it was)
     with task_cm as task, lora_merged(model):
-        rt = runtime_for(model, pruner)
+        try:
+            rt = runtime_for(model, pruner)
+        except RuntimeUnsupportedError as exc:  # (its method gives the runtime no blocks for it)
+            return {"measured": False, "reason": str(exc)}
         rt.reset_counts(pruner)
         ttft, tpot = time_runtime(rt, cfg.batch, prompt, cfg.new_tokens, cfg.repeats)
         counted = rt.counted_sparsity(pruner)

@@ -68,6 +68,11 @@ class KernelUnavailableError(CompressKitError, RuntimeError):
     """An executor cannot run on this machine (no CUDA, no Triton, unsupported dtype or shape)."""
 
 
+class RuntimeUnsupportedError(CompressKitError):
+    """The inference runtime cannot run this model as it is: a model type it does not know, or routed modules
+    whose method gives no runtime block for them (the message says why and what to do)."""
+
+
 class OutputExistsError(CompressKitError, FileExistsError):
     """The output directory holds a finished run of a different recipe."""
 

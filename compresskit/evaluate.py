@@ -22,7 +22,7 @@ import torch
 from compresskit import crashpoints
 from compresskit import tasks as task_registry
 from compresskit.data import DataModule
-from compresskit.errors import RecipeError
+from compresskit.errors import RecipeError, RuntimeUnsupportedError
 from compresskit.interfaces import Pruner
 from compresskit.modeling import peak_memory, release_freed_memory, reset_peak_memory
 from compresskit.progress import Progress
@@ -271,7 +271,15 @@ def evaluate(
     model.eval()
     device = next(model.parameters()).device
     engine = resolve_engine(model, section)
-    scored = RuntimeModel(model, runtime_for(model, pruner, executor)) if engine == "runtime" else model
+    scored = model
+    if engine == "runtime":
+        try:
+            scored = RuntimeModel(model, runtime_for(model, pruner, executor))
+        except RuntimeUnsupportedError as exc:
+            if section.engine == "runtime":
+                raise RecipeError(f"evaluation.engine: {exc}") from None
+            progress.log(f"evaluation: {exc}; scored through transformers (evaluation.engine: auto)")
+            engine = "transformers"
     with task_registry.quiet_lm_eval():
         lm = _progress_lm(scored, tokenizer, section=section, progress=progress)
         manager = TaskManager(include_defaults=False)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from compresskit import artifacts, plugins
-from compresskit.interfaces import Batch, RunContext
+from compresskit.interfaces import Batch, Executor, RunContext
 from compresskit.modeling import load_model
 
 # Imported inside the functions that use them: transformers and tokenizers; so importing this module, and running the
@@ -102,6 +102,22 @@ def random_batches(vocab_size: int, n: int = 2, batch: int = 2, seq_len: int = 1
         ids = torch.randint(2, vocab_size, (batch, seq_len), generator=gen)
         out.append(Batch(ids, torch.ones_like(ids)))
     return out
+
+
+class ModulesExecutor(Executor):
+    """Runs each decoder layer's modules as they are, routing wrappers included, on the inference runtime,
+    eagerly: the reference a method's runtime blocks are tested against (``Runtime(model,
+    executor=ModulesExecutor())`` beside ``runtime_for(model, pruner)``). The runtime never runs routed modules
+    this way unless asked: it refuses a routed model whose method gives it no blocks."""
+
+    def convert(self, model):
+        return model
+
+    def runtime_blocks(self, model, head_dim: int):
+        from compresskit.modeling import decoder_layers
+        from compresskit.runtime.blocks import MLP, Attention
+
+        return [(Attention(layer, head_dim, dense=False), MLP(layer, dense=False)) for layer in decoder_layers(model)]
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compresskit.errors import CompressKitError
+from compresskit.errors import CompressKitError, RuntimeUnsupportedError
 from compresskit.modeling import decoder_layers
 from compresskit.routing import RoutedProjection, measured_sparsity
 from compresskit.runtime.blocks import MLP, Attention, Block, Step, base_module
@@ -128,19 +128,32 @@ def _resolve(flag: bool | str, name: str, device: torch.device, graphable: bool,
     return bool(flag)
 
 
-def _eager_reason(layers, blocks) -> str:
-    """Why the blocks of ``layers`` cannot be compiled and graphed: the first one that keeps state."""
+def _unrunnable(layers, blocks, own: list, executor) -> str | None:
+    """Why the runtime cannot run ``layers``: the first layer whose routed modules would fall to the runtime's own
+    blocks (which read the modules under the routing wrappers' decisions kept between calls), because its
+    method's blocks do not take them; None where every routed module runs as a method's block."""
     for i, (layer, pair) in enumerate(zip(layers, blocks, strict=True)):
-        for block in pair:
-            if block.graphable:
-                continue
-            if any("lora_" in name for name, _ in layer.named_modules()):
-                return (
-                    f"layer {i} carries LoRA adapters that are not merged, so its routed modules run as they are "
-                    "(merge them: training stage lora, merge: true, or modeling.lora_merged around the runtime's use; "
-                    "compresskit bench, generate and apply's speed columns do)"
-                )
-            return f"layer {i}'s routed modules keep state between calls and its method gives no runtime block"
+        if not any(b in own and not b.graphable for b in pair):
+            continue
+        if any("lora_" in name for name, _ in layer.named_modules()):
+            return (
+                f"layer {i} carries LoRA adapters that are not merged, which its method's blocks do not run; merge "
+                "them first (training stage lora: merge: true, or compresskit.modeling.lora_merged around the "
+                "runtime's use; compresskit generate, bench and apply's speed columns do)"
+            )
+        method = f"executor {type(executor).__name__}" if executor is not None else "its pruner"
+        return (
+            f"layer {i} is routed and {method} gives no runtime block for it; score it through transformers "
+            "(evaluation.engine: transformers), or give the method runtime blocks (docs/plugins.md)"
+        )
+    return None
+
+
+def _eager_reason(blocks) -> str:
+    """Why ``blocks`` cannot be compiled and graphed: the first one that keeps state."""
+    for i, pair in enumerate(blocks):
+        if not all(b.graphable for b in pair):
+            return f"layer {i}'s blocks keep state between calls (graphable: false)"
     return "a block keeps state between calls"
 
 
@@ -178,7 +191,7 @@ class Runtime:
     ) -> None:
         cfg = model.config
         if getattr(cfg, "model_type", None) not in SUPPORTED:
-            raise CompressKitError(
+            raise RuntimeUnsupportedError(
                 f"runtime: model type {getattr(cfg, 'model_type', None)!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED)}"
             )
@@ -196,14 +209,24 @@ class Runtime:
                 f"the model has {len(self.layers)}"
             )
         self.blocks: list[tuple[Block, Block]] = []
+        own = []  # the runtime's own blocks (where the method supplied none)
         for i, layer in enumerate(self.layers):
             attn, mlp = supplied[i] if supplied is not None else (None, None)
-            attn = attn if attn is not None else Attention(layer, self.head_dim, dense=dense)
-            self.blocks.append((attn, mlp if mlp is not None else MLP(layer, dense=dense)))
+            if attn is None:
+                attn = Attention(layer, self.head_dim, dense=dense)
+                own.append(attn)
+            if mlp is None:
+                mlp = MLP(layer, dense=dense)
+                own.append(mlp)
+            self.blocks.append((attn, mlp))
+        if not dense:  # routed modules run only as a method's blocks: never eagerly in the runtime's own
+            refused = _unrunnable(self.layers, self.blocks, own, executor)
+            if refused:
+                raise RuntimeUnsupportedError(f"runtime: {refused}")
         graphable = all(b.graphable for pair in self.blocks for b in pair)
-        why = "this model's routed modules keep state between calls (run it with its executor's blocks)"
+        why = "a block of this model keeps state between calls"
         # why a GPU runs this model eagerly, for the reports (None where it need not)
-        self.eager_reason = None if graphable else _eager_reason(self.layers, self.blocks)
+        self.eager_reason = None if graphable else _eager_reason(self.blocks)
         self.compiled = _resolve(compile, "compile", self.device, graphable, why)
         self.graphs = _resolve(graphs, "graphs", self.device, graphable, why)
         if prefill_graphs is True and not self.graphs:

@@ -8,7 +8,7 @@ from compresskit.data import DataModule
 from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
 from compresskit.routing import routed_projections
-from compresskit.testing import tiny_llama
+from compresskit.testing import ModulesExecutor, tiny_llama
 from compresskit.trainers import RouterTrainer, TrainStageConfig
 from compresskit_baselines.dynamic_depth import DynamicDepthConfig, DynamicDepthPruner
 
@@ -113,7 +113,7 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
         for _, proj in routed_projections(model):  # routers that skip about half the tokens
             if proj.router is not None:
                 proj.router.up.bias.copy_(torch.tensor([0.0, 0.0]))
-    fast, ref = runtime_for(model, pruner), Runtime(model)
+    fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     blocks = [b for pair in fast.blocks for b in pair]
     skipping = [b for b in blocks if isinstance(b, (SkipAttention, SkipMLP))]
     assert len(skipping) == (8 if granularity == "sublayer" else 0) and fast.mode == "eager"

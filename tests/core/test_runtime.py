@@ -814,8 +814,8 @@ def test_profile_script_profiles_several_contexts_on_one_build(tmp_path):
 
 @pytest.mark.slow
 def test_profile_script_profiles_a_consensus_rule(tmp_path):
-    """``profile_runtime.py --consensus RULE``: WIDE under the rule is a member of its own, named as the bench
-    names its row (a name with commas, which ``--members`` takes whole); a name that is no member, or a bad
+    """``profile_runtime.py --option consensus.KEY=VALUE``: WIDE under the rule is a member of its own, named as
+    the bench names its row (a name with commas, which ``--members`` takes whole); a name that is no member, or a bad
     rule, is one line and exit 2."""
     import json
     import subprocess
@@ -826,7 +826,15 @@ def test_profile_script_profiles_a_consensus_rule(tmp_path):
     rule = "consensus (quorum 0.5, budget 0.5)"
     argv = [sys.executable, str(script), "--smoke", "--phase", "decode", "--batch", "2"]
     res = subprocess.run(
-        [*argv, "--consensus", "quorum=0.5,budget=0.5", "--members", f"{rule},dense", "--out", str(tmp_path)],
+        [
+            *argv,
+            "--option",
+            "consensus.quorum=0.5,consensus.budget=0.5",
+            "--members",
+            f"{rule},dense",
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
     )
@@ -836,8 +844,8 @@ def test_profile_script_profiles_a_consensus_rule(tmp_path):
     assert members[f"{rule} decode"]["total_us_per_step"] > 0
     bad = subprocess.run([*argv, "--members", "dense,nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--members 'dense,nope': allowed names are 'compressed'" in bad.stderr
-    bad = subprocess.run([*argv, "--consensus", "budget=2"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--consensus budget=2: budget" in bad.stderr
+    bad = subprocess.run([*argv, "--option", "consensus.budget=2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--option consensus.budget=2: executor wide-triton: consensus.budget" in bad.stderr
 
 
 def test_a_prompt_is_captured_in_a_bucket_at_most_twice_its_length():

@@ -14,6 +14,7 @@ from compresskit.interfaces import RunContext
 from compresskit.modeling import load_model
 from compresskit.routing import routed_projections
 from compresskit.runtime import Runtime
+from compresskit.testing import ModulesExecutor
 
 
 def test_wide_model_on_the_runtime_gives_its_own_logits(tiny_model_dir):
@@ -23,7 +24,7 @@ def test_wide_model_on_the_runtime_gives_its_own_logits(tiny_model_dir):
     pruner.prepare(model, RunContext(model_config=model.config, tokenizer=tok, seed=0))
     model = pruner.finalize(model).eval()
     ids = torch.randint(2, 300, (2, 10), generator=torch.Generator().manual_seed(0))
-    rt = Runtime(model)
+    rt = Runtime(model, executor=ModulesExecutor())
     cache = rt.new_cache(2, 11)
     nxt = torch.full((2, 1), 9)
     with torch.no_grad():
@@ -36,6 +37,17 @@ def test_wide_model_on_the_runtime_gives_its_own_logits(tiny_model_dir):
     deciders = [p for _, p in routed_projections(model) if p.router is not None]
     assert all(p.stat_tokens.item() == 5 + 2 + 2 * 2 for p in deciders)  # the prompts' 7, then 2 decode steps of 2
     assert [len(t) for t in res.tokens] == [3, 3]
+
+
+def test_the_runtime_runs_routed_modules_only_as_a_method_s_blocks(tiny_model_dir):
+    """A routed model on the runtime's own blocks (no executor that gives it blocks): one line saying why the
+    runtime cannot, never an eager run of its modules; its dense view runs as the base model."""
+    from compresskit.errors import RuntimeUnsupportedError
+
+    model, pruner = _wide_model(tiny_model_dir)
+    with pytest.raises(RuntimeUnsupportedError, match=r"runtime: layer 0 is routed and its pruner gives no runtime"):
+        Runtime(model)
+    Runtime(model, dense=True)
 
 
 def test_bench_of_a_saved_wide_run_reports_its_realised_sparsity(capsys, tiny_model_dir, tmp_path):
@@ -124,7 +136,7 @@ def test_wide_blocks_match_the_routed_modules_at_prefill_and_decode(tiny_model_d
     want_handing = [after.router_down for after in order[1:]] + [None]
     assert all(a is b for a, b in zip(handing, want_handing, strict=True))
     assert fast.mode == "eager"  # on the CPU
-    ref = Runtime(model)  # the routed modules as they are
+    ref = Runtime(model, executor=ModulesExecutor())  # the routed modules as they are
     gen = torch.Generator().manual_seed(1)
     for prompts in ([[5, 6, 7, 8, 9, 10, 11]], [[5, 6, 7, 8, 9], [5, 6]]):
         b, longest = len(prompts), max(map(len, prompts))
@@ -165,7 +177,7 @@ def test_on_the_cpu_auto_runs_the_cheapest_path(tiny_model_dir, monkeypatch):
     fast = runtime_for(model, pruner)
     assert (
         fast.generate([[5, 6, 7, 8]], max_new_tokens=3).tokens
-        == Runtime(model).generate([[5, 6, 7, 8]], max_new_tokens=3).tokens
+        == Runtime(model, executor=ModulesExecutor()).generate([[5, 6, 7, 8]], max_new_tokens=3).tokens
     )
     assert not called
 
@@ -180,7 +192,7 @@ def test_routed_qkv_in_other_families(tmp_path, family):
 
     model_dir = save_tiny_model(tmp_path / family, family=family)
     model, pruner = _wide_model(model_dir)
-    fast, ref = runtime_for(model, pruner), Runtime(model)
+    fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     assert all((a.wqkv is None) == (family == "qwen2") for a, _ in fast.blocks)
     caches = [rt.new_cache(2, 10) for rt in (fast, ref)]
     ids = torch.randint(2, 300, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -205,7 +217,7 @@ def test_routed_qkv_runs_q_alone_where_its_prefill_kernel_runs(tiny_model_dir, m
         policy, "use_kernel", lambda op, m, **kw: m >= 8 if op == "out" else real_use_kernel(op, m, **kw)
     )
     model, pruner = _wide_model(tiny_model_dir)
-    fast, ref = runtime_for(model, pruner), Runtime(model)
+    fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     attn = fast.blocks[0][0]
     assert attn.wqkv is not None
     one = [ops.qkv_in_one_product("auto", m, False) for m in (1, 2, 3, 7, 8, 4096)]
@@ -242,7 +254,7 @@ def test_a_prefills_o_gets_its_skipped_heads_zeroed_in_the_block(tiny_model_dir,
     from compresskit_wide.kernels.policy import DECODE_MAX_M
 
     model, pruner = _wide_model(tiny_model_dir)
-    fast, ref = runtime_for(model, pruner), Runtime(model)
+    fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     attn = fast.blocks[0][0]
     seen = []  # (tokens, zeroed as told, exactly zero in the skipped heads) of the first block's o
     real = blocks.masked_reduce_gemm
@@ -281,7 +293,7 @@ def test_wide_blocks_on_the_kernels_match_the_routed_modules(tiny_model_dir, mon
     model = model.to(device)
     cls = plugins.load("executor", "wide-triton")
     fast = Runtime(model, executor=cls(cls.Config(backend="triton")), compile=False, graphs=False)
-    ref = Runtime(model)
+    ref = Runtime(model, executor=ModulesExecutor())
     caches = [rt.new_cache(2, 16) for rt in (fast, ref)]
     ids = torch.randint(2, 300, (2, 12), generator=torch.Generator().manual_seed(2)).to(device)
     pruner.reset_sparsity(model)
@@ -319,7 +331,7 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     pruner.reset_sparsity(model)
     fast.generate(prompts, max_new_tokens=3)
     got = fast.counted_sparsity()
-    Runtime(model).generate(prompts, max_new_tokens=3)
+    Runtime(model, executor=ModulesExecutor()).generate(prompts, max_new_tokens=3)
     want = pruner.sparsity(model)
     assert got.tokens == want.tokens == sum(map(len, prompts)) + 2 * len(prompts)
     assert abs(got.macs - want.macs) < 1e-9 and 0.2 < got.macs < 0.8
@@ -327,33 +339,25 @@ def test_wide_blocks_count_what_the_routed_modules_count(tiny_model_dir, monkeyp
     assert any(counted_by_router) and all(counted_by_router) == (len(prompts) == 1)
 
 
-def test_wide_blocks_leave_an_unmerged_lora_mlp_to_its_modules(tiny_model_dir):
-    """A projection that is not a plain Linear (LoRA not merged): the layer's MLP runs its modules, the
-    runtime says why it cannot compile and graph it (what the speed reports repeat), and what it counts holds
-    those modules' skips (reported as no FFN skip before: 0.0 where the routers skipped 0.37)."""
+def test_the_runtime_refuses_an_unmerged_lora_mlp_in_one_line(tiny_model_dir):
+    """A projection that is not a plain Linear (LoRA not merged): WIDE's blocks do not take the layer's MLP, and
+    the runtime says so in one line with what to do (merge it) rather than run the routed modules eagerly; merged
+    (``lora_merged``, as generate, bench and apply's speed columns do) every layer runs WIDE's blocks."""
     from peft import LoraConfig, get_peft_model
 
+    from compresskit.errors import RuntimeUnsupportedError
+    from compresskit.modeling import lora_merged
     from compresskit.runtime import runtime_for
     from compresskit_wide.blocks import WideMLP
 
     model, pruner = _wide_model(tiny_model_dir)
     model = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"])).base_model.model
-    rt = runtime_for(model, pruner)
-    assert not any(isinstance(m, WideMLP) for _, m in rt.blocks) and rt.mode == "eager"
-    assert rt.eager_reason.startswith("layer 0 carries LoRA adapters that are not merged") and "merge: true" in (
-        rt.eager_reason
-    )
-    assert runtime_for(_wide_model(tiny_model_dir)[0], pruner).eager_reason is None
-    ids = torch.randint(2, 300, (1, 6), generator=torch.Generator().manual_seed(0))
-    rt.reset_counts()
-    with torch.no_grad():
-        fast = rt.forward(ids, rt.new_cache(1, 6))
-        got = rt.counted_sparsity()
-        pruner.reset_sparsity(model)
-        torch.testing.assert_close(fast, model(ids).logits, rtol=1e-5, atol=1e-5)
-    want = pruner.sparsity(model)
-    assert got.tokens == want.tokens == 6 and want.ffn > 0.1
-    assert abs(got.ffn - want.ffn) < 1e-9 and abs(got.macs - want.macs) < 1e-9
+    with pytest.raises(RuntimeUnsupportedError) as info:
+        runtime_for(model, pruner)
+    assert str(info.value).startswith("runtime: layer 0 carries LoRA adapters that are not merged")
+    assert "merge: true" in str(info.value) and "\n" not in str(info.value)
+    with lora_merged(model):
+        assert all(isinstance(m, WideMLP) for _, m in runtime_for(model, pruner).blocks)
 
 
 def test_lora_kept_apart_is_timed_merged_and_left_as_it_was(tiny_model_dir, monkeypatch):

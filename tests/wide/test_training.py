@@ -162,8 +162,9 @@ def test_lora_merged_export_matches_unmerged(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_a_run_with_its_lora_apart_runs_merged_on_the_runtime(tiny_model_dir, tmp_path):
     """A run saved with its LoRA adapters apart (no ``merge: true``): the inference loader (``bench``,
-    ``generate``) folds them into the weights, so that WIDE's blocks run every layer (no eager fallback left to
-    explain), with the logits of the run as evaluation loads it; the saved files stay as they were."""
+    ``generate``) folds them into the weights, so that WIDE's blocks run every layer (unmerged, the runtime
+    refuses them in one line), with the logits of the run as evaluation loads it; the saved files stay as they were."""
+    from compresskit.errors import RuntimeUnsupportedError
     from compresskit.runtime import load_for_runtime, runtime_for
 
     apply(recipe(tiny_model_dir, tmp_path, [stage("lora", r=4, alpha=8, steps=4, lr=1e-2)]))
@@ -171,7 +172,8 @@ def test_a_run_with_its_lora_apart_runs_merged_on_the_runtime(tiny_model_dir, tm
     saved = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
     unmerged, _, unmerged_pruner = artifacts.load(out, dtype="float32", device="cpu")
     assert any(p.abs().sum() > 0 for n, p in unmerged.named_parameters() if "lora_B" in n)  # the adapters moved
-    assert runtime_for(unmerged, unmerged_pruner).eager_reason.startswith("layer 0 carries LoRA adapters")
+    with pytest.raises(RuntimeUnsupportedError, match="layer 0 carries LoRA adapters that are not merged"):
+        runtime_for(unmerged, unmerged_pruner)
     model, _, pruner, base = load_for_runtime(str(out), dtype="float32", device="cpu")
     assert base == str(tiny_model_dir) and not any("lora_" in n for n, _ in model.named_parameters())
     rt = runtime_for(model, pruner)
