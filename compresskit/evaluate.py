@@ -55,6 +55,22 @@ def resolve_engine(model: torch.nn.Module, section: EvaluationSection) -> str:
     return section.engine
 
 
+def _scored(model, section: EvaluationSection, pruner, executor, progress: Progress):
+    """``(what computes the logits, its engine)``: the model, or the runtime standing in for it (with
+    ``executor``'s blocks, else the pruner's). Under ``auto`` a model the runtime refuses is scored through
+    transformers, with a line saying why; ``runtime`` as asked is that line as an error."""
+    engine = resolve_engine(model, section)
+    if engine != "runtime":
+        return model, engine
+    try:
+        return RuntimeModel(model, runtime_for(model, pruner, executor)), engine
+    except RuntimeUnsupportedError as exc:
+        if section.engine == "runtime":
+            raise RecipeError(f"evaluation.engine: {exc}") from None
+        progress.log(f"evaluation: {exc}; scored through transformers (evaluation.engine: auto)")
+        return model, "transformers"
+
+
 class RuntimeModel(torch.nn.Module):
     """The inference runtime standing in for the transformers model lm-eval calls: ``forward(input_ids)``
     gives the logits ``[B, T, V]`` of one prefill into a fresh cache, the right padding lm-eval adds
@@ -270,16 +286,7 @@ def evaluate(
     progress = progress or Progress()
     model.eval()
     device = next(model.parameters()).device
-    engine = resolve_engine(model, section)
-    scored = model
-    if engine == "runtime":
-        try:
-            scored = RuntimeModel(model, runtime_for(model, pruner, executor))
-        except RuntimeUnsupportedError as exc:
-            if section.engine == "runtime":
-                raise RecipeError(f"evaluation.engine: {exc}") from None
-            progress.log(f"evaluation: {exc}; scored through transformers (evaluation.engine: auto)")
-            engine = "transformers"
+    scored, engine = _scored(model, section, pruner, executor, progress)
     with task_registry.quiet_lm_eval():
         lm = _progress_lm(scored, tokenizer, section=section, progress=progress)
         manager = TaskManager(include_defaults=False)

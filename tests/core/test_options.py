@@ -61,8 +61,8 @@ def test_a_setting_is_checked_against_the_method_s_executor_config():
     assert configured_executor(_Compiled, {"compile": True}).config.compile is True
     with pytest.raises(CompressKitError, match=r"--option compiled=true: executor torch: compiled: unknown key"):
         configured_executor(_Compiled, {"compiled": True})
-    toy = plugins.load("pruner", "toy-router")
-    with pytest.raises(CompressKitError, match="ToyRouterPruner runs on the runtime's own blocks"):
+    toy = plugins.load("pruner", "toy-magnitude")
+    with pytest.raises(CompressKitError, match="ToyMagnitudePruner runs on the runtime's own blocks"):
         configured_executor(toy, {"a": 1})
 
 

@@ -360,6 +360,32 @@ def test_the_runtime_refuses_an_unmerged_lora_mlp_in_one_line(tiny_model_dir):
         assert all(isinstance(m, WideMLP) for _, m in runtime_for(model, pruner).blocks)
 
 
+def test_evaluation_scores_a_model_the_runtime_refuses_through_transformers(tiny_model_dir, monkeypatch):
+    """``evaluation.engine: runtime`` on a model the runtime refuses is that one line as a recipe error; ``auto``
+    (which takes the runtime on a GPU) scores it through transformers and says why."""
+    from peft import LoraConfig, get_peft_model
+
+    from compresskit import evaluate
+    from compresskit.errors import RecipeError
+    from compresskit.progress import Progress
+    from compresskit.recipe import EvaluationSection
+
+    model, pruner = _wide_model(tiny_model_dir)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"])).base_model.model
+    with pytest.raises(RecipeError, match=r"^evaluation.engine: runtime: layer 0 carries LoRA adapters"):
+        evaluate._scored(model, EvaluationSection(engine="runtime"), pruner, None, Progress())
+    logged = []
+
+    class Recording(Progress):
+        def log(self, message: str) -> None:
+            logged.append(message)
+
+    monkeypatch.setattr(evaluate, "resolve_engine", lambda model, section: "runtime")  # (auto, as on a GPU)
+    scored, engine = evaluate._scored(model, EvaluationSection(), pruner, None, Recording())
+    assert scored is model and engine == "transformers"
+    assert len(logged) == 1 and logged[0].endswith("scored through transformers (evaluation.engine: auto)")
+
+
 def test_lora_kept_apart_is_timed_merged_and_left_as_it_was(tiny_model_dir, monkeypatch):
     """``apply``'s speed columns time a model whose LoRA adapters are apart with them merged (``lora_merged``):
     WIDE's blocks run every layer (no eager fallback), on the logits of the adapted model; afterwards every
