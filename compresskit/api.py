@@ -594,9 +594,7 @@ def _teacher_cache(rec, model, data, config, stage_ctx, ranks, progress) -> Path
     world, rank = (ranks.world, ranks.rank) if ranks is not None else (1, 0)
     micro_batches = config.steps * config.grad_accum * world
     model.eval()
-    write_teacher_cache(
-        model, data, config, seed, micro_batches, directory, rank=rank, world=world, progress=progress
-    )  # fmt: skip
+    write_teacher_cache(model, data, config, seed, micro_batches, directory, rank=rank, world=world, progress=progress)
     distributed.barrier()
     return directory
 

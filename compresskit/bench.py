@@ -535,8 +535,11 @@ def _speedup_table(title: str, label: str, rows: list, prompts: list, cells: dic
     """A Markdown table of ``cells`` ((row, prompt) -> speedup), a row per ``rows`` and a column per prompt."""
     lines = [title, "", f"| {label} | " + " | ".join(str(p) for p in prompts) + " |", "|---|" + "---|" * len(prompts)]
     for key in rows:
-        lines.append(f"| {key} | " + " | ".join(f"{cells[(key, p)]:.2f}x" if (key, p) in cells else missing
-                                               for p in prompts) + " |")  # fmt: skip
+        lines.append(
+            f"| {key} | "
+            + " | ".join(f"{cells[(key, p)]:.2f}x" if (key, p) in cells else missing for p in prompts)
+            + " |"
+        )
     return lines
 
 

@@ -57,9 +57,7 @@ def init(timeout_s: int, device: str = "auto") -> Ranks:
     if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-        )  # fmt: skip
+        dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return Ranks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local) if cuda else torch.device("cpu"))
 
 

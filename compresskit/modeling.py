@@ -467,8 +467,10 @@ def lora_merged(model: nn.Module):
     exactly as it was: each adapted layer's weight kept on the CPU meanwhile and copied back, the adapter
     layers back in place. For a timing on the runtime, whose blocks read plain weights, of a model that is
     then evaluated or saved with its adapters apart."""
-    kept = [(name, module, module.get_base_layer().weight.detach().to("cpu", copy=True)) for name, module in
-            _lora_layers(model)]  # fmt: skip
+    kept = [
+        (name, module, module.get_base_layer().weight.detach().to("cpu", copy=True))
+        for name, module in _lora_layers(model)
+    ]
     try:
         yield merge_lora(model)
     finally:

@@ -227,9 +227,11 @@ def speedup_heatmap(records: list[dict[str, Any]], path: Path, measure: str = "t
     low, high = speedup_range(values)
     norm = TwoSlopeNorm(vcenter=1.0, vmin=low, vmax=high)
     fig, axes = plt.subplots(
-        1, max(1, len(models)), figsize=(1.2 + 1.1 * len(prompts) * max(1, len(models)), 1.4 + 0.55 * len(batches)),
+        1,
+        max(1, len(models)),
+        figsize=(1.2 + 1.1 * len(prompts) * max(1, len(models)), 1.4 + 0.55 * len(batches)),
         squeeze=False,
-    )  # fmt: skip
+    )
     for ax, model in zip(axes[0], models, strict=False):
         cells = {(r["batch"], r["prompt"]): r[f"{measure}_speedup"] for r in records if r["model"] == model}
         grid = [[cells.get((b, p), float("nan")) for p in prompts] for b in batches]

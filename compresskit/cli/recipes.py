@@ -107,10 +107,16 @@ def _dry_run(resolved, args, out: Console) -> int:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for st in p.stages:
         table.add_row(
-            st.stage, "-" if st.steps is None else str(st.steps), f"{st.tokens_per_step:,}",
-            f"{st.trainable_params:,}", size(st.weights), size(st.trainable_state), size(st.activations),
-            size(st.logits), size(st.peak),
-        )  # fmt: skip
+            st.stage,
+            "-" if st.steps is None else str(st.steps),
+            f"{st.tokens_per_step:,}",
+            f"{st.trainable_params:,}",
+            size(st.weights),
+            size(st.trainable_state),
+            size(st.activations),
+            size(st.logits),
+            size(st.peak),
+        )
     if len(p.stages) == 1:
         _plain(out, "no training stage: nothing is trained")
     _print_table(out, table)

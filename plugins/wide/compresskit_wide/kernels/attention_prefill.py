@@ -83,14 +83,37 @@ if triton is not None:
 
     @triton.jit
     def triton_attn_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, order_ptr, counts_ptr,
-        HQ, T, S, D, G, T_BUCKET, scale,
-        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_ks, stride_ob, stride_oh, stride_ot,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        order_ptr,
+        counts_ptr,
+        HQ,
+        T,
+        S,
+        D,
+        G,
+        T_BUCKET,
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_ob,
+        stride_oh,
+        stride_ot,
         DOT_PRECISION: tl.constexpr,
-        REP: tl.constexpr, A: tl.constexpr, HP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        REP: tl.constexpr,
+        A: tl.constexpr,
+        HP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
         PDL: tl.constexpr = False,
-    ):  # fmt: skip
+    ):
         # program (b, head block, tile): HP query heads of one group and one KV head (they share the
         # token order and the keys) x BLOCK_M // HP of their sorted tokens, row r = (token r // HP,
         # head r % HP): the BLOCK_M rows span HP times fewer positions than one head's BLOCK_M
@@ -187,14 +210,36 @@ def triton_routed_attention_prefill(
         q = q.contiguous()
     out = torch.empty((b, t, hq, d), dtype=q.dtype, device=q.device).transpose(1, 2)  # [B, Hq, T, D]
     args = (
-        q, k, v, out, order, counts, hq, t, s, d, groups, m_bucket(t), softmax_scale(d),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        order,
+        counts,
+        hq,
+        t,
+        s,
+        d,
+        groups,
+        m_bucket(t),
+        softmax_scale(d),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+    )
     common = dict(
-        DOT_PRECISION=dot_precision(q.dtype), REP=hq // hkv, A=hq // groups,
-        BLOCK_D=max(16, next_power_of_2(d)), **pdl_launch(triton_attn_prefill_kernel, q.device),
-    )  # fmt: skip
+        DOT_PRECISION=dot_precision(q.dtype),
+        REP=hq // hkv,
+        A=hq // groups,
+        BLOCK_D=max(16, next_power_of_2(d)),
+        **pdl_launch(triton_attn_prefill_kernel, q.device),
+    )
     hp = heads_per_program
     if hp is not None and (math.gcd(common["REP"], common["A"]) % hp or hp not in (1, 2, 4)):
         raise ValueError(
