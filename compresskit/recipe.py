@@ -603,8 +603,33 @@ def validate_plugin(kind: str, section: PluginSection, path: str, pruner_cls: ty
     try:
         config = config_cls.model_validate(section.config)
     except ValidationError as exc:
-        raise RecipeProblems(validation_problems(exc, config_cls, prefix=f"{path}.config.")) from None
+        problems = validation_problems(exc, config_cls, prefix=f"{path}.config.")
+        if kind == "trainer":
+            problems = [_with_owner(p, exc, path, cls, pruner_cls) for p in problems]
+        raise RecipeProblems(problems) from None
     return ResolvedPlugin(kind=kind, name=section.name, cls=cls, config=config, path=path)
+
+
+def _with_owner(problem: str, exc: ValidationError, path: str, trainer_cls: type, pruner_cls: type | None) -> str:
+    """A training stage's unknown key that is a training option of an installed pruner: the problem, saying whose
+    option it is (another pruner's, or one this stage does not take)."""
+    unknown = {f"{path}.config.{e['loc'][0]}": e["loc"][0] for e in exc.errors() if e["type"] == "extra_forbidden"}
+    key = unknown.get(problem.split(":", 1)[0])
+    if key is None:
+        return problem
+
+    def offers(cls) -> bool:
+        options = getattr(cls, "TrainingOptions", None)
+        return options is not None and key in options.model_fields
+
+    owners = plugins.names_where("pruner", offers)
+    if not owners:
+        return problem
+    if pruner_cls is not None and offers(pruner_cls):
+        takers = plugins.names_where("trainer", lambda cls: cls.takes_pruner_options)
+        stages = ", ".join(takers)
+        return f"{problem} ({key} is the pruner's training option, given to a stage that trains with it: {stages})"
+    return f"{problem} ({key} is a training option of pruner {' / '.join(owners)}; this recipe's pruner has none such)"
 
 
 def stage_config_class(trainer_cls: type, pruner_cls: type | None) -> type[PluginConfig]:

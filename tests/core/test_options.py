@@ -92,11 +92,15 @@ def test_a_pruner_s_training_options_reach_the_stages_that_train_with_it(tiny_mo
     assert resolved.training[0].config.run_every_group is True
     assert resolved.to_dict()["training"][0]["config"]["run_every_group"] is True
     assert load_recipe(resolved.to_dict()).hash() == resolved.hash()  # a saved recipe reads back the same
-    with pytest.raises(RecipeError, match=r"training.0.config.run_every_group: unknown key"):
+    with pytest.raises(RecipeError, match=r"training.0.config.run_every_group: unknown key") as info:
         load_recipe(_recipe(tiny_model_dir, tmp_path, "static-width", stage))  # another pruner: not its option
+    assert str(info.value).endswith(
+        "(run_every_group is a training option of pruner toy-router; this recipe's pruner has none such)"
+    )
     fit = {"name": "router-fit", "config": {"run_every_group": True}}
-    with pytest.raises(RecipeError, match=r"training.0.config.run_every_group: unknown key"):
+    with pytest.raises(RecipeError, match=r"training.0.config.run_every_group: unknown key") as info:
         load_recipe(_recipe(tiny_model_dir, tmp_path, "toy-router", fit))  # a stage that does not train with it
+    assert str(info.value).endswith("given to a stage that trains with it: finetune, lora, router)")
     stage["config"]["run_every_group"] = "sometimes"
     with pytest.raises(RecipeError, match=r"training.0.config.run_every_group"):
         load_recipe(_recipe(tiny_model_dir, tmp_path, "toy-router", stage))
