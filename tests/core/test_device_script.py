@@ -217,3 +217,16 @@ def test_policy_trial_refuses_a_change_it_cannot_make_before_it_installs_anythin
     assert "nvidia-smi" not in res.stdout + res.stderr and policy.read_text() == before
     shutil.rmtree("/tmp/policy-trial-before", ignore_errors=True)
     shutil.rmtree("/tmp/policy-trial-after", ignore_errors=True)
+
+
+def test_the_gpu_suite_says_in_one_line_what_it_cannot_run(tmp_path):
+    """``benchmarks/gpu_suite.sh``: an unknown step is its usage and exit 2; on a machine without an NVIDIA GPU
+    (no ``nvidia-smi``) one line and exit 2, before any test or bench starts."""
+    script = ROOT / "benchmarks" / "gpu_suite.sh"
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PATH": "/usr/bin:/bin"}
+    bad = subprocess.run(["bash", str(script), "everything"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "usage: gpu_suite.sh [tests|speed|all]" in bad.stderr
+    if shutil.which("nvidia-smi", path=env["PATH"]) is None:
+        none = subprocess.run(["bash", str(script), "tests"], env=env, capture_output=True, text=True, cwd=ROOT)
+        assert none.returncode == 2 and "gpu_suite.sh: no NVIDIA GPU here" in none.stderr
+        assert not (tmp_path / "out" / "gpu-tests.log").exists()
