@@ -100,8 +100,8 @@ def test_ignore_layers_and_errors():
 def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     """On the runtime, dynamic depth's blocks (executor depth-skip) decide per token; at batch 1 decode
     a skipped sublayer launches nothing but the attention's K and V (the cache stays whole). The
-    logits and the counts equal the routed modules' (the reference); per-layer decisions (the FFN
-    following the attention's router) run the modules themselves."""
+    logits and the counts equal the routed modules' (the reference); with one decision a layer the attention's
+    block carries its decision to the FFN's."""
     from compresskit.runtime import Runtime, runtime_for
     from compresskit_baselines.depth_blocks import SkipAttention, SkipMLP
 
@@ -116,7 +116,7 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     blocks = [b for pair in fast.blocks for b in pair]
     skipping = [b for b in blocks if isinstance(b, (SkipAttention, SkipMLP))]
-    assert len(skipping) == (8 if granularity == "sublayer" else 0) and fast.mode == "eager"
+    assert len(skipping) == 8 and fast.mode == "eager"
     prompts = [[5, 6, 7, 8, 9, 10], [7, 8, 9]]
     for batch in (prompts[:1], prompts):
         fast.reset_counts(pruner)

@@ -50,13 +50,21 @@ class _Skipping(Counting):
 
 
 class SkipAttention(Attention, _Skipping):
-    def __init__(self, layer: nn.Module, head_dim: int) -> None:
+    """The attention sublayer, skipped per token; ``hands_on``: its decision is the whole layer's (granularity
+    ``layer``), carried to the layer's FFN block (:class:`FollowingSkipMLP`)."""
+
+    def __init__(self, layer: nn.Module, head_dim: int, *, hands_on: bool = False) -> None:
         super().__init__(layer, head_dim, dense=True)
         self._setup_routing(layer.self_attn.o_proj)
+        self.hands_on = hands_on
 
-    def compute(self, x: torch.Tensor, step: Step, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys, values):
+        x = x + delta
         run = self.decide(x, step.valid)
+        return x, self._attend(x, run, step, keys, values), run if self.hands_on else None
+
+    def _attend(self, x: torch.Tensor, run: torch.Tensor, step: Step, keys, values) -> torch.Tensor:
+        b, t, _ = x.shape
         if _on_host(b * t) and not bool(run):  # K and V for the cache only
             h = self.norm(x)
             k = self.k_proj(h).view(1, 1, -1, self.head_dim).transpose(1, 2)
@@ -66,7 +74,7 @@ class SkipAttention(Attention, _Skipping):
             _, k = rope(k, k, step.cos, step.sin)  # (transformers' rotation takes a pair)
             write_cache(keys, values, k, v, step.slots)
             return torch.zeros_like(x)
-        return super().compute(x, step, keys, values) * run[..., None].to(x.dtype)
+        return self.compute(x, step, keys, values) * run[..., None].to(x.dtype)
 
 
 class SkipMLP(MLP, _Skipping):
@@ -81,6 +89,24 @@ class SkipMLP(MLP, _Skipping):
         return super().compute(x, step) * run[..., None].to(x.dtype)
 
 
+class FollowingSkipMLP(SkipMLP):
+    """The FFN of a layer with one decision (granularity ``layer``): it runs where the layer's attention block
+    decided to, the decision carried over from that block; counted for its own projection, as the routed
+    modules count a follower."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        MLP.__init__(self, layer, dense=True)
+        self.setup_counts(layer.mlp.down_proj, 1)
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step):
+        x = x + delta
+        run = carry  # [B, T] bool: the attention block's decision
+        self.count(run.reshape(-1, 1), step.valid)
+        if _on_host(x.shape[0] * x.shape[1]) and not bool(run):
+            return x, torch.zeros_like(x), None
+        return x, MLP.compute(self, x, step) * run[..., None].to(x.dtype), None
+
+
 class DepthSkipExecutor(Executor):
     Config = PluginConfig
 
@@ -88,8 +114,9 @@ class DepthSkipExecutor(Executor):
         return model  # evaluation: the routed modules as they are
 
     def runtime_blocks(self, model: nn.Module, head_dim: int):
-        """Skipping blocks for each layer routed per sublayer; a layer with one decision for both
-        (granularity ``layer``: the FFN follows the attention's router) runs its own modules."""
+        """Skipping blocks for each routed layer: one a sublayer, each with its router; or, for a layer with one
+        decision for both (granularity ``layer``: the FFN follows the attention's router), the attention's block
+        carrying its decision to the FFN's."""
         return [self._layer_blocks(layer, head_dim) for layer in decoder_layers(model)]
 
     @staticmethod
@@ -97,7 +124,9 @@ class DepthSkipExecutor(Executor):
         attn = getattr(layer.self_attn, "o_proj", None)
         down = getattr(layer.mlp, "down_proj", None)
         if isinstance(down, RoutedProjection) and down.leader is not None:
-            return None, None
+            if down.leader is not attn:
+                return None, None  # (a decision from elsewhere: the runtime refuses the layer in one line)
+            return SkipAttention(layer, head_dim, hands_on=True), FollowingSkipMLP(layer)
         return (
             SkipAttention(layer, head_dim) if isinstance(attn, RoutedProjection) else None,
             SkipMLP(layer) if isinstance(down, RoutedProjection) else None,
