@@ -29,7 +29,7 @@ while IFS= read -r case; do
     # side its own inductor and Triton caches: a graph compiled by one tree is never replayed by the other)
     (cd /tmp && PYTHONPATH=$site:/tmp/site TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$side \
       TRITON_CACHE_DIR=/tmp/triton-$side timeout "${CASE_TIMEOUT:-300}" python3 -m compresskit bench $case \
-      --output "$out/$side-$n" 2>&1 | tail -4)
+      --output "$out/$side-$n" 2>&1 | grep -E "^\| [a-z]|^results:|error|interrupted")  # every row, whatever comes after
   done
   befores+=("$out/before-$n") afters+=("$out/after-$n")
 done <<< "${CASES:-$default_cases}"
