@@ -88,7 +88,7 @@ class _Routing(Counting):
         if shares is not None or not self._norm_fits(x):
             return shares
         m = x.shape[0] * x.shape[1]
-        backend = ops.own_shares_backend(self.backend, m, x.device)
+        backend = ops.own_shares_backend(self.backend, m, x)
         if backend is None:
             return None
         w_down, columns = self.router_down.weight, ops.ROUTER_SHARE_COLUMNS
@@ -223,7 +223,7 @@ class _Routing(Counting):
         how = {"input_is_masked": zeroed, "shared": shared}
         if nxt is not None:
             where = {"groups": execute.shape[-1], "zeroed": zeroed, "shared": shared, "tiled": bool(tile)}
-            backend = ops.handoff_backend(self.backend, m, **where, device=a.device)
+            backend = ops.handoff_backend(self.backend, m, **where, x=a)
             if backend is not None:
                 hand = {"residual": x.reshape(m, -1), "share_w": nxt.weight}
                 return masked_reduce_gemm_shares(a, w, execute, **hand, **how, backend=backend)
@@ -244,12 +244,12 @@ class WideAttention(Attention, _Routing):
         self.qkv_sizes = [self.q_proj.out_features, *self.kv_sizes] if routed_qkv else None
         self.kv_rows = sum(self.kv_sizes) if routed_qkv else 0
 
-    def _routed_attention(self, rows: int, t: int, context: int, step: Step, device: torch.device) -> str | None:
+    def _routed_attention(self, rows: int, t: int, context: int, step: Step, q: torch.Tensor) -> str | None:
         """The routed attention's backend where it runs (an unpadded batch, the standard scale, and where
         ``ops.routed_attention_backend`` takes it), else None (the runtime's attention)."""
         if step.padded or abs(self.scale * self.head_dim**0.5 - 1.0) > 1e-6 or (t > 1 and step.mask is not None):
             return None
-        return ops.routed_attention_backend(self.backend, rows, t, context, device)
+        return ops.routed_attention_backend(self.backend, rows, t, context, q)
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step, keys: torch.Tensor, values: torch.Tensor
@@ -271,7 +271,7 @@ class WideAttention(Attention, _Routing):
             q, k, v = self.keys_values(h, q.view(b, t, -1), step)
         write_cache(keys, values, k, v, step.slots)
         context = keys.shape[2] if step.mask is None else step.mask.shape[-1]
-        routed = self._routed_attention(b, t, context, step, x.device)
+        routed = self._routed_attention(b, t, context, step, q)
         if routed and t == 1:
             lens = (step.slots[-1:] + 1).to(torch.int32).expand(b)
             out = routed_attention_decode(q[:, :, 0], keys, values, lens, execute, backend=routed)

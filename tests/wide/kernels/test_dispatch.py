@@ -341,3 +341,21 @@ def test_routed_ffn_attention_and_router_capture_in_a_cuda_graph(backend, m):
         torch.testing.assert_close(gate_up.float(), ref_gu.float(), rtol=3e-2, atol=3e-2)
         ops.torch_count(start_decision, want_started)
         assert torch.equal(started, want_started)
+
+
+def test_a_block_s_questions_take_the_kernel_only_where_the_op_would(monkeypatch):
+    """The questions a block asks ``ops`` (its structure) answer as the op itself would under "auto": the kernel
+    where Triton runs and the policy takes it, else none (no Triton on a GPU is the dense structure, never a forced
+    kernel that cannot run); a backend asked for by name is passed on as it is."""
+    x = torch.zeros(1, 8)
+    where = {"groups": 112, "zeroed": False, "shared": False, "tiled": False}
+    monkeypatch.setattr(policy, "check_gpu", lambda device: None)
+    monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: False)  # no Triton here
+    assert ops.handoff_backend("auto", 1, **where, x=x) is None
+    assert ops.own_shares_backend("auto", 1, x) is None
+    assert ops.routed_attention_backend("auto", 1, 1, 8192, x) is None
+    assert ops.handoff_backend("torch", 1, **where, x=x) == "torch"
+    monkeypatch.setattr(ops, "_use_triton", lambda backend, *t: backend != "torch")  # Triton on a GPU
+    assert policy.use_kernel("reduce_handoff", 16, groups=112)
+    assert ops.handoff_backend("auto", 16, **where, x=x) == "triton"
+    assert ops.handoff_backend("auto", 17, **{**where, "tiled": True}, x=x) is None  # a prefill's tiles hand nothing

@@ -127,31 +127,29 @@ def _choose(backend: str, op: str, rows: int, *tensors: torch.Tensor, **where) -
 ROUTER_SHARE_COLUMNS = policy.ROUTER_SHARE_COLUMNS  # the columns a share of ``router_shares`` sums
 
 
-def _concrete(backend: str, op: str, rows: int, device: torch.device, **where) -> str | None:
+def _concrete(backend: str, op: str, rows: int, x: torch.Tensor, **where) -> str | None:
     """The backend a block passes to ``op`` where it runs the kernel's structure (the kernel itself: "triton", or
-    its reference: "torch"), or None where "auto" leaves the structure out (on the CPU, or a GPU where the kernel
-    was not measured faster)."""
+    its reference: "torch"), or None where "auto" leaves the structure out (:func:`_choose` takes no kernel: on
+    the CPU, without Triton, or on a GPU where the kernel was not measured faster)."""
     if backend != "auto":
         return backend
-    return "triton" if device.type == "cuda" and policy.use_kernel(op, rows, **where) else None
+    return "triton" if _choose(backend, op, rows, x, **where) == "triton" else None
 
 
-def own_shares_backend(backend: str, rows: int, device: torch.device) -> str | None:
+def own_shares_backend(backend: str, rows: int, x: torch.Tensor) -> str | None:
     """Whether a block whose router got no shares from the block before computes them itself (``router_shares``,
     so that the decision's launch can take the residual add and the norm): the backend for that launch, or None
     (the router runs whole, after the add)."""
-    return _concrete(backend, "router_shares", rows, device)
+    return _concrete(backend, "router_shares", rows, x)
 
 
-def routed_attention_backend(backend: str, batch: int, tokens: int, context: int, device: torch.device) -> str | None:
+def routed_attention_backend(backend: str, batch: int, tokens: int, context: int, q: torch.Tensor) -> str | None:
     """Whether the routed attention runs for a ``[batch, tokens]`` step over ``context`` cached positions (only the
     kept heads, zeros for the others): its backend, or None (the runtime's attention over every head; o then reads
     the kept heads). The caller has checked that the step allows it (an unpadded batch, the standard scale)."""
-    if backend == "auto" and device.type != "cuda":
-        return None  # on the CPU the reference is slower than the runtime's attention
-    if tokens == 1:
-        return _concrete(backend, "attn_decode", batch, device, context=context)
-    return _concrete(backend, "attn_prefill", tokens, device)
+    if tokens == 1:  # (under "auto" on the CPU none: the reference is slower than the runtime's attention)
+        return _concrete(backend, "attn_decode", batch, q, context=context)
+    return _concrete(backend, "attn_prefill", tokens, q)
 
 
 def qkv_in_one_product(backend: str, rows: int, shared: bool) -> bool:
@@ -162,7 +160,7 @@ def qkv_in_one_product(backend: str, rows: int, shared: bool) -> bool:
 
 
 def handoff_backend(
-    backend: str, rows: int, *, groups: int, zeroed: bool, shared: bool, tiled: bool, device: torch.device
+    backend: str, rows: int, *, groups: int, zeroed: bool, shared: bool, tiled: bool, x: torch.Tensor
 ) -> str | None:
     """Whether a block's last reduction hands the next router its shares (``masked_reduce_gemm_shares``): its
     backend, or None (``masked_reduce_gemm``; the next router computes its bottleneck itself). ``tiled``: the rows
@@ -170,7 +168,7 @@ def handoff_backend(
     sizes; on the CPU under "auto" the reference's shares would be extra work."""
     if tiled and rows > policy.DECODE_MAX_M:
         return None
-    return _concrete(backend, "reduce_handoff", rows, device, groups=groups, zeroed=zeroed, shared=shared)
+    return _concrete(backend, "reduce_handoff", rows, x, groups=groups, zeroed=zeroed, shared=shared)
 
 
 def zeroes_before_reduce(rows: int, tokens: int) -> bool:
