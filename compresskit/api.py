@@ -38,7 +38,7 @@ from compresskit.modeling import (
     release_freed_memory,
     resolve_model_source,
 )
-from compresskit.options import configured_executor, runtime_executor_class, trained_notice
+from compresskit.options import configured_executor, trained_notice
 from compresskit.progress import Progress
 from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
 from compresskit.report import results_markdown
@@ -735,15 +735,6 @@ def eval_model(
         )
 
 
-def _default_config(pruner_cls: type):
-    """The config of ``pruner_cls``'s runtime executor at its defaults (what a model is scored under without
-    ``--option``), or None where it has none."""
-    try:
-        return runtime_executor_class(pruner_cls).Config()
-    except CompressKitError:
-        return None
-
-
 def _eval_locked(
     model_ref: str,
     *,
@@ -772,11 +763,10 @@ def _eval_locked(
         manifest = artifacts.read_manifest(path)
         base = manifest["base_model"]
         pruner_name = (manifest.get("pruner") or {}).get("name")
-        if pruner is not None:
-            scored = executor.config if executor is not None else _default_config(type(pruner))
-            notice = trained_notice(model_ref, type(pruner), manifest.get("recipe"), scored)
-            if notice:
-                progress.log(notice)
+        scored = executor.config if executor is not None else None  # (None: its executor's defaults)
+        notice = trained_notice(model_ref, type(pruner) if pruner else None, manifest.get("recipe"), scored)
+        if notice:
+            progress.log(notice)
     else:
         resolve_model_source(model_ref, allow_download=allow_download, field=field)
         model, tokenizer = load_model(

@@ -120,6 +120,8 @@ def trained_notice(what: str, pruner_cls: type | None, recipe: dict | None, exec
     if not options:
         return None
     expected = configured_executor(pruner_cls, options, flag="training").config
+    if executor_config is None:
+        executor_config = type(expected)()
     differs = [k for k in options if getattr(executor_config, k, None) != getattr(expected, k)]
     if not differs:
         return None

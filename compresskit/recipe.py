@@ -605,12 +605,12 @@ def validate_plugin(kind: str, section: PluginSection, path: str, pruner_cls: ty
     except ValidationError as exc:
         problems = validation_problems(exc, config_cls, prefix=f"{path}.config.")
         if kind == "trainer":
-            problems = [_with_owner(p, exc, path, cls, pruner_cls) for p in problems]
+            problems = [_with_owner(p, exc, path, pruner_cls) for p in problems]
         raise RecipeProblems(problems) from None
     return ResolvedPlugin(kind=kind, name=section.name, cls=cls, config=config, path=path)
 
 
-def _with_owner(problem: str, exc: ValidationError, path: str, trainer_cls: type, pruner_cls: type | None) -> str:
+def _with_owner(problem: str, exc: ValidationError, path: str, pruner_cls: type | None) -> str:
     """A training stage's unknown key that is a training option of an installed pruner: the problem, saying whose
     option it is (another pruner's, or one this stage does not take)."""
     unknown = {f"{path}.config.{e['loc'][0]}": e["loc"][0] for e in exc.errors() if e["type"] == "extra_forbidden"}

@@ -145,6 +145,7 @@ class RouterTrainer(Trainer):
         reset_peak_memory(loop.device)
         per_step = c.grad_accum * loop.world  # micro-batches of one optimiser step, over all ranks
         batches = data.training_batches(c.seq_len, c.batch_size, seed=seed, start_step=loop.start * per_step)
+        loop.t0 = time.perf_counter()  # (the stage's seconds count its steps, not its setup)
         progress = ctx.progress
         model.train()
         task_cm = progress.task(f"training: {self.stage_name}", total=c.steps) if progress else contextlib.nullcontext()
@@ -270,7 +271,7 @@ class RouterTrainer(Trainer):
     def _save(self, loop: _Loop, last: bool, rng=None) -> None:
         """This process's checkpoint of ``loop`` at its last finished step."""
         state = (loop.named, loop.optimizer, loop.scheduler, loop.history, last, loop.totals())
-        self._save_checkpoint(loop.ckpt, loop.completed, *state, **({"rng": rng} if rng is not None else {}))
+        self._save_checkpoint(loop.ckpt, loop.completed, *state, rng=rng)
 
     def _close_loop(self, model, pruner, ctx: RunContext, loop: _Loop) -> TrainSummary:
         """The stage's summary, its parameters frozen and (one process) the stage finished."""

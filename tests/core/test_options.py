@@ -73,6 +73,7 @@ def test_a_run_scored_without_the_settings_it_was_trained_with_is_told_the_optio
         "a model may do worse (--option compile=true scores it as it was trained)"
     )
     assert trained_notice("run r", _Compiled, {"trained": True}, TorchExecutorConfig(compile=True)) is None
+    assert trained_notice("run r", _Compiled, {"trained": True}, None) == line  # None: the executor's defaults
     assert trained_notice("run r", _Compiled, {}, TorchExecutorConfig()) is None
     assert trained_notice("run r", None, {"trained": True}, None) is None
 
