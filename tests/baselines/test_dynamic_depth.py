@@ -103,7 +103,7 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
     logits and the counts equal the routed modules' (the reference); with one decision a layer the attention's
     block carries its decision to the FFN's."""
     from compresskit.runtime import Runtime, runtime_for
-    from compresskit_baselines.depth_blocks import SkipAttention, SkipMLP
+    from compresskit_baselines.depth_blocks import FollowingSkipMLP, SkipAttention, SkipMLP
 
     model = tiny_llama(num_hidden_layers=4)
     pruner = attach(model, granularity=granularity)
@@ -115,7 +115,7 @@ def test_runtime_blocks_skip_and_give_the_routed_modules_logits(granularity):
                 proj.router.up.bias.copy_(torch.tensor([0.0, 0.0]))
     fast, ref = runtime_for(model, pruner), Runtime(model, executor=ModulesExecutor())
     blocks = [b for pair in fast.blocks for b in pair]
-    skipping = [b for b in blocks if isinstance(b, (SkipAttention, SkipMLP))]
+    skipping = [b for b in blocks if isinstance(b, (SkipAttention, SkipMLP, FollowingSkipMLP))]
     assert len(skipping) == 8 and fast.mode == "eager"
     prompts = [[5, 6, 7, 8, 9, 10], [7, 8, 9]]
     for batch in (prompts[:1], prompts):

@@ -89,13 +89,13 @@ class SkipMLP(MLP, _Skipping):
         return super().compute(x, step) * run[..., None].to(x.dtype)
 
 
-class FollowingSkipMLP(SkipMLP):
+class FollowingSkipMLP(MLP, Counting):
     """The FFN of a layer with one decision (granularity ``layer``): it runs where the layer's attention block
     decided to, the decision carried over from that block; counted for its own projection, as the routed
     modules count a follower."""
 
     def __init__(self, layer: nn.Module) -> None:
-        MLP.__init__(self, layer, dense=True)
+        super().__init__(layer, dense=True)  # the SwiGLU under the routed down_proj
         self.setup_counts(layer.mlp.down_proj, 1)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor, carry, step: Step):
@@ -104,7 +104,7 @@ class FollowingSkipMLP(SkipMLP):
         self.count(run.reshape(-1, 1), step.valid)
         if _on_host(x.shape[0] * x.shape[1]) and not bool(run):
             return x, torch.zeros_like(x), None
-        return x, MLP.compute(self, x, step) * run[..., None].to(x.dtype), None
+        return x, self.compute(x, step) * run[..., None].to(x.dtype), None
 
 
 class DepthSkipExecutor(Executor):
