@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime as _dt
+import functools
 import hashlib
 import json
 import shutil
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from compresskit import artifacts, crashpoints, distributed, files, locking, plugins
+from compresskit import artifacts, crashpoints, distributed, files, locking
 from compresskit.bench import measure_speed, unmeasured_reason
 from compresskit.data import DataModule, check_source, held_out_documents, load_documents
 from compresskit.distill import keeps_teacher_copy, teacher_cache_dir, write_teacher_cache
@@ -39,8 +40,9 @@ from compresskit.modeling import (
     resolve_model_source,
 )
 from compresskit.options import configured_executor, trained_notice
+from compresskit.pipeline import PipelineRecord, aimed, runtime_pruner
 from compresskit.progress import Progress
-from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, load_recipe
+from compresskit.recipe import DataSection, EvaluationSection, ResolvedRecipe, ResolvedStep, load_recipe
 from compresskit.report import results_markdown
 from compresskit.seeding import deterministic_algorithms, phase_seed, seed_everything
 from compresskit.sparsity import SparsityReport
@@ -244,6 +246,8 @@ def apply(
         unshardable = [s.name for s in resolved.training if not getattr(s.cls, "shardable", False)]
         if ranks is not None and unshardable:
             raise RecipeError(f"training: stage(s) {', '.join(unshardable)} cannot train on several ranks; run on one")
+        if ranks is not None and len(resolved.steps) > 1:
+            raise RecipeError("steps: a pipeline of several steps trains in one process; run it without --nproc")
         out, finished = check_output_dir(resolved)
         if finished is None:
             _check_inputs(rec)
@@ -383,19 +387,21 @@ class _Run:
             progress=self.progress,
         )
 
-    def attach(self, model):
-        """``(model, pruner)``: the pruner attached to ``model`` (calibrated, and finalized where it prunes before
-        training); ``(model, None)`` without one."""
-        resolved, rec, ctx, progress = self.resolved, self.rec, self.ctx, self.progress
-        if resolved.pruner is None:
+    def attach(self, model, step: ResolvedStep | None = None, config=None):
+        """``(model, pruner)``: ``step``'s pruner (the first step's by default) attached to ``model`` with
+        ``config`` (its own by default; a pipeline's later step: aimed at what the earlier ones left), calibrated,
+        and finalized where it prunes before training; ``(model, None)`` without one."""
+        rec, ctx, progress = self.rec, self.ctx, self.progress
+        step = step if step is not None else self.resolved.steps[0]
+        if step.pruner is None:
             return model, None
-        pruner = resolved.pruner.cls(resolved.pruner.config)
-        seed_everything(ctx.seed)
-        targeted = pruner.prepare(model, ctx)
-        progress.log(f"{resolved.pruner.name}: attached to {len(targeted)} modules")
+        pruner = step.pruner.cls(config if config is not None else step.pruner.config)
+        seed_everything(self.seed(step, "prepare"))
+        targeted = pruner.prepare(model, dataclasses.replace(ctx, seed=self.seed(step, "prepare")))
+        progress.log(f"{step.pruner.name}: attached to {len(targeted)} modules")
         if pruner.requires_calibration:
             cal = rec.data.calibration
-            cal_seed = phase_seed(rec.seed, "calibration")
+            cal_seed = self.seed(step, "calibration")
             batches = self.data.calibration_batches(cal.n_samples, cal.seq_len, cal.batch_size, seed=cal_seed)
             seed_everything(cal_seed)
             device = next(model.parameters()).device
@@ -411,6 +417,15 @@ class _Run:
         if pruner.prunes_before_training:  # what training recovers is the pruned model
             model = pruner.finalize(model)
         return model, pruner
+
+    def seed(self, step: ResolvedStep, phase: str) -> int:
+        """The seed of ``phase`` of ``step``: named after the step in a pipeline (``steps.1.calibration``), as a
+        one-pruner recipe has always named it (``calibration``) otherwise."""
+        return phase_seed(self.rec.seed, f"{step.path}.{phase}" if step.path else phase)
+
+    def work_dir(self, step: ResolvedStep, k: int, name: str) -> Path:
+        """Where ``name`` of step ``k`` keeps what an interrupted run resumes from."""
+        return self.staging / "work" / (f"step{k}-{name}" if step.path else name)
 
 
 def _run_staged(resolved: ResolvedRecipe, staging: Path, out: Path, progress: Progress, ranks=None) -> RunResult:
@@ -471,34 +486,54 @@ def _start(run: _Run):
 
 
 def _train(run: _Run, model):
-    """The pruner attached and every training stage run (sharded over the ranks where there are several):
-    ``(model, pruner, [(stage name, trainer)], [TrainSummary])``, the pruner finalized; None on a rank other than
-    the first, once the trained state is handed over."""
-    resolved, rec, ctx, ranks, progress = run.resolved, run.rec, run.ctx, run.ranks, run.progress
-    trainers = []
-    for i, stage in enumerate(resolved.training):
-        stage_ctx = dataclasses.replace(
-            ctx,
-            seed=phase_seed(rec.seed, f"training.{i}.{stage.name}"),
-            work_dir=run.staging / "work" / f"stage{i}-{stage.name}",
-            ranks=ranks,
-        )
-        distill = getattr(stage.config, "distill", None)
-        if distill is not None and distill.cache:  # the dense model's top-k logits, before the pruner attaches
-            stage_ctx.teacher_cache = _teacher_cache(rec, model, run.data, stage.config, stage_ctx, ranks, progress)
-        trainers.append((stage.cls(stage.config), stage_ctx))
-    planned = resolved.pruner.cls(resolved.pruner.config) if resolved.pruner is not None else None
-    if keeps_teacher_copy(resolved.training, planned):
-        # the pruner or a stage changes weights, so the model cannot show the dense one: distill from a copy
+    """Each step's pruner attached and its training stages run, in turn (sharded over the ranks where there are
+    several: a one-step run): ``(model, pruner, [(stage name, trainer)], [TrainSummary])``, the pruner finalized
+    (a pipeline's: its :class:`~compresskit.pipeline.Pipeline`); None on a rank other than the first, once the
+    trained state is handed over."""
+    resolved, rec, ctx = run.resolved, run.rec, run.ctx
+    plans = []  # each step's [(trainer, stage context)], the cached teacher logits taken before any pruner attaches
+    for k, step in enumerate(resolved.steps):
+        plan = []
+        for i, stage in enumerate(step.training):
+            stage_ctx = dataclasses.replace(
+                ctx,
+                seed=run.seed(step, f"training.{i}.{stage.name}"),
+                work_dir=run.work_dir(step, k, f"stage{i}-{stage.name}"),
+                ranks=run.ranks,
+            )
+            distill = getattr(stage.config, "distill", None)
+            if distill is not None and distill.cache:
+                stage_ctx.teacher_cache = _teacher_cache(
+                    rec, model, run.data, stage.config, stage_ctx, run.ranks, run.progress
+                )
+            plan.append((stage.cls(stage.config), stage_ctx))
+        plans.append(plan)
+    first = resolved.steps[0].pruner
+    planned = first.cls(first.config) if first is not None else None
+    if keeps_teacher_copy(resolved.training, planned, steps=len(resolved.steps)):
+        # a pruner or a stage changes weights, so the model cannot show the dense one: distill from a copy
         ctx.teacher = copy.deepcopy(model).eval().requires_grad_(False)
-        trainers = [(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in trainers]
-    model, pruner = run.attach(model)
-    if ranks is not None and resolved.training:
-        for trainer, stage_ctx in trainers:
+        plans = [[(t, dataclasses.replace(c, teacher=ctx.teacher)) for t, c in plan] for plan in plans]
+    if not resolved.pipeline:
+        trained = _train_step(run, model, resolved.steps[0], plans[0])
+    else:
+        trained = _train_pipeline(run, model, plans)
+    ctx.teacher = None  # a dense copy kept for distillation is not needed past training
+    return trained
+
+
+def _train_step(run: _Run, model, step: ResolvedStep, plan: list, config=None):
+    """One step: its pruner attached (with ``config``, where given), its stages run with their contexts
+    (``plan``) and the pruner finalized. ``(model, pruner, [(stage name, trainer)], [TrainSummary])``; None on a
+    rank other than the first."""
+    ranks = run.ranks
+    model, pruner = run.attach(model, step, config)
+    if ranks is not None and step.training:
+        for trainer, stage_ctx in plan:
             trainer.prepare_for_sharding(model, pruner, stage_ctx)
         distributed.shard(model, ranks)  # the backbone over the ranks, one unit per decoder layer
     stages, summaries = [], []
-    for stage, (trainer, stage_ctx) in zip(resolved.training, trainers, strict=True):
+    for stage, (trainer, stage_ctx) in zip(step.training, plan, strict=True):
         summary = trainer.fit(model, pruner, run.data, stage_ctx)
         release_freed_memory()  # (what the stage's steps freed: the next phase starts from the live memory)
         summary.stage = stage.name
@@ -512,10 +547,43 @@ def _train(run: _Run, model):
             return None
         if state is not None:
             model, pruner = _rebuild(run.load()[0], run.attach, state, stages)
-    ctx.teacher = None  # a dense copy kept for distillation is not needed past training
     if pruner is not None and pruner.state != "finalized":
         model = pruner.finalize(model)
     return model, pruner, [(name, trainer) for name, trainer, _ in stages], summaries
+
+
+def _train_pipeline(run: _Run, model, plans: list):
+    """A pipeline's steps in turn, each aimed at its share of the original model's MACs. After each step that
+    leaves a plain model (and the plain ones before it) the model is checkpointed with what the step measured, so
+    that an interrupted run resumes after it; the last such checkpoint is the saved model's base."""
+    steps, rec = run.resolved.steps, run.rec
+    record = PipelineRecord.start(run.resolved.pruner.config, model, run.staging / "work")
+
+    def load(folder):
+        return load_model(str(folder), dtype=rec.model.dtype, device=rec.model.device, progress=run.progress)[0]
+
+    resumed = record.resume(load)
+    if resumed is not None:
+        run.progress.log(
+            f"resuming after step {record.done - 1} ({steps[record.done - 1].pruner.name}) of the pipeline"
+        )
+        model = resumed
+    stages = []
+    for k in range(record.done, len(steps)):
+        step = steps[k]
+        config = aimed(step.pruner.cls, step.pruner.config, record.skipped(), step.path)
+        model, pruner, step_stages, trained = _train_step(run, model, step, plans[k], config)
+        stages += step_stages
+        with run.progress.task(f"checkpointing step {k} ({step.pruner.name})"):
+            record.add(model, pruner, step_stages, trained, save_model=functools.partial(_save_plain, run.tokenizer))
+    return model, record.pipeline(), stages, record.train_summaries
+
+
+def _save_plain(tokenizer, model, folder: Path) -> None:
+    """A plain transformers checkpoint of ``model`` with ``tokenizer``, written whole or not at all."""
+    with files.staged_dir(folder) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
 
 def _finish(run: _Run, model, pruner, stages, summaries, *, dense, params_before: int) -> RunResult:
@@ -754,10 +822,10 @@ def _eval_locked(
     saved = path is not None
     executor = None
     if options is not None:  # (checked before the model loads)
-        name = (artifacts.read_manifest(path).get("pruner") or {}).get("name") if saved else None
-        if name is None:
+        method = runtime_pruner(artifacts.read_manifest(path)) if saved else None
+        if method is None:
             raise CompressKitError(f"--option: {model_ref} is no saved run of a method, so it has no settings of one")
-        executor = configured_executor(plugins.load("pruner", name), options)
+        executor = configured_executor(method, options)
     if saved:
         model, tokenizer, pruner = artifacts.load(path, dtype=dtype, device=device, progress=progress)
         manifest = artifacts.read_manifest(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import shutil
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -32,6 +33,8 @@ from compresskit.errors import ArtifactError, CompressKitError
 from compresskit.files import MODEL_FILES_MARGIN_BYTES, disk_space, read_json, staged_dir, tensor_bytes, write_json
 from compresskit.interfaces import PluginConfig, Pruner, RunContext
 from compresskit.modeling import device_name, load_model
+from compresskit.pipeline import NAME as PIPELINE
+from compresskit.pipeline import Pipeline, PipelineConfig
 from compresskit.recipe import stage_config_class
 
 MANIFEST = "compresskit.json"
@@ -69,9 +72,9 @@ def save(
     beyond the pruner's tensors (LoRA) save their own tensors, re-applied on load in order.
     """
     directory = Path(directory)
-    stage_tensors = [
-        (i, name, t) for i, (name, t) in enumerate(stages or []) if hasattr(t, "state_dict") and hasattr(t, "restore")
-    ]
+    if isinstance(pruner, Pipeline):
+        return _save_pipeline(directory, model, tokenizer, pruner, base_model=base_model, recipe=recipe)
+    stage_tensors = _stage_tensors(stages)
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "base_model": base_model,
@@ -109,6 +112,75 @@ def save(
             crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
         if manifest["format"] == "hf":
             model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_json(tmp / MANIFEST, manifest)
+    return directory
+
+
+def _stage_tensors(stages: list[tuple[str, Any]] | None) -> list[tuple[int, str, Any]]:
+    """``(index, name, trainer)`` of the stages that save tensors of their own (re-applied on load, in order)."""
+    return [
+        (i, name, t) for i, (name, t) in enumerate(stages or []) if hasattr(t, "state_dict") and hasattr(t, "restore")
+    ]
+
+
+def _save_pipeline(directory: Path, model, tokenizer, pipeline: Pipeline, *, base_model: str, recipe) -> Path:
+    """A pipeline's model: ``format: hf`` where every step left a plain model (the checkpoint whole), else
+    ``format: pipeline``: the plain model its first live step was given (``base/``, a transformers checkpoint;
+    the base model itself where no step before it saved one), then each live step's tensors and its stages'
+    (re-attached in order on load). The manifest's ``steps`` keep each step's config as it ran, its report where
+    taken when it finished, and its summary; ``original``: the first model's dimensions (the MACs accounting)."""
+    live = [k for k in range(len(pipeline.steps)) if pipeline.live(k)]
+    fmt = "pipeline" if live else "hf"
+    checkpoint = pipeline.checkpoint if live else None
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "format": fmt,
+        "base_model": base_model,
+        "pruner": {"name": PIPELINE, "config": pipeline.config.model_dump(mode="json")},
+        "training": [],
+        "recipe": recipe,
+        "versions": versions(),
+        "original": pipeline.original,
+        "checkpoint": "base" if checkpoint is not None else None,
+        "steps": [],
+    }
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for k, (spec, step) in enumerate(zip(pipeline.config.steps, pipeline.steps, strict=True)):
+        entry = {
+            "name": spec.name,
+            "config": step.config.model_dump(mode="json"),
+            "report": pipeline.reports[k],
+            "summary": pipeline.summaries[k],
+            "file": None,
+            "training": [],
+        }
+        if k in live:
+            entry["file"] = f"step{k}-{spec.name}.safetensors"
+            files[entry["file"]] = {kk: v.detach().contiguous().cpu() for kk, v in step.state_dict(model).items()}
+            for i, name, trainer in _stage_tensors(pipeline.stages[k]):
+                file = f"step{k}-stage{i}-{name}.safetensors"
+                files[file] = {kk: v.contiguous() for kk, v in trainer.state_dict(model).items()}
+                config = trainer.config.model_dump(mode="json")
+                entry["training"].append({"index": i, "name": name, "config": config, "file": file})
+        manifest["steps"].append(entry)
+    tensors = [t for f in files.values() for t in f.values()]
+    if fmt == "hf":
+        tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
+    needed = tensor_bytes(tensors) + MODEL_FILES_MARGIN_BYTES
+    if checkpoint is not None:
+        needed += sum(f.stat().st_size for f in Path(checkpoint).rglob("*") if f.is_file())
+    with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
+        for file, state in files.items():
+            save_file(state, str(tmp / file))
+            crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
+        if fmt == "hf":
+            model.save_pretrained(tmp)
+        if checkpoint is not None:
+            shutil.copytree(checkpoint, tmp / "base")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "base")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         write_json(tmp / MANIFEST, manifest)
@@ -168,9 +240,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise ArtifactError(f"{directory}: model directory not found")
     directory = saved_dir(directory) or directory
     manifest = read_json(directory / MANIFEST, what=f"{MANIFEST} (is this a compresskit model directory?)")
-    if manifest.get("format") not in ("dense", "pruner", "hf"):
+    if manifest.get("format") not in ("dense", "pruner", "hf", "pipeline"):
         raise ArtifactError(
-            f"{directory / MANIFEST}: unknown format {manifest.get('format')!r}; allowed: dense, pruner, hf"
+            f"{directory / MANIFEST}: unknown format {manifest.get('format')!r}; allowed: dense, pruner, hf, pipeline"
         )
     return manifest
 
@@ -197,6 +269,8 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
     directory = saved_dir(directory) or directory  # a run folder: its model/
     manifest = read_manifest(directory)
     fmt = manifest["format"]
+    if (manifest.get("pruner") or {}).get("name") == PIPELINE:
+        return _load_pipeline(directory, manifest, device=device, dtype=dtype, progress=progress)
     if fmt == "hf":
         model, tokenizer = load_model(str(directory), dtype=dtype, device=device, progress=progress)
     else:
@@ -218,7 +292,17 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
     ctx = RunContext(model_config=model.config, tokenizer=tokenizer, device=param.device, dtype=param.dtype)
     if pruner is not None:
         pruner.prepare(model, ctx)
-    for stage in manifest.get("training", []):
+    _restore_stages(directory, manifest.get("training", []), model, pruner, device)
+    if pruner is not None:
+        pruner.load_state_dict(model, _read_tensors(directory / PRUNER_FILE, device))
+        model = pruner.finalize(model)
+    model.eval()
+    return Loaded(model, tokenizer, pruner)
+
+
+def _restore_stages(directory: Path, stages: list[dict[str, Any]], model, pruner: Pruner | None, device: str) -> None:
+    """Re-apply the saved tensors of training ``stages`` (manifest entries) that trained with ``pruner``."""
+    for stage in stages:
         try:
             tcls = plugins.load("trainer", stage["name"])
         except CompressKitError as exc:
@@ -230,11 +314,44 @@ def load(path: str | Path, *, device: str = "auto", dtype: str = "auto", progres
                 f"{directory / MANIFEST}: training stage {stage['name']!r}: invalid config: {exc}"
             ) from None
         trainer.restore(model, _read_tensors(directory / stage["file"], device))
-    if pruner is not None:
-        pruner.load_state_dict(model, _read_tensors(directory / PRUNER_FILE, device))
-        model = pruner.finalize(model)
+
+
+def _load_pipeline(directory: Path, manifest: dict[str, Any], *, device: str, dtype: str, progress) -> Loaded:
+    """A saved pipeline (:func:`_save_pipeline`): its plain model loaded (the checkpoint whole, its ``base/``, or
+    the base model), each live step re-attached in order with its stages' tensors and its own, and the
+    :class:`~compresskit.pipeline.Pipeline` of all of them."""
+    where = str(directory / MANIFEST)
+    try:
+        config = PipelineConfig.model_validate(manifest["pruner"]["config"])
+        entries = list(manifest["steps"])
+        original = dict(manifest["original"])
+    except (KeyError, TypeError, ValidationError) as exc:
+        raise ArtifactError(f"{where}: not a whole pipeline record ({type(exc).__name__}: {exc})") from None
+    if manifest["format"] == "hf":
+        source = str(directory)
+    else:
+        source = str(directory / manifest["checkpoint"]) if manifest.get("checkpoint") else manifest["base_model"]
+    model, tokenizer = load_model(source, dtype=dtype, device=device, progress=progress)
+    param = next(model.parameters())
+    ctx = RunContext(model_config=model.config, tokenizer=tokenizer, device=param.device, dtype=param.dtype)
+    steps = []
+    for k, entry in enumerate(entries):
+        try:
+            cls = plugins.load("pruner", entry["name"])
+        except CompressKitError as exc:
+            raise ArtifactError(f"{where}: step {k}: {exc}") from None
+        step = cls(_pruner_config(cls, entry.get("config", {}), f"{where}: step {k}"))
+        if entry.get("file"):  # a live step: attached again, its tensors loaded
+            step.prepare(model, ctx)
+            _restore_stages(directory, entry.get("training", []), model, step, str(param.device))
+            step.load_state_dict(model, _read_tensors(directory / entry["file"], str(param.device)))
+            model = step.finalize(model)
+        steps.append(step)
+    reports = [e.get("report") for e in entries]
+    summaries = [e.get("summary") for e in entries]
+    pipeline = Pipeline(config, steps=steps, reports=reports, summaries=summaries, original=original)
     model.eval()
-    return Loaded(model, tokenizer, pruner)
+    return Loaded(model, tokenizer, pipeline)
 
 
 def _read_tensors(file: Path, device: str) -> dict[str, torch.Tensor]:

@@ -23,6 +23,8 @@ from compresskit.interfaces import RunContext
 from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name, lora_merged
 from compresskit.options import configured_executor, option_label
+from compresskit.pipeline import NAME as PIPELINE
+from compresskit.pipeline import Pipeline
 from compresskit.routing import dense_view
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
@@ -212,10 +214,15 @@ def run_source(ref: str) -> Source:
     doc = files.read_json(path, what="results file (--run)")
     if not isinstance(doc, dict) or "metrics" not in doc:
         raise CompressKitError(f"--run {path}: not a compresskit results.json (no metrics)")
-    pruner = doc.get("recipe", {}).get("pruner") or None
+    recipe = doc.get("recipe") or {}
+    pruner = recipe.get("pruner") or None
+    if doc.get("pruner") == PIPELINE and recipe.get("steps"):  # a pipeline: its steps, each with its config
+        pruner = {
+            "config": {"steps": [{"name": s["pruner"], "config": s.get("config") or {}} for s in recipe["steps"]]}
+        }
     if not doc.get("pruner") or pruner is None:
         raise CompressKitError(f"--run {path}: a dense run has no structure to time (the dense model is always timed)")
-    cls = speed_method(doc["pruner"], field=f"--run {path}: its method")
+    cls = Pipeline if doc["pruner"] == PIPELINE else speed_method(doc["pruner"], field=f"--run {path}: its method")
     try:
         profile = SparsityProfile.from_results(doc, source=str(path))
     except ValueError as exc:

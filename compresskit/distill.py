@@ -127,16 +127,17 @@ def needs_copy(pruner: Pruner | None) -> bool:
     return pruner is not None and not pruner.can_view_dense
 
 
-def keeps_teacher_copy(stages, pruner: Pruner | None) -> bool:
+def keeps_teacher_copy(stages, pruner: Pruner | None, *, steps: int = 1) -> bool:
     """Whether a run with these training stages (resolved, in order) keeps a copy of the dense model
-    as its teacher: some stage distils live (not from cached logits) and either ``pruner`` cannot show
-    the dense model (:func:`needs_copy`) or the model's own weights moved before or during such a
-    stage: a stage whose trainer ``changes_weights`` (``finetune``) up to and including it, or a LoRA
-    stage that merged its adapters before it."""
+    as its teacher: some stage distils live (not from cached logits) and either ``pruner`` (the first
+    step's) cannot show the dense model (:func:`needs_copy`), or the run has several ``steps`` (a later
+    step's pruner shows the model the earlier ones left), or the model's own weights moved before or
+    during such a stage: a stage whose trainer ``changes_weights`` (``finetune``) up to and including
+    it, or a LoRA stage that merged its adapters before it."""
     live = [getattr(s.config, "distill", None) is not None and not s.config.distill.cache for s in stages]
     if not any(live):
         return False
-    if needs_copy(pruner):
+    if needs_copy(pruner) or steps > 1:
         return True
     moved = False
     for stage, distils in zip(stages, live, strict=True):

@@ -218,6 +218,41 @@ class Pruner(abc.ABC):
         library use: the options' defaults); whatever it sets up is undone at its exit. Default: nothing."""
         return contextlib.nullcontext()
 
+    # -- the pipeline contract (a recipe's ``steps``: compresskit.pipeline) -----------------------
+    @classmethod
+    def followed_by_problem(cls, later: type[Pruner]) -> str | None:
+        """Before any model loads: why a step of ``later`` cannot prune the model a step of this pruner leaves
+        (words for the recipe's author, this pruner the subject: "leaves ..."), or None where it can. Default: a
+        plain, smaller transformers model (``saves_full_model``) can be pruned further; a model that keeps this
+        pruner's modules on the weights it was given cannot (it ends the pipeline)."""
+        if cls.saves_full_model:
+            return None
+        return "leaves its own modules on the model's projections, which a later step cannot prune; put it last"
+
+    @classmethod
+    def follows_problem(cls, earlier: type[Pruner]) -> str | None:
+        """Before any model loads: why this pruner cannot prune the model a step of ``earlier`` leaves (this pruner
+        the subject: "saves ..."), or None.
+        Default: a pruner that saves a plain transformers model (``saves_full_model``) prunes only a plain one
+        (what a step that saves none leaves keeps that step's modules, which a plain checkpoint cannot hold)."""
+        if cls.saves_full_model and not earlier.saves_full_model:
+            return "saves a plain transformers model, which cannot hold the earlier step's modules; put it first"
+        return None
+
+    @classmethod
+    def budget(cls, config: PluginConfig) -> float | None:
+        """The fraction of the projection MACs ``config`` aims to skip, where it names one as a number (a pipeline
+        reads each step's as its share of the original model's MACs), else None. Default: ``target_sparsity``."""
+        value = getattr(config, "target_sparsity", None)
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    @classmethod
+    def with_budget(cls, config: PluginConfig, fraction: float) -> PluginConfig:
+        """``config`` aimed at skipping ``fraction`` of the MACs of the model it is given (a later step of a
+        pipeline, whose share of the original model is a larger share of what the earlier steps left).
+        Default: ``target_sparsity`` set to ``fraction`` (validated: a ``ValidationError`` where it is out of range)."""
+        return type(config).model_validate({**config.model_dump(), "target_sparsity": fraction})
+
     @classmethod
     def trained_options(cls, recipe: dict[str, Any]) -> dict[str, Any]:
         """The settings of the ``runtime_executor``'s config (its fields, as a recipe's executor section gives
@@ -248,6 +283,12 @@ class Pruner(abc.ABC):
         results then say so (``sparsity: null``), never 0. A pruner that skips nothing returns a
         report with nothing skipped."""
         return None
+
+    def sparsity_of(self, model: nn.Module, counted: Any) -> Any:
+        """The realised sparsity of ``model`` where the runtime's blocks counted what they skipped (``counted``, a
+        sparsity report of ``model``'s layers) instead of the pruner's modules. Default: that count (a pipeline
+        puts it beside what its earlier steps removed)."""
+        return counted
 
     def summary(self, model: nn.Module) -> PruneSummary:
         n = sum(p.numel() for p in model.parameters())
@@ -298,6 +339,13 @@ class Trainer(abc.ABC):
     def pruner_problem(cls, pruner_cls: type | None) -> str | None:
         """Before any model loads: why this stage cannot train with a pruner of class ``pruner_cls`` (None: the
         recipe has no pruner), in words for the recipe's author, or None when it can."""
+        return None
+
+    @classmethod
+    def followed_problem(cls, config: PluginConfig) -> str | None:
+        """Before any model loads: why a later step of a pipeline cannot prune the model a stage of this trainer
+        (configured ``config``) leaves, or None where it can. Default: None (it leaves the model's modules as they
+        were)."""
         return None
 
     def setup(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> list[nn.Parameter]:

@@ -103,11 +103,13 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
     cuda = device == "cuda"
     sharded = world > 1  # (FSDP2, the one strategy: distributed.strategy)
     model = meta_model(config).to(dtype)
-    pruner = None
-    if resolved.pruner is not None:
-        pruner = resolved.pruner.cls(resolved.pruner.config)
-        if not pruner.requires_calibration:  # (a calibrated pruner needs data to attach: its count is left out)
-            pruner.prepare(model, RunContext(model_config=config, device=torch.device("meta"), dtype=dtype))
+    pruners = [step.pruner.cls(step.pruner.config) if step.pruner else None for step in resolved.steps]
+    owner = {}  # each stage's step's pruner (a pipeline's each attached to the whole model: an upper bound)
+    for step, step_pruner in zip(resolved.steps, pruners, strict=True):
+        if step_pruner is not None and not step_pruner.requires_calibration:  # (a calibrated one needs data)
+            step_pruner.prepare(model, RunContext(model_config=config, device=torch.device("meta"), dtype=dtype))
+        owner.update({id(stage): step_pruner for stage in step.training})
+    pruner = pruners[0]
     params = count_parameters(model)
     layers = decoder_layers(model)
     layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
@@ -117,7 +119,8 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
     routers = sum(1 for n, _ in model.named_modules() if n.endswith(".router"))
     weight_elem = torch.finfo(dtype).bits // 8
     weight_bytes = params * weight_elem
-    teacher = weight_bytes if keeps_teacher_copy(resolved.training, pruner) else 0  # (not sharded: one per rank)
+    kept = keeps_teacher_copy(resolved.training, pruner, steps=len(resolved.steps))
+    teacher = weight_bytes if kept else 0  # (not sharded: one per rank)
     context, growth = (CONTEXT_BYTES, 1.0) if cuda else (PROCESS_BYTES_CPU, HEAP_GROWTH_CPU)
     stages = []
     for stage in resolved.training:
@@ -150,8 +153,9 @@ def plan(resolved, *, world: int, config, dtype: torch.dtype, device: str = "cud
         per_token_layer = (4 * d + casts + 2 * kv + 4 * f) * elem
         per_token_router = routers * d * 4 if autocast else 0  # (else the router reads what the projections keep)
         trainable = 0
-        if pruner is not None and pruner.state != "new" and getattr(c, "train_pruner_params", True):
-            trainable += sum(p.numel() for p in pruner.trainable_parameters(model))
+        trained_with = owner[id(stage)]
+        if trained_with is not None and trained_with.state != "new" and getattr(c, "train_pruner_params", True):
+            trainable += sum(p.numel() for p in trained_with.trainable_parameters(model))
         per_token_lora = 0
         if stage.name == "lora":
             before = count_parameters(model)

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from compresskit import plugins, tasks
 from compresskit.errors import CompressKitError, RecipeError, RecipeProblems, did_you_mean
 from compresskit.interfaces import PluginConfig
+from compresskit.pipeline import NAME, Pipeline, PipelineConfig
 
 SCHEMA_VERSION = 1
 
@@ -197,6 +198,20 @@ class PluginSection(_Section):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
+class StepSection(_Section):
+    """One step of a pipeline (``steps``): a pruner, its config and the stages that train what it left."""
+
+    pruner: str = Field(description="The step's pruner (compresskit plugins lists them).")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The pruner's config (compresskit schema PRUNER); its target_sparsity is its share of the "
+        "original model's projection MACs, aimed at what the earlier steps left.",
+    )
+    training: list[PluginSection] = Field(
+        default_factory=list, description="Training stages run after this step's pruner, before the next step."
+    )
+
+
 class SpeedSection(_Section):
     """Time to first token and per output token on the inference runtime, beside the dense base."""
 
@@ -306,10 +321,26 @@ class Recipe(_Section):
     data: DataSection = DataSection()
     pruner: PluginSection | None = None
     training: list[PluginSection] = Field(default_factory=list)
+    steps: list[StepSection] | None = Field(
+        None,
+        min_length=1,
+        description="A pipeline: pruners applied in turn, each with its own training stages (instead of pruner "
+        "and training); compresskit.pipeline says which orders compose.",
+    )
     executor: PluginSection = PluginSection(name="torch")
     evaluation: EvaluationSection = EvaluationSection()
     distributed: DistributedSection = DistributedSection()
     output: OutputSection
+
+    @model_validator(mode="after")
+    def _steps_or_one_pruner(self) -> Recipe:
+        if self.steps is not None and (self.pruner is not None or self.training):
+            given = " and ".join(k for k, v in (("pruner", self.pruner), ("training", self.training)) if v)
+            raise ValueError(
+                f"steps: a recipe gives its pruners as steps or as one pruner with training, not both (given steps "
+                f"and {given}); move them into a step: {{pruner: NAME, config: {{...}}, training: [...]}}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _output_is_not_the_model(self) -> Recipe:
@@ -363,9 +394,13 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str] | None:
 
 
 def _unwrap(annotation: Any) -> Any:
+    """The model an annotation holds: itself, or the first model inside an optional, union or list of them."""
     for arg in getattr(annotation, "__args__", ()) or ():
         if isinstance(arg, type) and issubclass(arg, BaseModel):
             return arg
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
     return annotation
 
 
@@ -552,12 +587,24 @@ class ResolvedPlugin:
 
 # fields added after runs were saved (dotted paths): left out of the resolved recipe (and its hash) at their
 # default, so that those runs stay the same recipe's and are reused
-OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto"}
+OMITTED_AT_DEFAULT = {"deterministic": False, "evaluation.engine": "auto", "steps": None}
+
+
+@dataclass
+class ResolvedStep:
+    """One step of a run: its pruner (None: a run without one) and the stages that train what it left. ``path``:
+    the YAML path of the step (``steps.0``), "" for a recipe's one ``pruner`` and ``training``."""
+
+    pruner: ResolvedPlugin | None
+    training: list[ResolvedPlugin]
+    path: str = ""
 
 
 @dataclass
 class ResolvedRecipe:
-    """A recipe with every plugin loaded and every plugin config validated (defaults filled)."""
+    """A recipe with every plugin loaded and every plugin config validated (defaults filled). ``steps``: what
+    runs, in order (one step for a recipe's ``pruner``, or none); for a pipeline, ``pruner`` is its
+    :class:`compresskit.pipeline.Pipeline` (named ``pipeline``) and ``training`` every step's stages in order."""
 
     recipe: Recipe
     pruner: ResolvedPlugin | None
@@ -565,16 +612,29 @@ class ResolvedRecipe:
     executor: ResolvedPlugin
     source: str | None = None
     overrides: list[str] = field(default_factory=list)
+    steps: list[ResolvedStep] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            self.steps = [ResolvedStep(self.pruner, list(self.training))]
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether the recipe gives its pruners as ``steps``."""
+        return self.recipe.steps is not None
 
     def to_dict(self) -> dict[str, Any]:
         """The fully resolved recipe as plain JSON data (what is saved with every output)."""
         data = self.recipe.model_dump(mode="json")
-        if self.pruner is not None:
-            data["pruner"]["config"] = self.pruner.config.model_dump(mode="json")
-        for i, stage in enumerate(self.training):
-            config = stage.config.model_dump(mode="json")
-            omitted = stage.config.omitted_at_default  # likewise, in each training stage's config
-            data["training"][i]["config"] = {k: v for k, v in config.items() if k not in omitted or v != omitted[k]}
+        if self.pipeline:
+            del data["pruner"], data["training"]
+            for k, step in enumerate(self.steps):
+                data["steps"][k]["config"] = step.pruner.config.model_dump(mode="json")
+                data["steps"][k]["training"] = [_stage_dict(s) for s in step.training]
+        else:
+            if self.pruner is not None:
+                data["pruner"]["config"] = self.pruner.config.model_dump(mode="json")
+            data["training"] = [_stage_dict(s) for s in self.training]
         data["executor"]["config"] = self.executor.config.model_dump(mode="json")
         for path, default in OMITTED_AT_DEFAULT.items():  # recipes written before the field keep their hash
             *parents, key = path.split(".")
@@ -592,13 +652,25 @@ class ResolvedRecipe:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _stage_dict(stage: ResolvedPlugin) -> dict[str, Any]:
+    """A training stage as the resolved recipe saves it: its config's fields added later left out at their
+    defaults (``omitted_at_default``)."""
+    config = stage.config.model_dump(mode="json")
+    omitted = stage.config.omitted_at_default
+    return {"name": stage.name, "config": {k: v for k, v in config.items() if k not in omitted or v != omitted[k]}}
+
+
 def validate_plugin(kind: str, section: PluginSection, path: str, pruner_cls: type | None = None) -> ResolvedPlugin:
     """The plugin of ``section`` loaded and its config validated; a training stage's with the options of the
-    recipe's pruner (``pruner_cls``) where the stage takes them (:func:`stage_config_class`)."""
+    recipe's pruner (``pruner_cls``) where the stage takes them (:func:`stage_config_class`). A pipeline's
+    step (``path`` ``steps.N``) names its pruner under ``pruner``."""
+    name_key = f"{path}.pruner" if path.startswith("steps.") and kind == "pruner" else f"{path}.name"
+    if kind == "pruner" and section.name == "pipeline":
+        raise RecipeError(f"{name_key}: pipeline is what a recipe's steps make; give the pruners as steps: [...]")
     try:
         cls = plugins.load(kind, section.name)
     except CompressKitError as exc:
-        raise RecipeError(f"{path}.name: {exc}") from None
+        raise RecipeError(f"{name_key}: {exc}") from None
     config_cls = stage_config_class(cls, pruner_cls) if kind == "trainer" else cls.Config
     try:
         config = config_cls.model_validate(section.config)
@@ -663,33 +735,79 @@ def valid_section(raw: dict, key: str, model: type[BaseModel]) -> Any:
         return None
 
 
-def _plugin_sections(raw: dict, recipe: Recipe | None) -> list[tuple[str, str, PluginSection]]:
-    """``(kind, path, section)`` of each plugin section: the validated ``recipe``'s, or where the recipe as a whole
-    did not validate (None), each section of ``raw`` that is well formed by itself, so that its plugin's config
-    can still be checked."""
+def _plugin_sections(raw: dict, recipe: Recipe | None) -> list[tuple[str, str, PluginSection, str | None]]:
+    """``(kind, path, section, owner)`` of each plugin section, a pruner before the stages that train with it
+    (``owner``: the path of a stage's pruner, None for the others): the validated ``recipe``'s, or where the
+    recipe as a whole did not validate (None), each section of ``raw`` that is well formed by itself, so that its
+    plugin's config can still be checked."""
     if recipe is not None:
-        sections = [("pruner", "pruner", recipe.pruner)] if recipe.pruner else []
-        sections += [("trainer", f"training.{i}", s) for i, s in enumerate(recipe.training)]
-        return [*sections, ("executor", "executor", recipe.executor)]
-    entries = [("pruner", "pruner", raw.get("pruner")), ("executor", "executor", raw.get("executor"))]
+        entries: list[tuple[str, str, Any, str | None]] = []
+        if recipe.steps is not None:
+            for k, step in enumerate(recipe.steps):
+                entries.append(("pruner", f"steps.{k}", {"name": step.pruner, "config": step.config}, None))
+                entries += [
+                    ("trainer", f"steps.{k}.training.{i}", t, f"steps.{k}") for i, t in enumerate(step.training)
+                ]
+        else:
+            entries += [("pruner", "pruner", recipe.pruner, None)] if recipe.pruner else []
+            entries += [("trainer", f"training.{i}", s, "pruner") for i, s in enumerate(recipe.training)]
+        entries.append(("executor", "executor", recipe.executor, None))
+        return [(k, p, PluginSection.model_validate(s), o) for k, p, s, o in entries]
+    entries = [("pruner", "pruner", raw.get("pruner"), None), ("executor", "executor", raw.get("executor"), None)]
     stages = raw.get("training")
     if isinstance(stages, list):
-        entries += [("trainer", f"training.{i}", s) for i, s in enumerate(stages)]
+        entries += [("trainer", f"training.{i}", s, "pruner") for i, s in enumerate(stages)]
+    steps = raw.get("steps")
+    for k, step in enumerate(steps if isinstance(steps, list) else []):
+        if not isinstance(step, dict) or not isinstance(step.get("pruner"), str):
+            continue
+        entries.append(("pruner", f"steps.{k}", {"name": step["pruner"], "config": step.get("config") or {}}, None))
+        stages = step.get("training")
+        if isinstance(stages, list):
+            entries += [("trainer", f"steps.{k}.training.{i}", t, f"steps.{k}") for i, t in enumerate(stages)]
     found = []
-    for kind, path, value in entries:
+    for kind, path, value, owner in entries:
         if value is None:
             continue
         try:
-            found.append((kind, path, PluginSection.model_validate(value)))
+            found.append((kind, path, PluginSection.model_validate(value), owner))
         except ValidationError:
             continue  # its problem is among the recipe's own
     return found
 
 
+def _pipeline_problems(steps: list[ResolvedStep]) -> list[str]:
+    """What the composition contract refuses in a pipeline's ``steps``, each naming both steps: an order a
+    pruner refuses (``Pruner.followed_by_problem`` / ``follows_problem``), a stage that leaves a model the next
+    step cannot prune (``Trainer.followed_problem``), shares of the original MACs that sum to 1 or more."""
+    problems = []
+    for earlier, later in zip(steps, steps[1:], strict=False):
+        a, b = earlier.pruner, later.pruner
+        refused = a.cls.followed_by_problem(b.cls)
+        problem = f"{a.name} {refused}" if refused else None
+        if problem is None and (refused := b.cls.follows_problem(a.cls)):
+            problem = f"{b.name} {refused}"
+        if problem:
+            problems.append(f"{later.path}.pruner: {b.name} cannot follow {a.name} ({earlier.path}): {problem}")
+        for stage in earlier.training:
+            problem = stage.cls.followed_problem(stage.config)
+            if problem:
+                problems.append(f"{stage.path}: {problem} ({later.path}, {b.name}, prunes the model after it)")
+    shares = [(step, step.pruner.cls.budget(step.pruner.config)) for step in steps]
+    given = [(step, share) for step, share in shares if share is not None]
+    if sum(share for _, share in given) >= 1.0:
+        terms = " + ".join(f"{share:g} ({step.path}, {step.pruner.name})" for step, share in given)
+        problems.append(
+            f"steps: the steps' target_sparsity are shares of the original model's MACs and sum to "
+            f"{sum(s for _, s in given):.4g} = {terms}; together they must stay below 1"
+        )
+    return problems
+
+
 def validate(raw: dict, *, source: str | None = None, overrides: list[str] | None = None) -> ResolvedRecipe:
     """Both validation stages on an already-merged recipe mapping. Every problem found is reported
     together (:class:`RecipeProblems`): the recipe's own fields, then each plugin's config, then what each
-    training stage needs of the pruner."""
+    training stage needs of its pruner and what a pipeline's order allows."""
     problems: list[str] = []
     recipe = None
     try:
@@ -702,24 +820,48 @@ def validate(raw: dict, *, source: str | None = None, overrides: list[str] | Non
             f"(<= {SCHEMA_VERSION}); upgrade compresskit"
         )
     resolved: dict[str, ResolvedPlugin] = {}
-    for kind, path, section in _plugin_sections(raw, recipe):  # the pruner first: its options reach the stages
-        pruner_cls = resolved["pruner"].cls if "pruner" in resolved else None
+    for kind, path, section, owner in _plugin_sections(raw, recipe):  # a pruner first: its options reach its stages
+        pruner_cls = resolved[owner].cls if owner in resolved else None
         try:
             resolved[path] = validate_plugin(kind, section, path, pruner_cls)
         except CompressKitError as exc:
             problems += problems_of(exc)
     if problems or recipe is None:
         raise RecipeProblems(problems)
-    pruner = resolved.get("pruner")
-    training = [resolved[f"training.{i}"] for i in range(len(recipe.training))]
-    for stage in training:  # what a stage needs of the pruner, said before any model loads
-        problem = stage.cls.pruner_problem(pruner.cls if pruner else None)
-        if problem:
-            problems.append(f"{stage.path}.name: {problem}")
+    if recipe.steps is not None:
+        steps = [
+            ResolvedStep(
+                resolved[f"steps.{k}"],
+                [resolved[f"steps.{k}.training.{i}"] for i in range(len(s.training))],
+                f"steps.{k}",
+            )
+            for k, s in enumerate(recipe.steps)
+        ]
+    else:
+        steps = [ResolvedStep(resolved.get("pruner"), [resolved[f"training.{i}"] for i in range(len(recipe.training))])]
+    for step in steps:  # what a stage needs of its pruner, said before any model loads
+        for stage in step.training:
+            problem = stage.cls.pruner_problem(step.pruner.cls if step.pruner else None)
+            if problem:
+                problems.append(f"{stage.path}.name: {problem}")
+    if recipe.steps is not None:
+        problems += _pipeline_problems(steps)
     if problems:
         raise RecipeProblems(problems)
-    executor = resolved["executor"]
-    return ResolvedRecipe(recipe, pruner, training, executor, source=source, overrides=list(overrides or []))
+    pruner, training = steps[0].pruner, steps[0].training
+    if recipe.steps is not None:
+        pruner, training = _pipeline_plugin(steps), [stage for step in steps for stage in step.training]
+    return ResolvedRecipe(
+        recipe, pruner, training, resolved["executor"], source=source, overrides=list(overrides or []), steps=steps
+    )
+
+
+def _pipeline_plugin(steps: list[ResolvedStep]) -> ResolvedPlugin:
+    """The :class:`compresskit.pipeline.Pipeline` of a recipe's ``steps``, as its ``pruner``."""
+    config = PipelineConfig(
+        steps=[{"name": s.pruner.name, "config": s.pruner.config.model_dump(mode="json")} for s in steps]
+    )
+    return ResolvedPlugin(kind="pruner", name=NAME, cls=Pipeline, config=config, path="steps")
 
 
 def load_recipe(path: str | Path | dict, overrides: list[str] | dict[str, Any] | None = None) -> ResolvedRecipe:

@@ -116,6 +116,9 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         rows.append((f"sparsity MACs ({kind})", f"{sp['macs']:.3f}", "0.000", "-"))
         for key, value in (sp.get("groups") or {}).items():
             rows.append((f"skipped groups {key}", f"{value:.3f}", "0.000", "-"))
+        for k, step in enumerate(sp.get("steps") or []):  # a pipeline: each step's share of the original MACs
+            what = f"{step['macs']:.3f} ({step['of_input']:.3f} of its input)"
+            rows.append((f"sparsity MACs, step {k} {step['name']}", what, "0.000", "-"))
     rows += speed_rows(results.get("speed"))
     m = results["model"]
     # recovery is a quality ratio: a parameter count has none

@@ -580,6 +580,12 @@ class LoraTrainer(RouterTrainer):
             params += pruner.trainable_parameters(model)
         return params
 
+    @classmethod
+    def followed_problem(cls, config) -> str | None:
+        if config.merge:
+            return None
+        return "merge: false leaves LoRA adapters on the projections, which a later step cannot prune; set merge: true"
+
     def prepare_for_sharding(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
         """The adapters, drawn as this stage draws them, switched off until the stage starts (so that
         the earlier stages compute what they compute in one process)."""
@@ -590,6 +596,7 @@ class LoraTrainer(RouterTrainer):
     def finish(self, model: nn.Module, pruner: Pruner | None, ctx: RunContext) -> None:
         if self.config.merge:
             merge_lora(model)
+            model.__dict__.pop("peft_config", None)  # (no adapter left: a later stage's start afresh)
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """What a saved model needs to reproduce this stage: the adapter tensors (peft's

@@ -139,6 +139,8 @@ def cmd_validate(args, out: Console, err: Console) -> int:
             out.print_json(json.dumps(resolved.to_dict()))
         stages = ", ".join(s.name for s in resolved.training) or "none"
         pruner = resolved.pruner.name if resolved.pruner else "none (dense)"
+        if resolved.pipeline:
+            pruner = " -> ".join(step.pruner.name for step in resolved.steps)
         out.print(
             f"ok: {path}: model {rec.model.name_or_path}, pruner {pruner}, training [{stages}], "
             f"executor {resolved.executor.name}, output {rec.output.dir} (recipe hash {resolved.hash()})",

@@ -272,7 +272,10 @@ class Runtime:
         (None, not measured, where one of them does not), else ``pruner``'s own count (None without one)."""
         blocks = self.stat_blocks()
         if blocks:
-            return measured_sparsity(blocks, self.config) if all(b.counting for b in blocks) else None
+            if not all(b.counting for b in blocks):
+                return None
+            counted = measured_sparsity(blocks, self.config)
+            return pruner.sparsity_of(self.model, counted) if pruner is not None else counted
         return pruner.sparsity(self.model) if pruner is not None else None
 
     # -- the cache -----------------------------------------------------------------------------
