@@ -19,6 +19,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from compresskit.pipeline import NAME as PIPELINE
+
 # evaluation keys that change how fast, not what is measured
 _NOT_SETTINGS = ("batch_size", "logits_budget_mb", "compare_dense")
 # evaluation keys that decide the items of some tasks only (task_settings), not of the run as a whole
@@ -279,6 +281,15 @@ def dense_anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None if first is None else _reference_row(first, f"dense (the reference of {first['name']})")
 
 
+def method_of(run: dict[str, Any]) -> str | None:
+    """The method a run's results are a point of: its pruner, or for a pipeline its steps' pruners in order
+    (``static-depth+wide``), so that each kind of hybrid is a line of its own."""
+    steps = (run.get("recipe") or {}).get("steps")
+    if run.get("pruner") == PIPELINE and steps:
+        return "+".join(step["pruner"] for step in steps)
+    return run.get("pruner")
+
+
 def speed_points(runs: list[dict[str, Any]], speed: Speed, batch: int, measure: str = "tpot") -> dict[str, list]:
     """Each method's measured points at ``batch``: ``{method: [(budget, speedup, run), ...]}`` in order of
     the run's realised MACs skipped, each method's line starting at the dense model (budget 0, 1.00x)
@@ -286,7 +297,7 @@ def speed_points(runs: list[dict[str, Any]], speed: Speed, batch: int, measure: 
     dense = dense_anchor(runs)
     points: dict[str, list] = {}
     for run in runs:
-        method = run.get("pruner")
+        method = method_of(run)
         value = speed.speedup(run["name"], batch, measure)
         if not method or value is None or not run.get("sparsity"):
             continue

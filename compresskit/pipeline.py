@@ -1,10 +1,10 @@
 """Pipelines: several pruners applied in turn (a recipe's ``steps``), seen as one pruner by the rest.
 
-Sample YAML::
+Sample YAML (docs/pipelines.md has the shipped pruners' names)::
 
     steps:
-      - {pruner: static-depth, config: {target_sparsity: 0.15}}
-      - pruner: wide
+      - {pruner: A, config: {target_sparsity: 0.15}}          # a pruner that saves a plain, smaller model
+      - pruner: B                                              # then one that keeps its modules on it
         config: {target_sparsity: 0.25}
         training: [{name: router, config: {steps: 200}}, {name: lora, config: {steps: 200, merge: true}}]
 

@@ -322,3 +322,12 @@ def test_a_third_party_pruner_composes_through_the_same_contract(tiny4, tmp_path
     rows = {r["model"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
     assert rows["pipe"]["method"] == "pipeline"
     assert rows["pipe"]["sparsity_macs"] > 0.5  # one of tiny's 2 layers, then the router in the other
+
+
+def test_each_kind_of_hybrid_is_a_method_of_its_own_on_the_equal_speed_table():
+    from compresskit.comparison import method_of
+
+    run = {"pruner": "pipeline", "recipe": {"steps": [{"pruner": "static-depth"}, {"pruner": "wide"}]}}
+    assert method_of(run) == "static-depth+wide"
+    assert method_of({"pruner": "wide", "recipe": {"pruner": {"name": "wide"}}}) == "wide"
+    assert method_of({"pruner": None}) is None
