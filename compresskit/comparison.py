@@ -283,7 +283,7 @@ def dense_anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def method_of(run: dict[str, Any]) -> str | None:
     """The method a run's results are a point of: its pruner, or for a pipeline its steps' pruners in order
-    (``static-depth+wide``), so that each kind of hybrid is a line of its own."""
+    (``a+b``), so that each kind of hybrid is a line of its own."""
     steps = (run.get("recipe") or {}).get("steps")
     if run.get("pruner") == PIPELINE and steps:
         return "+".join(step["pruner"] for step in steps)

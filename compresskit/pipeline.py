@@ -99,8 +99,9 @@ class Pipeline(Pruner):
     ``steps``: the step pruners in order (finalized, or for a step that saves a plain model and ran before this
     process, a fresh instance of its config); ``reports``: for each, its sparsity as taken when it finished (what
     :meth:`Pruner.sparsity` said then, of the model it was given) or None for a step measured live (one that keeps
-    its modules on the model); ``summaries``: each step's ``PruneSummary`` fields; ``original``: the HF config of
-    the model the first step was given."""
+    its modules on the model); ``summaries``: each step's ``PruneSummary`` fields; ``original``: the dimensions of the
+    model the first step was given (``compresskit.sparsity.macs_dims``); ``stages``: each live step's training
+    stages as ``(name, trainer)``; ``checkpoint``: the plain model the live steps were attached to, where saved."""
 
     Config = PipelineConfig
 
