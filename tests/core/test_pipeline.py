@@ -142,18 +142,38 @@ def test_a_pipeline_and_a_pruner_together_are_refused(tmp_path):
         load_recipe(raw)
 
 
-def test_the_cli_refuses_a_bad_pipeline_in_one_line_and_writes_nothing(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("steps", "said"),
+    [
+        ([{"pruner": "wide", "config": WIDE}, {"pruner": "static-width"}], "static-width cannot follow wide (steps.0)"),
+        ([{"pruner": "static-depth", "config": DEPTH, "trainig": []}], "steps.0.trainig: unknown key 'trainig'"),
+        (
+            [{"pruner": "static-depth", "config": {"target_sparsity": 0.6}}, {"pruner": "wide", "config": WIDE_45}],
+            "sum to 1.05",
+        ),
+    ],
+)
+def test_the_cli_refuses_a_bad_pipeline_in_one_line_and_writes_nothing(tmp_path, capsys, steps, said):
+    """An unknown step key, a refused order, shares past the whole: one line, exit 2, nothing written."""
     import yaml
 
     out = tmp_path / "run"
-    raw = recipe("smollm2-135m", out, [{"pruner": "wide", "config": WIDE}, {"pruner": "static-width"}])
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path.write_text(yaml.safe_dump(recipe("smollm2-135m", out, steps)))
     assert main(["apply", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "static-width cannot follow wide (steps.0)" in err and "Traceback" not in err
+    assert said in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists() and not (tmp_path / "run.partial").exists()
+
+
+def test_validate_takes_a_pipeline_set_right_by_overrides(tmp_path):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        yaml.safe_dump(recipe("smollm2-135m", tmp_path / "run", [{"pruner": "wide"}, {"pruner": "static-width"}]))
+    )
     assert (
         main(["validate", str(path), "--set", "steps.0={pruner: static-width}", "--set", "steps.1={pruner: wide}"]) == 0
     )
