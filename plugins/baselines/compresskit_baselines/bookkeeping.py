@@ -16,31 +16,16 @@ from torch import nn
 
 from compresskit.errors import ArtifactError
 from compresskit.interfaces import Batch, Pruner, RunContext
-from compresskit.sparsity import ATTENTION_PROJ, FFN_PROJ, SparsityProfile, SparsityReport, layer_linear_macs
-
-CALIBRATION_TOKENS = 64  # random tokens a speed shape is pruned on (speed_shape)
-
-DIMS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
+from compresskit.sparsity import (
+    ATTENTION_PROJ,
+    FFN_PROJ,
+    SparsityProfile,
+    SparsityReport,
+    layer_linear_macs,
+    macs_dims,
 )
 
-
-def original_dims(config) -> dict[str, int]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return {
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": kv,
-        "head_dim": head_dim,
-        "intermediate_size": config.intermediate_size,
-    }
+CALIBRATION_TOKENS = 64  # random tokens a speed shape is pruned on (speed_shape)
 
 
 def record_pruning(config, method: str, original: dict[str, int], **info: Any) -> None:
@@ -55,7 +40,7 @@ def static_report(config) -> SparsityReport | None:
     orig = SimpleNamespace(**info["original"])
     rep = SparsityReport.dense(orig)
     full = layer_linear_macs(orig)
-    now = layer_linear_macs(SimpleNamespace(**original_dims(config)))
+    now = layer_linear_macs(SimpleNamespace(**macs_dims(config)))
     removed = set(info.get("removed_layers", []))
     for i, layer in enumerate(rep.layers):
         for block, projs in (("attention", ATTENTION_PROJ), ("ffn", FFN_PROJ)):
@@ -83,14 +68,10 @@ class StaticPruner(Pruner):
     def sparsity(self, model: nn.Module) -> SparsityReport | None:
         return static_report(model.config)
 
-    def retarget(self, macs: float) -> dict[str, Any]:
-        """The config changes that aim this pruner at removing ``macs`` of the projection MACs."""
-        return {"target_sparsity": macs}
-
     def speed_shape(self, model: nn.Module, ctx: RunContext, profile: SparsityProfile) -> nn.Module:
         """The smaller model at the fraction ``profile`` removed (as near as this model's granularity
         allows), chosen on random calibration tokens: which units go does not change the speed."""
-        self.config = self.config.model_copy(update=self.retarget(profile.macs))
+        self.config = self.with_budget(self.config, profile.macs)
         self.prepare(model, ctx)
         gen = torch.Generator().manual_seed(ctx.seed)
         ids = torch.randint(3, model.config.vocab_size, (1, CALIBRATION_TOKENS), generator=gen).to(ctx.device)

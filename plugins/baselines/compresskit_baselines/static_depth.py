@@ -23,8 +23,9 @@ from compresskit.errors import RecipeError
 from compresskit.hooks import HookSet, first_tensor, output_tensor
 from compresskit.interfaces import Batch, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers
+from compresskit.sparsity import macs_dims
 from compresskit.tokens import token_mask
-from compresskit_baselines.bookkeeping import StaticPruner, original_dims, record_pruning
+from compresskit_baselines.bookkeeping import StaticPruner, record_pruning
 from compresskit_baselines.scoring import block_influence
 
 
@@ -74,12 +75,14 @@ class StaticDepthPruner(StaticPruner):
         self._scores = torch.zeros(n, dtype=torch.float64)
         self._tokens = 0
         self._params_before = count_parameters(model)
-        self._original = original_dims(model.config)
+        self._original = macs_dims(model.config)
         prefix = "model.layers" if hasattr(getattr(model, "model", None), "layers") else "layers"
         return [f"{prefix}.{i}" for i in range(n)]
 
-    def retarget(self, macs: float) -> dict:
-        return {"target_sparsity": macs, "n_layers": None}
+    @classmethod
+    def with_budget(cls, config: StaticDepthConfig, fraction: float) -> StaticDepthConfig:
+        """The fraction of the layers replaces a count (``n_layers``) where one was given."""
+        return cls.Config.model_validate({**config.model_dump(), "target_sparsity": fraction, "n_layers": None})
 
     def calibrate(self, model: nn.Module, batches: Iterable[Batch]) -> None:
         super().calibrate(model, batches)

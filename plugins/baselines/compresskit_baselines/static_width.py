@@ -30,8 +30,8 @@ from compresskit.errors import RecipeError, check_divides
 from compresskit.hooks import HookSet, first_tensor
 from compresskit.interfaces import Batch, PruneSummary, RunContext
 from compresskit.modeling import count_parameters, decoder_layers, replace_module
-from compresskit.sparsity import layer_linear_macs
-from compresskit_baselines.bookkeeping import StaticPruner, original_dims, record_pruning
+from compresskit.sparsity import layer_linear_macs, macs_dims
+from compresskit_baselines.bookkeeping import StaticPruner, record_pruning
 from compresskit_baselines.scoring import group_sum, wanda_cols, wanda_rows
 
 INPUTS = ("q_proj", "o_proj", "gate_proj", "down_proj")  # k, v share q's input; up shares gate's
@@ -112,7 +112,7 @@ class StaticWidthPruner(StaticPruner):
     contract_config = {"target_sparsity": 0.3, "ffn_group_size": 16}
 
     def check(self, model_config) -> None:
-        cfg = original_dims(model_config)
+        cfg = macs_dims(model_config)
         check_divides(
             "pruner.config.ffn_group_size", self.config.ffn_group_size, cfg["intermediate_size"], "intermediate_size"
         )
@@ -120,7 +120,7 @@ class StaticWidthPruner(StaticPruner):
 
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
         self.check(model.config)
-        cfg = original_dims(model.config)
+        cfg = macs_dims(model.config)
         self._cfg = cfg
         self._attn_units, self._ffn_groups, self._planned = choose_counts(cfg, self.config)
         self._params_before = count_parameters(model)
