@@ -576,7 +576,7 @@ def _train_pipeline(run: _Run, model, plans: list):
         stages += step_stages
         with run.progress.task(f"checkpointing step {k} ({step.pruner.name})"):
             record.add(model, pruner, step_stages, trained, save_model=functools.partial(_save_plain, run.tokenizer))
-    return model, record.pipeline(), stages, record.train_summaries
+    return model, record.pipeline, stages, record.train_summaries
 
 
 def _save_plain(tokenizer, model, folder: Path) -> None:

@@ -131,6 +131,31 @@ class Pipeline(Pruner):
     def names(self) -> list[str]:
         return [s.name for s in self.config.steps]
 
+    @property
+    def plain(self) -> bool:
+        """Whether every step so far left a plain model (each has its report)."""
+        return all(r is not None for r in self.reports)
+
+    def add(self, step: Pruner, model: nn.Module, stages: list[tuple[str, Any]] | None = None, *, record=None) -> None:
+        """``step``, finished on ``model`` after its training ``stages``, as the next one. Where it and every step
+        before it left a plain model, its sparsity and summary are taken now (or read from ``record``, what a
+        finished step's folder kept); otherwise it is measured live from here on."""
+        plain = self.plain and step.saves_full_model
+        if record is not None:
+            report, summary = record["report"], record["summary"]
+        elif plain:
+            measured = step.sparsity(model)
+            report = measured.to_dict() if measured is not None else None
+            summary = vars(step.summary(model))
+        else:
+            report = summary = None
+        self.steps.append(step)
+        self.reports.append(report)
+        self.summaries.append(summary)
+        self.stages.append([] if report is not None else list(stages or []))
+        self._state = "finalized"
+        self.runtime_executor = _runtime_executor(self.steps)
+
     # a pipeline is assembled by the run from its steps, each attached, trained and finalized in turn
     def _prepare(self, model: nn.Module, ctx: RunContext) -> list[str]:
         raise RuntimeError("a pipeline's steps attach one at a time (compresskit.api); a Pipeline is built from them")
@@ -202,7 +227,7 @@ class Pipeline(Pruner):
                 f"a pipeline's structure needs each of its {len(self.config.steps)} steps' realised sparsity "
                 "(a run's sparsity.steps); time a run of it with --run"
             )
-        steps, reports = [], []
+        self.steps, self.reports, self.summaries, self.stages = [], [], [], []
         self.original = macs_dims(model.config)
         for spec, share in zip(self.config.steps, profile.steps, strict=True):
             cls = plugins.load("pruner", spec.name)
@@ -211,12 +236,7 @@ class Pipeline(Pruner):
             step = cls(cls.Config.model_validate(spec.config))
             part = SparsityProfile(float(share["of_input"]), source=f"{profile.source} ({spec.name})")
             model = step.speed_shape(model, ctx, part)
-            steps.append(step)
-            plain = step.saves_full_model and all(r is not None for r in reports)
-            reports.append(step.sparsity(model).to_dict() if plain else None)
-        self.steps, self.reports, self.summaries = steps, reports, [None] * len(steps)
-        self._state = "finalized"
-        self.runtime_executor = _runtime_executor(steps)
+            self.add(step, model)
         return model
 
     @classmethod
@@ -229,43 +249,33 @@ STEP_RECORD = "step.json"  # written last into a finished step's folder: what a 
 
 @dataclasses.dataclass
 class PipelineRecord:
-    """What a running pipeline keeps of its finished steps, and of each one that leaves a plain model (with every
-    step before it), a checkpoint under ``work`` (``step<k>-<name>/``) that an interrupted run resumes from."""
+    """A running pipeline (``pipeline``, its finished steps so far), and of each step that leaves a plain model
+    (with every step before it), a checkpoint under ``work`` (``step<k>-<name>/``) that an interrupted run resumes
+    from."""
 
-    config: PipelineConfig
-    original: dict[str, int]
+    pipeline: Pipeline
     work: Path
-    steps: list[Pruner] = dataclasses.field(default_factory=list)
-    reports: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
-    summaries: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
-    stages: list[list[tuple[str, Any]]] = dataclasses.field(default_factory=list)
     train_summaries: list[TrainSummary] = dataclasses.field(default_factory=list)
-    checkpoint: Path | None = None
 
     @classmethod
     def start(cls, config: PipelineConfig, model: nn.Module, work: Path) -> PipelineRecord:
-        return cls(config, macs_dims(model.config), Path(work))
+        return cls(Pipeline(config, original=macs_dims(model.config)), Path(work))
 
     @property
     def done(self) -> int:
         """How many steps have finished."""
-        return len(self.steps)
-
-    @property
-    def plain(self) -> bool:
-        """Whether every finished step left a plain model (each has its report)."""
-        return all(r is not None for r in self.reports)
+        return len(self.pipeline.steps)
 
     def folder(self, k: int) -> Path:
-        return self.work / f"step{k}-{self.config.steps[k].name}"
+        return self.work / f"step{k}-{self.pipeline.config.steps[k].name}"
 
     def skipped(self) -> float:
         """The share of the original model's MACs the finished steps skip: their reports composed, and for a step
         measured only live, its budget."""
-        known = [SparsityReport.from_dict(r) for r in self.reports if r is not None]
-        names = [s.name for s in self.config.steps[: len(known)]]
-        share = compose(SimpleNamespace(**self.original), known, names).macs if known else 0.0
-        live = [type(s).budget(s.config) or 0.0 for s, r in zip(self.steps, self.reports, strict=True) if r is None]
+        pipe = self.pipeline
+        known = [SparsityReport.from_dict(r) for r in pipe.reports if r is not None]
+        share = compose(SimpleNamespace(**pipe.original), known, pipe.names[: len(known)]).macs if known else 0.0
+        live = [type(s).budget(s.config) or 0.0 for s, r in zip(pipe.steps, pipe.reports, strict=True) if r is None]
         return share + sum(live)
 
     def add(
@@ -281,14 +291,9 @@ class PipelineRecord:
         left a plain model after plain ones and a step follows, the model goes to its folder
         (``save_model(model, folder)``) and then its record, the mark of a finished step."""
         k = self.done
-        plain = self.plain and pruner.saves_full_model
-        report = pruner.sparsity(model) if plain else None
-        self.steps.append(pruner)
-        self.reports.append(report.to_dict() if report is not None else None)
-        self.summaries.append(vars(pruner.summary(model)) if plain else None)
-        self.stages.append([] if plain else list(stages))
+        self.pipeline.add(pruner, model, stages)
         self.train_summaries += trained
-        if not plain or k + 1 == len(self.config.steps):
+        if self.pipeline.reports[k] is None or k + 1 == len(self.pipeline.config.steps):
             return
         folder = self.folder(k)
         if folder.exists():
@@ -296,42 +301,27 @@ class PipelineRecord:
         save_model(model, folder / "model")
         record = {
             "config": pruner.config.model_dump(mode="json"),
-            "report": self.reports[k],
-            "summary": self.summaries[k],
+            "report": self.pipeline.reports[k],
+            "summary": self.pipeline.summaries[k],
             "training": [vars(t) for t in trained],
         }
         files.write_json(folder / STEP_RECORD, record)
-        self.checkpoint = folder / "model"
+        self.pipeline.checkpoint = folder / "model"
 
     def resume(self, load_model) -> Any:
         """After an interrupted run: the steps whose folders hold their record taken as finished (in order, from
         the first), and the model of the last of them loaded (``load_model(folder)``); None where none finished."""
         last = None
-        for k, spec in enumerate(self.config.steps[:-1]):
+        for k, spec in enumerate(self.pipeline.config.steps[:-1]):
             try:
                 record = files.read_json(self.folder(k) / STEP_RECORD, what="a finished step's record")
             except CompressKitError:
                 break
             cls = plugins.load("pruner", spec.name)
-            self.steps.append(cls(cls.Config.model_validate(record["config"])))
-            self.reports.append(record["report"])
-            self.summaries.append(record["summary"])
-            self.stages.append([])
+            self.pipeline.add(cls(cls.Config.model_validate(record["config"])), None, record=record)
             self.train_summaries += [TrainSummary(**t) for t in record["training"]]
             last = self.folder(k) / "model"
         if last is None:
             return None
-        self.checkpoint = last
+        self.pipeline.checkpoint = last
         return load_model(last)
-
-    def pipeline(self) -> Pipeline:
-        """The finished pipeline, as one pruner."""
-        return Pipeline(
-            self.config,
-            steps=self.steps,
-            reports=self.reports,
-            summaries=self.summaries,
-            original=self.original,
-            stages=self.stages,
-            checkpoint=self.checkpoint,
-        )
