@@ -603,8 +603,9 @@ class ResolvedStep:
 @dataclass
 class ResolvedRecipe:
     """A recipe with every plugin loaded and every plugin config validated (defaults filled). ``steps``: what
-    runs, in order (one step for a recipe's ``pruner``, or none); for a pipeline, ``pruner`` is its
-    :class:`compresskit.pipeline.Pipeline` (named ``pipeline``) and ``training`` every step's stages in order."""
+    runs, in order (a recipe's one pruner and training as one step, its pruner None in a dense run); for a pipeline,
+    ``pruner`` is its :class:`compresskit.pipeline.Pipeline` (named ``pipeline``) and ``training`` every step's
+    stages in order."""
 
     recipe: Recipe
     pruner: ResolvedPlugin | None
@@ -613,10 +614,6 @@ class ResolvedRecipe:
     source: str | None = None
     overrides: list[str] = field(default_factory=list)
     steps: list[ResolvedStep] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.steps:
-            self.steps = [ResolvedStep(self.pruner, list(self.training))]
 
     @property
     def pipeline(self) -> bool:
@@ -665,8 +662,8 @@ def validate_plugin(kind: str, section: PluginSection, path: str, pruner_cls: ty
     recipe's pruner (``pruner_cls``) where the stage takes them (:func:`stage_config_class`). A pipeline's
     step (``path`` ``steps.N``) names its pruner under ``pruner``."""
     name_key = f"{path}.pruner" if path.startswith("steps.") and kind == "pruner" else f"{path}.name"
-    if kind == "pruner" and section.name == "pipeline":
-        raise RecipeError(f"{name_key}: pipeline is what a recipe's steps make; give the pruners as steps: [...]")
+    if kind == "pruner" and section.name == NAME:
+        raise RecipeError(f"{name_key}: {NAME} is what a recipe's steps make; give the pruners as steps: [...]")
     try:
         cls = plugins.load(kind, section.name)
     except CompressKitError as exc:
