@@ -75,14 +75,7 @@ def save(
     if isinstance(pruner, Pipeline):
         return _save_pipeline(directory, model, tokenizer, pruner, base_model=base_model, recipe=recipe)
     stage_tensors = _stage_tensors(stages)
-    manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "base_model": base_model,
-        "pruner": None,
-        "training": [],
-        "recipe": recipe,
-        "versions": versions(),
-    }
+    manifest = _manifest(base_model, recipe)
     if pruner is not None and pruner.saves_full_model:
         manifest["format"] = "hf"
     elif pruner is None and not stage_tensors:
@@ -91,31 +84,25 @@ def save(
         manifest["format"] = "pruner"
     files: dict[str, dict[str, torch.Tensor]] = {}  # the tensor files of format "pruner", by name
     if manifest["format"] == "pruner":  # (in "hf", the full checkpoint holds what the stages changed)
-        for i, name, trainer in stage_tensors:
-            file = f"stage{i}-{name}.safetensors"
-            files[file] = {k: v.contiguous() for k, v in trainer.state_dict(model).items()}
-            manifest["training"].append(
-                {"index": i, "name": name, "config": trainer.config.model_dump(mode="json"), "file": file}
-            )
+        files, manifest["training"] = _stage_files(stages, model, "")
     if pruner is not None:
         manifest["pruner"] = {"name": pruner_name, "config": pruner.config.model_dump(mode="json")}
         if not pruner.saves_full_model:
             files[PRUNER_FILE] = {k: v.detach().contiguous().cpu() for k, v in pruner.state_dict(model).items()}
-    tensors = [t for f in files.values() for t in f.values()]
-    if manifest["format"] == "hf":
-        tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
-    needed = tensor_bytes(tensors) + MODEL_FILES_MARGIN_BYTES
-    with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
-        for file, state in files.items():
-            meta = {"pruner": str(pruner_name)} if file == PRUNER_FILE else None
-            save_file(state, str(tmp / file), metadata=meta)
-            crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
-        if manifest["format"] == "hf":
-            model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_json(tmp / MANIFEST, manifest)
-    return directory
+    meta = {PRUNER_FILE: {"pruner": str(pruner_name)}}
+    return _write(directory, manifest, files, model, tokenizer, metadata=meta)
+
+
+def _manifest(base_model: str, recipe: dict[str, Any] | None) -> dict[str, Any]:
+    """What every saved model's manifest starts with (its ``format`` and ``pruner`` set by the caller)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "base_model": base_model,
+        "pruner": None,
+        "training": [],
+        "recipe": recipe,
+        "versions": versions(),
+    }
 
 
 def _stage_tensors(stages: list[tuple[str, Any]] | None) -> list[tuple[int, str, Any]]:
@@ -125,27 +112,53 @@ def _stage_tensors(stages: list[tuple[str, Any]] | None) -> list[tuple[int, str,
     ]
 
 
+def _stage_files(stages, model, prefix: str) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """The tensor files of the ``stages`` that save their own (``<prefix>stage<i>-<name>.safetensors``) and their
+    manifest entries."""
+    files, entries = {}, []
+    for i, name, trainer in _stage_tensors(stages):
+        file = f"{prefix}stage{i}-{name}.safetensors"
+        files[file] = {k: v.contiguous() for k, v in trainer.state_dict(model).items()}
+        entries.append({"index": i, "name": name, "config": trainer.config.model_dump(mode="json"), "file": file})
+    return files, entries
+
+
+def _write(directory: Path, manifest, files, model, tokenizer, *, checkpoint: Path | None = None, metadata=None):
+    """``directory`` written whole or not at all: the tensor ``files``, the full checkpoint of ``model`` (format
+    hf), a copy of the plain ``checkpoint`` as ``base/`` with the tokenizer, the tokenizer and the manifest, last;
+    after checking the disk holds them. ``metadata``: a tensor file's safetensors metadata, by file name."""
+    tensors = [t for f in files.values() for t in f.values()]
+    if manifest["format"] == "hf":
+        tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
+    needed = tensor_bytes(tensors) + MODEL_FILES_MARGIN_BYTES
+    if checkpoint is not None:
+        needed += sum(f.stat().st_size for f in Path(checkpoint).rglob("*") if f.is_file())
+    with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
+        for file, state in files.items():
+            save_file(state, str(tmp / file), metadata=(metadata or {}).get(file))
+            crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
+        if manifest["format"] == "hf":
+            model.save_pretrained(tmp)
+        if checkpoint is not None:
+            shutil.copytree(checkpoint, tmp / "base")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        write_json(tmp / MANIFEST, manifest)
+    return directory
+
+
 def _save_pipeline(directory: Path, model, tokenizer, pipeline: Pipeline, *, base_model: str, recipe) -> Path:
     """A pipeline's model: ``format: hf`` where every step left a plain model (the checkpoint whole), else
-    ``format: pipeline``: the plain model its first live step was given (``base/``, a transformers checkpoint;
-    the base model itself where no step before it saved one), then each live step's tensors and its stages'
-    (re-attached in order on load). The manifest's ``steps`` keep each step's config as it ran, its report where
-    taken when it finished, and its summary; ``original``: the first model's dimensions (the MACs accounting)."""
+    ``format: pipeline``: the plain model its first live step was given (``base/``, a transformers checkpoint with
+    its tokenizer; the base model itself where no step before it saved one), then each live step's tensors and its
+    stages' (re-attached in order on load). The manifest's ``steps`` keep each step's config as it ran, its report
+    where taken when it finished, and its summary; ``original``: the first model's dimensions (the accounting)."""
     live = [k for k in range(len(pipeline.steps)) if pipeline.live(k)]
-    fmt = "pipeline" if live else "hf"
     checkpoint = pipeline.checkpoint if live else None
-    manifest: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "format": fmt,
-        "base_model": base_model,
-        "pruner": {"name": PIPELINE, "config": pipeline.config.model_dump(mode="json")},
-        "training": [],
-        "recipe": recipe,
-        "versions": versions(),
-        "original": pipeline.original,
-        "checkpoint": "base" if checkpoint is not None else None,
-        "steps": [],
-    }
+    manifest = _manifest(base_model, recipe)
+    manifest["format"] = "pipeline" if live else "hf"
+    manifest["pruner"] = {"name": PIPELINE, "config": pipeline.config.model_dump(mode="json")}
+    manifest.update(original=pipeline.original, checkpoint="base" if checkpoint is not None else None, steps=[])
     files: dict[str, dict[str, torch.Tensor]] = {}
     for k, (spec, step) in enumerate(zip(pipeline.config.steps, pipeline.steps, strict=True)):
         entry = {
@@ -159,32 +172,10 @@ def _save_pipeline(directory: Path, model, tokenizer, pipeline: Pipeline, *, bas
         if k in live:
             entry["file"] = f"step{k}-{spec.name}.safetensors"
             files[entry["file"]] = {kk: v.detach().contiguous().cpu() for kk, v in step.state_dict(model).items()}
-            for i, name, trainer in _stage_tensors(pipeline.stages[k]):
-                file = f"step{k}-stage{i}-{name}.safetensors"
-                files[file] = {kk: v.contiguous() for kk, v in trainer.state_dict(model).items()}
-                config = trainer.config.model_dump(mode="json")
-                entry["training"].append({"index": i, "name": name, "config": config, "file": file})
+            stage_files, entry["training"] = _stage_files(pipeline.stages[k], model, f"step{k}-")
+            files.update(stage_files)
         manifest["steps"].append(entry)
-    tensors = [t for f in files.values() for t in f.values()]
-    if fmt == "hf":
-        tensors = list({t.data_ptr(): t for t in model.state_dict().values()}.values())
-    needed = tensor_bytes(tensors) + MODEL_FILES_MARGIN_BYTES
-    if checkpoint is not None:
-        needed += sum(f.stat().st_size for f in Path(checkpoint).rglob("*") if f.is_file())
-    with disk_space(directory.parent, needed, "saving the model"), staged_dir(directory) as tmp:
-        for file, state in files.items():
-            save_file(state, str(tmp / file))
-            crashpoints.point(f"save {directory.name}/{file}: written, the model not whole")
-        if fmt == "hf":
-            model.save_pretrained(tmp)
-        if checkpoint is not None:
-            shutil.copytree(checkpoint, tmp / "base")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp / "base")
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        write_json(tmp / MANIFEST, manifest)
-    return directory
+    return _write(directory, manifest, files, model, tokenizer, checkpoint=checkpoint)
 
 
 def _pruner_config(cls: type[Pruner], data: dict[str, Any], where: str) -> PluginConfig:
