@@ -24,7 +24,7 @@ from compresskit.memory import meta_model, size
 from compresskit.modeling import device_name, lora_merged
 from compresskit.options import configured_executor, option_label
 from compresskit.pipeline import NAME as PIPELINE
-from compresskit.pipeline import Pipeline
+from compresskit.pipeline import Pipeline, PipelineConfig
 from compresskit.routing import dense_view
 from compresskit.runtime import Runtime, runtime_for
 from compresskit.runtime.blocks import is_routed
@@ -217,9 +217,7 @@ def run_source(ref: str) -> Source:
     recipe = doc.get("recipe") or {}
     pruner = recipe.get("pruner") or None
     if doc.get("pruner") == PIPELINE and recipe.get("steps"):  # a pipeline: its steps, each with its config
-        pruner = {
-            "config": {"steps": [{"name": s["pruner"], "config": s.get("config") or {}} for s in recipe["steps"]]}
-        }
+        pruner = {"config": PipelineConfig.of_recipe(recipe).model_dump(mode="json")}
     if not doc.get("pruner") or pruner is None:
         raise CompressKitError(f"--run {path}: a dense run has no structure to time (the dense model is always timed)")
     cls = Pipeline if doc["pruner"] == PIPELINE else speed_method(doc["pruner"], field=f"--run {path}: its method")

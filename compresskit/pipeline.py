@@ -51,6 +51,11 @@ class StepSpec(PluginConfig):
 class PipelineConfig(PluginConfig):
     steps: list[StepSpec] = Field(min_length=1)
 
+    @classmethod
+    def of_recipe(cls, recipe: dict[str, Any]) -> PipelineConfig:
+        """The pipeline of a resolved recipe's dict (what ``results.json`` keeps): its steps' pruners and configs."""
+        return cls(steps=[{"name": s["pruner"], "config": s.get("config") or {}} for s in recipe["steps"]])
+
 
 def pruner_class(name: str) -> type[Pruner]:
     """The pruner class a results file or a saved model names: :class:`Pipeline` for a pipeline, else the
