@@ -57,12 +57,6 @@ class PipelineConfig(PluginConfig):
         return cls(steps=[{"name": s["pruner"], "config": s.get("config") or {}} for s in recipe["steps"]])
 
 
-def pruner_class(name: str) -> type[Pruner]:
-    """The pruner class a results file or a saved model names: :class:`Pipeline` for a pipeline, else the
-    installed plugin (a ``CompressKitError`` where it is not installed)."""
-    return Pipeline if name == NAME else plugins.load("pruner", name)
-
-
 def runtime_pruner(manifest: dict[str, Any]) -> type[Pruner] | None:
     """The pruner class whose runtime executor runs a saved model (its manifest): its method's, or a pipeline's
     last step that has one (None: the runtime's own blocks, or no method)."""
